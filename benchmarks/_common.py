@@ -494,22 +494,10 @@ def quick_data_overrides(config: str) -> list[str]:
 # ---- training runs (privacy-utility, Fig 1) -------------------------------------------------------
 
 def default_selection_threshold(cfg) -> Optional[dict]:
-    """A data-independent default for privacy.threshold when a config leaves it at 0.
-
-    `threshold` (Gaussian thresholding of contribution counts) and `svt` (NumericSparse on
-    the clipped scores) need a threshold; 0 would let about half of all p rows through (or,
-    for SVT, stop after the first rows in id order). Default: the threshold at which a row
-    with nothing but noise passes with probability k/p, so pure-noise selections number about
-    k, given the calibrated noise (τ = σ_sel·C1·Φ̄⁻¹(k/p) for threshold; α = b·ln(p/(2k)) for
-    SVT's Laplace(b) query noise). Needs the calibrated plan, so it calibrates once here.
-    Returns {"threshold": value, "rule": text} or None when the config's own value is used.
-    """
-    import math as _math
-
-    from scipy import stats
-
-    from selection.sparse_vector import numeric_sparse_scales
-    from trainer.train import _ensure_dataset, plan_privacy
+    """The trainer's own rule for privacy.threshold = 0 (`trainer.train.auto_selection_threshold`),
+    made explicit so that a benchmark record carries the value and the rule.
+    Returns {"threshold": value, "rule": text}, or None when the config's own value is used."""
+    from trainer.train import _ensure_dataset, auto_selection_threshold, plan_privacy
 
     t, p = cfg.train, cfg.privacy
     if t.mode != "sparse" or t.selection not in ("svt", "threshold") or p.threshold > 0:
@@ -518,15 +506,4 @@ def default_selection_threshold(cfg) -> Optional[dict]:
     vocab = int(sum(train_set.meta.table_sizes.values()))
     n = len(train_set)
     plan, info = plan_privacy(cfg, n, vocab)
-    k = int(info["k"])
-    frac = min(0.5, k / vocab)
-    if t.selection == "threshold":
-        value = plan.selection_sigma * plan.contribution_clip * float(stats.norm.isf(frac))
-        rule = f"τ = σ_sel·C1·Φ̄⁻¹(k/p) = {plan.selection_sigma:.3g}·{plan.contribution_clip:g}·Φ̄⁻¹({frac:.3g})"
-    else:
-        b = min(t.batch_size, n)
-        sensitivity = min(plan.clip_norm / b, plan.score_clip)
-        _, query_scale, _ = numeric_sparse_scales(plan.selection_epsilon, plan.selection_delta, k, sensitivity, False)
-        value = query_scale * _math.log(1.0 / (2.0 * frac)) if frac < 0.5 else 0.0
-        rule = f"α = b_query·ln(p/(2k)) with Laplace query scale b_query = {query_scale:.3g}"
-    return {"threshold": float(max(value, 1e-12)), "rule": rule}
+    return {"threshold": plan.threshold, "rule": info["threshold_rule"]}

@@ -62,7 +62,7 @@ def main(argv=None) -> dict:
     print(f"model: {args.config}, p = {rows:,} rows in 26 tables, dim {dim}, expected batch {batch}, k = {args.k}\n")
     results = []
     for mode in [m for m in args.modes.split(",") if m]:
-        extra = [f"data.path={data}", f"train.batch_size={batch}", f"privacy.k={min(args.k, rows)}",
+        extra = [f"data.path={data}", "data.synth=", f"train.batch_size={batch}", f"privacy.k={min(args.k, rows)}",
                  f"train.optimizer={args.optimizer}", *args.set]
         spec = {"config": args.config, "overrides": timing_overrides(mode, "em", args.backend, extra),
                 "steps": steps, "warmup": 1, "max_seconds": 60}

@@ -250,7 +250,7 @@ def main(argv=None) -> dict:
                 mode = {"widedp-sparse": "sparse", "widedp-sparse-inprocess": "sparse", "widedp-dpsgd": "dpsgd",
                         "widedp-nonprivate": "nonprivate"}[system]
                 backend = "local" if system.endswith("inprocess") else None
-                extra = [f"data.path={data}", f"model.embedding_dim={args.dim}", f"train.batch_size={batch}",
+                extra = [f"data.path={data}", "data.synth=", f"model.embedding_dim={args.dim}", f"train.batch_size={batch}",
                          "train.optimizer=sgd", *args.set]
                 over = timing_overrides(mode, cfg.train.selection, backend, extra)
                 over = [o for o in over if not o.startswith("privacy.noise_multiplier")] + [

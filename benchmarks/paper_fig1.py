@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DATA_DIR, announce_machine, cpu_note, default_selection_threshold, format_table, machine_info, machine_line, write_results  # noqa: E402
+from _common import DATA_DIR, REPO, announce_machine, cpu_note, default_selection_threshold, format_table, machine_info, machine_line, write_results  # noqa: E402
 
 PAPER = ["model.embedding_dim=100", "train.batch_size=20", "train.optimizer=adam", "train.lr=0.001",
          "train.dense_lr=0.001", "privacy.clip_norm=15", "privacy.second_clip_norm=0.05", "privacy.gamma=0.001",
@@ -179,6 +179,7 @@ def main(argv=None) -> dict:
     from trainer.config import load_config
 
     data = DATA_DIR / f"fig1_text_vocab1000_n{examples}"
+    data = data.relative_to(REPO) if data.is_relative_to(REPO) else data  # the script runs from the repo root
     base = [*PAPER, f"data.path={data}", f"data.synth_examples={examples}", f"data.test_fraction={args.test_fraction}",
             f"train.steps={steps}", f"cluster.backend={args.backend}", "cluster.num_shards=2"]
     wanted = set(args.runs.split(",")) if args.runs else None

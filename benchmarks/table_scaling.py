@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
             continue
         data = ctr_dataset(rows, args.examples)
         for mode in modes:
-            extra = [f"data.path={data}", f"train.batch_size={batch}", f"privacy.k={min(args.k, rows)}",
+            extra = [f"data.path={data}", "data.synth=", f"train.batch_size={batch}", f"privacy.k={min(args.k, rows)}",
                      f"train.optimizer={args.optimizer}", *args.set]
             spec = {"config": args.config, "overrides": timing_overrides(mode, "em", args.backend, extra),
                     "steps": steps, "warmup": 1 if (mode == "dpsgd" and rows >= 10**7) else warmup,

@@ -204,3 +204,26 @@ def test_privacy_overhead_smoke(tmp_path):
                                          "--set", f"data.path={tmp_path / 'data' / 'po'}"], tmp_path)
     assert "configs/cbow.toml" in doc["ratios"]
     assert doc["ratios"]["configs/cbow.toml"]["sparse_over_nonprivate"] > 0
+
+
+def test_tune_sweep_smoke_and_results_section(tmp_path):
+    from trainer.data import synth_ctr
+
+    synth_ctr(tmp_path / "ctr", num_examples=1500, table_sizes=200, seed=2)
+    config = tmp_path / "t.toml"
+    config.write_text(f'[data]\npath = "{tmp_path / "ctr"}"\n[train]\nsteps = 3\n')
+    doc, stdout = _bench("tune", ["--config", str(config), "--name", "smoke", "--jobs", "1", "--runs-dir",
+                                  str(tmp_path / "runs"), *_sets(TINY), "--grid", "train.lr=0.1,1"], tmp_path)
+    assert [r["overrides"][len(TINY):] for r in doc["records"]] == [["train.lr=0.1"], ["train.lr=1"]]
+    assert all("auc" in r["test_metrics"] for r in doc["records"]) and doc["metric"] == "auc"
+    assert doc["best"]["test_metrics"]["auc"] == max(r["test_metrics"]["auc"] for r in doc["records"])
+    assert "best (highest test auc)" in stdout
+    sys.path.insert(0, str(BENCH))
+    import make_results
+
+    res = tmp_path / "res"
+    (res / "tuning").mkdir(parents=True)
+    (res / "tuning" / "smoke.json").write_text(json.dumps(doc))
+    md = make_results.render(res, tmp_path / "docs").read_text()
+    assert "## 9. Hyperparameter tuning" in md and f"**train.lr=" in md
+    assert f"{doc['best']['test_metrics']['auc']:.4f}" in md

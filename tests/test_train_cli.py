@@ -169,3 +169,57 @@ def test_ledger_on_disk_before_the_update_is_released(tmp_path, ctr_dir, monkeyp
         train(cfg, tmp_path / "run", progress=False)
     history = json.loads((tmp_path / "run" / "ledger.json").read_text())["history"]
     assert sum(h["count"] for h in history) == 2  # step 2 was charged before its release
+
+
+@pytest.mark.parametrize("selection", ["threshold", "svt"])
+def test_threshold_zero_means_the_noise_only_rule(ctr_dir, selection):
+    """privacy.threshold = 0: about k of p rows pass on noise alone (a literal 0 would pass ~p/2)."""
+    from selection.sparse_vector import numeric_sparse
+    from selection.threshold import gaussian_threshold
+    from trainer.config import load_config
+    from trainer.train import plan_privacy
+
+    cfg = load_config(None, [f"data.path={ctr_dir}", "train.mode=sparse", f"train.selection={selection}",
+                             "privacy.k=40", "train.steps=50", "privacy.target_epsilon=4"])
+    vocab, k = 26 * 500, 40
+    plan, info = plan_privacy(cfg, 2700, vocab)
+    assert plan.threshold > 0 and info["threshold"] == plan.threshold and info["threshold_rule"]
+    rng = np.random.default_rng(0)
+    empty_ids, empty = np.zeros(0, dtype=np.int64), np.zeros(0)
+    if selection == "threshold":  # Binomial(p, k/p) pure-noise passes: mean k, sd < sqrt(k)
+        counts = [gaussian_threshold(empty_ids, empty, vocab, plan.threshold, plan.selection_sigma,
+                                     plan.contribution_clip, rng).ids.size for _ in range(200)]
+        assert abs(np.mean(counts) - k) < 4 * np.sqrt(k / 200)
+    else:  # SVT answers the first k noise-only passes, so with α at P(pass) = k/p it answers about k·(1 - 1/e)
+        counts = [numeric_sparse(empty_ids, empty, vocab, plan.threshold, k, plan.selection_epsilon,
+                                 plan.selection_delta, min(plan.clip_norm / 64, plan.score_clip), rng,
+                                 release_values=False).ids.size
+                  for _ in range(100)]
+        assert 0.3 * k < np.mean(counts) <= k
+    plan0, _ = plan_privacy(load_config(None, [f"data.path={ctr_dir}", "train.mode=sparse", "train.selection=em"]),
+                            2700, vocab)
+    assert plan0.threshold == 0
+
+
+def test_dlrm_cat_interaction_feeds_embeddings_linearly():
+    from trainer.models import DLRM
+
+    torch.manual_seed(0)
+    model = DLRM(features=[f"c{i}" for i in range(3)], embedding_dim=4, num_dense=2, bottom_mlp=[5], top_mlp=[6],
+                 interaction="cat")
+    assert model.top[0].in_features == 4 + 3 * 4
+    pooled, dense = torch.randn(7, 3, 4), torch.randn(7, 2)
+    x = model.bottom(dense)
+    assert torch.allclose(model(pooled, dense), model.top(torch.cat([x, pooled.reshape(7, -1)], 1)).squeeze(-1))
+    with pytest.raises(ValueError, match="model.interaction"):
+        DLRM(features=["a"], embedding_dim=2, interaction="dots")
+
+
+def test_cached_synthetic_data_must_match_the_config(capsys, config, ctr_dir):
+    """ctr_dir holds 3000 examples × 500-row tables: a config asking for other synth_* values
+    is refused (naming the path and key) instead of silently training on the cached set."""
+    sets = _sets(*TINY, "data.synth=ctr", "data.synth_examples=3000", "data.seed=3")
+    code, _, err = _train(capsys, config, *sets, "--set", "data.synth_table_size=2000")
+    assert code == 2 and str(ctr_dir) in err and "synth_table_size=500 (config: 2000)" in err
+    code, _, _ = _train(capsys, config, *sets, "--set", "data.synth_table_size=500")
+    assert code == 0

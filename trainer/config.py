@@ -34,6 +34,7 @@ class ModelConfig:
     bottom_mlp: list = dataclasses.field(default_factory=lambda: [64])
     top_mlp: list = dataclasses.field(default_factory=lambda: [64])
     init_std: float = 0.05
+    interaction: str = "dot"  # dlrm: "dot" (pairwise dots) | "cat" (embeddings concatenated into the top MLP)
 
 
 @dataclasses.dataclass
@@ -65,7 +66,7 @@ class PrivacyConfig:
     score_clip: float = 0.1  # S0: EM/SVT/noisy-max utility is min(‖G_r‖, S0)
     selection_epsilon: float = 0.0  # explicit per-draw ε (em, noisy-max) / Alg 1 ε (svt)
     selection_sigma: float = 0.0  # explicit σ of threshold counts
-    threshold: float = 0.0  # τ for threshold selection (counts), α for svt (scores)
+    threshold: float = 0.0  # τ for threshold selection (counts), α for svt (scores); 0 = auto (about k noise-only rows pass)
     contribution_clip: float = 1.0  # C1 for threshold counts
     fest_noise_multiplier: float = 5.0
     fest_max_rows_per_example: int = 32
@@ -115,6 +116,7 @@ class Config:
             (c.placement_strategy in ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK"),
              f"cluster.placement_strategy must be SPREAD, STRICT_SPREAD, PACK or STRICT_PACK, got {c.placement_strategy!r}"),
             (self.model.name in ("dlrm", "cbow"), f"model.name must be dlrm or cbow, got {self.model.name!r}"),
+            (self.model.interaction in ("dot", "cat"), f"model.interaction must be dot or cat, got {self.model.interaction!r}"),
             (bool(self.data.path), "data.path is required"),
         ]
         for ok, message in checks:

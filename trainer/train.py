@@ -61,7 +61,29 @@ def _ensure_dataset(cfg: Config):
                                 seed=cfg.data.seed)
         else:
             raise ValueError(f"data.synth must be 'ctr' or 'text', got {cfg.data.synth!r}")
+    elif cfg.data.synth:
+        _check_synthetic_matches(path, cfg)
     return data_mod.open_dataset(path, test_fraction=cfg.data.test_fraction, seed=cfg.data.seed)
+
+
+def _check_synthetic_matches(path: Path, cfg: Config) -> None:
+    """A cached synthetic data set must be the one the config asks for (else a changed
+    synth_* key would silently train on the old data)."""
+    raw = json.loads((path / "dataset.json").read_text())
+    d = cfg.data
+    want = {"synth_examples": d.synth_examples, "seed": d.seed}
+    have = {"synth_examples": raw.get("num_examples"), "seed": raw.get("seed")}
+    if d.synth == "ctr":
+        want["synth_table_size"] = d.synth_table_size
+        sizes = set((raw.get("table_sizes") or {}).values())
+        have["synth_table_size"] = sizes.pop() if len(sizes) == 1 else sorted(sizes)
+    else:
+        want["synth_vocab"] = d.synth_vocab
+        have["synth_vocab"] = (raw.get("table_sizes") or {}).get("input")
+    diff = [f"{k}={have[k]} (config: {want[k]})" for k in want if have[k] != want[k]]
+    if diff:
+        raise ValueError(f"data.path {path} holds a different synthetic data set: {', '.join(diff)}; "
+                         f"delete that directory or point data.path elsewhere")
 
 
 def _layout(meta, cfg: Config) -> ShardLayout:
@@ -105,9 +127,37 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int) -> tuple[Optional[Privacy
             raise ValueError("privacy.noise_multiplier is set: selection 'threshold' also needs privacy.selection_sigma")
         info["calibrated"] = False
     plan.selection_delta = delta
+    if selection in ("threshold", "svt") and p.threshold <= 0:
+        plan.threshold, info["threshold_rule"] = auto_selection_threshold(plan, k, vocabulary, min(t.batch_size, n))
     info.update(noise_multiplier=plan.noise_multiplier, selection_epsilon=plan.selection_epsilon,
-                selection_sigma=plan.selection_sigma, k=k)
+                selection_sigma=plan.selection_sigma, k=k, threshold=plan.threshold)
     return plan, info
+
+
+def auto_selection_threshold(plan: PrivacyPlan, k: int, vocabulary: int, batch_size: int) -> tuple[float, str]:
+    """The threshold used when a config leaves privacy.threshold at 0 (threshold and svt).
+
+    Data-independent (a function of the calibrated noise, k and p only), so it costs no privacy:
+    the level at which a row with nothing but noise passes with probability k/p, so that about
+    k of the p rows pass on noise alone. Threshold: τ = σ_sel·C1·Φ̄⁻¹(k/p) on the counts.
+    SVT: α = b_q·ln(p/(2k)) for the Laplace(b_q) query noise of NumericSparse (P(Lap(b) > α) =
+    ½e^{−α/b}). A literal 0 would let about half of all p rows through (SVT: stop after the
+    first k rows in id order).
+    """
+    from scipy import stats
+
+    from selection.sparse_vector import numeric_sparse_scales
+
+    frac = min(0.5, k / vocabulary)
+    if plan.selection == "threshold":
+        value = plan.selection_sigma * plan.contribution_clip * float(stats.norm.isf(frac))
+        rule = f"τ = σ_sel·C1·Φ̄⁻¹(k/p) = {plan.selection_sigma:.3g}·{plan.contribution_clip:g}·Φ̄⁻¹({frac:.3g})"
+    else:
+        sensitivity = min(plan.clip_norm / batch_size, plan.score_clip)
+        _, query_scale, _ = numeric_sparse_scales(plan.selection_epsilon, plan.selection_delta, k, sensitivity, False)
+        value = query_scale * math.log(1.0 / (2.0 * frac)) if frac < 0.5 else 0.0
+        rule = f"α = b_query·ln(p/(2k)) with Laplace query scale b_query = {query_scale:.3g}"
+    return float(max(value, 1e-12)), rule
 
 
 def _shard_group(cfg: Config, layout: ShardLayout):
@@ -140,7 +190,7 @@ def build_run(cfg: Config):
     torch.manual_seed(cfg.train.seed)
     model = MODELS[cfg.model.name](features=list(meta.features), embedding_dim=cfg.model.embedding_dim,
                                    num_dense=meta.num_dense, bottom_mlp=list(cfg.model.bottom_mlp),
-                                   top_mlp=list(cfg.model.top_mlp))
+                                   top_mlp=list(cfg.model.top_mlp), interaction=cfg.model.interaction)
     n = len(train_set)
     if n == 0:
         raise ValueError(f"{cfg.data.path}: the training split is empty")
@@ -235,6 +285,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tru
             "noise_multiplier": info.get("noise_multiplier"),
             "selection_epsilon": info.get("selection_epsilon"),
             "k": info.get("k"),
+            "threshold": info.get("threshold"),
+            "threshold_rule": info.get("threshold_rule"),
             "sample_rate": info["sample_rate"],
             "stopped_by_budget": stopped_by_budget,
             "resumed": resume,

@@ -1,5 +1,13 @@
 """DLRM-style CTR model: bottom MLP on 13 dense features, one embedding per categorical
-feature (pooled on the shards), pairwise dot interaction, top MLP, logloss and AUC."""
+feature (pooled on the shards), an interaction, top MLP, logloss and AUC.
+
+Interactions (the two of the original DLRM's ``arch_interaction_op``):
+  ``dot``  top MLP input = [x, (v_i · v_j)_{i<j}] over v = (x, pooled_1..F): pairwise dots only.
+  ``cat``  top MLP input = [x, pooled_1, ..., pooled_F]: embeddings enter linearly, so a
+           per-id additive effect (a "wide" term, logit = Σ_f θ_f[id]) is one linear layer
+           away. With ``dot`` an embedding's gradient is scaled by the other vectors (small at
+           init), which under per-example clipping leaves the embeddings almost no share of S1.
+"""
 
 from __future__ import annotations
 
@@ -20,18 +28,27 @@ def _mlp(sizes: list[int], final_activation: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+INTERACTIONS = ("dot", "cat")
+
+
 class DLRM(DenseModel):
     def __init__(self, features: list[str], embedding_dim: int, num_dense: int = 13,
-                 bottom_mlp: list[int] = (64,), top_mlp: list[int] = (64,), **_):
+                 bottom_mlp: list[int] = (64,), top_mlp: list[int] = (64,), interaction: str = "dot", **_):
         super().__init__()
+        if interaction not in INTERACTIONS:
+            raise ValueError(f"model.interaction must be one of {INTERACTIONS}, got {interaction!r}")
+        self.interaction = interaction
         d = embedding_dim
         self.bottom = _mlp([num_dense, *bottom_mlp, d], final_activation=True)
         n = len(features) + 1
         self.register_buffer("pairs", torch.triu_indices(n, n, offset=1), persistent=False)
-        self.top = _mlp([d + n * (n - 1) // 2, *top_mlp, 1], final_activation=False)
+        width = d + (n * (n - 1) // 2 if interaction == "dot" else (n - 1) * d)
+        self.top = _mlp([width, *top_mlp, 1], final_activation=False)
 
     def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         x = self.bottom(dense)  # [B, D]
+        if self.interaction == "cat":
+            return self.top(torch.cat([x, pooled.flatten(1)], dim=1)).squeeze(-1)
         vectors = torch.cat([x.unsqueeze(1), pooled], dim=1)  # [B, F+1, D]
         gram = torch.bmm(vectors, vectors.transpose(1, 2))
         inter = gram[:, self.pairs[0], self.pairs[1]]

