@@ -9,7 +9,15 @@ f is the share of the step's (unsampled) zCDP budget ρ given to the selection:
   Gaussian threshold:   ρ = 1/(2σ_sel²)  ⇒ σ_sel⁻² + σ_noise⁻² = σ⁻², one Gaussian
 For every accountant the total ρ is then found by bisection on the accountant's own ε, so
 the returned parameters spend exactly (to tolerance, never above) the target.
-The `paper` accountant splits the per-step ε of Theorem 3 instead (ε' = fE, ε_g = (1-f)E).
+The `paper` accountant splits the per-step ε of Theorem 3 instead (ε' = fE, ε_g = (1-f)E) and
+calibrates to its reported `epsilon`: Theorem 3 with the corrected amplification
+log(1 + q(e^E - 1)) (see accounting/paper.py), never the seed's literal Lemma 1 (qE), which
+under-counts; the literal value of the result is returned alongside, flagged.
+
+Sparse vector (NumericSparse) has two modes: selection-only (`release_values=False`, ε1 = ε,
+what the trainer runs and the default everywhere: `svt_event`, `calibrate`, `widedp epsilon`,
+`widedp calibrate`), and value-releasing (Alg 1's 0.95/0.05 split, opt-in). The two give
+different events for the same (ε, δ, c), so every caller must name the trainer's mode.
 """
 
 from __future__ import annotations
@@ -42,8 +50,15 @@ def check_run(sample_rate: float, steps: int, delta: float) -> None:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
 
 
-def svt_event(epsilon: float, delta: float, max_answers: int, release_values: bool = True) -> ev.SparseVectorDpEvent:
-    """The event `selection.numeric_sparse` emits for these Alg 1 parameters (sensitivity 1)."""
+def svt_event(epsilon: float, delta: float, max_answers: int, *, release_values: bool) -> ev.SparseVectorDpEvent:
+    """The event `selection.numeric_sparse(..., release_values=release_values)` emits for these
+    Alg 1 parameters (sensitivity 1).
+
+    `release_values` has no default on purpose: selection-only SVT (False, what the trainer runs)
+    and NumericSparse releasing values (True: ε split 0.95/0.05) are different events for the
+    same (ε, δ, c), and a caller relying on a default once made `widedp epsilon` disagree with
+    the training ledger.
+    """
     eps1, eps2 = (0.95 * epsilon, 0.05 * epsilon) if release_values else (epsilon, None)
     unit = math.sqrt(32.0 * max_answers * math.log(2.0 / delta))
     b_t = unit / eps1
@@ -54,7 +69,7 @@ def svt_event(epsilon: float, delta: float, max_answers: int, release_values: bo
 
 
 def _selection_from_rho(selection: str, rho: float, k: Optional[int], max_answers: Optional[int], selection_delta: float,
-                        svt_release_values: bool = True):
+                        svt_release_values: bool = False):
     """(event, params) of a selector spending zCDP budget rho per (unsampled) step."""
     if selection in ("none", "random"):
         return (None if selection == "none" else ev.NoOpDpEvent()), {}
@@ -70,8 +85,9 @@ def _selection_from_rho(selection: str, rho: float, k: Optional[int], max_answer
         # 2ε/unit in selection-only mode (ε1 = ε).
         unit = math.sqrt(32.0 * max_answers * math.log(2.0 / selection_delta))
         epsilon = eps_round * unit / ((2 * 0.95 + 0.05 / 2) if svt_release_values else 2.0)
-        event = svt_event(epsilon, selection_delta, max_answers, svt_release_values)
-        return event, {"epsilon": epsilon, "delta": selection_delta, "max_answers": max_answers}
+        event = svt_event(epsilon, selection_delta, max_answers, release_values=svt_release_values)
+        return event, {"epsilon": epsilon, "delta": selection_delta, "max_answers": max_answers,
+                       "release_values": svt_release_values}
     if selection == "threshold":
         sigma = 1.0 / math.sqrt(2.0 * rho)
         return ev.GaussianDpEvent(sigma), {"noise_multiplier": sigma}
@@ -124,12 +140,14 @@ def calibrate(
     k: Optional[int] = None,
     max_answers: Optional[int] = None,
     selection_delta: Optional[float] = None,
-    svt_release_values: bool = True,
+    svt_release_values: bool = False,
     extra_history: Optional[list] = None,
 ) -> dict:
     """Noise multiplier (and selector parameters) spending at most target_epsilon at delta.
 
-    `extra_history`: events charged besides the T steps (e.g. a one-time DP-FEST Gaussian)."""
+    `extra_history`: events charged besides the T steps (e.g. a one-time DP-FEST Gaussian).
+    `svt_release_values`: NumericSparse mode for selection 'svt' (default False: selection-only,
+    as the trainer runs it)."""
     check_run(sample_rate, steps, delta)
     if not (isinstance(target_epsilon, (int, float)) and target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise ValueError(f"target epsilon must be finite and > 0, got {target_epsilon}")
@@ -194,6 +212,7 @@ def _calibrate_paper(acc, target_epsilon, delta, q, steps, selection, fraction, 
             sel, params = ev.GaussianDpEvent(s), {"noise_multiplier": s}
         return step_event(q, sigma, sel), sigma, params
 
+    # "epsilon" is Theorem 3 with the corrected amplification log(1 + q(e^E - 1)), not the seed's qE.
     E = _bisect_increasing(lambda E: acc.details([(build(E)[0], steps)], delta)["epsilon"], target_epsilon, 1e-9, 1.0)
     event, sigma, params = build(E)
     details = acc.details([(event, steps)], delta)
@@ -211,6 +230,8 @@ def _calibrate_paper(acc, target_epsilon, delta, q, steps, selection, fraction, 
         "valid": details["valid"],
         "violations": details["violations"],
         "delta_prime": details["delta_prime"],
+        "epsilon_seed_lemma_literal": details["epsilon_seed_lemma_literal"],
+        "seed_lemma_literal_note": details["seed_lemma_literal_note"],
     }
 
 

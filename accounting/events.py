@@ -35,6 +35,11 @@ def _positive(instance, attribute, value):
         raise ValueError(f"{type(instance).__name__}.{attribute.name} must be a finite number > 0, got {value!r}")
 
 
+def _probability(instance, attribute, value):
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1):
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be a number in (0, 1), got {value!r}")
+
+
 def _positive_int(instance, attribute, value):
     if not (isinstance(value, int) and value >= 1):
         raise ValueError(f"{type(instance).__name__}.{attribute.name} must be an integer >= 1, got {value!r}")
@@ -96,6 +101,43 @@ class SparseVectorDpEvent(DpEvent):
         return eps
 
 
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class GaussianPartitionSelectionDpEvent(DpEvent):
+    """Gaussian partition selection ("DP set union"; Korolova et al. 2009, Gopi et al. 2020,
+    Desfontaines et al. 2022), e.g. `selection.partition.gaussian_partition_selection`.
+
+    Neighbouring relation: add/remove one document (a document is one unit of privacy; each
+    contributes weight 1 to at most m distinct keys, so the key-count vector has ℓ2
+    sensitivity √m). Mechanism: N(0, (σ·√m)²) on the count of every key present in the data,
+    release the keys (and noisy counts) above a threshold τ.
+
+    Guarantee, for neighbours D ⊂ D' = D + {x} and K = the keys of D:
+    * on K both outputs are post-processing of one Gaussian mechanism with noise multiplier
+      σ = `noise_multiplier` w.r.t. its ℓ2 sensitivity (D' adds ≤ √m in ℓ2 to K's counts);
+    * a key of x outside K has count exactly 1, so it is released with probability
+      Φ̄((τ-1)/(σ√m)); τ is chosen so that, over the ≤ m such keys, the event "a key outside
+      K is released" has probability p ≤ `unseen_delta`, independently of the noise on K.
+    So M(D') = (1-p)·G(D') + p·B (G the Gaussian part) and, for every event E and ε,
+    P[M(D) ∈ E] - e^ε P[M(D') ∈ E] ≤ (1-p)(G(D)(E) - e^ε G(D')(E)) + p ≤ δ_G(ε) + p and
+    P[M(D') ∈ E] - e^ε P[M(D) ∈ E] ≤ δ_G(ε) + p: (ε, δ_G(ε) + unseen_delta)-DP, where δ_G is
+    the Gaussian's privacy curve. The same mixture argument holds after composing with any
+    later (adaptive) mechanisms, so accountants compose the Gaussian part
+    (`GaussianDpEvent(noise_multiplier)`) with the rest of the history and add
+    `unseen_delta` to δ once per occurrence (`accounting.base.split_additive_delta`).
+    This needs the event at the top level of a history, applied once to the whole data set
+    with parameters fixed in advance; under subsampling (PoissonSampledDpEvent) the additive
+    δ would have to be amplified too, so accountants refuse that.
+    """
+
+    noise_multiplier: float = attr.ib(validator=_positive)
+    unseen_delta: float = attr.ib(validator=_probability)
+
+
+# Events that carry an additive δ next to a Gaussian part; accountants split them with
+# `accounting.base.split_additive_delta`.
+ADDITIVE_DELTA_EVENTS: tuple[type, ...] = (GaussianPartitionSelectionDpEvent,)
+
+
 # --------------------------------------------------------------------------------------------
 # Serialization (for the persisted ledger). A registry, not an if-chain: new event types add
 # one line here.
@@ -115,6 +157,7 @@ EVENT_TYPES: dict[str, type] = {
         ExponentialTopKDpEvent,
         NoisyMaxTopKDpEvent,
         SparseVectorDpEvent,
+        GaussianPartitionSelectionDpEvent,
     )
 }
 

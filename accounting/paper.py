@@ -1,13 +1,36 @@
-"""The seed paper's Theorem 3 bound for Algorithm 3, reproduced exactly, for comparison.
+"""The seed paper's Theorem 3 bound for Algorithm 3, with its amplification step corrected.
 
 Add/remove-one neighbours, T identical Poisson-sampled steps at rate q = b/n. Proof chain of
-Theorem 3 (seed §5):
+Theorem 3 (seed §5), as computed here:
 1. Per step, selection (ε', δ') and Gaussian noise (ε_g, δ') with ε_g = √(2 log(1.25/δ'))/σ
    (Lemma 3, valid for ε_g < 1), basic composition: (ε' + ε_g, 2δ').
-2. Amplification by sampling (Lemma 1, valid for ε ≤ 1): ε̃ = q(ε' + ε_g), δ̃ = 2qδ'.
-3. KOV strong composition (Lemma 2) over T steps with slack Tδ̃:
-   ε = Tε̃(e^ε̃ - 1) + ε̃√(2T log(1/(Tδ̃))),  δ = 2Tδ̃ = 4qTδ'.
-4. Under the assumption ε̃ ≤ 1/√T the theorem states ε ≤ 4q√(T log(1/(2qTδ')))·(ε' + ε_g).
+2. Amplification by Poisson sampling — **the step that differs from the seed**. The seed's
+   Lemma 1 states ε̃ = q(ε' + ε_g) (for ε ≤ 1). That is false: Poisson subsampling at rate q
+   turns an (ε, δ)-DP mechanism into exactly (log(1 + q(e^ε - 1)), qδ)-DP, and this is tight
+   (Li, Qardaji & Su 2012; Balle, Barthe & Gaboardi 2018, Thm 8). By convexity of exp,
+   log(1 + q(e^ε - 1)) ≥ qε with equality only at ε = 0, so the seed's ε̃ under-counts for
+   every ε > 0 (by up to e - 1 ≈ 1.72× at ε = 1 for small q; a valid proof cannot use it).
+   We use ε̃ = log(1 + q(e^{ε'+ε_g} - 1)), δ̃ = 2qδ'. It holds for every ε, so the seed's
+   "ε ≤ 1" condition of Lemma 1 is no longer a condition of the bound.
+3. KOV strong composition (Lemma 2) over T steps with slack Tδ̃, valid for any ε̃:
+   ε_kov = Tε̃(e^ε̃ - 1) + ε̃√(2T log(1/(Tδ̃))),  δ = 2Tδ̃ = 4qTδ'.
+4. Theorem 3's closed form. In terms of ε̃ it reads ε = 4ε̃√(T log(1/(Tδ̃))) and its
+   derivation from step 3 uses only ε̃ ≤ 1/√T (then Tε̃(e^ε̃ - 1) ≤ (e-1)√T·ε̃), never how ε̃
+   was obtained; the printed statement ε ≤ 4q√(T log(1/(2qTδ')))·(ε' + ε_g) is that formula
+   with the seed's ε̃ = q(ε' + ε_g) substituted. We evaluate the ε̃-form with the corrected ε̃,
+   check the assumption ε̃ ≤ 1/√T on the corrected ε̃, and check that the result is not below
+   step 3's expression.
+
+What is reported (`details()`):
+- `epsilon`: step 4 with the corrected ε̃, i.e. 4·log(1 + q(e^{ε'+ε_g} - 1))·√(T log(1/(2qTδ')))
+  — "Theorem 3 as it should read". A valid (ε, δ) bound when `valid` is true.
+- `epsilon_kov`: step 3 with the corrected ε̃ (valid whenever Lemma 3's condition holds; tighter
+  than `epsilon`, which only simplifies it).
+- `epsilon_seed_lemma_literal` (with `epsilon_kov_seed_lemma_literal`,
+  `epsilon_tilde_seed_lemma_literal`, `violations_seed_lemma_literal`, `seed_lemma_literal_note`):
+  the theorem's closed form exactly as printed, with the seed's linear Lemma 1. Reported only
+  to compare with the paper's numbers: it is **not** a DP guarantee, even where its own
+  conditions (which still include Lemma 1's per-step ε ≤ 1) hold.
 
 Here σ is the effective noise multiplier (noise std / true ℓ2 sensitivity). With the paper's
 noise σ_paper·min(S1/b, S2) and the true sensitivity min(S1/b, 2·S2), σ = σ_paper/2 in the
@@ -17,9 +40,9 @@ drops the 2, which under-counts (we keep the math correct).
 Generalizations (stated, not hidden): selection ε' comes from the event — exponential /
 noisy-max top-k via advanced composition of k draws at δ' (Dwork, Rothblum & Vadhan 2010:
 ε''√(2k log(1/δ')) + kε''(e^ε'' - 1), the term seed Alg 4 drops), NumericSparse via its own
-(ε, δ) claim, Gaussian thresholding via Lemma 3 at δ'. The reported `epsilon` is the
-theorem's closed form; `epsilon_kov` is step 3's exact expression. Every condition is checked
-and reported; `epsilon()` raises InvalidBoundError if one fails.
+(ε, δ) claim, Gaussian thresholding via Lemma 3 at δ'. Every condition of the corrected chain
+(Lemma 3's ε_g < 1, ε̃ ≤ 1/√T, closed form ≥ step 3) is checked and listed in `violations`;
+`epsilon()` raises InvalidBoundError if one fails.
 """
 
 from __future__ import annotations
@@ -33,6 +56,25 @@ from accounting.base import Accountant, History, InvalidBoundError, UnsupportedE
 def gaussian_epsilon(sigma: float, delta: float) -> float:
     """Lemma 3 (classical Gaussian mechanism): ε = √(2 log(1.25/δ))/σ, valid for ε < 1."""
     return math.sqrt(2.0 * math.log(1.25 / delta)) / sigma
+
+
+def poisson_amplification(epsilon: float, rate: float) -> float:
+    """ε of an ε-DP mechanism run on a Poisson sample at rate q: log(1 + q(e^ε - 1)).
+
+    Tight for add/remove-one neighbours (Li, Qardaji & Su 2012; Balle, Barthe & Gaboardi 2018,
+    Thm 8; the δ becomes qδ). Valid for every ε ≥ 0; ≥ qε (the seed's Lemma 1) with equality
+    only at ε = 0 or q = 1. Stable for large ε (no overflow).
+    """
+    if epsilon <= 0:
+        return 0.0
+    if epsilon < 700:
+        return math.log1p(rate * math.expm1(epsilon))
+    return epsilon + math.log(rate + (1.0 - rate) * math.exp(-epsilon))
+
+
+def seed_lemma1_literal(epsilon: float, rate: float) -> float:
+    """The seed's Lemma 1 as stated: ε̃ = qε. Under-counts (see module docstring); comparison only."""
+    return rate * epsilon
 
 
 def advanced_composition(epsilon: float, k: int, delta: float) -> float:
@@ -89,11 +131,11 @@ class PaperAccountant(Accountant):
         n_free = sum(_PART_COST[type(p)](p, None)[2] for p in parts)
         delta_fixed = sum(_PART_COST[type(p)](p, None)[1] for p in parts)
         budget = delta / (2.0 * T * q) - delta_fixed
-        violations = []
         if budget <= 0:
             raise UnsupportedEventError(f"delta={delta} is smaller than the selection's own δ contribution 2Tq·{delta_fixed}")
         delta_prime = budget / n_free if n_free else 0.0
         eps_step, delta_step, gauss_eps = 0.0, 0.0, []
+        lemma3 = []  # step 1's condition: shared by the corrected chain and the literal one
         for p in parts:
             e, d, _ = _PART_COST[type(p)](p, delta_prime)
             eps_step += e
@@ -101,19 +143,22 @@ class PaperAccountant(Accountant):
             if isinstance(p, ev.GaussianDpEvent):
                 gauss_eps.append(e)
                 if e >= 1:
-                    violations.append(f"Lemma 3 needs the Gaussian's ε < 1, got {e:.4g} (σ={p.noise_multiplier})")
-        if eps_step > 1:
-            violations.append(f"Lemma 1 needs the per-step ε ≤ 1, got {eps_step:.4g}")
-        eps_t, delta_t = q * eps_step, q * delta_step
-        if eps_t > 1 / math.sqrt(T):
-            violations.append(f"Theorem 3 assumes (b/n)(ε'+ε_g) ≤ 1/√T = {1 / math.sqrt(T):.4g}, got {eps_t:.4g}")
+                    lemma3.append(f"Lemma 3 needs the Gaussian's ε < 1, got {e:.4g} (σ={p.noise_multiplier})")
+        delta_t = q * delta_step  # δ̃ = qδ: the same in the seed's Lemma 1 and the correct amplification
         slack = T * delta_t
         if not 0 < slack < 1:
             raise UnsupportedEventError(f"Tδ̃ = {slack} must be in (0, 1)")
-        eps_kov = T * eps_t * math.expm1(min(eps_t, 700.0)) + eps_t * math.sqrt(2 * T * math.log(1 / slack))
-        eps_thm = 4 * eps_t * math.sqrt(T * math.log(1 / slack))
-        if eps_thm < eps_kov:
-            violations.append(f"closed form {eps_thm:.4g} is below the KOV expression {eps_kov:.4g}")
+        # Step 2, corrected: ε̃ = log(1 + q(e^ε - 1)); then steps 3-4 with that ε̃.
+        eps_t = poisson_amplification(eps_step, q)
+        eps_kov, eps_thm, chain = _compose(eps_t, T, slack, "ε̃ = log(1 + q(e^(ε'+ε_g) - 1))")
+        violations = lemma3 + chain
+        # The seed's literal chain (Lemma 1: ε̃ = qε), for comparison with the paper only.
+        eps_t_lit = seed_lemma1_literal(eps_step, q)
+        eps_kov_lit, eps_thm_lit, chain_lit = _compose(eps_t_lit, T, slack, "(b/n)(ε'+ε_g)")
+        lit_violations = list(lemma3)
+        if eps_step > 1:
+            lit_violations.append(f"Lemma 1 (as stated) needs the per-step ε ≤ 1, got {eps_step:.4g}")
+        lit_violations += chain_lit
         return {
             "epsilon": eps_thm,
             "epsilon_kov": eps_kov,
@@ -122,11 +167,35 @@ class PaperAccountant(Accountant):
             "epsilon_step": eps_step,
             "epsilon_gaussian": gauss_eps,
             "epsilon_tilde": eps_t,
+            "amplification": "log(1 + q(e^ε - 1)) (Balle, Barthe & Gaboardi 2018, Thm 8)",
             "steps": T,
             "sample_rate": q,
             "valid": not violations,
             "violations": violations,
+            "epsilon_seed_lemma_literal": eps_thm_lit,
+            "epsilon_kov_seed_lemma_literal": eps_kov_lit,
+            "epsilon_tilde_seed_lemma_literal": eps_t_lit,
+            "violations_seed_lemma_literal": lit_violations,
+            "seed_lemma_literal_note": SEED_LEMMA_LITERAL_NOTE,
         }
+
+
+SEED_LEMMA_LITERAL_NOTE = (
+    "*_seed_lemma_literal: Theorem 3 exactly as printed, with the seed's Lemma 1 (amplified ε = qε). "
+    "NOT a DP guarantee: Poisson sampling amplifies ε only to log(1 + q(e^ε - 1)) > qε. For comparison with the paper only."
+)
+
+
+def _compose(eps_t: float, T: int, slack: float, label: str) -> tuple[float, float, list[str]]:
+    """Steps 3-4 for a per-step amplified ε̃: (KOV expression, Theorem 3 closed form, violations)."""
+    violations = []
+    if eps_t > 1 / math.sqrt(T):
+        violations.append(f"Theorem 3 assumes {label} ≤ 1/√T = {1 / math.sqrt(T):.4g}, got {eps_t:.4g}")
+    eps_kov = T * eps_t * math.expm1(min(eps_t, 700.0)) + eps_t * math.sqrt(2 * T * math.log(1 / slack))
+    eps_thm = 4 * eps_t * math.sqrt(T * math.log(1 / slack))
+    if eps_thm < eps_kov:
+        violations.append(f"closed form {eps_thm:.4g} is below the KOV expression {eps_kov:.4g}")
+    return eps_kov, eps_thm, violations
 
 
 def _gaussian_cost(p, delta_prime):

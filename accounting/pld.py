@@ -3,15 +3,19 @@
 Add/remove-one neighbours. Steps whose events reduce to one (Poisson-sampled) Gaussian —
 plain DP-SGD, sparse steps with Gaussian thresholding, DP-FEST — are composed exactly up to
 PLD discretization (pessimistic rounding, so never an under-estimate). Other selectors
-raise UnsupportedEventError.
+raise UnsupportedEventError. Events with an additive δ (Gaussian partition selection, top
+level only) contribute their Gaussian part here and their δ is subtracted from the target
+(`base.split_additive_delta`); ε = inf when nothing is left.
 """
 
 from __future__ import annotations
 
+import math
+
 from dp_accounting.pld import pld_privacy_accountant
 
 from accounting import events as ev
-from accounting.base import Accountant, History, check_delta, register
+from accounting.base import Accountant, History, check_delta, register, remaining_delta, split_additive_delta
 from accounting.gaussian_reduction import gaussian_pieces
 
 
@@ -24,8 +28,13 @@ class PldAccountant(Accountant):
 
     def epsilon(self, history: History, delta: float) -> float:
         delta = check_delta(delta)
+        history, additive_delta = split_additive_delta(history, self.name)
+        pieces = gaussian_pieces(history, self.name)
+        delta = remaining_delta(delta, additive_delta)
+        if delta is None:
+            return math.inf
         acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=self.value_discretization_interval)
-        for q, sigma, count in gaussian_pieces(history, self.name):
+        for q, sigma, count in pieces:
             event = ev.GaussianDpEvent(sigma)
             if q < 1.0:
                 event = ev.PoissonSampledDpEvent(q, event)

@@ -17,6 +17,9 @@ Bounds used (all for the add/remove-one neighbouring relation):
                           + 3 Σ_{l=3}^{α} C(α,l) q^l (1-q)^{α-l} e^{(l-1) ε(l)} ],
   also capped by ε(α) (subsampling never hurts). Non-integer orders are +∞ for such steps.
 RDP → (ε, δ) uses the conversion of Balle et al. 2020 (Opacus's `get_privacy_spent`).
+- Events with an additive δ (Gaussian partition selection, at the top level only): their
+  Gaussian part is composed as above and their δ is subtracted from the target δ before the
+  conversion (`base.split_additive_delta`); ε = inf when nothing is left.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy import special
 
 from accounting import events as ev
-from accounting.base import Accountant, History, UnsupportedEventError, check_delta, register
+from accounting.base import (Accountant, History, UnsupportedEventError, check_delta, register,
+                             remaining_delta, split_additive_delta)
 
 DEFAULT_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
 
@@ -162,10 +166,13 @@ class RdpAccountant(Accountant):
 
     def details(self, history: History, delta: float) -> dict:
         delta = check_delta(delta)
+        history, additive_delta = split_additive_delta(history, self.name)
+        extra = {"additive_delta": additive_delta} if additive_delta else {}
         rdp = self.total_rdp(history)
-        if not np.any(np.isfinite(rdp)):
-            return {"epsilon": math.inf, "order": None}
+        delta = remaining_delta(delta, additive_delta)
+        if delta is None or not np.any(np.isfinite(rdp)):
+            return {"epsilon": math.inf, "order": None, **extra}
         finite = np.isfinite(rdp)
         orders = np.asarray(self.orders)[finite]
         eps, order = opacus_rdp.get_privacy_spent(orders=list(orders), rdp=list(rdp[finite]), delta=delta)
-        return {"epsilon": float(eps), "order": float(order)}
+        return {"epsilon": float(eps), "order": float(order), **extra}

@@ -3,12 +3,16 @@
 Every selector takes sparse input — the touched rows' ids and scores plus the vocabulary size
 p (untouched rows have score 0 and stay selectable) — and an explicit RNG, and returns a
 `Selection` that unpacks as `(ids, event)`. `SELECTORS` maps the config/CLI names to them.
+`gaussian_partition_selection` is the one-time key (vocabulary) selection over documents of
+hashable keys; it returns a `PartitionSelection` (keys, noisy counts, event) instead.
 """
 
 from selection.exponential import exponential_top_k, k_from_fraction, paper_epsilon_per_draw
 from selection.fest import fest_top_k, truncated_row_counts
 from selection.noise import gaussian_noise, noisy_selected_rows, second_clip, secure_generator, step_sensitivity
 from selection.noisy_max import noisy_max_top_k
+from selection.partition import (PartitionSelection, bounded_key_counts, gaussian_partition_selection,
+                                 partition_selection_threshold)
 from selection.random_selection import random_rows
 from selection.result import Selection
 from selection.sparse_vector import numeric_sparse
@@ -24,18 +28,22 @@ SELECTORS = {
 }
 
 __all__ = [
+    "PartitionSelection",
     "SELECTORS",
     "Selection",
+    "bounded_key_counts",
     "contribution_counts",
     "exponential_top_k",
     "fest_top_k",
     "gaussian_noise",
+    "gaussian_partition_selection",
     "gaussian_threshold",
     "k_from_fraction",
     "noisy_max_top_k",
     "noisy_selected_rows",
     "numeric_sparse",
     "paper_epsilon_per_draw",
+    "partition_selection_threshold",
     "random_rows",
     "second_clip",
     "secure_generator",

@@ -13,6 +13,7 @@ from accounting import PrivacyLedger
 from trainer.engine import Engine, PrivacyPlan
 from trainer.layout import FeatureSpec, ShardLayout, TableSpec
 from trainer.models import MODELS
+from trainer.randomness import PrivacyRandomness
 
 
 @dataclasses.dataclass
@@ -220,4 +221,4 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
     return Engine(net, layout, shards, ds, SimpleSampler(len(ds), q, seed + 7) if sampler is None else sampler,
                   mode=mode, expected_batch_size=q * len(ds), sample_rate=q, plan=plan, ledger=ledger,
                   target_epsilon=target_epsilon, dense_optimizer=optimizers[dense_optimizer](dense_params, lr=dense_lr),
-                  seed=seed)
+                  randomness=PrivacyRandomness.from_seed(seed))

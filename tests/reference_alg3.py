@@ -14,11 +14,11 @@ sensitivity min(S1/b, S0); threshold counts come from `selection.contribution_co
 example's distinct global rows; the Gaussian noise std is σ·min(S1/b, 2·S2) (σ·S1/b without S2)
 on the selected rows and on every dense parameter.
 
-To be comparable bit-for-bit in its random choices, it uses the engine's RNG conventions:
-selection rng `np.random.default_rng([seed, 1])`, noise generator seeded
-`(seed * 1_000_003 + 2) % 2**63` (draw order: the selected rows sorted by global id as one
-[k, D] draw, then each dense parameter in `named_parameters` order), DP-SGD table noise
-`row_block_normal((seed * 1_000_003 + 3) % 2**63, "dpsgd", step, t, 0, V_t, D, std)`, tables
+To be comparable bit-for-bit in its random choices, it takes the engine's streams from the
+same reproducible root (`PrivacyRandomness.from_seed(seed)`): its selection rng, its noise
+generator (draw order: the selected rows sorted by global id as one [k, D] draw, then each
+dense parameter in `named_parameters` order), DP-SGD table noise
+`row_block_normal(dpsgd_noise_seed, "dpsgd", step, t, 0, V_t, D, std)`, tables
 initialized with `row_block_normal(seed, "init", 0, t, 0, V_t, D, init_std)`. The selectors
 themselves are the library's (they have their own reference tests); they receive the scores
 computed here.
@@ -38,9 +38,8 @@ import torch
 
 import selection
 from trainer.layout import row_block_normal
+from trainer.randomness import PrivacyRandomness
 
-SEED_MULT = 1_000_003
-MOD = 1 << 63
 
 
 class ReferenceAlg3:
@@ -63,9 +62,10 @@ class ReferenceAlg3:
         self.feature_table = [self.table_names.index(meta.feature_tables[f]) for f in self.features]
         self.tables = [row_block_normal(seed, "init", 0, t, 0, rows, dim, init_std).clone()
                        for t, rows in enumerate(self.table_rows)]
-        self.selection_rng = np.random.default_rng([seed, 1])
-        self.noise_gen = torch.Generator().manual_seed((seed * SEED_MULT + 2) % MOD)
-        self.dpsgd_seed = (seed * SEED_MULT + 3) % MOD
+        randomness = PrivacyRandomness.from_seed(seed)
+        self.selection_rng = randomness.selection_rng()
+        self.noise_gen = randomness.noise_generator()
+        self.dpsgd_seed = randomness.dpsgd_noise_seed()
         self.step_count = 0
         self.fixed_rows: Optional[np.ndarray] = None
 

@@ -99,9 +99,20 @@ def test_unsupported_is_an_error_not_a_guess():
 
 
 def _theorem3_closed_form(q, T, delta_prime, eps_sel, sigma_paper):
-    """Seed Theorem 3 as printed in the arXiv version (with the factor 2)."""
+    """Seed Theorem 3 as printed in the arXiv version (with the factor 2): the seed's linear
+    Lemma 1 (amplified ε = q(ε' + ε_g)) substituted into 4ε̃√(T log(1/(Tδ̃)))."""
     eps_g = 2 * math.sqrt(2 * math.log(1.25 / delta_prime)) / sigma_paper
     return 4 * q * math.sqrt(T * math.log(1 / (2 * q * T * delta_prime))) * (eps_sel + eps_g), 4 * q * T * delta_prime
+
+
+def _theorem3_corrected(q, T, delta_prime, eps_sel, sigma_paper):
+    """The same chain with the correct Poisson amplification ε̃ = log(1 + q(e^ε - 1)), by hand:
+    (closed form 4ε̃√(T log(1/(Tδ̃))), KOV expression Tε̃(e^ε̃ - 1) + ε̃√(2T log(1/(Tδ̃))))."""
+    eps_step = eps_sel + 2 * math.sqrt(2 * math.log(1.25 / delta_prime)) / sigma_paper
+    eps_t = math.log(1 + q * (math.exp(eps_step) - 1))
+    slack = T * q * 2 * delta_prime
+    return (4 * eps_t * math.sqrt(T * math.log(1 / slack)),
+            T * eps_t * (math.exp(eps_t) - 1) + eps_t * math.sqrt(2 * T * math.log(1 / slack)))
 
 
 def test_paper_accountant_reproduces_theorem3():
@@ -113,9 +124,56 @@ def test_paper_accountant_reproduces_theorem3():
     expected_eps, expected_delta = _theorem3_closed_form(q, T, delta_prime, 0.1, sigma_paper)
     assert d["valid"], d["violations"]
     assert d["delta_prime"] == pytest.approx(delta_prime)
-    assert d["epsilon"] == pytest.approx(expected_eps, rel=1e-12)
+    # The seed's printed Theorem 3 is still reproduced exactly, flagged as the literal value...
+    assert d["epsilon_seed_lemma_literal"] == pytest.approx(expected_eps, rel=1e-12)
+    assert d["violations_seed_lemma_literal"] == [] and "NOT a DP guarantee" in d["seed_lemma_literal_note"]
+    # ...but `epsilon` is the chain with the correct amplification (changed: it used to be the literal value).
+    corrected_eps, corrected_kov = _theorem3_corrected(q, T, delta_prime, 0.1, sigma_paper)
+    assert d["epsilon"] == pytest.approx(corrected_eps, rel=1e-12)
+    assert d["epsilon_kov"] == pytest.approx(corrected_kov, rel=1e-9)
     assert d["delta"] == pytest.approx(expected_delta, rel=1e-12)
     assert d["epsilon_kov"] <= d["epsilon"]
+    assert d["epsilon"] > d["epsilon_seed_lemma_literal"]
+
+
+def test_poisson_amplification_is_the_tight_bound_not_the_seeds_lemma1():
+    from accounting.paper import poisson_amplification, seed_lemma1_literal
+
+    # Hand computation: ε = 1, q = 0.01 → log(1 + 0.01·(e - 1)) = log(1.0171828...) = 0.0170369...
+    assert poisson_amplification(1.0, 0.01) == pytest.approx(math.log(1.0171828182845904), rel=1e-12)
+    assert poisson_amplification(1.0, 0.01) == pytest.approx(0.01703686, rel=1e-6)
+    assert seed_lemma1_literal(1.0, 0.01) == 0.01  # the seed's Lemma 1: 1.70× too small here
+    assert poisson_amplification(1.0, 1e-9) / seed_lemma1_literal(1.0, 1e-9) == pytest.approx(math.e - 1, rel=1e-6)
+    for eps in (1e-6, 0.1, 0.5, 1.0, 3.0):  # log(1 + q(e^ε - 1)) > qε for every ε > 0 (convexity of exp)
+        assert poisson_amplification(eps, 0.05) > seed_lemma1_literal(eps, 0.05)
+    assert poisson_amplification(1.0, 1.0) == pytest.approx(1.0)  # q = 1: no amplification
+    assert poisson_amplification(1000.0, 0.01) == pytest.approx(1000.0 + math.log(0.01), rel=1e-12)  # no overflow
+
+
+def test_paper_accountant_corrected_bound_can_fail_where_the_literal_passes():
+    """The corrected ε̃ is what Theorem 3's assumption ε̃ ≤ 1/√T is about: a step that passes it
+    with the seed's qε can fail it with log(1 + q(e^ε - 1)), and then the bound is refused."""
+    q, T, delta = 0.01, 6000, 1e-6
+    step = step_event(q, 10.0, ev.ExponentialTopKDpEvent(0.3, 1))  # per-step ε ≈ 0.925 ≤ 1
+    acc = make_accountant("paper")
+    d = acc.details([(step, T)], delta)
+    assert d["epsilon_tilde_seed_lemma_literal"] <= 1 / math.sqrt(T) < d["epsilon_tilde"]
+    assert d["violations_seed_lemma_literal"] == []
+    assert not d["valid"] and any("1/√T" in v for v in d["violations"])
+    with pytest.raises(InvalidBoundError, match="1/√T"):
+        acc.epsilon([(step, T)], delta)
+
+
+def test_paper_accountant_no_longer_needs_per_step_epsilon_at_most_1():
+    """log(1 + q(e^ε - 1)) holds for every ε, so the seed's Lemma 1 condition ε ≤ 1 now only
+    flags the literal value; the corrected chain is valid with a per-step ε of 2.1."""
+    q, T, delta = 1e-4, 10_000, 1e-6
+    step = step_event(q, 10.0, ev.ExponentialTopKDpEvent(1.5, 1))
+    d = make_accountant("paper").details([(step, T)], delta)
+    assert d["epsilon_step"] > 2
+    assert d["valid"], d["violations"]
+    assert any("Lemma 1" in v for v in d["violations_seed_lemma_literal"])
+    assert d["epsilon"] > d["epsilon_seed_lemma_literal"] * 1.5
 
 
 def test_paper_accountant_reports_violations_and_refuses_invalid():
@@ -156,9 +214,16 @@ def test_numeric_sparse_emits_the_event_calibration_assumes():
     from selection import numeric_sparse
 
     sel = numeric_sparse([3, 9], [5.0, 0.1], 20, 1.0, 2, 4.0, 1e-5, 1.0, np.random.default_rng(0))
-    assert sel.event == svt_event(4.0, 1e-5, 2)
+    # numeric_sparse defaults to releasing values; svt_event takes the mode explicitly (no default).
+    assert sel.event == svt_event(4.0, 1e-5, 2, release_values=True)
     expected_round = (2 * 0.95 + 0.05 / 2) * 4.0 / math.sqrt(32 * 2 * math.log(2 / 1e-5))
     assert sel.event.epsilon_per_round == pytest.approx(expected_round)
+    # Selection-only (what the trainer runs): ε1 = ε, no value noise.
+    sel = numeric_sparse([3, 9], [5.0, 0.1], 20, 1.0, 2, 4.0, 1e-5, 1.0, np.random.default_rng(0), release_values=False)
+    assert sel.event == svt_event(4.0, 1e-5, 2, release_values=False) and sel.event.value_noise is None
+    assert sel.event.epsilon_per_round == pytest.approx(2 * 4.0 / math.sqrt(32 * 2 * math.log(2 / 1e-5)))
+    with pytest.raises(TypeError):
+        svt_event(4.0, 1e-5, 2)  # the mode must be named: a default once split the CLI from the trainer
 
 
 def test_default_orders_match_opacus():

@@ -32,7 +32,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
     synth_ctr(root / "data", num_examples=2000, table_sizes=300, seed=1)
     config = root / "run.toml"
-    config.write_text(f'[data]\npath = "{root / "data"}"\n[train]\nsteps = 6\n')
+    config.write_text(f'[data]\npath = "{root / "data"}"\n[train]\nsteps = 6\neval_every = 2\n')
     out = {}
     for mode in ("sparse", "nonprivate"):
         code = main(["train", "--config", str(config), "--run-dir", str(root / mode), "--no-progress",

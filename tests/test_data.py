@@ -402,7 +402,9 @@ def test_criteo_empty_and_missing_input(tmp_path):
 # ---- text converter --------------------------------------------------------------------------
 
 TEXT = "The cat sat on the mat.\nThe dog, the cat!\n\nA b\nzebra\n"
-# vocab 4 = the(4) cat(2) a(1) b(1) [ties by string]; OOV dropped before windowing; window 2
+# a public vocabulary file (the private, DP-selected one is tested in test_private_vocab.py):
+# the cat a b; OOV dropped before windowing; window 2
+TEXT_VOCAB = "The\ncat\t7\n\na\nb\n"
 TEXT_EXPECTED = [  # (context, target)
     ([1, 0], 0), ([0, 0], 1), ([0, 1], 0),  # the cat the
     ([0, 1], 0), ([0, 1], 0), ([0, 0], 1),  # the the cat
@@ -413,16 +415,19 @@ TEXT_EXPECTED = [  # (context, target)
 def test_text_converter_exact_samples(tmp_path):
     src = tmp_path / "t.txt"
     src.write_text(TEXT)
-    meta = convert_text(src, tmp_path / "o", vocab=4, window=2, seed=3)
+    vf = tmp_path / "vocab.txt"
+    vf.write_text(TEXT_VOCAB + "zebra\n")
+    meta = convert_text(src, tmp_path / "o", vocab=4, window=2, seed=3, vocab_file=vf)
     assert meta.num_examples == len(TEXT_EXPECTED) and meta.table_sizes == {"input": 4, "output": 4}
-    assert (tmp_path / "o" / "vocab.tsv").read_text() == "the\t4\ncat\t2\na\t1\nb\t1\n"
+    assert (tmp_path / "o" / "vocab.tsv").read_text() == "the\ncat\na\nb\n"
+    assert meta.privacy_events == [] and read_meta(tmp_path / "o").privacy_events == []
     ctx, tgt, neg = _cbow_rows(tmp_path / "o")
     assert list(zip(ctx, tgt)) == TEXT_EXPECTED
     neg = np.array(neg)
     assert neg.shape == (8, 8) and neg.min() >= 0 and neg.max() < 4
     # negatives: deterministic by seed, different for another seed
-    convert_text(src, tmp_path / "o2", vocab=4, window=2, seed=3)
-    convert_text(src, tmp_path / "o3", vocab=4, window=2, seed=4)
+    convert_text(src, tmp_path / "o2", vocab=4, window=2, seed=3, vocab_file=vf)
+    convert_text(src, tmp_path / "o3", vocab=4, window=2, seed=4, vocab_file=vf)
     assert _cbow_rows(tmp_path / "o2")[2] == neg.tolist()
     assert _cbow_rows(tmp_path / "o3")[2] != neg.tolist()
     train, _ = open_dataset(tmp_path / "o", test_fraction=0.0)
@@ -435,8 +440,10 @@ def test_text_tokenization_and_streaming_are_chunk_independent(tmp_path, monkeyp
 
     src = tmp_path / "t.txt"
     src.write_text("Foo_bar foo, BAR2 bar2\n")
-    meta = convert_text(src, tmp_path / "a", vocab=10, window=1)
-    assert (tmp_path / "a" / "vocab.tsv").read_text() == "bar2\t2\nfoo\t2\nbar\t1\n"
+    vf = tmp_path / "vocab.txt"
+    vf.write_text("bar2\nfoo\nbar\n")
+    meta = convert_text(src, tmp_path / "a", vocab=10, window=1, vocab_file=vf)
+    assert (tmp_path / "a" / "vocab.tsv").read_text() == "bar2\nfoo\nbar\n"
     ctx, tgt, _ = _cbow_rows(tmp_path / "a")
     assert list(zip(ctx, tgt)) == [([2], 1), ([1, 1], 2), ([2, 0], 1), ([1, 0], 0), ([0], 0)]
     assert meta.table_sizes["input"] == 3
@@ -446,9 +453,10 @@ def test_text_tokenization_and_streaming_are_chunk_independent(tmp_path, monkeyp
     lines = [" ".join(rng.choice(words, size=rng.integers(0, 25))) for _ in range(60)]
     lines.insert(10, " ".join(rng.choice(words, size=400)))  # one long line
     src.write_text("\n".join(lines))  # no final newline
-    convert_text(src, tmp_path / "ref", vocab=20, window=3, seed=1)
+    vf.write_text("".join(f"{w}\n" for w in words))
+    convert_text(src, tmp_path / "ref", vocab=20, window=3, seed=1, vocab_file=vf)
     monkeypatch.setattr(text_mod, "_PIECE_CHARS", 7)
-    convert_text(src, tmp_path / "small", vocab=20, window=3, seed=1, chunk_tokens=5)
+    convert_text(src, tmp_path / "small", vocab=20, window=3, seed=1, chunk_tokens=5, vocab_file=vf)
     assert pq.read_table(tmp_path / "ref" / "data.parquet").equals(
         pq.read_table(tmp_path / "small" / "data.parquet"))
 
@@ -460,7 +468,10 @@ def test_text_bad_inputs(tmp_path):
         convert_text(empty, tmp_path / "o", vocab=5)
     lonely = tmp_path / "lonely.txt"
     lonely.write_text("one\ntwo\n")
+    (tmp_path / "v.txt").write_text("one\ntwo\n")
     with pytest.raises(DataError, match="lonely.txt: no CBOW examples"):
+        convert_text(lonely, tmp_path / "o", vocab=5, vocab_file=tmp_path / "v.txt")
+    with pytest.raises(DataError, match="lonely.txt: no word passed the private vocabulary selection"):
         convert_text(lonely, tmp_path / "o", vocab=5)
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"ok words here\nfine\nbad \xff\xfe byte\n")
@@ -711,12 +722,14 @@ def test_cli_commands_print_one_json_object(tmp_path, capsys):
     tsv.write_text("\n".join(CRITEO_LINES) + "\n")
     txt = tmp_path / "t.txt"
     txt.write_text(TEXT)
+    (tmp_path / "v.txt").write_text(TEXT_VOCAB)
     runs = [
         (["synth", "ctr", str(tmp_path / "s1"), "--examples", "200", "--table-size", "30", "--seed", "2"], 200),
         (["synth", "ctr", str(tmp_path / "s2"), "--examples", "50", "--table-sizes", ",".join(["7"] * 26)], 50),
         (["synth", "text", str(tmp_path / "s3"), "--examples", "100", "--vocab", "30"], 100),
         (["convert", "criteo", str(tsv), str(tmp_path / "c"), "--hash-size", "64"], 4),
-        (["convert", "text", str(txt), str(tmp_path / "t"), "--vocab", "4", "--window", "2"], 8),
+        (["convert", "text", str(txt), str(tmp_path / "t"), "--vocab", "4", "--window", "2",
+          "--vocab-file", str(tmp_path / "v.txt")], 8),
     ]
     for argv, n in runs:
         code, out, err = _cli(capsys, argv)

@@ -115,6 +115,13 @@ def test_paper_calibration_hits_target_and_reports_validity():
     out = calibrate(0.1, 1e-6, 1e-4, 10_000, selection="em", fraction=0.2, k=1, accountant="paper")
     assert out["epsilon"] == pytest.approx(0.1, rel=1e-6) and out["epsilon"] <= 0.1
     assert out["valid"], out["violations"]
+    # Calibrated to the corrected amplification: re-accounting gives the target, and the seed's
+    # literal Lemma 1 would have claimed less for the same parameters (so it would under-noise).
+    step = step_event(1e-4, out["noise_multiplier"], ev.ExponentialTopKDpEvent(out["selection_params"]["epsilon_per_draw"], 1))
+    d = make_accountant("paper").details([(step, 10_000)], 1e-6)
+    assert d["epsilon"] == pytest.approx(out["epsilon"], rel=1e-12)
+    assert out["epsilon_seed_lemma_literal"] == pytest.approx(d["epsilon_seed_lemma_literal"], rel=1e-12)
+    assert out["epsilon_seed_lemma_literal"] < 0.1 * 0.99
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -145,6 +152,32 @@ def test_cli_epsilon_prints_one_json_object(capsys):
                         "--selection", "em", "--selection-epsilon", "0.1", "--k", "1")
     data = json.loads(out)
     assert code == 0 and data["valid"] is True and data["epsilon"] > data["epsilon_kov"]
+    # The seed's literal Lemma 1 value is still printed, flagged, and below the corrected one.
+    assert data["epsilon_seed_lemma_literal"] < data["epsilon"] and "NOT a DP guarantee" in data["seed_lemma_literal_note"]
+
+
+def test_cli_svt_is_selection_only_unless_asked(capsys):
+    """Default: the trainer's selection-only SVT; --svt-release-values: Alg 1 releasing values."""
+    run = ["--sample-rate", "0.01", "--steps", "500", "--delta", "4e-5", "--selection", "svt", "--max-answers", "20"]
+    sigma, eps_sel = 0.8733, 6.982
+    from accounting import svt_event
+
+    for flag, release in (([], False), (["--svt-release-values"], True)):
+        code, out, err = _cli(capsys, "epsilon", "--noise-multiplier", str(sigma), "--selection-epsilon", str(eps_sel),
+                              *run, *flag)
+        assert code == 0, err
+        data = json.loads(out)
+        expected = make_accountant("rdp").epsilon(
+            [(step_event(0.01, sigma, svt_event(eps_sel, 4e-5, 20, release_values=release)), 500)], 4e-5)
+        assert data["svt_release_values"] is release and data["epsilon"] == pytest.approx(expected, rel=1e-12)
+        code, out, err = _cli(capsys, "calibrate", "--target-epsilon", "4", "--selection-fraction", "0.3", *run, *flag)
+        assert code == 0, err
+        cal = json.loads(out)
+        ref = calibrate(4.0, 4e-5, 0.01, 500, selection="svt", fraction=0.3, max_answers=20, svt_release_values=release)
+        assert cal["selection_params"]["release_values"] is release
+        assert cal["noise_multiplier"] == pytest.approx(ref["noise_multiplier"], rel=1e-12)
+    assert calibrate(4.0, 4e-5, 0.01, 500, selection="svt", fraction=0.3, max_answers=20)["selection_params"][
+        "release_values"] is False  # the library default is the trainer's mode too
 
 
 def test_cli_calibrate(capsys):
@@ -165,6 +198,8 @@ def test_cli_calibrate(capsys):
     (["--selection", "em"], "needs --selection-epsilon"),
     (["--accountant", "paper", "--selection", "svt", "--selection-epsilon", "1", "--max-answers", "3",
       "--selection-delta", "0.5"], "own δ"),
+    (["--selection", "em", "--selection-epsilon", "1", "--k", "3", "--svt-release-values"], "only to --selection svt"),
+    (["--selection", "fest"], "needs --fest-sigma"),
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(capsys, args, match):
     base = {"--noise-multiplier": "1.0", "--sample-rate": "0.01", "--steps": "100", "--delta": "1e-6"}

@@ -2,6 +2,15 @@
 
 Bad arguments exit with code 2 and a one-line reason on stderr. The privacy commands
 (`epsilon`, `calibrate`) import no Ray.
+
+`epsilon` and `calibrate` build exactly the events the trainer records (trainer/engine.py,
+`Engine._selection_event`; trainer/train.py, `plan_privacy`), so for the same parameters they
+print the ε the training ledger reports (tests/test_cli_trainer_agreement.py):
+- `--selection svt` is selection-only NumericSparse, as the trainer runs it;
+  `--svt-release-values` opts into the value-releasing variant (Alg 1's 0.95/0.05 split),
+  which the trainer never uses.
+- `--selection fest --fest-sigma S` is a DP-FEST run: one Gaussian(S) charged before the steps,
+  then data-independent steps (a `random`-style no-op selection).
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from typing import Optional, Sequence
 
 from accounting import events as ev
 
-SELECTION_CHOICES = ("none", "em", "svt", "noisy-max", "threshold", "random")
+SELECTION_CHOICES = ("none", "em", "svt", "noisy-max", "threshold", "random", "fest")
 ACCOUNTANT_CHOICES = ("paper", "rdp", "pld", "prv")
 
 
@@ -74,6 +83,15 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=_positive_int("--k"), help="rows selected per step (em, noisy-max)")
     p.add_argument("--max-answers", type=_positive_int("--max-answers"), help="svt: answers per step (c)")
     p.add_argument("--selection-delta", type=_delta, help="svt: Alg 1's δ (default: --delta)")
+    p.add_argument("--svt-release-values", action="store_true",
+                   help="svt: NumericSparse also releasing the values (ε split 0.95/0.05); default: "
+                        "selection-only, as the trainer runs it")
+    p.add_argument("--fest-sigma", type=_positive_float("--fest-sigma"),
+                   help="charge one DP-FEST top-k over the whole data set with this noise multiplier before "
+                        "the steps (required by --selection fest)")
+    p.add_argument("--dataset", metavar="DIR",
+                   help="also charge the one-time events recorded in DIR/dataset.json (e.g. a private "
+                        "vocabulary), as the trainer does before its first step")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,8 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="em, noisy-max: ε per draw; svt: Alg 1's ε")
     p.add_argument("--selection-sigma", type=_positive_float("--selection-sigma"),
                    help="threshold: noise multiplier of the noisy counts")
-    p.add_argument("--fest-sigma", type=_positive_float("--fest-sigma"),
-                   help="also charge one DP-FEST top-k over the whole data set with this noise multiplier")
 
     c = sub.add_parser("calibrate", help="noise multiplier (and selection parameters) for a target ε")
     c.add_argument("--target-epsilon", type=_positive_float("--target-epsilon"), required=True)
@@ -108,17 +124,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Modules that add subcommands (data conversion/synthesis, training). Imported lazily so the
 # privacy commands stay light.
-_COMMAND_MODULES: list[str] = ["trainer.data.commands", "trainer.train", "trainer.report"]
+_COMMAND_MODULES: list[str] = ["trainer.data.commands", "trainer.train", "trainer.report", "trainer.export"]
+
+
+def _check_selection_flags(args) -> None:
+    if args.svt_release_values and args.selection != "svt":
+        raise UsageError("--svt-release-values applies only to --selection svt")
+    if args.selection == "fest" and args.fest_sigma is None:
+        raise UsageError("--selection fest needs --fest-sigma (the DP-FEST noise multiplier)")
+
+
+def _one_time_events(args) -> list:
+    """Events charged once before the steps, as the trainer charges them: the data set's own
+    (`--dataset DIR`: e.g. a private vocabulary, from DIR/dataset.json), then DP-FEST's Gaussian."""
+    events = []
+    if args.dataset is not None:
+        from trainer.data.meta import read_meta
+
+        events += [(event, 1) for _, event in read_meta(args.dataset).privacy_events]
+    if args.fest_sigma is not None:
+        events.append((ev.GaussianDpEvent(args.fest_sigma), 1))
+    return events
 
 
 def _selection_event(args) -> Optional[ev.DpEvent]:
+    """The per-step selection event, built as `trainer.engine.Engine._selection_event` builds it."""
     from accounting.calibration import svt_event
 
+    _check_selection_flags(args)
     s = args.selection
     if s == "none":
         return None
-    if s == "random":
-        return ev.NoOpDpEvent()
+    if s in ("random", "fest"):
+        return ev.NoOpDpEvent()  # fest: the rows are fixed once; its cost is the one-time Gaussian
     if s in ("em", "noisy-max"):
         if args.selection_epsilon is None or args.k is None:
             raise UsageError(f"--selection {s} needs --selection-epsilon (per draw) and --k")
@@ -127,7 +165,8 @@ def _selection_event(args) -> Optional[ev.DpEvent]:
     if s == "svt":
         if args.selection_epsilon is None or args.max_answers is None:
             raise UsageError("--selection svt needs --selection-epsilon and --max-answers")
-        return svt_event(args.selection_epsilon, args.selection_delta or args.delta, args.max_answers)
+        return svt_event(args.selection_epsilon, args.selection_delta or args.delta, args.max_answers,
+                         release_values=args.svt_release_values)
     if s == "threshold":
         if args.selection_sigma is None:
             raise UsageError("--selection threshold needs --selection-sigma")
@@ -139,9 +178,7 @@ def cmd_epsilon(args) -> dict:
     from accounting import make_accountant, step_event
 
     event = step_event(args.sample_rate, args.noise_multiplier, _selection_event(args))
-    history = [(event, args.steps)]
-    if args.fest_sigma is not None:
-        history.insert(0, (ev.GaussianDpEvent(args.fest_sigma), 1))
+    history = _one_time_events(args) + [(event, args.steps)]
     details = make_accountant(args.accountant).details(history, args.delta)
     out = {
         "epsilon": details.pop("epsilon"),
@@ -152,6 +189,10 @@ def cmd_epsilon(args) -> dict:
         "steps": args.steps,
         "selection": args.selection,
     }
+    if args.selection == "svt":
+        out["svt_release_values"] = args.svt_release_values
+    if args.fest_sigma is not None:
+        out["fest_sigma"] = args.fest_sigma
     sigma_eff = ev.gaussian_noise_multiplier(event.event)
     if sigma_eff is not None:
         out["effective_noise_multiplier"] = sigma_eff
@@ -162,11 +203,19 @@ def cmd_epsilon(args) -> dict:
 def cmd_calibrate(args) -> dict:
     from accounting import calibrate
 
-    return calibrate(
+    _check_selection_flags(args)
+    # As trainer.train.plan_privacy calibrates: fest = random steps + the one-time FEST Gaussian.
+    selection = "random" if args.selection == "fest" else args.selection
+    out = calibrate(
         args.target_epsilon, args.delta, args.sample_rate, args.steps,
-        selection=args.selection, fraction=args.selection_fraction, accountant=args.accountant,
+        selection=selection, fraction=args.selection_fraction, accountant=args.accountant,
         k=args.k, max_answers=args.max_answers, selection_delta=args.selection_delta,
+        svt_release_values=args.svt_release_values, extra_history=_one_time_events(args) or None,
     )
+    out["selection"] = args.selection
+    if args.fest_sigma is not None:
+        out["fest_sigma"] = args.fest_sigma
+    return out
 
 
 COMMANDS = {"epsilon": cmd_epsilon, "calibrate": cmd_calibrate}

@@ -46,8 +46,12 @@ class TrainConfig:
     optimizer: str = "adam"  # embeddings: sgd | adagrad | adam ; dense: the same family
     lr: float = 0.01
     dense_lr: float = 0.001
-    seed: int = 0
+    seed: int = 0  # initialization only (public); sampling and noise are secret (privacy.reproducible)
     log_every: int = 10
+    eval_every: int = 0  # > 0: log test-split metrics every N steps (held-out data, no privacy cost)
+    # true: metrics.jsonl / summary.json / progress also carry raw training statistics (batch loss,
+    # realized batch sizes, touched rows, bytes). Outside the guarantee: the privacy report says so.
+    debug_metrics: bool = False
     eval_batch_size: int = 4096
     checkpoint_every: int = 100
 
@@ -55,7 +59,7 @@ class TrainConfig:
 @dataclasses.dataclass
 class PrivacyConfig:
     target_epsilon: float = 3.0
-    delta: float = 0.0  # 0 = 1/n
+    delta: float = 0.0  # 0 = min(1/(10n), n^-1.1): clearly below 1/n (docs/THREAT_MODEL.md)
     noise_multiplier: float = 0.0  # > 0: use this σ (ε reported, training stops at target_epsilon)
     accountant: str = "rdp"
     clip_norm: float = 1.0  # S1
@@ -70,7 +74,11 @@ class PrivacyConfig:
     contribution_clip: float = 1.0  # C1 for threshold counts
     fest_noise_multiplier: float = 5.0
     fest_max_rows_per_example: int = 32
-    secure_mode: bool = False
+    secure_mode: bool = False  # 4-draw Gaussian (floating-point attack resistant); needs secret randomness
+    # Sampling, selection and noise come from fresh OS entropy unless reproducible = true, which
+    # derives them from noise_seed: for tests/debugging only, ε then holds only while the seed is secret.
+    reproducible: bool = False
+    noise_seed: int = 0
 
 
 @dataclasses.dataclass
@@ -105,7 +113,11 @@ class Config:
             (t.optimizer in ("sgd", "adagrad", "adam"), f"train.optimizer must be sgd, adagrad or adam, got {t.optimizer!r}"),
             (t.lr > 0 and t.dense_lr > 0, "train.lr and train.dense_lr must be > 0"),
             (p.target_epsilon > 0, "privacy.target_epsilon must be > 0"),
-            (0 <= p.delta < 1, "privacy.delta must be in [0, 1) (0 means 1/n)"),
+            (0 <= p.delta < 1, "privacy.delta must be in [0, 1) (0 means min(1/(10n), n^-1.1))"),
+            (p.noise_seed >= 0, "privacy.noise_seed must be >= 0"),
+            (not (p.secure_mode and p.reproducible),
+             "privacy.secure_mode and privacy.reproducible exclude each other (secure mode needs secret randomness)"),
+            (t.eval_every >= 0, "train.eval_every must be >= 0"),
             (p.noise_multiplier >= 0, "privacy.noise_multiplier must be >= 0"),
             (p.clip_norm > 0, "privacy.clip_norm must be > 0"),
             (p.second_clip_norm >= 0, "privacy.second_clip_norm must be >= 0"),

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import secrets
 import time
 from typing import Callable, Optional
 
@@ -41,6 +40,7 @@ from selection import (
 )
 from trainer.layout import ShardLayout, route
 from trainer.models import DenseModel
+from trainer.randomness import PrivacyRandomness
 
 
 @dataclasses.dataclass
@@ -89,8 +89,8 @@ class PhaseClock:
 class Engine:
     def __init__(self, model: DenseModel, layout: ShardLayout, shards, train_set, sampler, *, mode: str,
                  expected_batch_size: float, sample_rate: float, plan: Optional[PrivacyPlan], ledger: Optional[PrivacyLedger],
-                 target_epsilon: float, dense_optimizer: torch.optim.Optimizer, seed: int = 0, secure_mode: bool = False,
-                 ledger_path=None):
+                 target_epsilon: float, dense_optimizer: torch.optim.Optimizer,
+                 randomness: Optional[PrivacyRandomness] = None, secure_mode: bool = False, ledger_path=None):
         self.model, self.layout, self.shards = model, layout, shards
         self.train_set, self.sampler = train_set, sampler
         self.mode, self.b, self.q = mode, float(expected_batch_size), float(sample_rate)
@@ -98,10 +98,13 @@ class Engine:
         self.ledger_path = ledger_path  # if set, the ledger is persisted before each release
         self.dense_optimizer = dense_optimizer
         self.secure_mode = secure_mode
-        base_seed = secrets.randbits(63) if secure_mode else seed
-        self.selection_rng = np.random.default_rng([base_seed, 1])
-        self.noise_gen = torch.Generator().manual_seed((base_seed * 1_000_003 + 2) % (1 << 63))
-        self.dpsgd_noise_seed = (base_seed * 1_000_003 + 3) % (1 << 63)
+        # Secret by default (trainer/randomness.py): a caller that passes nothing gets fresh OS entropy.
+        self.randomness = PrivacyRandomness.fresh() if randomness is None else randomness
+        if secure_mode and self.randomness.reproducible:
+            raise ValueError("privacy.secure_mode needs secret randomness: unset privacy.reproducible")
+        self.selection_rng = self.randomness.selection_rng()
+        self.noise_gen = self.randomness.noise_generator()
+        self.dpsgd_noise_seed = self.randomness.dpsgd_noise_seed()
         self.step_count = 0
         self.table_offsets = layout.table_offsets
         self.fixed_rows: Optional[np.ndarray] = None  # DP-FEST's one-time selection
@@ -151,13 +154,17 @@ class Engine:
             within = np.arange(vals.size) - np.repeat(off[:-1], counts)
             ids[cursor[example] + within] = vals + self.table_offsets[t]
             cursor += counts
-        event = ev.GaussianDpEvent(p.fest_noise_multiplier)
-        self.ledger.record(event)  # before the selection is used
-        if self.ledger_path is not None:
-            self.ledger.save(self.ledger_path)
+        self.charge(ev.GaussianDpEvent(p.fest_noise_multiplier))  # before the selection is used
         sel = fest_top_k(offsets, ids, self.layout.vocabulary_size, p.k, p.fest_noise_multiplier,
                          p.fest_max_rows_per_example, self.selection_rng)
         self.fixed_rows = sel.ids
+
+    def charge(self, event: ev.DpEvent) -> None:
+        """Record a one-time event (DP-FEST, a private vocabulary) and persist the ledger,
+        before anything that depends on that mechanism's output is used."""
+        self.ledger.record(event)
+        if self.ledger_path is not None:
+            self.ledger.save(self.ledger_path)
 
     # ---- one step ---------------------------------------------------------------------------------
     def would_exceed_budget(self) -> bool:
@@ -346,29 +353,41 @@ class Engine:
         return self.model.metrics(torch.cat(outputs), torch.cat(labels))
 
     def state_dict(self) -> dict:
-        return {
+        """Everything a resumed run needs. Generator states only in reproducible mode: a secret
+        run's randomness never reaches disk (a resumed secret run draws a fresh root)."""
+        state = {
             "step": self.step_count,
             # Copies: a checkpoint held in memory must not change as training continues.
             "model": copy.deepcopy(self.model.state_dict()),
             "dense_optimizer": copy.deepcopy(self.dense_optimizer.state_dict()),
-            "dpsgd_noise_seed": self.dpsgd_noise_seed,
             "shards": self.shards.broadcast("state_dict"),
-            "sampler": self.sampler.state_dict(),
-            "selection_rng": self.selection_rng.bit_generator.state,
-            "noise_gen": self.noise_gen.get_state(),
             "ledger": self.ledger.state_dict() if self.ledger is not None else None,
             "fixed_rows": self.fixed_rows,
+            "reproducible": self.randomness.reproducible,
         }
+        if self.randomness.reproducible:
+            state["rng"] = {
+                "sampler": self.sampler.state_dict(),
+                "selection_rng": self.selection_rng.bit_generator.state,
+                "noise_gen": self.noise_gen.get_state(),
+                "dpsgd_noise_seed": self.dpsgd_noise_seed,
+            }
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpoint. Generator states are reused only when both the checkpoint and
+        this engine are reproducible (bit-identical replay); otherwise this engine keeps its
+        fresh secret streams, so replayed steps get fresh noise (and are charged again)."""
         self.step_count = state["step"]
         self.model.load_state_dict(state["model"])
         self.dense_optimizer.load_state_dict(state["dense_optimizer"])
         self.shards.call("load_state_dict", [(s,) for s in state["shards"]])
-        self.sampler.load_state_dict(state["sampler"])
-        self.selection_rng.bit_generator.state = state["selection_rng"]
-        self.noise_gen.set_state(state["noise_gen"])
+        rng = state.get("rng")
+        if rng is not None and self.randomness.reproducible:
+            self.sampler.load_state_dict(rng["sampler"])
+            self.selection_rng.bit_generator.state = rng["selection_rng"]
+            self.noise_gen.set_state(rng["noise_gen"])
+            self.dpsgd_noise_seed = rng["dpsgd_noise_seed"]
         if self.ledger is not None and state["ledger"] is not None:
             self.ledger.load_state_dict(state["ledger"])
         self.fixed_rows = state["fixed_rows"]
-        self.dpsgd_noise_seed = state.get("dpsgd_noise_seed", self.dpsgd_noise_seed)

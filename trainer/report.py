@@ -1,7 +1,7 @@
 """`widedp report RUN_DIR... [--out DIR]`: plots and a short markdown summary of training runs.
 
-For each run directory (what `widedp train` writes): the training loss versus step
-(metrics.jsonl), ε versus step under each accountant (the run's ledger.json re-accounted by
+For each run directory (what `widedp train` writes): the loss versus step (metrics.jsonl:
+held-out loss from `train.eval_every` lines, or the raw batch loss of a `train.debug_metrics` run), ε versus step under each accountant (the run's ledger.json re-accounted by
 `rdp`, `pld` and the seed paper's Theorem 3 bound `paper`; an accountant that cannot bound the
 run's events is listed as unsupported, never guessed), and the median time per step phase
 (summary.json `phase_ms_median`). With several runs the curves are overlaid and the summary
@@ -218,15 +218,12 @@ def render(run_dirs: Sequence, out: Optional[Path] = None, curve_points: int = 1
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plots = []
-    # loss
-    series = []
-    for run in runs:
-        steps = [m["step"] for m in run["metrics"]]
-        losses = [m.get("loss") for m in run["metrics"]]
-        window = max(1, len(losses) // 20)
-        series.append((run_label(run), steps, smooth(losses, window), None))
-    plots.append(plot_curves(series, out / "loss.png", title="training loss (batch loss, moving average)",
-                             xlabel="step", ylabel="loss"))
+    # loss: held-out loss from `train.eval_every` lines; the raw training batch loss only for
+    # runs that opted into train.debug_metrics (docs/THREAT_MODEL.md)
+    series = [line for line in (_loss_series(run) for run in runs) if line is not None]
+    if series:
+        plots.append(plot_curves(series, out / "loss.png", title="loss versus step (held-out, or debug batch loss)",
+                                 xlabel="step", ylabel="loss"))
     # ε per accountant
     accounting = {}
     eps_series = []
@@ -249,6 +246,20 @@ def render(run_dirs: Sequence, out: Optional[Path] = None, curve_points: int = 1
     md = _markdown(runs, accounting, [Path(p).name for p in plots])
     (out / "report.md").write_text(md)
     return {"markdown": str(out / "report.md"), "plots": plots, "runs": [str(r["dir"]) for r in runs]}
+
+
+def _loss_series(run: dict):
+    """(label, steps, losses, style) of one run: held-out loss if logged, else the debug batch loss."""
+    held = [(m["step"], m["test_metrics"].get("logloss", m["test_metrics"].get("loss")))
+            for m in run["metrics"] if m.get("test_metrics")]
+    if held:
+        return (f"{run_label(run)} held-out", [s for s, _ in held], [v for _, v in held], None)
+    raw = [(m["step"], m["loss"]) for m in run["metrics"] if "loss" in m]
+    if raw:
+        losses = [v for _, v in raw]
+        return (f"{run_label(run)} batch loss (debug)", [s for s, _ in raw], smooth(losses, max(1, len(losses) // 20)),
+                None)
+    return None
 
 
 def _markdown(runs, accounting, plot_names) -> str:

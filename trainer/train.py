@@ -2,7 +2,11 @@
 
 Run dir: config.json, summary.json (DESIGN §4 keys), metrics.jsonl (one line per logged
 step), ledger.json (rewritten atomically after every recorded step, before the update is
-released) and checkpoint.pt (atomic; `--resume DIR` continues it with the same accounting).
+released) and checkpoint.pt (atomic; private; `--resume DIR` continues it).
+
+What a run writes or prints follows docs/THREAT_MODEL.md (enforced in `trainer/run_outputs.py`):
+by default nothing un-noised about the training data; `train.debug_metrics = true` adds raw
+training statistics and says in the summary that the privacy report does not cover them.
 """
 
 from __future__ import annotations
@@ -10,10 +14,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -26,10 +29,22 @@ from trainer.config import Config, load_config
 from trainer.engine import Engine, PrivacyPlan
 from trainer.layout import FeatureSpec, ShardLayout, TableSpec
 from trainer.models import MODELS
+from trainer.randomness import PrivacyRandomness
+from trainer.run_outputs import RunRecorder, eval_line
 
-SUMMARY_KEYS = ("mode", "selection", "epsilon", "delta", "accountant", "steps", "examples", "examples_per_sec",
-                "step_time_ms_median", "bytes_to_shards", "bytes_from_shards", "rows_touched_mean",
-                "rows_selected_mean", "num_shards", "test_metrics", "bayes_auc")
+# DESIGN §4 keys of every summary.json (debug-only statistics are in run_outputs.DEBUG_SUMMARY_KEYS).
+SUMMARY_KEYS = ("mode", "selection", "epsilon", "delta", "accountant", "steps", "examples_per_sec",
+                "step_time_ms_median", "rows_selected_mean", "num_shards", "test_metrics", "bayes_auc")
+
+
+def default_delta(n: int) -> float:
+    """δ when privacy.delta is 0: min(1/(10n), n^-1.1), clearly below 1/n at every n.
+
+    δ = 1/n admits mechanisms that publish one random example outright ((0, 1/n)-DP), so δ
+    must be well below 1/n. 1/(10n) keeps a 10× margin at practical sizes; n^-1.1 makes δ
+    o(1/n) as n grows (it takes over beyond n = 10^10). The ε cost is logarithmic in 1/δ.
+    """
+    return min(0.1 / n, float(n) ** -1.1)
 
 
 def atomic_write_json(path: Path, obj) -> None:
@@ -92,11 +107,15 @@ def _layout(meta, cfg: Config) -> ShardLayout:
     return ShardLayout(tables, features, cfg.cluster.num_shards)
 
 
-def plan_privacy(cfg: Config, n: int, vocabulary: int) -> tuple[Optional[PrivacyPlan], dict]:
-    """Privacy plan and what it implies (calibrated or explicit σ, ε, δ)."""
+def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.DpEvent] = ()
+                 ) -> tuple[Optional[PrivacyPlan], dict]:
+    """Privacy plan and what it implies (calibrated or explicit σ, ε, δ).
+
+    `data_events`: one-time events of data preparation (e.g. a private vocabulary), charged
+    before the first step; calibration leaves room for them inside the target ε."""
     t, p = cfg.train, cfg.privacy
     q = min(1.0, t.batch_size / n)
-    delta = p.delta or 1.0 / n
+    delta = p.delta or default_delta(n)
     info = {"sample_rate": q, "delta": delta, "accountant": p.accountant}
     if t.mode == "nonprivate":
         return None, info
@@ -107,7 +126,9 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int) -> tuple[Optional[Privacy
                        score_clip=p.score_clip, threshold=p.threshold, contribution_clip=p.contribution_clip,
                        fest_noise_multiplier=p.fest_noise_multiplier,
                        fest_max_rows_per_example=p.fest_max_rows_per_example)
-    extra = [(ev.GaussianDpEvent(p.fest_noise_multiplier), 1)] if selection == "fest" else []
+    extra = [(event, 1) for event in data_events]
+    if selection == "fest":
+        extra.append((ev.GaussianDpEvent(p.fest_noise_multiplier), 1))
     calib_selection = {"fest": "random"}.get(selection, selection)
     if p.noise_multiplier <= 0:
         out = calibrate(p.target_epsilon, delta, q, t.steps, selection=calib_selection, fraction=p.selection_fraction,
@@ -176,6 +197,13 @@ def _dense_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
     return opt(params, lr=cfg.train.dense_lr)
 
 
+def run_randomness(cfg: Config) -> PrivacyRandomness:
+    """Fresh OS entropy, unless the config asks for a reproducible (public) noise seed."""
+    if cfg.privacy.reproducible:
+        return PrivacyRandomness.from_seed(cfg.privacy.noise_seed)
+    return PrivacyRandomness.fresh()
+
+
 def build_run(cfg: Config):
     """Everything a run needs: (engine, train split, test split, meta, privacy info)."""
     from trainer.data import PoissonSampler
@@ -194,14 +222,15 @@ def build_run(cfg: Config):
     n = len(train_set)
     if n == 0:
         raise ValueError(f"{cfg.data.path}: the training split is empty")
-    plan, info = plan_privacy(cfg, n, layout.vocabulary_size)
+    plan, info = plan_privacy(cfg, n, layout.vocabulary_size, [e for _, e in meta.privacy_events])
     ledger = PrivacyLedger(cfg.privacy.accountant, info["delta"]) if plan is not None else None
     shards = _shard_group(cfg, layout)
-    sampler = PoissonSampler(n, info["sample_rate"], seed=cfg.train.seed)
+    randomness = run_randomness(cfg)
+    sampler = PoissonSampler(n, info["sample_rate"], seed=randomness.sampler_seed())
     engine = Engine(model, layout, shards, train_set, sampler, mode=cfg.train.mode,
                     expected_batch_size=info["sample_rate"] * n, sample_rate=info["sample_rate"], plan=plan,
                     ledger=ledger, target_epsilon=cfg.privacy.target_epsilon,
-                    dense_optimizer=_dense_optimizer(cfg, model), seed=cfg.train.seed,
+                    dense_optimizer=_dense_optimizer(cfg, model), randomness=randomness,
                     secure_mode=cfg.privacy.secure_mode)
     return engine, train_set, test_set, meta, info
 
@@ -214,22 +243,46 @@ def save_checkpoint(run_dir: Path, engine: Engine, cfg: Config) -> None:
     atomic_write_bytes(run_dir / "checkpoint.pt", buf.getvalue())
 
 
+def _restore(engine: Engine, run_dir: Path) -> None:
+    """Resume from checkpoint.pt. The ledger is the larger of the checkpoint's and ledger.json
+    (persisted before every release): steps released after the checkpoint are replayed with
+    fresh secret randomness (trainer/randomness.py) and so are charged again, never forgotten."""
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    engine.load_state_dict(state["engine"])
+    ledger_file = run_dir / "ledger.json"
+    if engine.ledger is not None and ledger_file.exists():
+        on_disk = PrivacyLedger.load(ledger_file)
+        if on_disk.steps > engine.ledger.steps:
+            engine.ledger.load_state_dict(on_disk.state_dict())
+
+
+def _start(engine: Engine, cfg: Config, run_dir: Path, train_set, data_events) -> None:
+    """A new run: config.json, an empty metrics file, then the one-time events (data
+    preparation, DP-FEST) charged before the first step."""
+    atomic_write_json(run_dir / "config.json", cfg.to_dict())
+    (run_dir / "metrics.jsonl").write_text("")
+    if engine.ledger is not None:
+        for _, event in data_events:
+            engine.charge(event)
+    if engine.plan is not None and engine.plan.selection == "fest":
+        engine.prepare_fest(train_set.feature_rows)
+
+
 def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True) -> dict:
+    """Train per `cfg`, writing only what docs/THREAT_MODEL.md allows (trainer/run_outputs.py)."""
     cfg.validate()
     run_dir.mkdir(parents=True, exist_ok=True)
     engine, train_set, test_set, meta, info = build_run(cfg)
     try:
-        metrics_path = run_dir / "metrics.jsonl"
+        data_events = list(meta.privacy_events)
         engine.ledger_path = run_dir / "ledger.json" if engine.ledger is not None else None
         if resume:
-            state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
-            engine.load_state_dict(state["engine"])
+            _restore(engine, run_dir)
         else:
-            atomic_write_json(run_dir / "config.json", cfg.to_dict())
-            metrics_path.write_text("")
-            if engine.plan is not None and engine.plan.selection == "fest":
-                engine.prepare_fest(train_set.feature_rows)
-        step_times, touched, selected, examples, phases = [], [], [], 0, {}
+            _start(engine, cfg, run_dir, train_set, data_events)
+        recorder = RunRecorder(expected_batch_size=engine.b, metrics_path=run_dir / "metrics.jsonl",
+                               debug_metrics=cfg.train.debug_metrics, randomness_note=engine.randomness.describe(),
+                               reproducible=engine.randomness.reproducible, private=engine.plan is not None)
         stopped_by_budget = False
         bar = None
         if progress:
@@ -242,28 +295,20 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tru
             if stats is None:
                 stopped_by_budget = True
                 break
-            step_times.append(time.perf_counter() - t0)
-            examples += stats.batch_size
-            touched.append(stats.rows_touched)
-            for name, sec in stats.phases.items():
-                phases.setdefault(name, []).append(sec)
-            selected.append(stats.rows_selected)
+            recorder.on_step(stats, time.perf_counter() - t0)
             if stats.step % cfg.train.log_every == 0 or stats.step == cfg.train.steps:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps({"step": stats.step, "loss": stats.loss, "epsilon": stats.epsilon,
-                                        "batch_size": stats.batch_size, "rows_touched": stats.rows_touched,
-                                        "rows_selected": stats.rows_selected}) + "\n")
+                recorder.log(recorder.metrics_line(stats))
+            if cfg.train.eval_every and stats.step % cfg.train.eval_every == 0:
+                recorder.log(eval_line(stats.step, engine.evaluate(test_set, cfg.train.eval_batch_size)))
             if stats.step % cfg.train.checkpoint_every == 0:
                 save_checkpoint(run_dir, engine, cfg)
             if bar is not None:
-                elapsed = time.perf_counter() - start
-                bar.set_postfix(loss=f"{stats.loss:.4f}", eps=f"{stats.epsilon:.3f}", ex_s=f"{examples / elapsed:.0f}")
+                bar.set_postfix(**recorder.progress_postfix(stats, time.perf_counter() - start))
                 bar.update(1)
         elapsed = time.perf_counter() - start
         if bar is not None:
             bar.close()
         save_checkpoint(run_dir, engine, cfg)
-        test_metrics = engine.evaluate(test_set, cfg.train.eval_batch_size)
         summary = {
             "mode": cfg.train.mode,
             "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
@@ -271,19 +316,14 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tru
             "delta": info["delta"],
             "accountant": info["accountant"],
             "steps": engine.step_count,
-            "examples": examples,
-            "examples_per_sec": examples / elapsed if elapsed > 0 else 0.0,
-            "step_time_ms_median": 1e3 * statistics.median(step_times) if step_times else None,
-            "bytes_to_shards": engine.shards.bytes_to_shards,
-            "bytes_from_shards": engine.shards.bytes_from_shards,
-            "rows_touched_mean": float(np.mean(touched)) if touched else 0.0,
-            "rows_selected_mean": float(np.mean(selected)) if selected else 0.0,
+            "events_charged": engine.ledger.steps if engine.ledger is not None else 0,
             "num_shards": cfg.cluster.num_shards,
-            "test_metrics": test_metrics,
+            "test_metrics": engine.evaluate(test_set, cfg.train.eval_batch_size),
             "bayes_auc": meta.bayes_auc,
             "target_epsilon": cfg.privacy.target_epsilon,
             "noise_multiplier": info.get("noise_multiplier"),
             "selection_epsilon": info.get("selection_epsilon"),
+            "selection_sigma": info.get("selection_sigma"),
             "k": info.get("k"),
             "threshold": info.get("threshold"),
             "threshold_rule": info.get("threshold_rule"),
@@ -292,7 +332,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tru
             "resumed": resume,
             "vocabulary_size": engine.layout.vocabulary_size,
             "backend": cfg.cluster.backend,
-            "phase_ms_median": {k: 1e3 * statistics.median(v) for k, v in phases.items()},
+            **recorder.summary_fields(elapsed, engine.shards, [d for d, _ in data_events]),
         }
         atomic_write_json(run_dir / "summary.json", summary)
         return summary

@@ -1,12 +1,23 @@
 """`widedp convert ...` and `widedp synth ...` (registered through trainer/cli.py).
 
-    widedp convert criteo INPUT.tsv OUT_DIR [--hash-size N]
-    widedp convert text INPUT.txt OUT_DIR --vocab N [--window 4 --negatives 8 --seed 0]
+    widedp convert criteo INPUT.tsv OUT_DIR [--hash-size N | --hash-sizes a,b,...(26)]
+    widedp convert text INPUT.txt OUT_DIR (--vocab N | --vocab-file PATH [--vocab N])
+                        [--window 4 --negatives 8 --seed 0]
+                        [--vocab-noise-multiplier 4.0 --vocab-max-words-per-line 32
+                         --vocab-unseen-delta 1e-9 --vocab-noise-seed INT]
     widedp synth ctr OUT_DIR --examples N [--table-size N | --table-sizes a,b,...] [--seed S]
                               [--zipf-exponent A]
     widedp synth text OUT_DIR --examples N --vocab V [--seed S] [--topics K]
 
-Each prints one JSON object: out_dir, kind, num_examples, table_sizes, bayes_auc, seconds.
+Each prints one JSON object: out_dir, kind, num_examples, table_sizes, bayes_auc, seconds,
+and privacy_events (the descriptions of the DP mechanisms run on the private input, whose
+events dataset.json records for the trainer to charge; [] when none).
+
+`convert text` without --vocab-file selects the vocabulary from the private text by Gaussian
+partition selection (trainer/data/text.py); its noise comes from fresh OS entropy unless
+--vocab-noise-seed is given (tests only: the vocabulary's ε then holds only while the seed is
+secret). `--seed` only drives the negatives' draws.
+
 Importing this module is cheap (no torch, no pyarrow): handlers import what they need.
 """
 
@@ -51,22 +62,69 @@ def _table_sizes(text):
     return sizes
 
 
+def _hash_sizes(text):
+    parts = [p.strip() for p in text.split(",")]
+    parse = _int_arg("--hash-sizes", 2)
+    sizes = [parse(p) for p in parts]
+    if len(sizes) != 26:
+        raise argparse.ArgumentTypeError(f"--hash-sizes needs 26 comma-separated values (one per "
+                                         f"categorical feature C1..C26), got {len(sizes)}")
+    return sizes
+
+
+def _probability_arg(name: str):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}")
+        if not 0 < value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be in (0, 1), got {text}")
+        return value
+    return parse
+
+
+def _positive_float_arg(name: str):
+    def parse(text):
+        value = _float_arg(name, 0.0)(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
+        return value
+    return parse
+
+
 def add_commands(subparsers) -> dict:
     conv = subparsers.add_parser("convert", help="convert Criteo TSV or plain text to a data set")
     csub = conv.add_subparsers(dest="convert_kind", required=True, parser_class=type(conv))
     c = csub.add_parser("criteo", help="Criteo TSV (label, 13 ints, 26 hex ids) -> ctr data set")
     c.add_argument("input")
     c.add_argument("out_dir")
-    c.add_argument("--hash-size", type=_int_arg("--hash-size", 2), default=2 ** 20,
-                   help="rows per categorical table (ids 1..N-1 hashed, 0 = empty)")
+    hashing = c.add_mutually_exclusive_group()
+    hashing.add_argument("--hash-size", type=_int_arg("--hash-size", 2),
+                         help="rows per categorical table (ids 1..N-1 hashed, 0 = empty; default 2^20)")
+    hashing.add_argument("--hash-sizes", type=_hash_sizes,
+                         help="26 comma-separated per-feature table sizes (C1..C26), each >= 2")
     c.add_argument("--chunk-rows", type=_int_arg("--chunk-rows", 1), default=100_000)
     t = csub.add_parser("text", help="plain text -> cbow data set (word2vec CBOW + negatives)")
     t.add_argument("input")
     t.add_argument("out_dir")
-    t.add_argument("--vocab", type=_int_arg("--vocab", 1), required=True)
+    t.add_argument("--vocab", type=_int_arg("--vocab", 1),
+                   help="maximum vocabulary size (required unless --vocab-file)")
     t.add_argument("--window", type=_int_arg("--window", 1), default=4)
     t.add_argument("--negatives", type=_int_arg("--negatives", 1), default=8)
-    t.add_argument("--seed", type=_int_arg("--seed", 0), default=0)
+    t.add_argument("--seed", type=_int_arg("--seed", 0), default=0,
+                   help="seed of the negatives' draws only (never of the vocabulary noise)")
+    t.add_argument("--vocab-file", help="PUBLIC vocabulary, one word per line (word or word<TAB>...): "
+                                        "no private selection, nothing charged")
+    t.add_argument("--vocab-noise-multiplier", type=_positive_float_arg("--vocab-noise-multiplier"),
+                   default=4.0, help="σ of the private vocabulary selection (default 4.0)")
+    t.add_argument("--vocab-max-words-per-line", type=_int_arg("--vocab-max-words-per-line", 1),
+                   default=32, help="distinct words a line contributes to the selection (default 32)")
+    t.add_argument("--vocab-unseen-delta", type=_probability_arg("--vocab-unseen-delta"), default=1e-9,
+                   help="δ of a word of a single line entering the vocabulary (default 1e-9)")
+    t.add_argument("--vocab-noise-seed", type=_int_arg("--vocab-noise-seed", 0),
+                   help="TESTS ONLY: fixed seed for the vocabulary noise (its ε holds only while "
+                        "the seed is secret); default: fresh OS entropy")
 
     syn = subparsers.add_parser("synth", help="synthetic data set with planted ground truth")
     ssub = syn.add_subparsers(dest="synth_kind", required=True, parser_class=type(syn))
@@ -90,6 +148,7 @@ def add_commands(subparsers) -> dict:
 def _result(meta, out_dir, started: float) -> dict:
     return {"out_dir": str(out_dir), "kind": meta.kind, "num_examples": meta.num_examples,
             "table_sizes": meta.table_sizes, "bayes_auc": meta.bayes_auc,
+            "privacy_events": [e["description"] for e in meta.extra.get("privacy_events", [])],
             "seconds": round(time.perf_counter() - started, 3)}
 
 
@@ -112,12 +171,18 @@ def cmd_convert(args) -> dict:
         from .criteo import convert_criteo
 
         meta = convert_criteo(args.input, args.out_dir, hash_size=args.hash_size,
-                              chunk_rows=args.chunk_rows)
+                              hash_sizes=args.hash_sizes, chunk_rows=args.chunk_rows)
     else:
+        if args.vocab is None and args.vocab_file is None:
+            raise ValueError("convert text: --vocab N is required unless --vocab-file PATH is given")
         from .text import convert_text
 
         meta = convert_text(args.input, args.out_dir, vocab=args.vocab, window=args.window,
-                            negatives=args.negatives, seed=args.seed)
+                            negatives=args.negatives, seed=args.seed, vocab_file=args.vocab_file,
+                            vocab_noise_multiplier=args.vocab_noise_multiplier,
+                            vocab_max_words_per_line=args.vocab_max_words_per_line,
+                            vocab_unseen_delta=args.vocab_unseen_delta,
+                            vocab_noise_seed=args.vocab_noise_seed)
     return _result(meta, args.out_dir, started)
 
 

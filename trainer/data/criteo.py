@@ -7,8 +7,11 @@ header), ``\\n`` or ``\\r\\n`` line ends; any field but the label may be empty.
 * dense ``I_j``: optionally signed decimal integer (at most 18 digits); empty -> 0, else
   ``log(1 + max(x, 0))`` as float32;
 * categorical ``C_j``: hex string (at most 16 hex digits, either case); empty -> id 0, else
-  ``1 + splitmix64(int(hex, 16)) % (hash_size - 1)`` — a stable hash (no salted ``hash()``),
-  so ids are in [1, hash_size) and every table ``t_i`` has ``hash_size`` rows.
+  ``1 + splitmix64(int(hex, 16)) % (hash_size_j - 1)`` — a stable hash (no salted ``hash()``),
+  so ids are in [1, hash_size_j) and table ``t_{j-1}`` has ``hash_size_j`` rows. The sizes are
+  one ``hash_size`` for all 26 tables or ``hash_sizes`` (26 values, one per feature in column
+  order). Both are data-independent choices (the schema is public and hashing does not look at
+  the data), so nothing here is charged to the privacy budget: ``privacy_events`` is absent.
 
 Any malformed line raises DataError naming the file, the 1-based line number and the
 0-based data row; no output is left behind. Memory is bounded by ``chunk_rows`` (one row
@@ -20,6 +23,7 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -32,11 +36,36 @@ NUM_FIELDS = 1 + CRITEO_NUM_DENSE + CRITEO_NUM_SPARSE  # 40
 _PARSE_ROWS = 16_384  # lines parsed at once (bounds the parser's temporaries)
 
 
-def convert_criteo(input_tsv, out_dir, *, hash_size: int = 2 ** 20,
+DEFAULT_HASH_SIZE = 2 ** 20
+
+
+def _hash_sizes(hash_size, hash_sizes) -> list[int]:
+    if hash_size is not None and hash_sizes is not None:
+        raise ValueError("give hash_size (one size for all tables) or hash_sizes (one per feature), not both")
+    if hash_sizes is None:
+        size = DEFAULT_HASH_SIZE if hash_size is None else hash_size
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 2:
+            raise ValueError(f"hash_size must be an integer >= 2, got {size!r}")
+        return [int(size)] * CRITEO_NUM_SPARSE
+    sizes = list(hash_sizes)
+    if len(sizes) != CRITEO_NUM_SPARSE:
+        raise ValueError(f"hash_sizes needs {CRITEO_NUM_SPARSE} values (one per categorical feature "
+                         f"C1..C{CRITEO_NUM_SPARSE}), got {len(sizes)}")
+    for j, size in enumerate(sizes):
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 2:
+            raise ValueError(f"hash_sizes[{j}] (C{j + 1}) must be an integer >= 2, got {size!r}")
+    return [int(x) for x in sizes]
+
+
+def convert_criteo(input_tsv, out_dir, *, hash_size: Optional[int] = None,
+                   hash_sizes: Optional[Sequence[int]] = None,
                    chunk_rows: int = 100_000) -> DatasetMeta:
-    """Convert a Criteo TSV file to a ctr data set in ``out_dir``; returns its meta."""
-    if int(hash_size) != hash_size or hash_size < 2:
-        raise ValueError(f"hash_size must be an integer >= 2, got {hash_size}")
+    """Convert a Criteo TSV file to a ctr data set in ``out_dir``; returns its meta.
+
+    ``hash_size``: rows of every table (default 2**20); ``hash_sizes``: 26 per-feature sizes
+    instead (mutually exclusive with ``hash_size``); each >= 2.
+    """
+    sizes = _hash_sizes(hash_size, hash_sizes)
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     path = Path(os.fspath(input_tsv))
@@ -56,17 +85,19 @@ def convert_criteo(input_tsv, out_dir, *, hash_size: int = 2 ** 20,
                 if not lines:
                     eof = True
                     break
-                parts.append(_parse_chunk(path, lines, row, hash_size))
+                parts.append(_parse_chunk(path, lines, row, sizes))
                 row += len(lines)
                 in_group += len(lines)
             if parts:
                 writer.write(ctr_table(*(np.concatenate(x) for x in zip(*parts))))
         if row == 0:
             raise DataError(f"{path}: empty file (no examples)")
-        meta = ctr_meta(row, [hash_size] * CRITEO_NUM_SPARSE, bayes_auc=None, extra={
+        uniform = {"hash_size": sizes[0]} if len(set(sizes)) == 1 else {}
+        meta = ctr_meta(row, sizes, bayes_auc=None, extra={
             "source": f"criteo {path}",
-            "hash_size": int(hash_size),
-            "categorical_hash": "empty -> 0; else 1 + splitmix64(int(hex, 16)) % (hash_size - 1)",
+            **uniform,
+            "hash_sizes": sizes,
+            "categorical_hash": "empty -> 0; else 1 + splitmix64(int(hex, 16)) % (hash_sizes[j] - 1)",
             "dense_transform": "empty -> 0; else log(1 + max(x, 0)) as float32",
         })
         writer.commit(meta)
@@ -77,7 +108,7 @@ def _where(path: Path, row: int) -> str:
     return f"{path}: line {row + 1} (row {row})"
 
 
-def _parse_chunk(path: Path, lines: list[bytes], row0: int, hash_size: int):
+def _parse_chunk(path: Path, lines: list[bytes], row0: int, hash_sizes: list[int]):
     buf = b"".join(lines)
     if not buf.endswith(b"\n"):
         buf += b"\n"
@@ -92,7 +123,7 @@ def _parse_chunk(path: Path, lines: list[bytes], row0: int, hash_size: int):
         # the lines before the first malformed one may hold an earlier error: check them first
         c = int(wrong[0])
         if c > 0:
-            _parse_chunk(path, lines[:c], row0, hash_size)
+            _parse_chunk(path, lines[:c], row0, hash_sizes)
         raise DataError(f"{_where(path, row0 + c)}: expected {NUM_FIELDS} tab-separated fields, "
                         f"got {counts[c] + 1}")
     delims = np.sort(np.concatenate([tabs, nl]))
@@ -146,6 +177,7 @@ def _parse_chunk(path: Path, lines: list[bytes], row0: int, hash_size: int):
     if errors:
         i, msg = min(errors)
         raise DataError(f"{_where(path, row0 + i)}: {msg}")
-    ids = (splitmix64(hv) % np.uint64(hash_size - 1)).astype(np.int64) + 1
-    ids[cl.reshape(-1) == 0] = 0
-    return labels, dense, ids.reshape(cl.shape)
+    modulus = np.asarray(hash_sizes, dtype=np.uint64) - np.uint64(1)  # one per column
+    ids = (splitmix64(hv).reshape(cl.shape) % modulus[None, :]).astype(np.int64) + 1
+    ids[cl == 0] = 0
+    return labels, dense, ids

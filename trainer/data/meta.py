@@ -8,6 +8,14 @@ On-disk format of a data set (a directory)::
                        ``DatasetMeta.extra``)
     DIR/data.parquet   one row per example
 
+``privacy_events`` (optional; absent or ``[]`` when nothing private was released while building
+the data set — synthetic data, Criteo, a text conversion with a public vocabulary file): a list
+of ``{"description": str, "event": accounting.events.event_to_dict(event)}`` for every DP
+mechanism the converter ran on the private data (e.g. the text converter's private vocabulary
+selection). Their outputs are baked into the data set, so whoever trains on it must charge
+these events to the training's privacy ledger before the first step.
+``DatasetMeta.privacy_events`` returns them as ``[(description, DpEvent)]``.
+
 Parquet columns:
 
 * ``kind == "ctr"``: ``label`` float32 (0/1), ``dense`` fixed_size_list<float32>[num_dense]
@@ -45,6 +53,7 @@ CRITEO_NUM_SPARSE = 26
 
 _FIELDS = ("kind", "num_examples", "features", "feature_tables", "table_sizes", "pooling",
            "num_dense", "bayes_auc")
+PRIVACY_EVENTS_KEY = "privacy_events"
 
 
 @dataclass
@@ -69,6 +78,12 @@ class DatasetMeta:
         for f in self.features:
             seen.setdefault(self.feature_tables[f], None)
         return list(seen)
+
+    @property
+    def privacy_events(self) -> list:
+        """[(description, DpEvent)] of the DP mechanisms run on private data to build the data
+        set (``privacy_events`` in dataset.json; ``[]`` when absent)."""
+        return parse_privacy_events(self.extra.get(PRIVACY_EVENTS_KEY, []), META_FILE)
 
     @property
     def num_negatives(self) -> int:
@@ -134,7 +149,43 @@ class DatasetMeta:
                    num_dense=int(nd), bayes_auc=None if auc is None else float(auc),
                    extra={k: v for k, v in data.items() if k not in _FIELDS and k != "format_version"})
         _check_kind_layout(meta, bad)
+        if PRIVACY_EVENTS_KEY in meta.extra:
+            parse_privacy_events(meta.extra[PRIVACY_EVENTS_KEY], source)
         return meta
+
+
+def privacy_event_entry(description: str, event) -> dict:
+    """One ``privacy_events`` entry of dataset.json."""
+    from accounting.events import event_to_dict
+
+    return {"description": str(description), "event": event_to_dict(event)}
+
+
+def parse_privacy_events(entries: Any, source: str = META_FILE) -> list:
+    """[(description, DpEvent)] from dataset.json's ``privacy_events`` value; DataError naming
+    ``source`` and the entry when it is malformed."""
+    if not isinstance(entries, list):
+        raise DataError(f"{source}: {PRIVACY_EVENTS_KEY} must be a list, got {type(entries).__name__}")
+    if not entries:
+        return []
+    from accounting.events import DpEvent, event_from_dict  # imports dp_accounting: only when needed
+
+    out = []
+    for i, entry in enumerate(entries):
+        where = f"{source}: {PRIVACY_EVENTS_KEY}[{i}]"
+        if not (isinstance(entry, dict) and set(entry) == {"description", "event"}):
+            raise DataError(f"{where} must be an object with exactly the keys 'description' and 'event', "
+                            f"got {entry!r}")
+        if not isinstance(entry["description"], str):
+            raise DataError(f"{where}.description must be a string, got {entry['description']!r}")
+        try:
+            event = event_from_dict(entry["event"])
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise DataError(f"{where}.event is not a valid privacy event: {exc}") from None
+        if not isinstance(event, DpEvent):
+            raise DataError(f"{where}.event is not a privacy event: {entry['event']!r}")
+        out.append((entry["description"], event))
+    return out
 
 
 def _is_int(x: Any) -> bool:

@@ -5,18 +5,45 @@ Rules (exactly what the converter does):
 * the text is decoded as UTF-8 (invalid bytes: DataError naming the line) and lowercased; tokens are maximal runs of alphanumeric
   characters (regex ``[^\\W_]+``: Unicode letters and digits; everything else, ``_``
   included, separates tokens);
-* each line (ended by ``\n``) is a sentence: context windows never cross a line break;
-* vocabulary: the ``vocab`` most frequent tokens, ties broken by the token's string order;
-  id 0 is the most frequent. Tokens outside the vocabulary are dropped *before* windowing
-  (as word2vec does), so windows span over them. The table size is the number of words
-  actually kept (<= vocab). ``DIR/vocab.tsv`` lists ``word \\t count`` by id;
+* each line (ended by ``\n``) is a sentence: context windows never cross a line break, so
+  every training example comes from one line;
+* vocabulary, private (default): chosen by Gaussian partition selection
+  (``selection.partition``) with one *line* as the unit of privacy (add/remove one line):
+  each line counts its first ``vocab_max_words_per_line`` (m) distinct words once each (a word
+  repeated on a line counts once; later new words on a long line are not counted), every
+  counted word gets N(0, (σ·√m)²) noise (σ = ``vocab_noise_multiplier``), and the words whose
+  noisy count exceeds τ = 1 + σ√m·Φ̄⁻¹(``vocab_unseen_delta``/m) are candidates (a word only one
+  line has passes with probability ≤ ``vocab_unseen_delta``). The vocabulary is the ``vocab``
+  candidates with the largest noisy counts; id 0 has the largest. The noise comes from fresh
+  OS entropy (``secrets.randbits(128)``), never from ``seed``; ``vocab_noise_seed`` fixes it
+  for reproducible tests, and the data set then says that the vocabulary's ε holds only while
+  that seed stays secret. The mechanism's event
+  (``GaussianPartitionSelectionDpEvent``) is written to dataset.json's ``privacy_events``; the
+  trainer charges it before the first step. Since an example lies within one line, a corpus
+  with one example's line added or removed is a neighbour for this mechanism. Lines are the
+  documents: a corpus that is one giant line (like text8) selects nothing useful;
+* vocabulary, public (``vocab_file``): the words of that file (one per line, ``word`` or
+  ``word \\t ...``; lowercased; each must be one token; blank lines skipped; duplicates are an
+  error), in file order, the first ``vocab`` of them if ``vocab`` is given. It must not be
+  derived from the private text; nothing is charged and no privacy event is written;
+* tokens outside the vocabulary are dropped *before* windowing (as word2vec does), so
+  windows span over them. The table size is the number of words in the vocabulary (<= vocab);
+* ``DIR/vocab.tsv`` lists the vocabulary by id: ``word \\t noisy_count`` (the noisy line count,
+  rounded — never an exact count) for a private vocabulary, just ``word`` for a public one;
 * one example per remaining token position that has at least one in-vocabulary context word
   within ±window in its sentence: ``context`` = the context ids in text order (left then
   right), ``target`` = the token's id;
-* ``negatives`` are drawn i.i.d. from the unigram distribution (counts of in-vocabulary
-  tokens) raised to 0.75, by inverse CDF on ``numpy.random.default_rng(seed)`` uniforms in
-  example order (independent of chunking). As in word2vec, a negative may equal the target
-  or a context word.
+* ``negatives`` are drawn i.i.d. from weights raised to 0.75, by inverse CDF on
+  ``numpy.random.default_rng(seed)`` uniforms in example order (independent of chunking). The
+  weights are the noisy counts (floored at ``NEGATIVE_WEIGHT_FLOOR``; post-processing of the
+  private selection) for a private vocabulary; for a public file, its second column if every
+  line has a positive number there, else 1/(rank+1) by file order (Zipf, as for a file listed
+  by decreasing frequency). So given the vocabulary the draws do not depend on the text. As
+  in word2vec, a negative may equal the target or a context word.
+
+dataset.json and vocab.tsv hold no exact statistic of the text except ``num_examples``
+(treated as public, as in every DP-SGD library); the table size is the private vocabulary's
+size (post-processing of the selection).
 
 Both passes stream the file (lines are read in bounded pieces, so one huge line is fine).
 """
@@ -24,16 +51,17 @@ Both passes stream the file (lines are read in bounded pieces, so one huge line 
 from __future__ import annotations
 
 import codecs
+import math
 import os
 import re
-from collections import Counter
+import secrets
 from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
 
 from .errors import DataError
-from .meta import DatasetMeta, cbow_meta
+from .meta import PRIVACY_EVENTS_KEY, DatasetMeta, cbow_meta, privacy_event_entry
 from .writer import DatasetWriter, cbow_table
 
 _TOKEN = re.compile(r"[^\W_]+")
@@ -107,29 +135,160 @@ class NegativeSampler:
         return np.minimum(np.searchsorted(self._cdf, u, side="right"), len(self._cdf) - 1).astype(np.int64)
 
 
-def build_vocab(counts: Counter, vocab: int) -> list[tuple[str, int]]:
-    return sorted(counts.items(), key=lambda wc: (-wc[1], wc[0]))[:vocab]
+NEGATIVE_WEIGHT_FLOOR = 1.0  # lower bound on a noisy count used as a negative-sampling weight
+DEFAULT_VOCAB_NOISE_MULTIPLIER = 4.0
+DEFAULT_VOCAB_MAX_WORDS_PER_LINE = 32
+# δ of the event "a word of one line only enters the vocabulary": far below any sensible
+# target δ (1e-5 .. 1e-7 for 10^5 .. 10^7 examples), and cheap: τ grows like √log(1/δ).
+DEFAULT_VOCAB_UNSEEN_DELTA = 1e-9
 
 
-def convert_text(input_txt, out_dir, *, vocab: int, window: int = 4, negatives: int = 8,
-                 seed: int = 0, chunk_tokens: int = 1 << 18) -> DatasetMeta:
-    """Convert a plain text file to a cbow data set in ``out_dir`` (see module docstring)."""
-    for name, value, low in (("vocab", vocab, 1), ("window", window, 1), ("negatives", negatives, 1)):
-        if int(value) != value or value < low:
+def _line_documents(path: Path, max_words: int, lines_with_words: list) -> Iterator[list[str]]:
+    """Each non-empty line's first ``max_words`` distinct tokens, in order — all that partition
+    selection reads of a line (so a huge line costs O(max_words) memory).
+    ``lines_with_words[0]`` counts the lines yielded."""
+    distinct: dict = {}
+    for tokens, ends in _pieces(path):
+        if len(distinct) < max_words:
+            for token in tokens:
+                if token not in distinct:
+                    distinct[token] = None
+                    if len(distinct) == max_words:
+                        break
+        if ends:
+            if distinct:
+                lines_with_words[0] += 1
+                yield list(distinct)
+            distinct = {}
+
+
+def read_public_vocab(vocab_file, vocab: Optional[int]) -> tuple[list[str], np.ndarray, str]:
+    """(words, negative-sampling weights, where the weights come from) of a public vocabulary
+    file (module docstring); DataError naming the file and line."""
+    path = Path(os.fspath(vocab_file))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DataError(f"{path}: vocabulary file not found") from None
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: vocabulary file is not valid UTF-8 ({exc.reason})") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read vocabulary file: {exc.strerror or exc}") from None
+    words: list[str] = []
+    second: list[Optional[float]] = []
+    line_of: dict[str, int] = {}
+    for line_no, line in enumerate(text.split("\n"), start=1):
+        fields = line.rstrip("\r").split("\t")
+        word = fields[0].strip().lower()
+        if not word and len(fields) == 1:
+            continue  # blank line
+        if not _TOKEN.fullmatch(word):
+            raise DataError(f"{path}: line {line_no}: {fields[0]!r} is not one word (the converter's "
+                            f"tokens are runs of letters and digits)")
+        if word in line_of:
+            raise DataError(f"{path}: line {line_no}: {word!r} repeats line {line_of[word]}")
+        line_of[word] = line_no
+        words.append(word)
+        try:
+            value = float(fields[1]) if len(fields) > 1 else None
+        except ValueError:
+            value = None
+        second.append(value if value is not None and math.isfinite(value) and value > 0 else None)
+        if vocab is not None and len(words) == vocab:
+            break
+    if not words:
+        raise DataError(f"{path}: vocabulary file has no words")
+    if all(v is not None for v in second):
+        return words, np.array(second, dtype=np.float64), "second column of the file"
+    return words, 1.0 / np.arange(1, len(words) + 1, dtype=np.float64), "1/(rank+1) by file order"
+
+
+def _noise_rng(vocab_noise_seed: Optional[int]) -> np.random.Generator:
+    if vocab_noise_seed is None:
+        return np.random.default_rng(secrets.randbits(128))  # fresh OS entropy: the secret
+    return np.random.default_rng(vocab_noise_seed)
+
+
+def convert_text(input_txt, out_dir, *, vocab: Optional[int] = None, window: int = 4,
+                 negatives: int = 8, seed: int = 0,
+                 vocab_noise_multiplier: float = DEFAULT_VOCAB_NOISE_MULTIPLIER,
+                 vocab_max_words_per_line: int = DEFAULT_VOCAB_MAX_WORDS_PER_LINE,
+                 vocab_unseen_delta: float = DEFAULT_VOCAB_UNSEEN_DELTA,
+                 vocab_file=None, vocab_noise_seed: Optional[int] = None,
+                 chunk_tokens: int = 1 << 18) -> DatasetMeta:
+    """Convert a plain text file to a cbow data set in ``out_dir`` (see module docstring).
+
+    ``vocab`` (maximum vocabulary size) is required unless ``vocab_file`` is given. Without
+    ``vocab_file`` the vocabulary is selected privately (its event lands in the meta's
+    ``privacy_events``); ``vocab_noise_seed`` makes that selection reproducible (tests only).
+    """
+    from selection.partition import check_unseen_delta, gaussian_partition_selection
+
+    if vocab is None and vocab_file is None:
+        raise ValueError("vocab (the maximum vocabulary size) is required unless vocab_file is given")
+    for name, value, low in (("vocab", vocab, 1), ("window", window, 1), ("negatives", negatives, 1),
+                             ("vocab_max_words_per_line", vocab_max_words_per_line, 1)):
+        if name == "vocab" and value is None:
+            continue
+        if isinstance(value, bool) or int(value) != value or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value}")
+    if not (isinstance(vocab_noise_multiplier, (int, float)) and math.isfinite(vocab_noise_multiplier)
+            and vocab_noise_multiplier > 0):
+        raise ValueError(f"vocab_noise_multiplier must be finite and > 0, got {vocab_noise_multiplier}")
+    check_unseen_delta(vocab_unseen_delta)
+    if vocab_noise_seed is not None and (isinstance(vocab_noise_seed, bool) or vocab_noise_seed < 0
+                                         or int(vocab_noise_seed) != vocab_noise_seed):
+        raise ValueError(f"vocab_noise_seed must be an integer >= 0, got {vocab_noise_seed}")
     path = Path(os.fspath(input_txt))
 
-    counts: Counter = Counter()
-    total_tokens = 0
-    for tokens, _ in _pieces(path):
-        counts.update(tokens)
-        total_tokens += len(tokens)
-    if total_tokens == 0:
-        raise DataError(f"{path}: no words (empty file?)")
-    words = build_vocab(counts, vocab)
-    index = {w: i for i, (w, _) in enumerate(words)}
-    unigram = np.array([c for _, c in words], dtype=np.float64)
-    neg = NegativeSampler(unigram, UNIGRAM_POWER, np.random.default_rng(seed))
+    privacy_events = []
+    if vocab_file is not None:
+        words, weights, weights_from = read_public_vocab(vocab_file, vocab)
+        vocab_tsv = "".join(f"{w}\n" for w in words)
+        vocabulary = {"method": "public_file", "path": str(vocab_file), "size": len(words),
+                      "negative_weights": weights_from}
+    else:
+        lines_with_words = [0]
+        selected = gaussian_partition_selection(
+            _line_documents(path, int(vocab_max_words_per_line), lines_with_words),
+            noise_multiplier=float(vocab_noise_multiplier),
+            max_keys_per_document=int(vocab_max_words_per_line),
+            unseen_delta=float(vocab_unseen_delta), rng=_noise_rng(vocab_noise_seed))
+        if lines_with_words[0] == 0:
+            raise DataError(f"{path}: no words (empty file?)")
+        words = list(selected.keys[:vocab])
+        if not words:
+            raise DataError(
+                f"{path}: no word passed the private vocabulary selection (a word needs a noisy "
+                f"count of lines above {selected.threshold:.1f}; use a larger corpus with one "
+                f"sentence or document per line, a smaller vocab_noise_multiplier, or a public "
+                f"vocab_file)")
+        noisy = selected.noisy_counts[:vocab]
+        weights = np.maximum(noisy, NEGATIVE_WEIGHT_FLOOR)
+        vocab_tsv = "".join(f"{w}\t{int(round(c))}\n" for w, c in zip(words, noisy))
+        vocabulary = {
+            "method": "gaussian_partition_selection", "unit_of_privacy": "one line",
+            "noise_multiplier": float(vocab_noise_multiplier),
+            "max_words_per_line": int(vocab_max_words_per_line),
+            "unseen_delta": float(vocab_unseen_delta), "threshold": selected.threshold,
+            "size": len(words), "noise_seed": vocab_noise_seed,
+            "counts": "vocab.tsv: noisy line counts (lines counting the word among their first "
+                      "max_words_per_line distinct words, plus Gaussian noise), rounded",
+        }
+        description = (f"private vocabulary of {path.name}: Gaussian partition selection over lines "
+                       f"(noise multiplier {float(vocab_noise_multiplier)}, at most "
+                       f"{int(vocab_max_words_per_line)} words per line, unseen-word delta "
+                       f"{float(vocab_unseen_delta):g})")
+        if vocab_noise_seed is not None:
+            # The seed value stays in dataset.json (private data) only; the description travels
+            # into run summaries and exports, so it names the mode, never the value.
+            note = ("reproducible mode: the vocabulary noise came from --vocab-noise-seed (recorded in "
+                    "dataset.json); the vocabulary's epsilon holds only while that seed stays secret")
+            vocabulary["note"] = note
+            description += f"; {note}"
+        privacy_events.append(privacy_event_entry(description, selected.event))
+    index = {w: i for i, w in enumerate(words)}
+    neg = NegativeSampler(weights, UNIGRAM_POWER, np.random.default_rng(seed))
 
     with DatasetWriter(out_dir) as writer:
         rows = 0
@@ -184,11 +343,11 @@ def convert_text(input_txt, out_dir, *, vocab: int, window: int = 4, negatives: 
             raise DataError(f"{path}: no CBOW examples (no in-vocabulary word has an "
                             f"in-vocabulary context word within ±{window} on its line)")
         meta = cbow_meta(rows, len(words), negatives, extra={
-            "source": f"text {path}", "vocab_requested": int(vocab), "window": int(window),
-            "negatives_per_example": int(negatives), "seed": seed,
-            "unigram_power": UNIGRAM_POWER, "num_tokens": int(total_tokens),
-            "num_in_vocab_tokens": int(unigram.sum()), "vocab_file": "vocab.tsv",
+            "source": f"text {path}", "vocab_requested": None if vocab is None else int(vocab),
+            "window": int(window), "negatives_per_example": int(negatives), "seed": seed,
+            "unigram_power": UNIGRAM_POWER, "vocab_file": "vocab.tsv", "vocabulary": vocabulary,
+            PRIVACY_EVENTS_KEY: privacy_events,
         })
-        writer.add_file("vocab.tsv", "".join(f"{w}\t{c}\n" for w, c in words))
+        writer.add_file("vocab.tsv", vocab_tsv)
         writer.commit(meta)
     return meta
