@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests
 
 demo: setup

@@ -1,8 +1,9 @@
 """Privacy accounting (pure library: no Ray, no trainer imports).
 
 Events (`accounting.events`) are immutable records of what each mechanism did; accountants
-(`rdp`, `pld`, `prv`, `paper`) compose them or raise UnsupportedEventError; the ledger
-persists them; calibration turns a target ε into noise multipliers.
+(`rdp`, `pld`, `prv`, `paper`) say structurally whether they `supports` an event (and its
+neighbouring relation) and compose them or raise UnsupportedEventError; the ledger persists
+them; calibration turns a target ε into noise multipliers (a frozen `Calibration`).
 """
 
 from accounting.base import (
@@ -12,13 +13,16 @@ from accounting.base import (
     UnsupportedEventError,
     make_accountant,
 )
-from accounting.calibration import calibrate, step_event, svt_event
+from accounting.calibration import Calibration, calibrate, step_event, svt_event
+from accounting.events import NeighboringRelation
 from accounting.ledger import PrivacyLedger
 
 __all__ = [
     "ACCOUNTANTS",
     "Accountant",
+    "Calibration",
     "InvalidBoundError",
+    "NeighboringRelation",
     "PrivacyLedger",
     "UnsupportedEventError",
     "calibrate",

@@ -18,20 +18,75 @@ Sparse vector (NumericSparse) has two modes: selection-only (`release_values=Fal
 what the trainer runs and the default everywhere: `svt_event`, `calibrate`, `widedp epsilon`,
 `widedp calibrate`), and value-releasing (Alg 1's 0.95/0.05 split, opt-in). The two give
 different events for the same (ε, δ, c), so every caller must name the trainer's mode.
+
+`calibrate` returns a frozen `Calibration`; its `to_dict()` is the JSON object `widedp
+calibrate` prints (the keys of the dict `calibrate` used to return, in the same order).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Callable, Optional
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional
 
 from scipy import optimize
 
 from accounting import events as ev
 from accounting.base import InvalidBoundError, UnsupportedEventError, make_accountant
-from accounting.paper import advanced_composition, gaussian_epsilon
+from accounting.paper import advanced_composition
 
 SELECTIONS = ("none", "em", "svt", "noisy-max", "threshold", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What `calibrate` found: the noise (and selection parameters) spending at most
+    `target_epsilon` at `delta` over `steps` Poisson-sampled steps at `sample_rate`.
+
+    Optional fields are None where a path does not produce them, and `to_dict()` leaves them
+    out: `effective_noise_multiplier` (threshold selection with a tight accountant: the one
+    Gaussian σ_eff that selection and noise compose to), and the paper accountant's `valid`,
+    `violations`, `delta_prime`, `epsilon_seed_lemma_literal`, `seed_lemma_literal_note`.
+    """
+
+    noise_multiplier: float
+    selection: str
+    #: Read-only; keys per selection: em / noisy-max {epsilon_per_draw, k}; svt {epsilon, delta,
+    #: max_answers, release_values}; threshold {noise_multiplier}; none / random {}.
+    selection_params: Mapping[str, Any] = dataclasses.field(hash=False)
+    selection_fraction: float
+    epsilon: float
+    target_epsilon: float
+    delta: float
+    sample_rate: float
+    steps: int
+    accountant: str
+    effective_noise_multiplier: Optional[float] = None
+    valid: Optional[bool] = None
+    violations: Optional[tuple[str, ...]] = None
+    delta_prime: Optional[float] = None
+    epsilon_seed_lemma_literal: Optional[float] = None
+    seed_lemma_literal_note: Optional[str] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "selection_params", MappingProxyType(dict(self.selection_params)))
+        if self.violations is not None:
+            object.__setattr__(self, "violations", tuple(self.violations))
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (plain dict / list values); optional fields only when set."""
+        out: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None and field.default is None:
+                continue
+            if field.name == "selection_params":
+                value = dict(value)
+            elif field.name == "violations":
+                value = list(value)
+            out[field.name] = value
+        return out
 
 
 def step_event(sample_rate: float, noise_multiplier: float, selection_event: Optional[ev.DpEvent] = None) -> ev.DpEvent:
@@ -63,7 +118,7 @@ def svt_event(epsilon: float, delta: float, max_answers: int, *, release_values:
     unit = math.sqrt(32.0 * max_answers * math.log(2.0 / delta))
     b_t = unit / eps1
     return ev.SparseVectorDpEvent(
-        threshold_noise=b_t, query_noise=2 * b_t, value_noise=2 * unit / eps2 if release_values else None,
+        threshold_noise=b_t, query_noise=2 * b_t, value_noise=2 * unit / eps2 if eps2 is not None else None,  # eps2 is None iff not release_values
         max_answers=max_answers, epsilon=epsilon, delta=delta,
     )
 
@@ -73,13 +128,17 @@ def _selection_from_rho(selection: str, rho: float, k: Optional[int], max_answer
     """(event, params) of a selector spending zCDP budget rho per (unsampled) step."""
     if selection in ("none", "random"):
         return (None if selection == "none" else ev.NoOpDpEvent()), {}
+    # k / max_answers were validated by _check_selection_args (calibrate's only caller path).
     if selection == "em":
+        assert k is not None
         eps = math.sqrt(8.0 * rho / k)
         return ev.ExponentialTopKDpEvent(eps, k), {"epsilon_per_draw": eps, "k": k}
     if selection == "noisy-max":
+        assert k is not None
         eps = math.sqrt(2.0 * rho / k)
         return ev.NoisyMaxTopKDpEvent(eps, k), {"epsilon_per_draw": eps, "k": k}
     if selection == "svt":
+        assert max_answers is not None
         eps_round = math.sqrt(2.0 * rho / max_answers)
         # ε_round = 1/b_t + 2/b_q (+ 1/b_v) = (2·0.95 + 0.05/2)·ε/unit for Alg 1's split, or
         # 2ε/unit in selection-only mode (ε1 = ε).
@@ -142,7 +201,7 @@ def calibrate(
     selection_delta: Optional[float] = None,
     svt_release_values: bool = False,
     extra_history: Optional[list] = None,
-) -> dict:
+) -> Calibration:
     """Noise multiplier (and selector parameters) spending at most target_epsilon at delta.
 
     `extra_history`: events charged besides the T steps (e.g. a one-time DP-FEST Gaussian).
@@ -172,35 +231,33 @@ def calibrate(
 
     rho = _bisect_increasing(spent, target_epsilon, 1e-8, 1.0)
     event, sigma, params = build(rho)
-    out = {
-        "noise_multiplier": sigma,
-        "selection": selection,
-        "selection_params": params,
-        "selection_fraction": sel_fraction,
-        "epsilon": acc.epsilon(extra + [(event, steps)], delta),
-        "target_epsilon": target_epsilon,
-        "delta": delta,
-        "sample_rate": sample_rate,
-        "steps": steps,
-        "accountant": accountant,
-    }
-    if selection == "threshold":
-        out["effective_noise_multiplier"] = ev.gaussian_noise_multiplier(event.event)
-    return out
+    return Calibration(
+        noise_multiplier=sigma,
+        selection=selection,
+        selection_params=params,
+        selection_fraction=sel_fraction,
+        epsilon=acc.epsilon(extra + [(event, steps)], delta),
+        target_epsilon=target_epsilon,
+        delta=delta,
+        sample_rate=sample_rate,
+        steps=steps,
+        accountant=accountant,
+        effective_noise_multiplier=ev.gaussian_noise_multiplier(event.event) if selection == "threshold" else None,
+    )
 
 
 def _invert_advanced_composition(target: float, k: int, delta: float) -> float:
     return _bisect_increasing(lambda e: advanced_composition(e, k, delta), target, 1e-12, 1.0)
 
 
-def _calibrate_paper(acc, target_epsilon, delta, q, steps, selection, fraction, k) -> dict:
+def _calibrate_paper(acc, target_epsilon, delta, q, steps, selection, fraction, k) -> Calibration:
     if selection not in ("none", "random", "em", "threshold"):
         raise UnsupportedEventError(f"paper calibration supports selection none, random, em, threshold; got {selection!r}")
     f = fraction if selection in ("em", "threshold") else 0.0
     n_free = 1 if selection == "none" else 2  # Theorem 3 charges δ' to the noise and to the selection
     delta_prime = delta / (2.0 * steps * q * n_free)
 
-    def build(E):
+    def build(E: float):
         sigma = math.sqrt(2 * math.log(1.25 / delta_prime)) / ((1 - f) * E)
         params: dict = {}
         sel = None if selection == "none" else ev.NoOpDpEvent()
@@ -216,23 +273,23 @@ def _calibrate_paper(acc, target_epsilon, delta, q, steps, selection, fraction, 
     E = _bisect_increasing(lambda E: acc.details([(build(E)[0], steps)], delta)["epsilon"], target_epsilon, 1e-9, 1.0)
     event, sigma, params = build(E)
     details = acc.details([(event, steps)], delta)
-    return {
-        "noise_multiplier": sigma,
-        "selection": selection,
-        "selection_params": params,
-        "selection_fraction": f,
-        "epsilon": details["epsilon"],
-        "target_epsilon": target_epsilon,
-        "delta": delta,
-        "sample_rate": q,
-        "steps": steps,
-        "accountant": "paper",
-        "valid": details["valid"],
-        "violations": details["violations"],
-        "delta_prime": details["delta_prime"],
-        "epsilon_seed_lemma_literal": details["epsilon_seed_lemma_literal"],
-        "seed_lemma_literal_note": details["seed_lemma_literal_note"],
-    }
+    return Calibration(
+        noise_multiplier=sigma,
+        selection=selection,
+        selection_params=params,
+        selection_fraction=f,
+        epsilon=details["epsilon"],
+        target_epsilon=target_epsilon,
+        delta=delta,
+        sample_rate=q,
+        steps=steps,
+        accountant="paper",
+        valid=details["valid"],
+        violations=details["violations"],
+        delta_prime=details["delta_prime"],
+        epsilon_seed_lemma_literal=details["epsilon_seed_lemma_literal"],
+        seed_lemma_literal_note=details["seed_lemma_literal_note"],
+    )
 
 
-__all__ = ["calibrate", "step_event", "svt_event", "SELECTIONS", "InvalidBoundError"]
+__all__ = ["Calibration", "calibrate", "step_event", "svt_event", "SELECTIONS", "InvalidBoundError"]

@@ -3,7 +3,12 @@
 We reuse `dp_accounting`'s DpEvent classes wherever one fits (Gaussian, Laplace, Poisson
 sampling, composition, no-op) and define our own only for selectors that have no
 counterpart there. Every event is stated for the **add/remove-one** neighbouring relation
-(the unit of privacy is one training example).
+(the unit of privacy is one training example). Our own event classes say so in a class-level
+`neighboring_relation` (dp_accounting's `NeighboringRelation` enum); dp_accounting's events carry
+none — they are relation-agnostic (their parameters mean the same under any relation once the
+sensitivity is stated for it) — so `relation_of` returns None for them and accountants treat
+them as matching. An accountant refuses an event (anywhere inside a history entry) whose class
+states another relation than its own.
 
 Events here describe a mechanism applied to the *whole* dataset (or to the sampled batch
 when wrapped in `PoissonSampledDpEvent`); accountants decide what they can compose and say
@@ -13,21 +18,25 @@ when wrapped in `PoissonSampledDpEvent`); accountants decide what they can compo
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, ClassVar, Iterator, Optional
 
 import attr
-from dp_accounting import dp_event
+# Re-exported so users of widedp need one import for every event type. Imported by name (not
+# assigned to variables) so type checkers see classes usable in annotations and as base classes.
+from dp_accounting.dp_event import (
+    ComposedDpEvent,
+    DpEvent,
+    GaussianDpEvent,
+    LaplaceDpEvent,
+    NonPrivateDpEvent,
+    NoOpDpEvent,
+    PoissonSampledDpEvent,
+    SelfComposedDpEvent,
+    ZCDpEvent,
+)
+from dp_accounting.privacy_accountant import NeighboringRelation
 
-# Re-exported so users of widedp need one import for every event type.
-DpEvent = dp_event.DpEvent
-GaussianDpEvent = dp_event.GaussianDpEvent
-LaplaceDpEvent = dp_event.LaplaceDpEvent
-PoissonSampledDpEvent = dp_event.PoissonSampledDpEvent
-ComposedDpEvent = dp_event.ComposedDpEvent
-SelfComposedDpEvent = dp_event.SelfComposedDpEvent
-NoOpDpEvent = dp_event.NoOpDpEvent
-NonPrivateDpEvent = dp_event.NonPrivateDpEvent
-ZCDpEvent = dp_event.ZCDpEvent
+ADD_OR_REMOVE_ONE = NeighboringRelation.ADD_OR_REMOVE_ONE
 
 
 def _positive(instance, attribute, value):
@@ -56,6 +65,8 @@ class ExponentialTopKDpEvent(DpEvent):
     Gumbel top-k is the same output distribution (as a set).
     """
 
+    neighboring_relation: ClassVar[NeighboringRelation] = ADD_OR_REMOVE_ONE
+
     epsilon_per_draw: float = attr.ib(validator=_positive)
     k: int = attr.ib(validator=_positive_int)
 
@@ -68,6 +79,8 @@ class NoisyMaxTopKDpEvent(DpEvent):
     ℓ∞ sensitivity) and reports the argmax: each round is pure epsilon_per_draw-DP for
     arbitrary (non-monotone) utilities (Dwork & Roth 2014, §3.3).
     """
+
+    neighboring_relation: ClassVar[NeighboringRelation] = ADD_OR_REMOVE_ONE
 
     epsilon_per_draw: float = attr.ib(validator=_positive)
     k: int = attr.ib(validator=_positive_int)
@@ -85,6 +98,8 @@ class SparseVectorDpEvent(DpEvent):
     proof: shift the threshold noise by s and the answering query's noise by 2s).
     `epsilon`, `delta` are the (ε, δ) that Alg 1 claims for the whole run (its calibration).
     """
+
+    neighboring_relation: ClassVar[NeighboringRelation] = ADD_OR_REMOVE_ONE
 
     threshold_noise: float = attr.ib(validator=_positive)
     query_noise: float = attr.ib(validator=_positive)
@@ -129,13 +144,17 @@ class GaussianPartitionSelectionDpEvent(DpEvent):
     δ would have to be amplified too, so accountants refuse that.
     """
 
+    neighboring_relation: ClassVar[NeighboringRelation] = ADD_OR_REMOVE_ONE
+
     noise_multiplier: float = attr.ib(validator=_positive)
     unseen_delta: float = attr.ib(validator=_probability)
 
 
 # Events that carry an additive δ next to a Gaussian part; accountants split them with
 # `accounting.base.split_additive_delta`.
-ADDITIVE_DELTA_EVENTS: tuple[type, ...] = (GaussianPartitionSelectionDpEvent,)
+# Typed by the one class so far: `base._split_event` reads `noise_multiplier` and `unseen_delta`,
+# which every such event must have.
+ADDITIVE_DELTA_EVENTS: tuple[type[GaussianPartitionSelectionDpEvent], ...] = (GaussianPartitionSelectionDpEvent,)
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,5 +244,37 @@ def gaussian_noise_multiplier(event: DpEvent) -> Optional[float]:
         s = gaussian_noise_multiplier(event.event)
         if s is None or s == 0.0 or math.isinf(s):
             return s
+        if event.count == 0:  # composed zero times: nothing happens
+            return math.inf
         return s / math.sqrt(event.count)
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# Structure (for accountants' structural `supports` checks: no ε is computed here).
+# --------------------------------------------------------------------------------------------
+
+def relation_of(event: DpEvent) -> Optional[NeighboringRelation]:
+    """The neighbouring relation `event`'s class is stated for; None = relation-agnostic
+    (dp_accounting's own events, which accountants treat as matching any relation)."""
+    relation = getattr(type(event), "neighboring_relation", None)
+    return relation if isinstance(relation, NeighboringRelation) else None
+
+
+def sub_events(event: DpEvent) -> Iterator[DpEvent]:
+    """The events directly nested in `event` (any attrs-based wrapper: a field holding an event or
+    a list/tuple of events)."""
+    if not attr.has(type(event)):
+        return
+    for field in attr.fields(type(event)):
+        value = getattr(event, field.name)
+        for sub in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(sub, DpEvent):
+                yield sub
+
+
+def walk(event: DpEvent) -> Iterator[DpEvent]:
+    """`event` and every event nested in it, depth first."""
+    yield event
+    for sub in sub_events(event):
+        yield from walk(sub)

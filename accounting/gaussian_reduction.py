@@ -3,31 +3,71 @@
 Each history entry becomes (sampling probability q, σ_eff, count) when its event is a
 Gaussian, a composition of Gaussians (σ_eff⁻² = Σσ_i⁻²), or a Poisson-sampled one; NoOp
 entries vanish. Anything else raises UnsupportedEventError naming the event.
+
+`gaussian_problem` is the structural twin used by the accountants' `supports` / `check`: it
+walks types and parameters only (no ε), and `gaussian_pieces` succeeds exactly when it finds
+no problem.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from accounting import events as ev
-from accounting.base import History, UnsupportedEventError
+from accounting.base import (History, Unsupported, UnsupportedEventError, count_problem, nonnegative_problem,
+                             probability_problem)
+
+_NOT_REDUCIBLE = ("only Gaussian-reducible steps are supported (a Gaussian, compositions of Gaussians, "
+                  "Poisson-sampled ones); {name} is not ({event!r}). Use --accountant rdp for this selection.")
+
+
+def _reducible_problem(event: ev.DpEvent) -> Optional[Unsupported]:
+    """Why `event` (unsampled) does not reduce to one Gaussian with valid parameters, else None."""
+    if type(event) is ev.GaussianDpEvent:  # exact types: a subclass may mean another mechanism
+        return nonnegative_problem(event, event.noise_multiplier, "noise_multiplier")
+    if type(event) is ev.NoOpDpEvent:
+        return None
+    if type(event) is ev.ComposedDpEvent and isinstance(event.events, (list, tuple)):
+        return next((p for p in map(_reducible_problem, event.events) if p is not None), None)
+    if type(event) is ev.SelfComposedDpEvent:
+        return count_problem(event, event.count) or _reducible_problem(event.event)
+    return Unsupported(event, _NOT_REDUCIBLE.format(name=type(event).__name__, event=event))
+
+
+def gaussian_problem(event: ev.DpEvent) -> Optional[Unsupported]:
+    """Structural: why `gaussian_pieces` would refuse the entry `event` (additive-δ events
+    already split off), else None."""
+    q, inner = 1.0, event
+    if type(event) is ev.PoissonSampledDpEvent:
+        problem = probability_problem(event, event.sampling_probability, "sampling_probability")
+        if problem is not None:
+            return problem
+        q, inner = event.sampling_probability, event.event
+    problem = _reducible_problem(inner)
+    if problem is not None:
+        return problem
+    sigma = ev.gaussian_noise_multiplier(inner)  # a closed-form reduction of parameters, not an ε
+    if sigma == 0 and q != 0:
+        zero = next((e for e in ev.walk(inner) if isinstance(e, ev.GaussianDpEvent) and e.noise_multiplier == 0), inner)
+        return Unsupported(zero, "noise multiplier 0 is not private")
+    return None
 
 
 def gaussian_pieces(history: History, accountant: str) -> list[tuple[float, float, int]]:
-    pieces = []
+    pieces: list[tuple[float, float, int]] = []
     for event, count in history:
+        problem = gaussian_problem(event)
+        if problem is not None:
+            raise UnsupportedEventError(f"{accountant} accountant: {problem.reason}", accountant=accountant,
+                                        event=problem.event)
         q, inner = 1.0, event
         if isinstance(event, ev.PoissonSampledDpEvent):
             q, inner = float(event.sampling_probability), event.event
         sigma = ev.gaussian_noise_multiplier(inner)
-        if sigma is None:
-            raise UnsupportedEventError(
-                f"{accountant} accountant supports only Gaussian-reducible steps; got {type(inner).__name__} "
-                f"({inner!r}). Use --accountant rdp for this selection."
-            )
+        # gaussian_problem(event) found no problem, so `inner` reduces to one Gaussian (or a NoOp).
+        assert sigma is not None
         if math.isinf(sigma) or q == 0:
             continue  # no-op
-        if sigma == 0:
-            raise UnsupportedEventError(f"{accountant} accountant: noise multiplier 0 is not private")
         pieces.append((q, sigma, int(count)))
     return pieces

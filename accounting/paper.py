@@ -43,14 +43,24 @@ noisy-max top-k via advanced composition of k draws at δ' (Dwork, Rothblum & Va
 (ε, δ) claim, Gaussian thresholding via Lemma 3 at δ'. Every condition of the corrected chain
 (Lemma 3's ε_g < 1, ε̃ ≤ 1/√T, closed form ≥ step 3) is checked and listed in `violations`;
 `epsilon()` raises InvalidBoundError if one fails.
+
+What is structural and what is numerical: `supports` / `check` decide from the history's shape
+alone — T identical Poisson-sampled steps (NoOp entries ignored), rate q in (0, 1], each step a
+composition of parts Theorem 3 treats (Gaussian with σ > 0, exponential / noisy-max top-k,
+NumericSparse, NoOp = random selection). Whether the bound then *holds* depends on δ and on the
+numbers (the δ budget left for δ' after the selection's own δ, Tδ̃ ∈ (0, 1), Lemma 3's ε_g < 1,
+ε̃ ≤ 1/√T, closed form ≥ KOV): only a computation at that δ can tell, so `details` reports it and
+`epsilon` raises InvalidBoundError — never UnsupportedEventError — when it fails.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from accounting import events as ev
-from accounting.base import Accountant, History, InvalidBoundError, UnsupportedEventError, check_delta, register
+from accounting.base import (Accountant, History, InvalidBoundError, Unsupported, UnsupportedEventError, check_delta,
+                             nonnegative_problem, probability_problem, register)
 
 
 def gaussian_epsilon(sigma: float, delta: float) -> float:
@@ -116,11 +126,28 @@ class PaperAccountant(Accountant):
             raise InvalidBoundError("Theorem 3 does not apply: " + "; ".join(d["violations"]))
         return d["epsilon"]
 
-    def check(self, history: History) -> None:
-        _single_step(history)
-        for part in _flatten(_single_step(history)[1]):
+    def _event_problem(self, event: ev.DpEvent) -> Optional[Unsupported]:
+        if type(event) is ev.NoOpDpEvent:
+            return None  # ignored by Theorem 3 (a history of NoOps alone is refused as a whole)
+        if type(event) is not ev.PoissonSampledDpEvent:
+            return Unsupported(event, f"Theorem 3 needs Poisson-sampled steps, got {type(event).__name__}")
+        problem = probability_problem(event, event.sampling_probability, "sampling_probability", allow_zero=False)
+        if problem is not None:
+            return problem
+        for part in _flatten(event.event):
             if type(part) not in _PART_COST:
-                raise UnsupportedEventError(f"paper accountant: no Theorem 3 treatment for {type(part).__name__}")
+                return Unsupported(part, f"no Theorem 3 treatment for {type(part).__name__}")
+            if type(part) is ev.GaussianDpEvent:
+                problem = nonnegative_problem(part, part.noise_multiplier, "noise_multiplier", positive=True)
+                if problem is not None:
+                    return problem
+        return None
+
+    def _history_problem(self, history: History) -> Optional[Unsupported]:
+        distinct = {repr(e) for e, _ in history if not isinstance(e, ev.NoOpDpEvent)}
+        if len(distinct) != 1:
+            return Unsupported(None, f"Theorem 3 needs T identical steps; history has {len(distinct)} distinct step events")
+        return None
 
     def details(self, history: History, delta: float) -> dict:
         delta = check_delta(delta)
@@ -131,8 +158,8 @@ class PaperAccountant(Accountant):
         n_free = sum(_PART_COST[type(p)](p, None)[2] for p in parts)
         delta_fixed = sum(_PART_COST[type(p)](p, None)[1] for p in parts)
         budget = delta / (2.0 * T * q) - delta_fixed
-        if budget <= 0:
-            raise UnsupportedEventError(f"delta={delta} is smaller than the selection's own δ contribution 2Tq·{delta_fixed}")
+        if budget <= 0:  # numerical (depends on δ): a validity condition, not a structural one
+            raise InvalidBoundError(f"delta={delta} is smaller than the selection's own δ contribution 2Tq·{delta_fixed}")
         delta_prime = budget / n_free if n_free else 0.0
         eps_step, delta_step, gauss_eps = 0.0, 0.0, []
         lemma3 = []  # step 1's condition: shared by the corrected chain and the literal one
@@ -147,7 +174,7 @@ class PaperAccountant(Accountant):
         delta_t = q * delta_step  # δ̃ = qδ: the same in the seed's Lemma 1 and the correct amplification
         slack = T * delta_t
         if not 0 < slack < 1:
-            raise UnsupportedEventError(f"Tδ̃ = {slack} must be in (0, 1)")
+            raise InvalidBoundError(f"Tδ̃ = {slack} must be in (0, 1)")
         # Step 2, corrected: ε̃ = log(1 + q(e^ε - 1)); then steps 3-4 with that ε̃.
         eps_t = poisson_amplification(eps_step, q)
         eps_kov, eps_thm, chain = _compose(eps_t, T, slack, "ε̃ = log(1 + q(e^(ε'+ε_g) - 1))")

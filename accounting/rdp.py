@@ -20,20 +20,27 @@ RDP → (ε, δ) uses the conversion of Balle et al. 2020 (Opacus's `get_privacy
 - Events with an additive δ (Gaussian partition selection, at the top level only): their
   Gaussian part is composed as above and their δ is subtracted from the target δ before the
   conversion (`base.split_additive_delta`); ε = inf when nothing is left.
+
+`supports` / `check` are structural (`rdp_problem`, the twin of `rdp_curve`): an event is
+supported iff every event in it has an RDP curve here (`RDP_CURVES`, by exact type), its
+parameters are valid (probabilities in [0, 1], noise ≥ 0, counts integers ≥ 0), additive-δ
+events sit at the top level, and no event is stated for another neighbouring relation. A
+Poisson-sampled event with q = 0 is a no-op whatever it wraps (ε contribution 0, as before).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy import special
 
 from accounting import events as ev
-from accounting.base import (Accountant, History, UnsupportedEventError, check_delta, register,
-                             remaining_delta, split_additive_delta)
+from accounting.base import (Accountant, History, Unsupported, UnsupportedEventError, _split_event, check_delta,
+                             count_problem, misplaced_additive_delta, nonnegative_problem, probability_problem,
+                             register, remaining_delta, split_additive_delta)
 
 DEFAULT_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
 
@@ -110,7 +117,7 @@ RDP_CURVES: dict[type, Callable] = {
         + (pure_dp_rdp(1.0 / e.value_noise, o) if e.value_noise is not None else 0.0)
     ),
     ev.ComposedDpEvent: _composed,
-    ev.SelfComposedDpEvent: lambda e, o: e.count * rdp_curve(e.event, o),
+    ev.SelfComposedDpEvent: lambda e, o: e.count * rdp_curve(e.event, o) if e.count else np.zeros(len(o)),
     ev.PoissonSampledDpEvent: lambda e, o: _poisson_sampled(e, o),
 }
 
@@ -139,13 +146,52 @@ def rdp_curve(event: ev.DpEvent, orders) -> np.ndarray:
     return np.asarray(fn(event, orders), dtype=np.float64)
 
 
+def _first_problem(events) -> Optional[Unsupported]:
+    return next((p for p in map(rdp_problem, events) if p is not None), None)
+
+
+def _composed_problem(e) -> Optional[Unsupported]:
+    if not isinstance(e.events, (list, tuple)):
+        return Unsupported(e, f"ComposedDpEvent.events must be a list of events, got {type(e.events).__name__}")
+    return _first_problem(e.events)
+
+
+def _poisson_problem(e) -> Optional[Unsupported]:
+    problem = probability_problem(e, e.sampling_probability, "sampling_probability")
+    if problem is not None or e.sampling_probability == 0:
+        return problem  # q = 0: the mechanism never runs (rdp_curve returns 0 without looking inside)
+    return rdp_problem(e.event)
+
+
+# Event type -> structural check of its parameters (and of the events it wraps); types in
+# RDP_CURVES without an entry here need none (our own events validate at construction).
+RDP_PARAMETERS: dict[type, Callable] = {
+    ev.GaussianDpEvent: lambda e: nonnegative_problem(e, e.noise_multiplier, "noise_multiplier"),
+    ev.LaplaceDpEvent: lambda e: nonnegative_problem(e, e.noise_multiplier, "noise_multiplier", positive=True),
+    ev.ZCDpEvent: lambda e: nonnegative_problem(e, e.rho, "rho") or nonnegative_problem(e, e.xi, "xi"),
+    ev.SparseVectorDpEvent: lambda e: None if e.value_noise is None
+    else nonnegative_problem(e, e.value_noise, "value_noise", positive=True),
+    ev.ComposedDpEvent: _composed_problem,
+    ev.SelfComposedDpEvent: lambda e: count_problem(e, e.count) or rdp_problem(e.event),
+    ev.PoissonSampledDpEvent: _poisson_problem,
+}
+
+
+def rdp_problem(event: ev.DpEvent) -> Optional[Unsupported]:
+    """Structural twin of `rdp_curve`: None iff it returns a curve for `event` (no ε computed)."""
+    if type(event) not in RDP_CURVES:
+        return Unsupported(event, f"no RDP bound is known for {type(event).__name__}")
+    check = RDP_PARAMETERS.get(type(event))
+    return None if check is None else check(event)
+
+
 @register
 class RdpAccountant(Accountant):
     """Tight-ish accountant for everything with a known RDP curve (see module docstring)."""
 
     name = "rdp"
 
-    def __init__(self, orders=DEFAULT_ORDERS):
+    def __init__(self, orders=DEFAULT_ORDERS) -> None:
         self.orders = tuple(float(o) for o in orders)
         self._cache: dict[str, np.ndarray] = {}  # keyed by repr: composed events hold lists
 
@@ -161,11 +207,16 @@ class RdpAccountant(Accountant):
             total = total + count * self._curve(event)
         return total
 
+    def _event_problem(self, event: ev.DpEvent) -> Optional[Unsupported]:
+        # As `details` computes: additive-δ events split off at the top level, then curves.
+        return misplaced_additive_delta(event) or rdp_problem(_split_event(event, self.name)[0])
+
     def epsilon(self, history: History, delta: float) -> float:
         return self.details(history, delta)["epsilon"]
 
     def details(self, history: History, delta: float) -> dict:
         delta = check_delta(delta)
+        self.check(history)
         history, additive_delta = split_additive_delta(history, self.name)
         extra = {"additive_delta": additive_delta} if additive_delta else {}
         rdp = self.total_rdp(history)

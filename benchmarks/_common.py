@@ -497,7 +497,7 @@ def default_selection_threshold(cfg) -> Optional[dict]:
     """The trainer's own rule for privacy.threshold = 0 (`trainer.train.auto_selection_threshold`),
     made explicit so that a benchmark record carries the value and the rule.
     Returns {"threshold": value, "rule": text}, or None when the config's own value is used."""
-    from trainer.train import _ensure_dataset, auto_selection_threshold, plan_privacy
+    from trainer.train import _ensure_dataset, plan_privacy
 
     t, p = cfg.train, cfg.privacy
     if t.mode != "sparse" or t.selection not in ("svt", "threshold") or p.threshold > 0:

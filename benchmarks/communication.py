@@ -27,8 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (announce_machine, cpu_note, ctr_dataset, fmt_bytes, format_table, machine_info, machine_line,  # noqa: E402
-                     run_worker, time_engine, timing_overrides, worker_entry, write_results)
+from _common import (announce_machine, ctr_dataset, fmt_bytes, format_table, run_worker, time_engine, timing_overrides, worker_entry, write_results)
 
 MODES = ("sparse", "dpsgd", "nonprivate")
 WRITE_BACK = ("apply_rows", "apply_dense_noise_update")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (announce_machine, cpu_note, fmt_bytes, format_table, machine_info, machine_line, mem_info,  # noqa: E402
+from _common import (announce_machine, fmt_bytes, format_table, mem_info,  # noqa: E402
                      run_worker, text_dataset, time_engine, timing_overrides, worker_entry, write_results)
 
 SYSTEMS = ("opacus-ghost", "opacus-hooks", "pytorch-nonprivate", "widedp-sparse", "widedp-sparse-inprocess",

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DATA_DIR, REPO, announce_machine, cpu_note, default_selection_threshold, format_table, machine_info, machine_line, write_results  # noqa: E402
+from _common import DATA_DIR, REPO, announce_machine, default_selection_threshold, format_table, write_results  # noqa: E402
 
 PAPER = ["model.embedding_dim=100", "train.batch_size=20", "train.optimizer=adam", "train.lr=0.001",
          "train.dense_lr=0.001", "privacy.clip_norm=15", "privacy.second_clip_norm=0.05", "privacy.gamma=0.001",

@@ -18,8 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (announce_machine, cpu_note, ensure_config_dataset, format_table, machine_info, machine_line,  # noqa: E402
-                     quick_data_overrides, run_worker, time_engine, timing_overrides, worker_entry, write_results)
+from _common import (announce_machine, ensure_config_dataset, format_table, quick_data_overrides, run_worker, time_engine, timing_overrides, worker_entry, write_results)
 
 
 def main(argv=None) -> dict:

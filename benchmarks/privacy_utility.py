@@ -33,8 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (announce_machine, DATA_DIR, REPO, cpu_note, default_selection_threshold, format_table, machine_info,  # noqa: E402
-                     machine_line, write_results)
+from _common import (announce_machine, DATA_DIR, REPO, default_selection_threshold, format_table, write_results)
 
 DATASETS = {"ctr": "configs/ctr.toml", "cbow": "configs/cbow.toml"}
 PRIMARY = {"ctr": ("auc", "max"), "cbow": ("loss", "min")}

@@ -9,7 +9,8 @@ hashable keys; it returns a `PartitionSelection` (keys, noisy counts, event) ins
 
 from selection.exponential import exponential_top_k, k_from_fraction, paper_epsilon_per_draw
 from selection.fest import fest_top_k, truncated_row_counts
-from selection.noise import gaussian_noise, noisy_selected_rows, second_clip, secure_generator, step_sensitivity
+from selection.noise import (NoisyStep, gaussian_noise, noisy_selected_rows, noisy_step,
+                             secure_generator, step_sensitivity)
 from selection.noisy_max import noisy_max_top_k
 from selection.partition import (PartitionSelection, bounded_key_counts, gaussian_partition_selection,
                                  partition_selection_threshold)
@@ -36,6 +37,8 @@ __all__ = [
     "exponential_top_k",
     "fest_top_k",
     "gaussian_noise",
+    "NoisyStep",
+    "noisy_step",
     "gaussian_partition_selection",
     "gaussian_threshold",
     "k_from_fraction",
@@ -45,7 +48,6 @@ __all__ = [
     "paper_epsilon_per_draw",
     "partition_selection_threshold",
     "random_rows",
-    "second_clip",
     "secure_generator",
     "step_sensitivity",
     "truncated_row_counts",

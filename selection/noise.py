@@ -11,9 +11,10 @@ Noise N(0, (σ·sensitivity)²) on the selected rows only gives `GaussianDpEvent
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -30,16 +31,6 @@ def step_sensitivity(clip_norm: float, expected_batch_size: float, second_clip_n
             raise ValueError(f"second_clip_norm must be > 0, got {second_clip_norm}")
         s = min(s, 2.0 * second_clip_norm)
     return s
-
-
-def second_clip(rows: torch.Tensor, second_clip_norm: Optional[float]) -> torch.Tensor:
-    """Project the selected rows (all of them together, one vector) onto the ℓ2 ball of radius S2."""
-    if second_clip_norm is None:
-        return rows
-    norm = torch.linalg.vector_norm(rows.double()).item()
-    if norm <= second_clip_norm:
-        return rows
-    return rows * (second_clip_norm / norm)
 
 
 def secure_generator(device: str | torch.device = "cpu") -> torch.Generator:
@@ -63,6 +54,58 @@ def gaussian_noise(shape, std: float, generator: torch.Generator, dtype=torch.fl
     return (noise / 2.0).to(dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class NoisyStep:
+    """What the Gaussian step released: the noisy selected rows (or, when the rows are noised
+    elsewhere — DP-SGD's shards draw every row's noise themselves — the clipped rows with
+    `rows_noised=False`), the noisy dense gradients, the noise std and the event."""
+
+    rows: torch.Tensor
+    dense: dict
+    std: float
+    rows_noised: bool
+    event: GaussianDpEvent
+
+
+def noisy_step(
+    rows: torch.Tensor,
+    dense: Mapping[str, torch.Tensor],
+    noise_multiplier: float,
+    clip_norm: float,
+    expected_batch_size: float,
+    second_clip_norm: Optional[float],
+    generator: torch.Generator,
+    secure: bool = False,
+    noise_rows: bool = True,
+) -> NoisyStep:
+    """Alg 3 lines 9-11 over one vector: the selected rows Δ = G ⊙ M and every dense gradient.
+
+    Add/remove-one neighbours: the whole vector (rows and dense parameters) is projected onto
+    the S2-ball together (`second_clip_norm`), so its ℓ2 sensitivity is min(S1/b, 2·S2)
+    (module docstring); N(0, (σ·sensitivity)²) is added to the selected rows (unless
+    `noise_rows=False`: the caller noises them with the same std, e.g. DP-SGD on the shards)
+    and to every dense gradient. Inputs may be float64; outputs are float32. Draw order (part
+    of the contract: the reference implementation reproduces it): the rows as one [k, D] draw,
+    then each dense gradient in mapping order. Returns a `NoisyStep` whose `event` is
+    `GaussianDpEvent(σ)`.
+    """
+    if noise_multiplier < 0 or not math.isfinite(noise_multiplier):
+        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier}")
+    std = noise_multiplier * step_sensitivity(clip_norm, expected_batch_size, second_clip_norm)
+    scale = 1.0
+    if second_clip_norm is not None:
+        total = math.sqrt(float((rows.double() ** 2).sum()) + sum(float((g.double() ** 2).sum()) for g in dense.values()))
+        scale = min(1.0, second_clip_norm / total) if total > 0 else 1.0
+    out_rows = (rows * scale).float()
+    if noise_rows:
+        out_rows = out_rows + gaussian_noise(out_rows.shape, std, generator, secure=secure)
+    out_dense = {}
+    for name, g in dense.items():
+        g = (g * scale).float()
+        out_dense[name] = g + gaussian_noise(g.shape, std, generator, secure=secure)
+    return NoisyStep(out_rows, out_dense, std, noise_rows, GaussianDpEvent(noise_multiplier))
+
+
 def noisy_selected_rows(
     selected_rows: torch.Tensor,
     noise_multiplier: float,
@@ -72,14 +115,10 @@ def noisy_selected_rows(
     generator: torch.Generator,
     secure: bool = False,
 ) -> tuple[torch.Tensor, GaussianDpEvent]:
-    """Alg 3 lines 9-11 on the rows in M only: Δ̃ = clip_S2(Δ) + N(0, (σ·sens)²).
-
-    `selected_rows` is G restricted to the selected rows ([k, D]). Returns the noisy rows and
-    the event `GaussianDpEvent(σ)` (noise std / ℓ2 sensitivity = σ).
+    """Alg 3 lines 9-11 on the rows in M only (no dense parameters): `noisy_step` with an empty
+    dense part. `selected_rows` is G restricted to the selected rows ([k, D]). Returns the
+    noisy rows and the event `GaussianDpEvent(σ)` (noise std / ℓ2 sensitivity = σ).
     """
-    if noise_multiplier < 0 or not math.isfinite(noise_multiplier):
-        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier}")
-    sens = step_sensitivity(clip_norm, expected_batch_size, second_clip_norm)
-    clipped = second_clip(selected_rows, second_clip_norm)
-    noise = gaussian_noise(clipped.shape, noise_multiplier * sens, generator, clipped.dtype, clipped.device, secure)
-    return clipped + noise, GaussianDpEvent(noise_multiplier)
+    step = noisy_step(selected_rows, {}, noise_multiplier, clip_norm, expected_batch_size, second_clip_norm,
+                      generator, secure)
+    return step.rows.to(selected_rows.dtype), step.event

@@ -19,21 +19,20 @@ import math
 
 import numpy as np
 
-from accounting.events import SparseVectorDpEvent
+from accounting.calibration import svt_event
 from selection._sparse import check_count, check_positive, check_sparse_input
 from selection.result import Selection
 
 
 def numeric_sparse_scales(epsilon: float, delta: float, max_answers: int, sensitivity: float, release_values: bool):
-    """(threshold scale, query scale, value scale or None) of Alg 1, in absolute units."""
-    eps1, eps2 = (0.95 * epsilon, 0.05 * epsilon) if release_values else (epsilon, None)
+    """(threshold scale, query scale, value scale or None) of Alg 1, in absolute units.
 
-    def sigma(e):
-        return sensitivity * math.sqrt(32.0 * max_answers * math.log(2.0 / delta)) / e
-
-    threshold_scale = sigma(eps1)
-    value_scale = 2.0 * sigma(eps2) if release_values else None
-    return threshold_scale, 2.0 * threshold_scale, value_scale
+    Derived from the privacy event itself (`accounting.calibration.svt_event`, the one place
+    Alg 1's calibration is written), so the noise the mechanism draws and the event it
+    reports cannot drift apart."""
+    unit = svt_event(epsilon, delta, max_answers, release_values=release_values)
+    value_scale = unit.value_noise * sensitivity if unit.value_noise is not None else None
+    return unit.threshold_noise * sensitivity, unit.query_noise * sensitivity, value_scale
 
 
 def numeric_sparse(
@@ -109,14 +108,15 @@ def numeric_sparse(
             pos += seg.size
             window *= 2
             continue
+        # The smaller of g, t is finite here (both infinite was handled above), so int() is exact.
         if g < t:
-            gi = g // 2
+            gi = int(g) // 2
             row = int(gap_start[gi] + offsets[gi] - 1)
             answers_ids.append(row)
             answers_raw.append(0.0)
             pos += gi  # touched rows before this gap were examined (and failed)
         else:
-            ti = (t - 1) // 2
+            ti = (int(t) - 1) // 2
             row = int(seg[ti])
             answers_ids.append(row)
             answers_raw.append(float(u[pos + ti]))
@@ -128,12 +128,4 @@ def numeric_sparse(
     out_values = None
     if release_values:
         out_values = np.asarray(answers_raw) + rng.laplace(0.0, b_value, size=out_ids.size)
-    event = SparseVectorDpEvent(
-        threshold_noise=b_threshold / sensitivity,
-        query_noise=b_query / sensitivity,
-        value_noise=None if b_value is None else b_value / sensitivity,
-        max_answers=c,
-        epsilon=epsilon,
-        delta=float(delta),
-    )
-    return Selection(out_ids, event, out_values)
+    return Selection(out_ids, svt_event(epsilon, float(delta), c, release_values=release_values), out_values)

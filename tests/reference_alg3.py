@@ -8,7 +8,7 @@ dense parameters, so repeated ids and rows shared by several features add up by 
 by any bookkeeping of ours), the first clip is over the full per-example gradient, and the
 update is written as `W[r] -= lr · Δ̃[r]` for the selected rows only.
 
-Privacy semantics reproduced (DESIGN §1): add/remove-one neighbours, sums normalized by the
+Privacy semantics reproduced (docs/DESIGN.md §1): add/remove-one neighbours, sums normalized by the
 expected batch size b; utility of a row for em / noisy-max / svt is min(‖G_r‖₂, S0) with
 sensitivity min(S1/b, S0); threshold counts come from `selection.contribution_counts` over each
 example's distinct global rows; the Gaussian noise std is σ·min(S1/b, 2·S2) (σ·S1/b without S2)

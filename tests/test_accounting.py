@@ -228,3 +228,247 @@ def test_numeric_sparse_emits_the_event_calibration_assumes():
 
 def test_default_orders_match_opacus():
     assert list(DEFAULT_ORDERS) == list(RDPAccountant.DEFAULT_ALPHAS)
+
+
+# ---- the accounting contract: structural `supports`, neighbouring relation, registry, PRV via Opacus's API --
+
+import warnings  # noqa: E402
+from typing import ClassVar  # noqa: E402
+
+import attr  # noqa: E402
+from dp_accounting import NeighboringRelation  # noqa: E402
+
+from accounting import PrivacyLedger  # noqa: E402
+from accounting import base  # noqa: E402
+from accounting.calibration import svt_event  # noqa: E402
+
+PARTITION = ev.GaussianPartitionSelectionDpEvent(4.0, 1e-9)
+ACCOUNTANT_NAMES = ("rdp", "pld", "prv", "paper")
+
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class MadeUpDpEvent(ev.DpEvent):
+    """A custom event no accountant knows."""
+
+    strength: float
+
+
+@attr.s(frozen=True, slots=True)
+class ReplaceOneTopKDpEvent(ev.ExponentialTopKDpEvent):
+    """The exponential mechanism stated for replace-one neighbours (sensitivities double)."""
+
+    neighboring_relation: ClassVar[NeighboringRelation] = NeighboringRelation.REPLACE_ONE
+
+
+_SVT = svt_event(1.0, 1e-6, 4, release_values=False)
+# name -> (event, supported by (rdp, pld, prv, paper))
+SUPPORT_TABLE = {
+    "gaussian": (ev.GaussianDpEvent(1.0), (1, 1, 1, 0)),
+    "composed_gaussians": (ev.ComposedDpEvent([ev.GaussianDpEvent(1.0), ev.GaussianDpEvent(2.0)]), (1, 1, 1, 0)),
+    "sampled_gaussian": (ev.PoissonSampledDpEvent(0.01, ev.GaussianDpEvent(1.0)), (1, 1, 1, 1)),
+    "sampled_threshold_step": (step_event(0.01, 1.0, ev.GaussianDpEvent(2.0)), (1, 1, 1, 1)),
+    "sampled_em_step": (step_event(0.01, 1.0, ev.ExponentialTopKDpEvent(0.1, 3)), (1, 0, 0, 1)),
+    "sampled_noisy_max_step": (step_event(0.01, 1.0, ev.NoisyMaxTopKDpEvent(0.1, 3)), (1, 0, 0, 1)),
+    "sampled_random_step": (step_event(0.01, 1.0, ev.NoOpDpEvent()), (1, 1, 1, 1)),
+    "svt_step": (step_event(0.01, 1.0, _SVT), (1, 0, 0, 1)),
+    "partition": (PARTITION, (1, 1, 1, 0)),
+    "partition_in_composed": (ev.ComposedDpEvent([PARTITION, ev.GaussianDpEvent(2.0)]), (1, 1, 1, 0)),
+    "partition_self_composed": (ev.SelfComposedDpEvent(PARTITION, 2), (1, 1, 1, 0)),
+    "partition_sampled": (ev.PoissonSampledDpEvent(0.1, PARTITION), (0, 0, 0, 0)),
+    "partition_deep": (ev.ComposedDpEvent([ev.PoissonSampledDpEvent(
+        0.1, ev.ComposedDpEvent([ev.GaussianDpEvent(1.0), PARTITION]))]), (0, 0, 0, 0)),
+    "em": (ev.ExponentialTopKDpEvent(0.1, 3), (1, 0, 0, 0)),
+    "svt": (_SVT, (1, 0, 0, 0)),
+    "laplace_self_composed": (ev.SelfComposedDpEvent(ev.LaplaceDpEvent(2.0), 3), (1, 0, 0, 0)),
+    "nonprivate": (ev.NonPrivateDpEvent(), (1, 0, 0, 0)),  # rdp: ε = inf, an honest answer
+    "sampled_nonprivate": (ev.PoissonSampledDpEvent(0.01, ev.NonPrivateDpEvent()), (1, 0, 0, 0)),
+    "noop": (ev.NoOpDpEvent(), (1, 1, 1, 0)),  # paper: a history of NoOps alone has no step
+    "zero_noise_step": (step_event(0.01, 0.0), (1, 0, 0, 0)),  # rdp: ε = inf; pld/prv: "not private"
+    "custom": (MadeUpDpEvent(1.0), (0, 0, 0, 0)),
+    "randomized_response": (dpe.RandomizedResponseDpEvent(0.5, 3), (0, 0, 0, 0)),
+    "replace_one_em": (ReplaceOneTopKDpEvent(0.1, 3), (0, 0, 0, 0)),
+    "replace_one_in_step": (step_event(0.01, 1.0, ReplaceOneTopKDpEvent(0.1, 3)), (0, 0, 0, 0)),
+    "rate_above_one": (ev.PoissonSampledDpEvent(1.5, ev.GaussianDpEvent(1.0)), (0, 0, 0, 0)),
+    "negative_noise": (ev.GaussianDpEvent(-1.0), (0, 0, 0, 0)),
+    "negative_self_composition": (ev.SelfComposedDpEvent(ev.GaussianDpEvent(1.0), -2), (0, 0, 0, 0)),
+}
+
+
+@pytest.mark.parametrize("name", ACCOUNTANT_NAMES)
+def test_supports_agrees_with_epsilon_raising(name):
+    """`supports` is decided structurally, and exactly when `epsilon` would refuse; `check` names
+    the accountant and the offending event type. (The paper accountant's numerical validity
+    conditions raise InvalidBoundError, not UnsupportedEventError: they are not `supports`' business.)"""
+    acc = make_accountant(name)
+    column = ACCOUNTANT_NAMES.index(name)
+    for label, (event, expected) in SUPPORT_TABLE.items():
+        supported = acc.supports(event)
+        assert supported is bool(expected[column]), (name, label)
+        try:
+            acc.epsilon([(event, 1)], 1e-5)
+            refused = False
+        except UnsupportedEventError:
+            refused = True
+        except InvalidBoundError:
+            assert name == "paper", label
+            refused = False
+        assert refused is not supported, (name, label)
+        if supported:
+            acc.check([(event, 1)])
+        else:
+            with pytest.raises(UnsupportedEventError) as info:
+                acc.check([(event, 1)])
+            message = str(info.value)
+            assert message.startswith(f"{name} accountant"), message
+            assert info.value.accountant == name
+            offending = info.value.event  # None: a property of the whole history (paper: no step at all)
+            if offending is not None:
+                assert type(offending).__name__ in message, message
+
+
+def test_unsupported_messages_name_the_nested_offender():
+    with pytest.raises(UnsupportedEventError, match=r"pld accountant .*ExponentialTopKDpEvent.*Gaussian-reducible"):
+        make_accountant("pld").check([(SUPPORT_TABLE["sampled_em_step"][0], 10)])
+    with pytest.raises(UnsupportedEventError, match=r"rdp accountant .*MadeUpDpEvent"):
+        make_accountant("rdp").check([(GAUSS_STEP, 10), (MadeUpDpEvent(1.0), 1)])
+    with pytest.raises(UnsupportedEventError, match=r"paper accountant: .*identical steps"):
+        make_accountant("paper").check([(step_event(0.01, 20.0), 5), (step_event(0.02, 20.0), 5)])
+
+
+def test_paper_numerical_conditions_are_invalid_bounds_not_unsupported_events():
+    """Structurally fine; whether Theorem 3 holds depends on δ (here: below the selection's own δ)."""
+    step = step_event(0.01, 10.0, svt_event(1.0, 0.5, 3, release_values=False))
+    acc = make_accountant("paper")
+    assert acc.supports(step)
+    with pytest.raises(InvalidBoundError, match="own δ"):
+        acc.epsilon([(step, 100)], 1e-6)
+
+
+def _no_epsilon(*args, **kwargs):
+    raise AssertionError("a structural check computed ε")
+
+
+@pytest.mark.parametrize("name", ACCOUNTANT_NAMES)
+def test_record_and_check_never_compute_epsilon(name, monkeypatch):
+    """Spy: with every ε entry point of the accountant (and Opacus / dp_accounting underneath) made
+    to fail, `supports`, `check` and `PrivacyLedger.record` still work — and still refuse."""
+    import accounting.paper
+    import accounting.pld
+    import accounting.prv
+    import accounting.rdp
+
+    acc = make_accountant(name)
+    monkeypatch.setattr(type(acc), "epsilon", _no_epsilon)
+    monkeypatch.setattr(type(acc), "details", _no_epsilon)
+    monkeypatch.setattr(accounting.rdp.opacus_rdp, "compute_rdp", _no_epsilon)
+    monkeypatch.setattr(accounting.rdp, "rdp_curve", _no_epsilon)
+    monkeypatch.setattr(accounting.pld.pld_privacy_accountant, "PLDAccountant", _no_epsilon)
+    monkeypatch.setattr(accounting.prv, "OpacusPRV", _no_epsilon)
+    monkeypatch.setattr(accounting.paper, "gaussian_epsilon", _no_epsilon)
+    monkeypatch.setattr(accounting.paper, "poisson_amplification", _no_epsilon)
+    ledger = PrivacyLedger(acc, delta=1e-6)
+    step = step_event(0.01, 1.0, ev.GaussianDpEvent(2.0))
+    for _ in range(200):
+        ledger.record(step)
+    assert ledger.steps == 200 and acc.supports(step)
+    acc.check(ledger.history)
+    with pytest.raises(UnsupportedEventError):
+        ledger.record(MadeUpDpEvent(1.0))
+    assert ledger.steps == 200
+
+
+def test_events_and_accountants_state_their_neighbouring_relation():
+    for cls in (ev.ExponentialTopKDpEvent, ev.NoisyMaxTopKDpEvent, ev.SparseVectorDpEvent,
+                ev.GaussianPartitionSelectionDpEvent):
+        assert cls.neighboring_relation is NeighboringRelation.ADD_OR_REMOVE_ONE
+        assert "neighboring_relation" not in {f.name for f in attr.fields(cls)}  # class-level, not serialized
+    assert ev.relation_of(ev.GaussianDpEvent(1.0)) is None  # dp_accounting's events: relation-agnostic
+    assert ev.relation_of(ReplaceOneTopKDpEvent(0.1, 3)) is NeighboringRelation.REPLACE_ONE
+    for name in ACCOUNTANT_NAMES:
+        assert make_accountant(name).neighboring_relation is NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
+@pytest.mark.parametrize("name", ACCOUNTANT_NAMES)
+def test_accountants_refuse_events_stated_for_another_relation(name):
+    acc = make_accountant(name)
+    for event in (ReplaceOneTopKDpEvent(0.1, 3), step_event(0.01, 1.0, ReplaceOneTopKDpEvent(0.1, 3))):
+        assert not acc.supports(event)
+        with pytest.raises(UnsupportedEventError, match="ReplaceOneTopKDpEvent.*REPLACE_ONE.*ADD_OR_REMOVE_ONE"):
+            acc.epsilon([(event, 1)], 1e-6)
+    ledger = PrivacyLedger(acc, delta=1e-6)
+    with pytest.raises(UnsupportedEventError, match="REPLACE_ONE"):
+        ledger.record(step_event(0.01, 1.0, ReplaceOneTopKDpEvent(0.1, 3)))
+    assert ledger.steps == 0
+
+
+def test_register_refuses_silent_overwrite(monkeypatch):
+    monkeypatch.setattr(base, "ACCOUNTANTS", dict(base.ACCOUNTANTS))
+    make_accountant("rdp")  # all four registered
+    rdp_cls = base.ACCOUNTANTS["rdp"]
+
+    class Impostor(rdp_cls):
+        name = "rdp"
+
+    with pytest.raises(ValueError, match="'rdp' is already registered"):
+        base.register(Impostor)
+    assert base.ACCOUNTANTS["rdp"] is rdp_cls
+    assert base.register(rdp_cls) is rdp_cls  # the very same class again: idempotent
+    assert base.ACCOUNTANTS["rdp"] is rdp_cls
+
+    class Fresh(rdp_cls):
+        name = "rdp-fresh"
+
+    assert base.register(Fresh) is Fresh and isinstance(make_accountant("rdp-fresh"), Fresh)
+
+    class Other(rdp_cls):
+        name = "rdp-fresh"
+
+    with pytest.raises(ValueError, match="rdp-fresh"):
+        base.register(Other)
+
+    class Nameless(rdp_cls):
+        name = ""
+
+    with pytest.raises(ValueError, match="non-empty"):
+        base.register(Nameless)
+    with pytest.raises(TypeError):
+        base.register(object)
+
+
+def test_prv_goes_through_opacus_public_api():
+    """Our PRV ε equals Opacus's PRVAccountant driven step by step through `step()`."""
+    history = [(ev.PoissonSampledDpEvent(0.01, ev.GaussianDpEvent(1.0)), 30),
+               (ev.PoissonSampledDpEvent(0.05, ev.GaussianDpEvent(2.0)), 20)]
+    ref = PRVAccountant()
+    for _ in range(30):
+        ref.step(noise_multiplier=1.0, sample_rate=0.01)
+    for _ in range(20):
+        ref.step(noise_multiplier=2.0, sample_rate=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = ref.get_epsilon(1e-6, eps_error=0.01)
+    assert make_accountant("prv").epsilon(history, 1e-6) == pytest.approx(expected, rel=1e-12)
+
+
+def test_prv_silences_only_the_known_benign_opacus_warnings(monkeypatch):
+    import accounting.prv as prv_module
+
+    acc = make_accountant("prv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acc.epsilon([(ev.GaussianDpEvent(10.0), 1)], 1e-5)  # q = 1: Opacus's log(1 - q) = -inf
+        acc.epsilon([(step_event(0.01, 4.0), 1)], 1e-6)  # Opacus's RDP domain sizing at the edge of its orders
+
+    class Noisy(prv_module.OpacusPRV):
+        def get_epsilon(self, delta, **kwargs):
+            warnings.warn("an unrelated warning", UserWarning)
+            warnings.warn("divide by zero encountered in log", RuntimeWarning)  # right text, wrong module
+            warnings.warn("Optimal order is the largest alpha.", UserWarning)  # right text, wrong module
+            return super().get_epsilon(delta, **kwargs)
+
+    monkeypatch.setattr(prv_module, "OpacusPRV", Noisy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.epsilon([(ev.GaussianDpEvent(10.0), 1)], 1e-5)
+    messages = {str(w.message) for w in caught}
+    assert {"an unrelated warning", "divide by zero encountered in log", "Optimal order is the largest alpha."} <= messages

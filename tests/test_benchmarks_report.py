@@ -225,5 +225,5 @@ def test_tune_sweep_smoke_and_results_section(tmp_path):
     (res / "tuning").mkdir(parents=True)
     (res / "tuning" / "smoke.json").write_text(json.dumps(doc))
     md = make_results.render(res, tmp_path / "docs").read_text()
-    assert "## 9. Hyperparameter tuning" in md and f"**train.lr=" in md
+    assert "## 9. Hyperparameter tuning" in md and "**train.lr=" in md
     assert f"{doc['best']['test_metrics']['auc']:.4f}" in md

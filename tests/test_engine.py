@@ -207,7 +207,7 @@ MUTANTS = {
     "wrong_b": lambda mp, engine: setattr(engine, "b", engine.b * 1.05),
     # the paper's later text: sensitivity min(S1/b, S2) instead of min(S1/b, 2·S2)
     "s2_sensitivity": lambda mp, engine: mp.setattr(
-        "trainer.engine.step_sensitivity", lambda c, b, s2: min(c / b, s2) if s2 else c / b),
+        "selection.noise.step_sensitivity", lambda c, b, s2: min(c / b, s2) if s2 else c / b),
     # per-occurrence ("Opacus-style") embedding norms; shared-table rows not merged across features
     "opacus_norms": _wrong_norms_mutant("occurrence"),
     "per_feature_norms": _wrong_norms_mutant("feature"),
@@ -217,7 +217,7 @@ MUTANTS = {
         lambda ids, scores, V, k, eps, sens, rng, _f=exponential_top_k: _f(ids, scores, V, k, eps, 2 * sens, rng)),
     # no noise on the selected rows (dense params still noised)
     "no_row_noise": lambda mp, engine: mp.setattr(
-        "trainer.engine.gaussian_noise",
+        "selection.noise.gaussian_noise",
         lambda shape, std, gen, secure=False: torch.zeros(shape) if len(shape) == 2
         else torch.normal(0.0, std, size=tuple(shape), generator=gen)),
 }
@@ -249,7 +249,7 @@ def test_mutant_harness_is_neutral(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["sparse", "dpsgd"])
 def test_empty_batch_is_a_legal_step(mode):
-    """DESIGN §1: empty batches are legal steps (noise only, ledger charged)."""
+    """docs/DESIGN.md §1: empty batches are legal steps (noise only, ledger charged)."""
     ds = dataset()
     batches = batches_with_crafted(ds, 3)
     batches.insert(1, np.empty(0, dtype=np.int64))
@@ -556,7 +556,7 @@ def test_budget_stop_refuses_exactly_the_exceeding_step(mode, selection):
 
 @pytest.mark.parametrize("mode", ["sparse", "dpsgd"])
 def test_ledger_is_written_before_the_update_is_released(mode, monkeypatch):
-    """DESIGN §1: a crash while releasing the update can only over-count."""
+    """docs/DESIGN.md §1: a crash while releasing the update can only over-count."""
     ds = dataset()
     batches = batches_with_crafted(ds, 2)
     engine = build(ds, batches, mode=mode, num_shards=2)
@@ -574,6 +574,39 @@ def test_ledger_is_written_before_the_update_is_released(mode, monkeypatch):
     with pytest.raises(RuntimeError, match="shard lost"):
         engine.step()
     assert engine.ledger.steps == 2
+    assert_params_equal(engine_params(engine), before)
+
+
+@pytest.mark.parametrize("mechanism", ["selector", "noise"])
+def test_a_step_whose_mechanisms_report_another_event_than_budgeted_is_refused_before_release(mechanism, monkeypatch):
+    """One privacy path: the ledger records what the selector and the noise step returned; if
+    that differs from the event the budget was checked for, nothing is recorded or released."""
+    import trainer.engine as engine_mod
+    from accounting import events as ev
+    from selection.noise import NoisyStep
+    from selection.result import Selection
+
+    ds = dataset()
+    batches = batches_with_crafted(ds, 2)
+    engine = build(ds, batches, mode="sparse", selection="em", num_shards=2)
+    assert engine.step() is not None
+    before = engine_params(engine)
+    if mechanism == "selector":  # a selector that spends twice the per-draw ε it was asked for
+        real = engine_mod.exponential_top_k
+
+        def greedy(ids, scores, V, k, eps, sens, rng):
+            return Selection(real(ids, scores, V, k, 2 * eps, sens, rng).ids, ev.ExponentialTopKDpEvent(2 * eps, k))
+        monkeypatch.setattr(engine_mod, "exponential_top_k", greedy)
+    else:  # a noise step that reports (and draws) half the noise multiplier
+        real = engine_mod.noisy_step
+
+        def halved(rows, dense, sigma, *args, **kwargs):
+            out = real(rows, dense, sigma / 2, *args, **kwargs)
+            return NoisyStep(out.rows, out.dense, out.std, out.rows_noised, out.event)
+        monkeypatch.setattr(engine_mod, "noisy_step", halved)
+    with pytest.raises(RuntimeError, match="budget was checked for"):
+        engine.step()
+    assert engine.ledger.steps == 1
     assert_params_equal(engine_params(engine), before)
 
 

@@ -79,9 +79,9 @@ def test_ledger_load_errors_name_the_file_and_entry(tmp_path):
 def test_calibration_spends_the_target_and_no_more(selection):
     target = 2.0
     out = calibrate(target, 1e-6, 0.005, 2000, selection=selection, fraction=0.25, k=50, max_answers=50)
-    assert target * (1 - 1e-6) <= out["epsilon"] <= target
+    assert target * (1 - 1e-6) <= out.epsilon <= target
     # Re-account the returned parameters independently of the calibrator.
-    params = out["selection_params"]
+    params = out.selection_params
     sel = {
         "none": None,
         "random": ev.NoOpDpEvent(),
@@ -91,37 +91,37 @@ def test_calibration_spends_the_target_and_no_more(selection):
         "svt": None,
     }[selection]
     if selection != "svt":
-        eps = make_accountant("rdp").epsilon([(step_event(0.005, out["noise_multiplier"], sel), 2000)], 1e-6)
-        assert eps == pytest.approx(out["epsilon"], rel=1e-9)
+        eps = make_accountant("rdp").epsilon([(step_event(0.005, out.noise_multiplier, sel), 2000)], 1e-6)
+        assert eps == pytest.approx(out.epsilon, rel=1e-9)
 
 
 def test_threshold_split_keeps_one_gaussian():
     plain = calibrate(3.0, 1e-6, 0.01, 1000)
     split = calibrate(3.0, 1e-6, 0.01, 1000, selection="threshold", fraction=0.3)
-    s_sel, s_noise = split["selection_params"]["noise_multiplier"], split["noise_multiplier"]
-    assert s_sel**-2 + s_noise**-2 == pytest.approx(split["effective_noise_multiplier"] ** -2)
-    assert split["effective_noise_multiplier"] == pytest.approx(plain["noise_multiplier"], rel=1e-6)
-    assert s_sel**-2 == pytest.approx(0.3 * plain["noise_multiplier"] ** -2, rel=1e-5)
+    s_sel, s_noise = split.selection_params["noise_multiplier"], split.noise_multiplier
+    assert s_sel**-2 + s_noise**-2 == pytest.approx(split.effective_noise_multiplier ** -2)
+    assert split.effective_noise_multiplier == pytest.approx(plain.noise_multiplier, rel=1e-6)
+    assert s_sel**-2 == pytest.approx(0.3 * plain.noise_multiplier ** -2, rel=1e-5)
 
 
 def test_pld_and_prv_calibration_hit_target():
     for name in ("pld", "prv"):
         out = calibrate(3.0, 1e-6, 0.01, 1000, accountant=name)
-        assert 3.0 * 0.999 <= out["epsilon"] <= 3.0
-        assert out["noise_multiplier"] < calibrate(3.0, 1e-6, 0.01, 1000)["noise_multiplier"]  # tighter than RDP
+        assert 3.0 * 0.999 <= out.epsilon <= 3.0
+        assert out.noise_multiplier < calibrate(3.0, 1e-6, 0.01, 1000).noise_multiplier  # tighter than RDP
 
 
 def test_paper_calibration_hits_target_and_reports_validity():
     out = calibrate(0.1, 1e-6, 1e-4, 10_000, selection="em", fraction=0.2, k=1, accountant="paper")
-    assert out["epsilon"] == pytest.approx(0.1, rel=1e-6) and out["epsilon"] <= 0.1
-    assert out["valid"], out["violations"]
+    assert out.epsilon == pytest.approx(0.1, rel=1e-6) and out.epsilon <= 0.1
+    assert out.valid, out.violations
     # Calibrated to the corrected amplification: re-accounting gives the target, and the seed's
     # literal Lemma 1 would have claimed less for the same parameters (so it would under-noise).
-    step = step_event(1e-4, out["noise_multiplier"], ev.ExponentialTopKDpEvent(out["selection_params"]["epsilon_per_draw"], 1))
+    step = step_event(1e-4, out.noise_multiplier, ev.ExponentialTopKDpEvent(out.selection_params["epsilon_per_draw"], 1))
     d = make_accountant("paper").details([(step, 10_000)], 1e-6)
-    assert d["epsilon"] == pytest.approx(out["epsilon"], rel=1e-12)
-    assert out["epsilon_seed_lemma_literal"] == pytest.approx(d["epsilon_seed_lemma_literal"], rel=1e-12)
-    assert out["epsilon_seed_lemma_literal"] < 0.1 * 0.99
+    assert d["epsilon"] == pytest.approx(out.epsilon, rel=1e-12)
+    assert out.epsilon_seed_lemma_literal == pytest.approx(d["epsilon_seed_lemma_literal"], rel=1e-12)
+    assert out.epsilon_seed_lemma_literal < 0.1 * 0.99
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -175,8 +175,8 @@ def test_cli_svt_is_selection_only_unless_asked(capsys):
         cal = json.loads(out)
         ref = calibrate(4.0, 4e-5, 0.01, 500, selection="svt", fraction=0.3, max_answers=20, svt_release_values=release)
         assert cal["selection_params"]["release_values"] is release
-        assert cal["noise_multiplier"] == pytest.approx(ref["noise_multiplier"], rel=1e-12)
-    assert calibrate(4.0, 4e-5, 0.01, 500, selection="svt", fraction=0.3, max_answers=20)["selection_params"][
+        assert cal["noise_multiplier"] == pytest.approx(ref.noise_multiplier, rel=1e-12)
+    assert calibrate(4.0, 4e-5, 0.01, 500, selection="svt", fraction=0.3, max_answers=20).selection_params[
         "release_values"] is False  # the library default is the trainer's mode too
 
 
@@ -218,3 +218,82 @@ def test_console_script_is_installed():
                            "--delta", "1e-6", "--accountant", "pld"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert math.isfinite(json.loads(proc.stdout)["epsilon"])
+
+
+# ---- ledger format v2 (neighbouring relation) and the Calibration result ----------------------
+
+V1_LEDGER = {"version": 1, "accountant": "rdp", "delta": 1e-5, "history": [
+    {"event": {"type": "GaussianDpEvent", "noise_multiplier": 3.0}, "count": 1},
+    {"event": {"type": "PoissonSampledDpEvent", "sampling_probability": 0.02,
+               "event": {"type": "ComposedDpEvent", "events": [
+                   {"type": "ExponentialTopKDpEvent", "epsilon_per_draw": 0.05, "k": 10},
+                   {"type": "GaussianDpEvent", "noise_multiplier": 1.1}]}}, "count": 40}]}
+
+
+def test_ledger_stores_its_neighbouring_relation_and_reads_version_1(tmp_path):
+    from accounting import NeighboringRelation
+
+    ledger = PrivacyLedger("rdp", delta=1e-5)
+    assert ledger.neighboring_relation is NeighboringRelation.ADD_OR_REMOVE_ONE
+    state = ledger.state_dict()
+    assert state["version"] == 2 and state["neighboring_relation"] == "ADD_OR_REMOVE_ONE"
+    # A version 1 file (written before the relation was stored) means add/remove one and loads.
+    path = tmp_path / "ledger.json"
+    path.write_text(json.dumps(V1_LEDGER))
+    old = PrivacyLedger.load(path)
+    assert old.steps == 41 and old.neighboring_relation is NeighboringRelation.ADD_OR_REMOVE_ONE
+    assert old.history[1] == (step_event(0.02, 1.1, ev.ExponentialTopKDpEvent(0.05, 10)), 40)
+    assert old.state_dict()["version"] == 2  # re-saved in the current format
+    restored = PrivacyLedger("pld", delta=0.1)
+    restored.load_state_dict(json.loads(json.dumps(old.state_dict())))
+    assert restored.history == old.history and restored.accountant.name == "rdp"
+
+
+@pytest.mark.parametrize("relation,match", [("REPLACE_ONE", "REPLACE_ONE"), ("REPLACE_SPECIAL", "REPLACE_SPECIAL"),
+                                            ("add/remove", "not one of"), (None, "not one of")])
+def test_ledger_refuses_another_neighbouring_relation(tmp_path, relation, match):
+    state = dict(V1_LEDGER, version=2, neighboring_relation=relation)
+    ledger = PrivacyLedger("pld", delta=0.1)
+    ledger.record(STEP, 3)
+    with pytest.raises(ValueError, match=match):
+        ledger.load_state_dict(state)
+    # nothing changed: the ledger is still the one it was
+    assert ledger.accountant.name == "pld" and ledger.delta == 0.1 and ledger.history == [(STEP, 3)]
+    path = tmp_path / "ledger.json"
+    path.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="ledger.json"):
+        PrivacyLedger.load(path)
+
+
+def test_calibration_is_frozen_and_to_dict_keeps_the_json_keys():
+    import dataclasses
+
+    from accounting import Calibration
+
+    base_keys = ["noise_multiplier", "selection", "selection_params", "selection_fraction", "epsilon",
+                 "target_epsilon", "delta", "sample_rate", "steps", "accountant"]
+    out = calibrate(2.0, 1e-6, 0.005, 200, selection="em", fraction=0.25, k=50)
+    assert isinstance(out, Calibration)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.noise_multiplier = 1.0
+    with pytest.raises(TypeError):
+        out.selection_params["k"] = 3
+    d = out.to_dict()
+    assert list(d) == base_keys and type(d["selection_params"]) is dict
+    assert d["selection_params"] == {"epsilon_per_draw": out.selection_params["epsilon_per_draw"], "k": 50}
+    assert json.loads(json.dumps(d)) == d
+    assert hash(out) == hash(dataclasses.replace(out))  # frozen and hashable
+    threshold = calibrate(2.0, 1e-6, 0.005, 200, selection="threshold", fraction=0.25).to_dict()
+    assert list(threshold) == base_keys + ["effective_noise_multiplier"]
+    paper = calibrate(0.1, 1e-6, 1e-4, 1000, selection="em", fraction=0.2, k=1, accountant="paper")
+    assert list(paper.to_dict()) == base_keys + ["valid", "violations", "delta_prime", "epsilon_seed_lemma_literal",
+                                                 "seed_lemma_literal_note"]
+    assert isinstance(paper.violations, tuple) and type(paper.to_dict()["violations"]) is list
+
+
+def test_cli_calibrate_prints_exactly_to_dict(capsys):
+    code, out, _ = _cli(capsys, "calibrate", "--target-epsilon", "3", "--delta", "1e-6", "--sample-rate", "0.01",
+                        "--steps", "300", "--selection", "threshold", "--selection-fraction", "0.3")
+    assert code == 0
+    ref = calibrate(3.0, 1e-6, 0.01, 300, selection="threshold", fraction=0.3)
+    assert out == json.dumps(ref.to_dict(), default=float) + "\n"

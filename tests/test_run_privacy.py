@@ -17,9 +17,8 @@ from trainer.run_outputs import DEBUG_STEP_KEYS, DEBUG_SUMMARY_KEYS
 from trainer.train import build_run, default_delta
 
 from test_train_cli import TINY as CLI_TINY
-from test_train_cli import ctr_dir  # noqa: F401  (the module-scoped data set fixture)
 
-# The end-to-end CLI tests' tiny run and data set, with an explicit σ: no calibration, so the
+# The end-to-end CLI tests' tiny run (data: conftest.ctr_dir), with an explicit σ: no calibration, so the
 # runs are quick and their privacy parameters equal.
 TINY = [*CLI_TINY, "train.steps=6", "privacy.noise_multiplier=0.9", "privacy.selection_epsilon=0.05"]
 
@@ -136,6 +135,18 @@ def test_a_resumed_secret_run_draws_fresh_noise_and_charges_replayed_steps_again
     assert summary["steps"] == 6
     assert sum(e["count"] for e in ledger_after_4["history"]) == 4
     assert summary["events_charged"] == 4 + 3  # steps 1-4 released before, then 4, 5, 6 again
+
+
+def test_a_reproducible_resume_that_changes_the_computation_is_refused(capsys, tmp_path, ctr_dir):
+    """Reusing the checkpoint's noise on different values would break the guarantee."""
+    run = tmp_path / "run"
+    _train(capsys, ctr_dir, run, "privacy.reproducible=true", "train.steps=3")
+    code = main(["train", "--resume", str(run), "--no-progress", "--set", "train.steps=5", "--set", "train.lr=0.5"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "train.lr" in err and "same noise" not in out
+    code = main(["train", "--resume", str(run), "--no-progress", "--set", "train.steps=5"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
 
 
 # ---- what a run writes and prints ------------------------------------------------------------------------

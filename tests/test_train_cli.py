@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainer.cli import main
-from trainer.data import synth_ctr, synth_text
+from trainer.data import synth_text
 from trainer.train import SUMMARY_KEYS
 
 TINY = [
@@ -16,13 +16,6 @@ TINY = [
     "train.batch_size=64", "train.log_every=2", "train.checkpoint_every=3", "privacy.k=50",
     "cluster.backend=local", "cluster.num_shards=2",
 ]
-
-
-@pytest.fixture(scope="module")
-def ctr_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "ctr"
-    synth_ctr(path, num_examples=3000, table_sizes=500, seed=3)
-    return path
 
 
 def _train(capsys, config, *args):

@@ -211,7 +211,7 @@ def cmd_calibrate(args) -> dict:
         selection=selection, fraction=args.selection_fraction, accountant=args.accountant,
         k=args.k, max_answers=args.max_answers, selection_delta=args.selection_delta,
         svt_release_values=args.svt_release_values, extra_history=_one_time_events(args) or None,
-    )
+    ).to_dict()
     out["selection"] = args.selection
     if args.fest_sigma is not None:
         out["fest_sigma"] = args.fest_sigma

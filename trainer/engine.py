@@ -1,7 +1,7 @@
 """The coordinator: one step of seed Algorithm 3 (at row granularity) over sharded tables.
 
 Privacy assumption: add/remove-one neighbouring datasets, Poisson sampling at rate q = b/n,
-sums normalized by the expected batch size b (DESIGN §1). One step (DESIGN §2):
+sums normalized by the expected batch size b (docs/DESIGN.md §1). One step (docs/DESIGN.md §2):
   sample → route ids → shards: partial pooled embeddings → coordinator: dense forward and
   per-example gradients (torch.func) → shards: per-example partial squared norms over unique
   rows → clip factors min(1, S1/‖g_j‖) over embeddings + dense → shards: clipped row sums →
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import time
 from typing import Callable, Optional
 
@@ -28,16 +27,17 @@ from accounting import PrivacyLedger
 from accounting import events as ev
 from accounting.calibration import step_event
 from selection import (
+    NoisyStep,
     contribution_counts,
     exponential_top_k,
     fest_top_k,
-    gaussian_noise,
     gaussian_threshold,
     noisy_max_top_k,
+    noisy_step,
     numeric_sparse,
     random_rows,
-    step_sensitivity,
 )
+from selection.result import Selection
 from trainer.layout import ShardLayout, route
 from trainer.models import DenseModel
 from trainer.randomness import PrivacyRandomness
@@ -71,6 +71,16 @@ class StepStats:
     rows_selected: int
     epsilon: float
     phases: dict = dataclasses.field(default_factory=dict)  # seconds per phase of this step
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSums:
+    """G on the touched rows: table index, row id within the table, clipped sum / b, global id."""
+
+    tables: np.ndarray
+    row_ids: np.ndarray
+    grads: np.ndarray  # float64 [m, D]
+    global_ids: np.ndarray
 
 
 class PhaseClock:
@@ -186,116 +196,131 @@ class Engine:
         return losses, g_pooled, g_params
 
     def step(self) -> Optional[StepStats]:
-        """Run one step; None (and nothing spent) if it would exceed the target ε."""
+        """One step of docs/DESIGN.md §2; None (and nothing spent) if it would exceed the target ε.
+
+        The ledger records the event composed from what the selector and the noise step
+        *returned*; it must equal the event budgeted in advance (`step_event`)."""
         if self.would_exceed_budget():
             return None
-        private = self.mode != "nonprivate"
         clock = PhaseClock()
         idx = self.sampler.sample()
-        batch = self.train_set.take(idx)
-        B = int(idx.size)
+        batch, B = self.train_set.take(idx), int(idx.size)
         clock.mark("sample")
-        parts = route(self.layout, batch.sparse, B, example_ids=idx)
-        pooled = np.sum(self.shards.call("lookup", [(p, B) for p in parts]), axis=0)
+        pooled = self._lookup(batch, B, idx)
         clock.mark("lookup")
-        names = [n for n, _ in self.model.named_parameters()]
+        losses, g_pooled, g_params = self._dense_forward_backward(pooled, batch, B)
+        clock.mark("dense_forward_backward")
+        factors = self._clip_factors(g_pooled, g_params, B)
+        clock.mark("norms")
+        rows = self._row_sums(factors)
+        dense_grads = {n: torch.tensordot(torch.from_numpy(factors).to(g.dtype), g, dims=1).double() / self.b
+                       for n, g in g_params.items()}
+        clock.mark("row_sums")
+        selection = self._select(rows, batch, B)
+        selected, delta_rows = self._restrict_to_selection(rows, selection)
+        clock.mark("selection")
+        noisy = self._clip_and_noise(delta_rows, dense_grads, noise_rows=selected is not None)
+        clock.mark("clip_and_noise")
+        self._record(selection, noisy)  # ledger first: a crash after this can only over-count
+        clock.mark("ledger")
+        update = noisy.rows if noisy is not None else delta_rows.float()
+        self._release(selected, update, noisy.std if noisy is not None else 0.0, rows)
+        clock.mark("write_back")
+        self._dense_update(noisy.dense if noisy is not None else dense_grads)
+        clock.mark("dense_update")
+        self.step_count += 1
+        eps = self.ledger.epsilon() if noisy is not None and self.ledger is not None else 0.0
+        n_selected = self.layout.vocabulary_size if selected is None else int(selected.size)
+        return StepStats(self.step_count, B, float(losses.mean()) if B else float("nan"),
+                         int(rows.global_ids.size), n_selected, eps, clock.phases)
+
+    # ---- the phases of one step ---------------------------------------------------------------------
+    def _lookup(self, batch, B: int, example_ids=None) -> np.ndarray:
+        """Pooled embeddings [B, F, D]: the shards' partial pools for their rows, summed."""
+        parts = route(self.layout, batch.sparse, B, example_ids=example_ids)
+        return np.sum(self.shards.call("lookup", [(p, B) for p in parts]), axis=0)
+
+    def _dense_forward_backward(self, pooled: np.ndarray, batch, B: int):
+        """Per-example losses, pooled-output gradients [B, F, D] (float32 numpy) and dense grads."""
         if B:
             losses, g_pooled, g_params = self.per_example_dense(torch.from_numpy(pooled), batch.dense, batch.labels)
         else:
             losses = torch.zeros(0)
             g_pooled = torch.zeros((0, len(self.layout.features), self.layout.dim))
             g_params = {n: torch.zeros((0, *p.shape)) for n, p in self.model.named_parameters()}
-        g_pooled_np = g_pooled.detach().numpy().astype(np.float32)
-        clock.mark("dense_forward_backward")
+        return losses, g_pooled.detach().numpy().astype(np.float32), g_params
 
-        if private:
-            sq = np.sum(self.shards.broadcast("example_sq_norms", g_pooled_np), axis=0)
-            sq = sq + sum(torch.linalg.vector_norm(g.reshape(B, -1), dim=1).double().pow(2).numpy()
-                          for g in g_params.values() if g.numel())
-            norms = np.sqrt(sq)
-            factors = np.minimum(1.0, self.plan.clip_norm / np.maximum(norms, 1e-30))
-        else:
-            self.shards.broadcast("set_pooled_grad", g_pooled_np)
-            factors = np.ones(B)
-        clock.mark("norms")
+    def _clip_factors(self, g_pooled: np.ndarray, g_params: dict, B: int) -> np.ndarray:
+        """min(1, S1/‖g_j‖) over each example's whole gradient: embedding rows (ghost norms on the
+        shards, unique rows) + dense parameters. Non-private: 1 (the shards keep the pooled grads)."""
+        if self.mode == "nonprivate":
+            self.shards.broadcast("set_pooled_grad", g_pooled)
+            return np.ones(B)
+        sq = np.sum(self.shards.broadcast("example_sq_norms", g_pooled), axis=0)
+        sq = sq + sum(torch.linalg.vector_norm(g.reshape(B, -1), dim=1).double().pow(2).numpy()
+                      for g in g_params.values() if g.numel())
+        return np.minimum(1.0, self.plan.clip_norm / np.maximum(np.sqrt(sq), 1e-30))
+
+    def _row_sums(self, factors: np.ndarray) -> "RowSums":
+        """G restricted to the touched rows: Σ_j clipped row gradients / b, from every shard."""
         sums = self.shards.broadcast("clipped_row_sums", factors)
         tables = np.concatenate([s[0] for s in sums])
         row_ids = np.concatenate([s[1] for s in sums])
-        row_grads = np.concatenate([s[2] for s in sums]).astype(np.float64) / self.b
-        touched_global = self.table_offsets[tables] + row_ids
-        f = torch.from_numpy(factors)
-        dense_grads = {n: torch.tensordot(f.to(g.dtype), g, dims=1).double() / self.b for n, g in g_params.items()}
+        grads = np.concatenate([s[2] for s in sums]).astype(np.float64) / self.b
+        return RowSums(tables, row_ids, grads, self.table_offsets[tables] + row_ids)
 
-        clock.mark("row_sums")
-        if self.mode == "sparse":
-            selected = self._select(touched_global, row_grads, batch, B)
-        elif self.mode == "nonprivate":
-            selected = touched_global
-        else:
-            selected = None  # dpsgd: every row
-        # Δ restricted to the selected rows (untouched selected rows have G = 0), sorted by id.
-        if selected is not None:
-            selected = np.unique(selected).astype(np.int64)
-            delta_rows = np.zeros((selected.size, self.layout.dim))
-            if selected.size:  # SVT / thresholding may legitimately select nothing
-                pos = np.searchsorted(selected, touched_global)
-                hit = (pos < selected.size) & (selected[np.minimum(pos, selected.size - 1)] == touched_global)
-                delta_rows[pos[hit]] = row_grads[hit]
-        else:
-            delta_rows = row_grads
-        clock.mark("selection")
-        scale, std = 1.0, 0.0
-        if private:
-            s2 = self.plan.second_clip_norm
-            if s2:
-                total = math.sqrt(float((delta_rows**2).sum()) + sum(float((g**2).sum()) for g in dense_grads.values()))
-                scale = min(1.0, s2 / total) if total > 0 else 1.0
-            std = self.plan.noise_multiplier * step_sensitivity(self.plan.clip_norm, self.b, s2 or None)
-        delta_rows = torch.from_numpy(delta_rows * scale).float()
-        if private and selected is not None:
-            delta_rows = delta_rows + gaussian_noise(delta_rows.shape, std, self.noise_gen, secure=self.secure_mode)
-        noisy_dense = {}
-        for n in names:
-            g = (dense_grads[n] * scale).float()
-            if private:
-                g = g + gaussian_noise(g.shape, std, self.noise_gen, secure=self.secure_mode)
-            noisy_dense[n] = g
+    def _restrict_to_selection(self, rows: "RowSums", selection: Optional[Selection]):
+        """(selected global ids sorted, Δ = G ⊙ M on them); DP-SGD: (None, G on the touched rows)."""
+        if selection is None:
+            return None, torch.from_numpy(rows.grads)
+        selected = np.unique(selection.ids).astype(np.int64)
+        delta = np.zeros((selected.size, self.layout.dim))
+        if selected.size:  # SVT / thresholding may legitimately select nothing
+            pos = np.searchsorted(selected, rows.global_ids)
+            hit = (pos < selected.size) & (selected[np.minimum(pos, selected.size - 1)] == rows.global_ids)
+            delta[pos[hit]] = rows.grads[hit]
+        return selected, torch.from_numpy(delta)
 
-        # Ledger first: a crash after this can only over-count.
-        clock.mark("clip_and_noise")
-        if private:
-            self.ledger.record(self._event)
-            if self.ledger_path is not None:
-                self.ledger.save(self.ledger_path)  # on disk before the update leaves
-        clock.mark("ledger")
-        self._release(selected, delta_rows, tables, row_ids, std)
-        clock.mark("write_back")
+    def _clip_and_noise(self, delta_rows: torch.Tensor, dense_grads: dict, noise_rows: bool) -> Optional[NoisyStep]:
+        """The audited Gaussian step (`selection.noisy_step`); None in non-private mode."""
+        if self.mode == "nonprivate":
+            return None
+        p = self.plan
+        return noisy_step(delta_rows, dense_grads, p.noise_multiplier, p.clip_norm, self.b, p.second_clip_norm,
+                          self.noise_gen, secure=self.secure_mode, noise_rows=noise_rows)
+
+    def _record(self, selection: Optional[Selection], noisy: Optional[NoisyStep]) -> None:
+        """Compose the step's event from the events the mechanisms returned, check it is the one
+        budgeted, record and persist it — before anything is released."""
+        if noisy is None:
+            return
+        inner = noisy.event if selection is None else ev.ComposedDpEvent([selection.event, noisy.event])
+        ran = ev.PoissonSampledDpEvent(self.q, inner)
+        if ran != self._event:
+            raise RuntimeError(f"the step ran {ran!r} but the budget was checked for {self._event!r}; "
+                               "nothing was recorded or released")
+        self.charge(ran)
+
+    def _dense_update(self, grads: dict) -> None:
         for n, p in self.model.named_parameters():
-            p.grad = noisy_dense[n].view_as(p).to(p.dtype)
+            p.grad = grads[n].view_as(p).to(p.dtype)
         self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
-        clock.mark("dense_update")
-        self.step_count += 1
-        eps = self.ledger.epsilon() if private and self.ledger is not None else 0.0
-        n_selected = self.layout.vocabulary_size if selected is None else int(selected.size)
-        return StepStats(self.step_count, B, float(losses.mean()) if B else float("nan"),
-                         int(touched_global.size), n_selected, eps, clock.phases)
 
-    def _release(self, selected, delta_rows, tables, row_ids, std):
-        if selected is None:  # dpsgd: shards add the (partition-independent) noise to every row
-            clipped = delta_rows.numpy()
-            per_shard = []
-            for s in range(self.layout.num_shards):
-                mask = self._owner(tables, row_ids) == s
-                per_shard.append((self.step_count, self.dpsgd_noise_seed, std, tables[mask], row_ids[mask], clipped[mask],
-                                  self.secure_mode))
-            self.shards.call("apply_dense_noise_update", per_shard)
+    def _release(self, selected: Optional[np.ndarray], update: torch.Tensor, std: float, rows: "RowSums") -> None:
+        """Send the update to the shards: (ids, rows) of the selected rows only; DP-SGD (`selected`
+        None): the clipped touched rows plus the noise std — each shard noises every row it owns."""
+        values = update.numpy()
+        if selected is None:
+            owner = self._owner(rows.tables, rows.row_ids)
+            self.shards.call("apply_dense_noise_update", [
+                (self.step_count, self.dpsgd_noise_seed, std, rows.tables[owner == s], rows.row_ids[owner == s],
+                 values[owner == s], self.secure_mode) for s in range(self.layout.num_shards)])
             return
         t = np.searchsorted(self.table_offsets, selected, side="right") - 1
         local_ids = selected - self.table_offsets[t]
         owner = self._owner(t, local_ids)
-        rows = delta_rows.numpy()
-        self.shards.call("apply_rows", [(t[owner == s], local_ids[owner == s], rows[owner == s])
+        self.shards.call("apply_rows", [(t[owner == s], local_ids[owner == s], values[owner == s])
                                         for s in range(self.layout.num_shards)])
 
     def _owner(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -303,26 +328,33 @@ class Engine:
         return ids // blocks[tables] if ids.size else np.empty(0, dtype=np.int64)
 
     # ---- selection ------------------------------------------------------------------------------
-    def _select(self, touched, row_grads, batch, B) -> np.ndarray:
+    def _select(self, rows: "RowSums", batch, B: int) -> Optional[Selection]:
+        """The step's selection over the whole vocabulary (its ids and the event the selector
+        returned). Non-private: every touched row, no event; DP-SGD: None (every row)."""
         p, rng, V = self.plan, self.selection_rng, self.layout.vocabulary_size
+        if self.mode == "nonprivate":
+            return Selection(np.unique(rows.global_ids), ev.NoOpDpEvent())
+        if self.mode == "dpsgd":
+            return None
         if p.selection == "random":
-            return random_rows(V, p.k, rng).ids
+            return random_rows(V, p.k, rng)
         if p.selection == "fest":
-            return self.fixed_rows
+            return Selection(self.fixed_rows, ev.NoOpDpEvent())  # its one-time event was charged up front
         if p.selection == "threshold":
-            rows = self._example_global_rows(batch, B)
-            ids, counts = contribution_counts(rows[0], rows[1], p.contribution_clip, V)
-            return gaussian_threshold(ids, counts, V, p.threshold, p.selection_sigma, p.contribution_clip, rng).ids
+            offsets, ids = self._example_global_rows(batch, B)
+            count_ids, counts = contribution_counts(offsets, ids, p.contribution_clip, V)
+            return gaussian_threshold(count_ids, counts, V, p.threshold, p.selection_sigma, p.contribution_clip, rng)
         # Utility of row r: min(‖G_r‖, S0); one example moves it by ≤ min(S1/b, S0) (add/remove).
-        scores = np.minimum(np.linalg.norm(row_grads, axis=1), p.score_clip)
+        scores = np.minimum(np.linalg.norm(rows.grads, axis=1), p.score_clip)
         sensitivity = min(p.clip_norm / self.b, p.score_clip)
+        touched = rows.global_ids
         if p.selection == "em":
-            return exponential_top_k(touched, scores, V, p.k, p.selection_epsilon, sensitivity, rng).ids
+            return exponential_top_k(touched, scores, V, p.k, p.selection_epsilon, sensitivity, rng)
         if p.selection == "noisy-max":
-            return noisy_max_top_k(touched, scores, V, p.k, p.selection_epsilon, sensitivity, rng).ids
+            return noisy_max_top_k(touched, scores, V, p.k, p.selection_epsilon, sensitivity, rng)
         if p.selection == "svt":
             return numeric_sparse(touched, scores, V, p.threshold, p.k, p.selection_epsilon, p.selection_delta,
-                                  sensitivity, rng, release_values=False).ids
+                                  sensitivity, rng, release_values=False)
         raise ValueError(f"unknown selection {p.selection!r}")
 
     def _example_global_rows(self, batch, B):
@@ -343,9 +375,7 @@ class Engine:
     def evaluate(self, dataset, batch_size: int) -> dict:
         outputs, labels = [], []
         for batch in dataset.iter_batches(batch_size):
-            B = batch.size
-            parts = route(self.layout, batch.sparse, B)
-            pooled = np.sum(self.shards.call("lookup", [(p, B) for p in parts]), axis=0)
+            pooled = self._lookup(batch, batch.size)
             outputs.append(self.model(torch.from_numpy(pooled), batch.dense))
             labels.append(batch.labels)
         if not outputs:

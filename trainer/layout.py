@@ -14,6 +14,8 @@ import hashlib
 import numpy as np
 import torch
 
+from selection.noise import gaussian_noise
+
 ROW_BLOCK = 8192  # rows per counter-based random block
 
 
@@ -136,19 +138,15 @@ def row_block_normal(seed: int, domain: str, step: int, table: int, start: int, 
                      secure: bool = False) -> torch.Tensor:
     """N(0, std²) values for global rows [start, end) of a table, identical however the rows
     are partitioned: row r's values come from the generator of block r // ROW_BLOCK.
-    `secure`: each value is the sum of 4 draws halved (floating-point-attack resistant, as
-    `selection.gaussian_noise(secure=True)`); pair it with a secret seed."""
+    The values are `selection.gaussian_noise` draws (its `secure` 4-draw form when `secure`:
+    floating-point-attack resistant; pair it with a secret seed) — one Gaussian sampler."""
     out = torch.empty((end - start, dim), dtype=torch.float32)
     r = start
     while r < end:
         blk = r // ROW_BLOCK
         blk_start, blk_end = blk * ROW_BLOCK, (blk + 1) * ROW_BLOCK
         gen = torch.Generator().manual_seed(_block_seed(seed, domain, step, table, blk))
-        if secure:
-            values = sum(torch.randn((ROW_BLOCK, dim), generator=gen, dtype=torch.float64) for _ in range(4)) / 2.0
-            values = values.float()
-        else:
-            values = torch.randn((ROW_BLOCK, dim), generator=gen, dtype=torch.float32)
+        values = gaussian_noise((ROW_BLOCK, dim), 1.0, gen, dtype=torch.float32, secure=secure)
         hi = min(end, blk_end)
         out[r - start : hi - start] = values[r - blk_start : hi - blk_start]
         r = hi

@@ -16,7 +16,7 @@ Reproducible mode (`privacy.reproducible = true`, root = `privacy.noise_seed`) e
 tests and debugging: the run's ε then holds only while that seed stays secret, and the
 summary and the exported privacy report say so.
 
-Resume (DESIGN §1 crash recovery): a secret run never stores its root or generator states
+Resume (docs/DESIGN.md §1 crash recovery): a secret run never stores its root or generator states
 in a checkpoint; a resumed secret run draws a fresh root, so replayed steps use fresh noise
 and are charged again (the ledger on disk already counts them). Only a reproducible run
 checkpoints generator states, and its replay reuses them.

@@ -1,6 +1,6 @@
 """`widedp train` and `widedp evaluate`: build a run from a config and drive the engine.
 
-Run dir: config.json, summary.json (DESIGN §4 keys), metrics.jsonl (one line per logged
+Run dir: config.json, summary.json (docs/DESIGN.md §4 keys), metrics.jsonl (one line per logged
 step), ledger.json (rewritten atomically after every recorded step, before the update is
 released) and checkpoint.pt (atomic; private; `--resume DIR` continues it).
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -32,7 +31,7 @@ from trainer.models import MODELS
 from trainer.randomness import PrivacyRandomness
 from trainer.run_outputs import RunRecorder, eval_line
 
-# DESIGN §4 keys of every summary.json (debug-only statistics are in run_outputs.DEBUG_SUMMARY_KEYS).
+# docs/DESIGN.md §4 keys of every summary.json (debug-only statistics are in run_outputs.DEBUG_SUMMARY_KEYS).
 SUMMARY_KEYS = ("mode", "selection", "epsilon", "delta", "accountant", "steps", "examples_per_sec",
                 "step_time_ms_median", "rows_selected_mean", "num_shards", "test_metrics", "bayes_auc")
 
@@ -134,8 +133,8 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
         out = calibrate(p.target_epsilon, delta, q, t.steps, selection=calib_selection, fraction=p.selection_fraction,
                         accountant=p.accountant, k=k, max_answers=k, selection_delta=delta,
                         svt_release_values=False, extra_history=extra)
-        plan.noise_multiplier = out["noise_multiplier"]
-        sp = out["selection_params"]
+        plan.noise_multiplier = out.noise_multiplier
+        sp = out.selection_params
         plan.selection_epsilon = sp.get("epsilon_per_draw", sp.get("epsilon", 0.0))
         plan.selection_sigma = sp.get("noise_multiplier", 0.0)
         info["calibrated"] = True
@@ -243,11 +242,40 @@ def save_checkpoint(run_dir: Path, engine: Engine, cfg: Config) -> None:
     atomic_write_bytes(run_dir / "checkpoint.pt", buf.getvalue())
 
 
-def _restore(engine: Engine, run_dir: Path) -> None:
+# Keys a resume may change without changing what the replayed steps compute.
+_RESUME_FREE_KEYS = {("train", "steps"), ("train", "log_every"), ("train", "eval_every"), ("train", "checkpoint_every"),
+                     ("train", "eval_batch_size"), ("train", "debug_metrics"), ("cluster", "address"),
+                     ("cluster", "backend"), ("cluster", "cpus_per_shard"), ("cluster", "gpus_per_shard"),
+                     ("cluster", "placement_strategy"), ("run_dir", None)}
+
+
+def _check_replay_is_identical(saved: dict, cfg: Config) -> None:
+    """A reproducible resume reuses the checkpoint's generator states, which is allowed only when
+    the replay computes what was released (docs/DESIGN.md §1: never the same noise on different
+    values): refuse a resume that changes anything the steps compute."""
+    now = cfg.to_dict()
+    changed = []
+    for section, values in now.items():
+        if not isinstance(values, dict):
+            if (section, None) not in _RESUME_FREE_KEYS and saved.get(section) != values:
+                changed.append(section)
+            continue
+        for key, value in values.items():
+            if (section, key) not in _RESUME_FREE_KEYS and saved.get(section, {}).get(key) != value:
+                changed.append(f"{section}.{key}")
+    if changed:
+        raise ValueError(f"--resume in reproducible mode would replay the checkpoint's noise on different values: "
+                         f"{', '.join(changed)} changed; resume without those changes, or unset privacy.reproducible "
+                         f"(a secret run resumes with fresh noise)")
+
+
+def _restore(engine: Engine, run_dir: Path, cfg: Config) -> None:
     """Resume from checkpoint.pt. The ledger is the larger of the checkpoint's and ledger.json
     (persisted before every release): steps released after the checkpoint are replayed with
     fresh secret randomness (trainer/randomness.py) and so are charged again, never forgotten."""
     state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    if engine.randomness.reproducible:
+        _check_replay_is_identical(state["config"], cfg)
     engine.load_state_dict(state["engine"])
     ledger_file = run_dir / "ledger.json"
     if engine.ledger is not None and ledger_file.exists():
@@ -277,7 +305,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tru
         data_events = list(meta.privacy_events)
         engine.ledger_path = run_dir / "ledger.json" if engine.ledger is not None else None
         if resume:
-            _restore(engine, run_dir)
+            _restore(engine, run_dir, cfg)
         else:
             _start(engine, cfg, run_dir, train_set, data_events)
         recorder = RunRecorder(expected_batch_size=engine.b, metrics_path=run_dir / "metrics.jsonl",
