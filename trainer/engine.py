@@ -312,20 +312,16 @@ class Engine:
         None): the clipped touched rows plus the noise std — each shard noises every row it owns."""
         values = update.numpy()
         if selected is None:
-            owner = self._owner(rows.tables, rows.row_ids)
+            owner = self.layout.owner(rows.tables, rows.row_ids)
             self.shards.call("apply_dense_noise_update", [
                 (self.step_count, self.dpsgd_noise_seed, std, rows.tables[owner == s], rows.row_ids[owner == s],
                  values[owner == s], self.secure_mode) for s in range(self.layout.num_shards)])
             return
         t = np.searchsorted(self.table_offsets, selected, side="right") - 1
         local_ids = selected - self.table_offsets[t]
-        owner = self._owner(t, local_ids)
+        owner = self.layout.owner(t, local_ids)
         self.shards.call("apply_rows", [(t[owner == s], local_ids[owner == s], values[owner == s])
                                         for s in range(self.layout.num_shards)])
-
-    def _owner(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        blocks = np.array([self.layout.block_size(t) for t in self.layout.tables], dtype=np.int64)
-        return ids // blocks[tables] if ids.size else np.empty(0, dtype=np.int64)
 
     # ---- selection ------------------------------------------------------------------------------
     def _select(self, rows: "RowSums", batch, B: int) -> Optional[Selection]:

@@ -66,6 +66,18 @@ class ShardLayout:
         b = self.block_size(table)
         return min(shard * b, table.num_rows), min((shard + 1) * b, table.num_rows)
 
+    def owner(self, table_idx: np.ndarray, row_ids: np.ndarray) -> np.ndarray:
+        """The shard that owns each (table index, row id within the table): the one placement rule
+        (block bucketing; `row_range` is its inverse). Vectorized; int64."""
+        blocks = np.array([max(self.block_size(t), 1) for t in self.tables], dtype=np.int64)
+        row_ids = np.asarray(row_ids, dtype=np.int64)
+        return row_ids // blocks[np.asarray(table_idx, dtype=np.int64)] if row_ids.size else np.empty(0, np.int64)
+
+    def shard_start(self, table_idx: np.ndarray, shard: np.ndarray) -> np.ndarray:
+        """First row (within its table) owned by `shard`: local id = row id − shard_start."""
+        blocks = np.array([self.block_size(t) for t in self.tables], dtype=np.int64)
+        return np.asarray(shard, dtype=np.int64) * blocks[np.asarray(table_idx, dtype=np.int64)]
+
     @property
     def table_offsets(self) -> np.ndarray:
         """Global row id of each table's row 0 (tables concatenated: the selection vocabulary)."""
@@ -110,7 +122,7 @@ def route(layout: ShardLayout, kjt, batch_size: int, example_ids=None) -> list[S
     mean = np.array([f.pooling == "mean" for f in layout.features])
     weight = np.where(mean[feature], 1.0 / np.maximum(bag, 1), 1.0).astype(np.float32)
     table_rows = np.array([layout.tables[layout.table_index(f.table)].num_rows for f in layout.features])
-    block = np.array([layout.block_size(layout.tables[layout.table_index(f.table)]) for f in layout.features])
+    table_of_feature = np.array([layout.table_index(f.table) for f in layout.features], dtype=np.int64)
     if values.size:
         bad = np.flatnonzero((values < 0) | (values >= table_rows[feature]))
         if bad.size:
@@ -121,11 +133,13 @@ def route(layout: ShardLayout, kjt, batch_size: int, example_ids=None) -> list[S
                 f"feature {f.name!r}, {name}: id {values[i]} outside table {f.table!r} "
                 f"of {table_rows[feature[i]]} rows"
             )
-    shard = values // np.maximum(block[feature], 1)
+    table = table_of_feature[feature] if values.size else np.empty(0, np.int64)
+    shard = layout.owner(table, values)
+    local = values - layout.shard_start(table, shard)
     out = []
     for s in range(layout.num_shards):
         sel = np.flatnonzero(shard == s)
-        out.append(ShardInput(example[sel], feature[sel], values[sel] - s * block[feature[sel]], weight[sel]))
+        out.append(ShardInput(example[sel], feature[sel], local[sel], weight[sel]))
     return out
 
 
