@@ -36,7 +36,6 @@ from accounting import events as ev
 from accounting.base import InvalidBoundError, UnsupportedEventError, make_accountant
 from accounting.paper import advanced_composition
 
-SELECTIONS = ("none", "em", "svt", "noisy-max", "threshold", "random")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +95,12 @@ def step_event(sample_rate: float, noise_multiplier: float, selection_event: Opt
     return ev.PoissonSampledDpEvent(sample_rate, inner)
 
 
+def sel_event_of(step: ev.DpEvent) -> Optional[ev.DpEvent]:
+    """The selection event inside a `step_event` (None for a DP-SGD step)."""
+    inner = step.event if isinstance(step, ev.PoissonSampledDpEvent) else step
+    return inner.events[0] if isinstance(inner, ev.ComposedDpEvent) else None
+
+
 def check_run(sample_rate: float, steps: int, delta: float) -> None:
     if not (isinstance(sample_rate, (int, float)) and 0 < sample_rate <= 1):
         raise ValueError(f"sample rate q must be in (0, 1], got {sample_rate}")
@@ -123,34 +128,23 @@ def svt_event(epsilon: float, delta: float, max_answers: int, *, release_values:
     )
 
 
-def _selection_from_rho(selection: str, rho: float, k: Optional[int], max_answers: Optional[int], selection_delta: float,
-                        svt_release_values: bool = False):
-    """(event, params) of a selector spending zCDP budget rho per (unsampled) step."""
-    if selection in ("none", "random"):
-        return (None if selection == "none" else ev.NoOpDpEvent()), {}
-    # k / max_answers were validated by _check_selection_args (calibrate's only caller path).
-    if selection == "em":
-        assert k is not None
-        eps = math.sqrt(8.0 * rho / k)
-        return ev.ExponentialTopKDpEvent(eps, k), {"epsilon_per_draw": eps, "k": k}
-    if selection == "noisy-max":
-        assert k is not None
-        eps = math.sqrt(2.0 * rho / k)
-        return ev.NoisyMaxTopKDpEvent(eps, k), {"epsilon_per_draw": eps, "k": k}
-    if selection == "svt":
-        assert max_answers is not None
-        eps_round = math.sqrt(2.0 * rho / max_answers)
-        # ε_round = 1/b_t + 2/b_q (+ 1/b_v) = (2·0.95 + 0.05/2)·ε/unit for Alg 1's split, or
-        # 2ε/unit in selection-only mode (ε1 = ε).
-        unit = math.sqrt(32.0 * max_answers * math.log(2.0 / selection_delta))
-        epsilon = eps_round * unit / ((2 * 0.95 + 0.05 / 2) if svt_release_values else 2.0)
-        event = svt_event(epsilon, selection_delta, max_answers, release_values=svt_release_values)
-        return event, {"epsilon": epsilon, "delta": selection_delta, "max_answers": max_answers,
-                       "release_values": svt_release_values}
-    if selection == "threshold":
-        sigma = 1.0 / math.sqrt(2.0 * rho)
-        return ev.GaussianDpEvent(sigma), {"noise_multiplier": sigma}
-    raise ValueError(f"unknown selection {selection!r}; choose one of {SELECTIONS}")
+def _selector(selection: str):
+    """The registered selector for `selection`, or None for "none" (DP-SGD). Imported here, not
+    at module level: the selectors import this module (`svt_event`)."""
+    from selection.registry import NO_SELECTION, get_selector
+
+    return None if selection == NO_SELECTION else get_selector(selection)
+
+
+def _selection_from_rho(selector, rho: float, inputs):
+    """(event, Calibration.selection_params) of a selector spending zCDP budget rho per
+    (unsampled) step: `selector.from_budget`; a free selector (random, fest) spends nothing."""
+    if selector is None:
+        return None, {}
+    if not selector.spends_per_step:
+        return ev.NoOpDpEvent(), {}
+    params = selector.from_budget(rho, inputs)
+    return selector.event(params), selector.record(params)
 
 
 def _bisect_increasing(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
@@ -175,17 +169,12 @@ def _bisect_increasing(f: Callable[[float], float], target: float, lo: float, hi
     return lo
 
 
-def _check_selection_args(selection, fraction, k, max_answers):
-    if selection not in SELECTIONS:
-        raise ValueError(f"unknown selection {selection!r}; choose one of {SELECTIONS}")
-    if selection in ("none", "random"):
+def _check_selection_args(selector, fraction, inputs) -> None:
+    if selector is None or not selector.spends_per_step:
         return
     if not (isinstance(fraction, (int, float)) and 0 < fraction < 1):
-        raise ValueError(f"selection fraction must be in (0, 1) for selection {selection!r}, got {fraction}")
-    if selection in ("em", "noisy-max") and not (isinstance(k, int) and k >= 1):
-        raise ValueError(f"selection {selection!r} needs k >= 1 (rows per step), got {k}")
-    if selection == "svt" and not (isinstance(max_answers, int) and max_answers >= 1):
-        raise ValueError(f"selection 'svt' needs max_answers >= 1, got {max_answers}")
+        raise ValueError(f"selection fraction must be in (0, 1) for selection {selector.name!r}, got {fraction}")
+    selector.check_budget_inputs(inputs)
 
 
 def calibrate(
@@ -210,19 +199,22 @@ def calibrate(
     check_run(sample_rate, steps, delta)
     if not (isinstance(target_epsilon, (int, float)) and target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise ValueError(f"target epsilon must be finite and > 0, got {target_epsilon}")
-    _check_selection_args(selection, fraction, k, max_answers)
+    from selection.registry import BudgetInputs
+
+    selector = _selector(selection)
+    selection_delta = delta if selection_delta is None else selection_delta
+    inputs = BudgetInputs(k=k, max_answers=max_answers, delta=selection_delta, release_values=svt_release_values)
+    _check_selection_args(selector, fraction, inputs)
     acc = make_accountant(accountant)
     if accountant == "paper":
         if extra_history:
             raise UnsupportedEventError("paper accountant: Theorem 3 covers only T identical steps")
         return _calibrate_paper(acc, target_epsilon, delta, sample_rate, steps, selection, fraction, k)
-    sel_fraction = fraction if selection not in ("none", "random") else 0.0
-    selection_delta = delta if selection_delta is None else selection_delta
+    sel_fraction = fraction if selector is not None and selector.spends_per_step else 0.0
     extra = list(extra_history or [])
 
     def build(rho):
-        sel_event, params = _selection_from_rho(selection, sel_fraction * rho, k, max_answers, selection_delta,
-                                                svt_release_values)
+        sel_event, params = _selection_from_rho(selector, sel_fraction * rho, inputs)
         sigma = 1.0 / math.sqrt(2.0 * (1.0 - sel_fraction) * rho)
         return step_event(sample_rate, sigma, sel_event), sigma, params
 
@@ -242,7 +234,9 @@ def calibrate(
         sample_rate=sample_rate,
         steps=steps,
         accountant=accountant,
-        effective_noise_multiplier=ev.gaussian_noise_multiplier(event.event) if selection == "threshold" else None,
+        # Set when selection and noise compose to one Gaussian (threshold selection).
+        effective_noise_multiplier=(ev.gaussian_noise_multiplier(event.event)
+                                    if isinstance(sel_event_of(event), ev.GaussianDpEvent) else None),
     )
 
 
@@ -250,23 +244,37 @@ def _invert_advanced_composition(target: float, k: int, delta: float) -> float:
     return _bisect_increasing(lambda e: advanced_composition(e, k, delta), target, 1e-12, 1.0)
 
 
+def _paper_em(fE: float, k: int, delta_prime: float):
+    eps = _invert_advanced_composition(fE, k, delta_prime) if k > 1 else fE
+    return ev.ExponentialTopKDpEvent(eps, k), {"epsilon_per_draw": eps, "k": k}
+
+
+def _paper_threshold(fE: float, k: int, delta_prime: float):
+    s = math.sqrt(2 * math.log(1.25 / delta_prime)) / fE
+    return ev.GaussianDpEvent(s), {"noise_multiplier": s}
+
+
+#: Theorem 3 needs an (ε', δ')-DP selection: the paper calibration's own per-selector table (the
+#: registry's `from_budget` speaks zCDP, which Theorem 3 does not use). Other spending
+#: selectors are refused; free ones (random, fest) need no entry.
+_PAPER_SELECTION = {"em": _paper_em, "threshold": _paper_threshold}
+
+
 def _calibrate_paper(acc, target_epsilon, delta, q, steps, selection, fraction, k) -> Calibration:
-    if selection not in ("none", "random", "em", "threshold"):
+    selector = _selector(selection)
+    spends = selector is not None and selector.spends_per_step
+    if spends and selection not in _PAPER_SELECTION:
         raise UnsupportedEventError(f"paper calibration supports selection none, random, em, threshold; got {selection!r}")
-    f = fraction if selection in ("em", "threshold") else 0.0
-    n_free = 1 if selection == "none" else 2  # Theorem 3 charges δ' to the noise and to the selection
+    f = fraction if spends else 0.0
+    n_free = 1 if selector is None else 2  # Theorem 3 charges δ' to the noise and to the selection
     delta_prime = delta / (2.0 * steps * q * n_free)
 
     def build(E: float):
         sigma = math.sqrt(2 * math.log(1.25 / delta_prime)) / ((1 - f) * E)
         params: dict = {}
-        sel = None if selection == "none" else ev.NoOpDpEvent()
-        if selection == "em":
-            eps = _invert_advanced_composition(f * E, k, delta_prime) if k > 1 else f * E
-            sel, params = ev.ExponentialTopKDpEvent(eps, k), {"epsilon_per_draw": eps, "k": k}
-        elif selection == "threshold":
-            s = math.sqrt(2 * math.log(1.25 / delta_prime)) / (f * E)
-            sel, params = ev.GaussianDpEvent(s), {"noise_multiplier": s}
+        sel: Optional[ev.DpEvent] = None if selector is None else ev.NoOpDpEvent()
+        if spends:
+            sel, params = _PAPER_SELECTION[selection](f * E, k, delta_prime)
         return step_event(q, sigma, sel), sigma, params
 
     # "epsilon" is Theorem 3 with the corrected amplification log(1 + q(e^E - 1)), not the seed's qE.
@@ -292,4 +300,4 @@ def _calibrate_paper(acc, target_epsilon, delta, q, steps, selection, fraction, 
     )
 
 
-__all__ = ["Calibration", "calibrate", "step_event", "svt_event", "SELECTIONS", "InvalidBoundError"]
+__all__ = ["Calibration", "calibrate", "step_event", "svt_event", "InvalidBoundError"]

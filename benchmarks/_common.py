@@ -497,13 +497,14 @@ def default_selection_threshold(cfg) -> Optional[dict]:
     """The trainer's own rule for privacy.threshold = 0 (`trainer.train.auto_selection_threshold`),
     made explicit so that a benchmark record carries the value and the rule.
     Returns {"threshold": value, "rule": text}, or None when the config's own value is used."""
+    from selection.registry import get_selector
     from trainer.train import _ensure_dataset, plan_privacy
 
     t, p = cfg.train, cfg.privacy
-    if t.mode != "sparse" or t.selection not in ("svt", "threshold") or p.threshold > 0:
+    if t.mode != "sparse" or "threshold" not in get_selector(t.selection).config_fields().values() or p.threshold > 0:
         return None
     train_set, _ = _ensure_dataset(cfg)
     vocab = int(sum(train_set.meta.table_sizes.values()))
     n = len(train_set)
     plan, info = plan_privacy(cfg, n, vocab)
-    return {"threshold": plan.threshold, "rule": info["threshold_rule"]}
+    return {"threshold": plan.selection_params.threshold, "rule": info["threshold_rule"]}

@@ -2,7 +2,9 @@
 
 Every selector takes sparse input — the touched rows' ids and scores plus the vocabulary size
 p (untouched rows have score 0 and stay selectable) — and an explicit RNG, and returns a
-`Selection` that unpacks as `(ids, event)`. `SELECTORS` maps the config/CLI names to them.
+`Selection` that unpacks as `(ids, event)`. The config/CLI names live in the selector registry
+(`selection.registry`: `get_selector(name)`, `selector_names()`), one class per selector in
+`selection/selectors/`.
 `gaussian_partition_selection` is the one-time key (vocabulary) selection over documents of
 hashable keys; it returns a `PartitionSelection` (keys, noisy counts, event) instead.
 """
@@ -19,18 +21,8 @@ from selection.result import Selection
 from selection.sparse_vector import numeric_sparse
 from selection.threshold import contribution_counts, gaussian_threshold
 
-SELECTORS = {
-    "em": exponential_top_k,
-    "svt": numeric_sparse,
-    "noisy-max": noisy_max_top_k,
-    "threshold": gaussian_threshold,
-    "random": random_rows,
-    "fest": fest_top_k,
-}
-
 __all__ = [
     "PartitionSelection",
-    "SELECTORS",
     "Selection",
     "bounded_key_counts",
     "contribution_counts",

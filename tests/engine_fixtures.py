@@ -10,6 +10,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from accounting import PrivacyLedger
+from selection.registry import get_selector, is_selector
 from trainer.engine import Engine, PrivacyPlan
 from trainer.layout import FeatureSpec, ShardLayout, TableSpec
 from trainer.models import MODELS
@@ -190,6 +191,30 @@ def layout_for(ds, num_shards, dim=4):
                        tuple(FeatureSpec(f, m.feature_tables[f], m.pooling[f]) for f in m.features), num_shards)
 
 
+# The selector parameters make_engine uses unless overridden, by config key (selection.registry).
+PLAN_DEFAULTS = dict(selection_epsilon=0.5, selection_delta=1e-5, selection_sigma=1.5, score_clip=0.05, threshold=0.5,
+                     contribution_clip=1.0, fest_noise_multiplier=2.0, fest_max_rows_per_example=32)
+PLAN_FIELDS = {f.name for f in dataclasses.fields(PrivacyPlan)}
+
+
+def make_plan(selection, *, sigma=0.8, second_clip=None, k=5, overrides=None):
+    """A PrivacyPlan: `overrides` keys are PrivacyPlan fields or selector config keys."""
+    overrides = dict(overrides or {})
+    plan_kw = dict(noise_multiplier=sigma, clip_norm=1.0, second_clip_norm=second_clip, selection=selection)
+    plan_kw.update({key: overrides.pop(key) for key in list(overrides) if key in PLAN_FIELDS})
+    given = plan_kw.pop("selection_params", None)
+    if not is_selector(plan_kw["selection"]):  # "none": DP-SGD
+        return PrivacyPlan(**plan_kw, selection_params=None)
+    selector = get_selector(plan_kw["selection"])
+    if isinstance(given, dict):
+        given = selector.Params(**given)
+    if given is None:
+        source = {**PLAN_DEFAULTS, "k": k, **overrides}
+        source["delta"] = source["selection_delta"]
+        given = selector.params_from(source, "config")
+    return PrivacyPlan(**plan_kw, selection_params=given)
+
+
 def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="local", optimizer="sgd", q=0.25,
                 sigma=0.8, k=5, seed=0, dim=4, target_epsilon=1e9, second_clip=None, accountant="rdp",
                 lr=0.1, dense_lr=0.05, model="dlrm", sampler=None, dense_optimizer="sgd", init_std=0.3,
@@ -197,7 +222,10 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
     """An engine over `ds`. Extras (defaults keep the original behaviour): `sampler` replaces
     the Poisson `SimpleSampler(len(ds), q, seed + 7)` (e.g. a `ListSampler`);
     `dense_optimizer` is "sgd" | "adam" | "adagrad" (lr = dense_lr); `plan_overrides` replaces
-    PrivacyPlan fields."""
+    PrivacyPlan fields (noise_multiplier, clip_norm, second_clip_norm, selection, selection_params
+    as a dict or Params) or the selector's parameters by their config names (`privacy.<key>`:
+    selection_epsilon, selection_sigma, threshold, score_clip, contribution_clip,
+    fest_noise_multiplier, fest_max_rows_per_example, k; `selection_delta` for SVT's δ)."""
     from trainer.shard_group import InProcessShardGroup, RayShardGroup
 
     layout = layout_for(ds, num_shards, dim)
@@ -210,11 +238,7 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
     plan = None
     ledger = None
     if mode != "nonprivate":
-        plan = PrivacyPlan(noise_multiplier=sigma, clip_norm=1.0, second_clip_norm=second_clip, selection=selection,
-                           k=k, selection_epsilon=0.5, selection_delta=1e-5, selection_sigma=1.5, score_clip=0.05,
-                           threshold=0.5, contribution_clip=1.0, fest_noise_multiplier=2.0)
-        if plan_overrides:
-            plan = dataclasses.replace(plan, **plan_overrides)
+        plan = make_plan(selection, sigma=sigma, second_clip=second_clip, k=k, overrides=plan_overrides)
         ledger = PrivacyLedger(accountant, 1e-5)
     dense_params = [p for p in net.parameters() if p.numel()] or list(net.parameters())
     optimizers = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad}

@@ -117,9 +117,9 @@ class ReferenceAlg3:
         rows = [self.example_global_rows(i) for i in range(n)]
         offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
         ids = np.array([r for ex in rows for r in ex], dtype=np.int64)
-        p = self.plan
-        self.fixed_rows = selection.fest_top_k(offsets, ids, self.V, p.k, p.fest_noise_multiplier,
-                                               p.fest_max_rows_per_example, self.selection_rng).ids
+        sp = self.plan.selection_params
+        self.fixed_rows = selection.fest_top_k(offsets, ids, self.V, sp.k, sp.noise_multiplier,
+                                               sp.max_rows_per_example, self.selection_rng).ids
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self, indices) -> dict:
@@ -207,26 +207,27 @@ class ReferenceAlg3:
 
     def _select(self, indices, touched, G) -> np.ndarray:
         p, rng, V = self.plan, self.selection_rng, self.V
+        sp = p.selection_params  # the selector's own Params (selection.selectors.*)
         if p.selection == "random":
-            return selection.random_rows(V, p.k, rng).ids
+            return selection.random_rows(V, sp.k, rng).ids
         if p.selection == "fest":
             return self.fixed_rows
         if p.selection == "threshold":
             distinct = [sorted(set(self.example_global_rows(i))) for i in indices]
             offsets = np.concatenate([[0], np.cumsum([len(d) for d in distinct])]).astype(np.int64)
             ids = np.array([r for d in distinct for r in d], dtype=np.int64)
-            rows, counts = selection.contribution_counts(offsets, ids, p.contribution_clip, V)
-            return selection.gaussian_threshold(rows, counts, V, p.threshold, p.selection_sigma,
-                                                p.contribution_clip, rng).ids
-        scores = np.array([min(float(torch.linalg.vector_norm(self._row(G, r))), p.score_clip) for r in touched])
-        sensitivity = min(p.clip_norm / self.b, p.score_clip)
+            rows, counts = selection.contribution_counts(offsets, ids, sp.contribution_clip, V)
+            return selection.gaussian_threshold(rows, counts, V, sp.threshold, sp.noise_multiplier,
+                                                sp.contribution_clip, rng).ids
+        scores = np.array([min(float(torch.linalg.vector_norm(self._row(G, r))), sp.score_clip) for r in touched])
+        sensitivity = min(p.clip_norm / self.b, sp.score_clip)
         if p.selection == "em":
-            return selection.exponential_top_k(touched, scores, V, p.k, p.selection_epsilon, sensitivity, rng).ids
+            return selection.exponential_top_k(touched, scores, V, sp.k, sp.epsilon_per_draw, sensitivity, rng).ids
         if p.selection == "noisy-max":
-            return selection.noisy_max_top_k(touched, scores, V, p.k, p.selection_epsilon, sensitivity, rng).ids
+            return selection.noisy_max_top_k(touched, scores, V, sp.k, sp.epsilon_per_draw, sensitivity, rng).ids
         if p.selection == "svt":
-            return selection.numeric_sparse(touched, scores, V, p.threshold, p.k, p.selection_epsilon,
-                                            p.selection_delta, sensitivity, rng, release_values=False).ids
+            return selection.numeric_sparse(touched, scores, V, sp.threshold, sp.max_answers, sp.epsilon,
+                                            sp.delta, sensitivity, rng, release_values=False).ids
         raise ValueError(f"unknown selection {p.selection!r}")
 
     # ---- read-out ---------------------------------------------------------------------------------

@@ -54,14 +54,15 @@ def _cli_run_args(selection, plan, info, steps, accountant):
     """What a user types to ask `widedp` about the run `plan` describes (defaults left alone)."""
     args = ["--accountant", accountant, "--sample-rate", repr(info["sample_rate"]),
             "--steps", str(steps), "--delta", repr(info["delta"]), "--selection", selection]
+    sp = plan.selection_params
     if selection in ("em", "noisy-max"):
-        args += ["--selection-epsilon", repr(plan.selection_epsilon), "--k", str(plan.k)]
+        args += ["--selection-epsilon", repr(sp.epsilon_per_draw), "--k", str(sp.k)]
     elif selection == "svt":  # the trainer answers at most c = k rows per step
-        args += ["--selection-epsilon", repr(plan.selection_epsilon), "--max-answers", str(plan.k)]
+        args += ["--selection-epsilon", repr(sp.epsilon), "--max-answers", str(sp.max_answers)]
     elif selection == "threshold":
-        args += ["--selection-sigma", repr(plan.selection_sigma)]
+        args += ["--selection-sigma", repr(sp.noise_multiplier)]
     elif selection == "fest":
-        args += ["--fest-sigma", repr(plan.fest_noise_multiplier)]
+        args += ["--fest-sigma", repr(sp.noise_multiplier)]
     return args
 
 
@@ -108,7 +109,7 @@ def test_cli_epsilon_equals_the_training_ledger(capsys, selection, accountant, k
     assert plan.selection == selection and not info["calibrated"]
     ledger = PrivacyLedger(info["accountant"], info["delta"])
     if selection == "fest":  # Engine.prepare_fest charges this before the steps (real path: next test)
-        ledger.record(ev.GaussianDpEvent(plan.fest_noise_multiplier))
+        ledger.record(ev.GaussianDpEvent(plan.selection_params.noise_multiplier))
     ledger.record(_engine_step_event(cfg, plan, info), count=cfg.train.steps)
     trainer_eps = ledger.epsilon()
     cli = _cli_epsilon(capsys, selection, plan, info, cfg.train.steps, accountant)
@@ -122,7 +123,7 @@ def test_svt_regression_case_reproduces_the_measured_numbers(capsys):
     acc, kwargs = CASES["svt"]
     cfg = _config("svt", accountant=acc, **kwargs)
     plan, info = plan_privacy(cfg, 2500, vocabulary=10_000)
-    assert info["sample_rate"] == 0.01 and info["delta"] == 4e-5 and plan.k == 20
+    assert info["sample_rate"] == 0.01 and info["delta"] == 4e-5 and plan.selection_params.max_answers == 20
     ledger = PrivacyLedger(acc, info["delta"])
     ledger.record(_engine_step_event(cfg, plan, info), count=500)
     assert round(ledger.epsilon(), 2) == 4.00
@@ -140,7 +141,7 @@ def test_fest_spelled_as_random_plus_fest_sigma_is_the_same_run(capsys):
     plan, info = plan_privacy(_config("fest", accountant=acc, **kwargs), 10_000, vocabulary=10_000)
     fest = _cli_epsilon(capsys, "fest", plan, info, 1000, acc)
     as_random = _cli(capsys, "epsilon", "--noise-multiplier", repr(plan.noise_multiplier),
-                     *_cli_run_args("random", plan, info, 1000, acc), "--fest-sigma", repr(plan.fest_noise_multiplier))
+                     *_cli_run_args("random", plan, info, 1000, acc), "--fest-sigma", repr(plan.selection_params.noise_multiplier))
     plain = _cli_epsilon(capsys, "random", plan, info, 1000, acc)
     assert fest["epsilon"] == pytest.approx(as_random["epsilon"], rel=1e-12)
     assert fest["epsilon"] > plain["epsilon"]  # the one-time FEST Gaussian is charged
@@ -165,7 +166,7 @@ def test_cli_epsilon_equals_a_running_engines_ledger(capsys, selection):
     ds = tiny_ctr(n=64)
     cfg = _config(selection, n_batch=16, steps=TINY_STEPS, delta=1e-5, k=5, **TINY_PARAMS[selection])
     plan, info = plan_privacy(cfg, len(ds), vocabulary=sum(ds.meta.table_sizes.values()))
-    engine = make_engine(ds, mode=cfg.train.mode, selection=plan.selection, q=info["sample_rate"], k=plan.k,
+    engine = make_engine(ds, mode=cfg.train.mode, selection=plan.selection, q=info["sample_rate"], k=info["k"],
                          plan_overrides=dataclasses.asdict(plan))
     try:
         assert engine.ledger.delta == info["delta"]
@@ -200,7 +201,9 @@ def test_cli_calibrate_equals_the_trainers_calibration(capsys, selection):
     cli = _cli(capsys, *argv)
     assert cli["noise_multiplier"] == pytest.approx(plan.noise_multiplier, rel=1e-12)
     sp = cli["selection_params"]
-    assert sp.get("epsilon_per_draw", sp.get("epsilon", 0.0)) == pytest.approx(plan.selection_epsilon, rel=1e-12)
-    assert sp.get("noise_multiplier", 0.0) == pytest.approx(plan.selection_sigma, rel=1e-12)
+    assert sp.get("epsilon_per_draw", sp.get("epsilon", 0.0)) == pytest.approx(info["selection_epsilon"], rel=1e-12)
+    assert sp.get("noise_multiplier", 0.0) == pytest.approx(info["selection_sigma"], rel=1e-12)
+    for name, value in sp.items():  # the trainer's selector parameters are the calibrated ones
+        assert getattr(plan.selection_params, name) == pytest.approx(value, rel=1e-12)
     if selection == "svt":
         assert sp["release_values"] is False

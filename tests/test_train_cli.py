@@ -177,22 +177,24 @@ def test_threshold_zero_means_the_noise_only_rule(ctr_dir, selection):
                              "privacy.k=40", "train.steps=50", "privacy.target_epsilon=4"])
     vocab, k = 26 * 500, 40
     plan, info = plan_privacy(cfg, 2700, vocab)
-    assert plan.threshold > 0 and info["threshold"] == plan.threshold and info["threshold_rule"]
+    sp = plan.selection_params
+    assert sp.threshold > 0 and info["threshold"] == sp.threshold and info["threshold_rule"]
     rng = np.random.default_rng(0)
     empty_ids, empty = np.zeros(0, dtype=np.int64), np.zeros(0)
     if selection == "threshold":  # Binomial(p, k/p) pure-noise passes: mean k, sd < sqrt(k)
-        counts = [gaussian_threshold(empty_ids, empty, vocab, plan.threshold, plan.selection_sigma,
-                                     plan.contribution_clip, rng).ids.size for _ in range(200)]
+        counts = [gaussian_threshold(empty_ids, empty, vocab, sp.threshold, sp.noise_multiplier,
+                                     sp.contribution_clip, rng).ids.size for _ in range(200)]
         assert abs(np.mean(counts) - k) < 4 * np.sqrt(k / 200)
     else:  # SVT answers the first k noise-only passes, so with α at P(pass) = k/p it answers about k·(1 - 1/e)
-        counts = [numeric_sparse(empty_ids, empty, vocab, plan.threshold, k, plan.selection_epsilon,
-                                 plan.selection_delta, min(plan.clip_norm / 64, plan.score_clip), rng,
+        counts = [numeric_sparse(empty_ids, empty, vocab, sp.threshold, k, sp.epsilon,
+                                 sp.delta, min(plan.clip_norm / 64, sp.score_clip), rng,
                                  release_values=False).ids.size
                   for _ in range(100)]
         assert 0.3 * k < np.mean(counts) <= k
-    plan0, _ = plan_privacy(load_config(None, [f"data.path={ctr_dir}", "train.mode=sparse", "train.selection=em"]),
+    plan0, info0 = plan_privacy(load_config(None, [f"data.path={ctr_dir}", "train.mode=sparse", "train.selection=em"]),
                             2700, vocab)
-    assert plan0.threshold == 0
+    assert not hasattr(plan0.selection_params, "threshold")  # em has no threshold; the config's stays 0
+    assert info0["threshold"] == 0
 
 
 def test_dlrm_cat_interaction_feeds_embeddings_linearly():

@@ -11,6 +11,8 @@ print the ε the training ledger reports (tests/test_cli_trainer_agreement.py):
   which the trainer never uses.
 - `--selection fest --fest-sigma S` is a DP-FEST run: one Gaussian(S) charged before the steps,
   then data-independent steps (a `random`-style no-op selection).
+`--selection` choices are "none" plus the selector registry's names (selection/registry.py);
+which arguments a selector needs is read from its Params (`cli=` field metadata).
 """
 
 from __future__ import annotations
@@ -23,8 +25,14 @@ import sys
 from typing import Optional, Sequence
 
 from accounting import events as ev
+from selection.registry import NO_SELECTION, MissingParameter, Selector, get_selector, selector_names
 
-SELECTION_CHOICES = ("none", "em", "svt", "noisy-max", "threshold", "random", "fest")
+
+def selection_choices() -> tuple[str, ...]:
+    """`--selection` choices: "none" (DP-SGD) and every registered selector."""
+    return (NO_SELECTION, *selector_names())
+
+
 ACCOUNTANT_CHOICES = ("paper", "rdp", "pld", "prv")
 
 
@@ -79,7 +87,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-rate", type=_rate, required=True, help="Poisson sampling rate q = b/n")
     p.add_argument("--steps", type=_positive_int("--steps"), required=True)
     p.add_argument("--delta", type=_delta, required=True)
-    p.add_argument("--selection", choices=SELECTION_CHOICES, default="none")
+    p.add_argument("--selection", choices=selection_choices(), default=NO_SELECTION)
     p.add_argument("--k", type=_positive_int("--k"), help="rows selected per step (em, noisy-max)")
     p.add_argument("--max-answers", type=_positive_int("--max-answers"), help="svt: answers per step (c)")
     p.add_argument("--selection-delta", type=_delta, help="svt: Alg 1's δ (default: --delta)")
@@ -127,51 +135,85 @@ def build_parser() -> argparse.ArgumentParser:
 _COMMAND_MODULES: list[str] = ["trainer.data.commands", "trainer.train", "trainer.report", "trainer.export"]
 
 
+def _selector(args) -> Optional[Selector]:
+    return None if args.selection == NO_SELECTION else get_selector(args.selection)
+
+
+def _cli_source(args) -> dict:
+    """The argument values the selectors' Params read (their `cli=` dests); Alg 1's δ defaults
+    to --delta."""
+    return {**vars(args), "selection_delta": args.selection_delta or args.delta}
+
+
+def _flag_fields() -> dict[str, list[str]]:
+    """{boolean CLI dest: the selectors that read it}."""
+    out: dict[str, list[str]] = {}
+    for name in selector_names():
+        sel = get_selector(name)
+        for f in sel.fields():
+            dest = f.metadata.get("cli")
+            if dest and isinstance(f.default, bool):
+                out.setdefault(dest, []).append(name)
+    return out
+
+
+def _selection_params(args, *, calibrating: bool):
+    """The selector's Params from the arguments (None for "none"). `widedp epsilon` needs every
+    field the selector's Params reads from the CLI; `widedp calibrate` computes the calibrated
+    ones (`record=True`) and needs only the others (e.g. fest's --fest-sigma)."""
+    for dest, owners in _flag_fields().items():
+        if getattr(args, dest, False) and args.selection not in owners:
+            raise UsageError(f"--{dest.replace('_', '-')} applies only to --selection {' or '.join(owners)}")
+    selector = _selector(args)
+    if selector is None:
+        return None
+    required = tuple(f.name for f in selector.fields() if f.metadata.get("cli") and not isinstance(f.default, bool)
+                     and not (calibrating and f.metadata.get("record")))
+    source = _cli_source(args)
+    try:
+        if calibrating:  # only check: calibrate computes the recorded fields
+            missing = tuple(dest for f, dest in selector.cli_fields().items() if f in required and source.get(dest) is None)
+            if missing:
+                raise MissingParameter(selector.name, "cli", missing)
+            return None
+        return selector.params_from(source, "cli", require=required)
+    except MissingParameter as exc:
+        raise UsageError(f"--selection {args.selection} needs {' and '.join(exc.spelled)}") from None
+
+
 def _check_selection_flags(args) -> None:
-    if args.svt_release_values and args.selection != "svt":
-        raise UsageError("--svt-release-values applies only to --selection svt")
-    if args.selection == "fest" and args.fest_sigma is None:
-        raise UsageError("--selection fest needs --fest-sigma (the DP-FEST noise multiplier)")
+    _selection_params(args, calibrating=True)
 
 
 def _one_time_events(args) -> list:
     """Events charged once before the steps, as the trainer charges them: the data set's own
-    (`--dataset DIR`: e.g. a private vocabulary, from DIR/dataset.json), then DP-FEST's Gaussian."""
+    (`--dataset DIR`: e.g. a private vocabulary, from DIR/dataset.json), then any selector's
+    one-time event whose arguments are given (--fest-sigma: DP-FEST's Gaussian, also with
+    `--selection random`, which is the same run)."""
     events = []
     if args.dataset is not None:
         from trainer.data.meta import read_meta
 
         events += [(event, 1) for _, event in read_meta(args.dataset).privacy_events]
-    if args.fest_sigma is not None:
-        events.append((ev.GaussianDpEvent(args.fest_sigma), 1))
+    source = _cli_source(args)
+    for name in selector_names():
+        sel = get_selector(name)
+        if type(sel).one_time_event is Selector.one_time_event:
+            continue
+        needed = tuple(sel.cli_fields())
+        if all(source.get(dest) is not None for dest in sel.cli_fields().values()):
+            event = sel.one_time_event(sel.params_from(source, "cli", require=needed))
+            if event is not None:
+                events.append((event, 1))
     return events
 
 
 def _selection_event(args) -> Optional[ev.DpEvent]:
-    """The per-step selection event, built as `trainer.engine.Engine._selection_event` builds it."""
-    from accounting.calibration import svt_event
-
-    _check_selection_flags(args)
-    s = args.selection
-    if s == "none":
-        return None
-    if s in ("random", "fest"):
-        return ev.NoOpDpEvent()  # fest: the rows are fixed once; its cost is the one-time Gaussian
-    if s in ("em", "noisy-max"):
-        if args.selection_epsilon is None or args.k is None:
-            raise UsageError(f"--selection {s} needs --selection-epsilon (per draw) and --k")
-        cls = ev.ExponentialTopKDpEvent if s == "em" else ev.NoisyMaxTopKDpEvent
-        return cls(args.selection_epsilon, args.k)
-    if s == "svt":
-        if args.selection_epsilon is None or args.max_answers is None:
-            raise UsageError("--selection svt needs --selection-epsilon and --max-answers")
-        return svt_event(args.selection_epsilon, args.selection_delta or args.delta, args.max_answers,
-                         release_values=args.svt_release_values)
-    if s == "threshold":
-        if args.selection_sigma is None:
-            raise UsageError("--selection threshold needs --selection-sigma")
-        return ev.GaussianDpEvent(args.selection_sigma)
-    raise UsageError(f"unknown selection {s}")
+    """The per-step selection event, built as `trainer.engine.Engine._selection_event` builds it:
+    the registered selector's `event(params)`."""
+    params = _selection_params(args, calibrating=False)
+    selector = _selector(args)
+    return None if selector is None else selector.event(params)
 
 
 def cmd_epsilon(args) -> dict:
@@ -189,7 +231,8 @@ def cmd_epsilon(args) -> dict:
         "steps": args.steps,
         "selection": args.selection,
     }
-    if args.selection == "svt":
+    selector = _selector(args)
+    if selector is not None and "svt_release_values" in selector.cli_fields().values():
         out["svt_release_values"] = args.svt_release_values
     if args.fest_sigma is not None:
         out["fest_sigma"] = args.fest_sigma
@@ -204,11 +247,10 @@ def cmd_calibrate(args) -> dict:
     from accounting import calibrate
 
     _check_selection_flags(args)
-    # As trainer.train.plan_privacy calibrates: fest = random steps + the one-time FEST Gaussian.
-    selection = "random" if args.selection == "fest" else args.selection
+    # As trainer.train.plan_privacy calibrates: the steps plus the one-time events (DP-FEST's Gaussian).
     out = calibrate(
         args.target_epsilon, args.delta, args.sample_rate, args.steps,
-        selection=selection, fraction=args.selection_fraction, accountant=args.accountant,
+        selection=args.selection, fraction=args.selection_fraction, accountant=args.accountant,
         k=args.k, max_answers=args.max_answers, selection_delta=args.selection_delta,
         svt_release_values=args.svt_release_values, extra_history=_one_time_events(args) or None,
     ).to_dict()

@@ -12,8 +12,10 @@ import tomllib
 from pathlib import Path
 from typing import Any, Optional
 
+from selection.registry import is_selector, selector_names
+
 MODES = ("nonprivate", "dpsgd", "sparse")
-SELECTIONS = ("em", "svt", "noisy-max", "threshold", "random", "fest")
+# train.selection: any registered selector (selection.registry); DP-SGD is train.mode = "dpsgd".
 
 
 @dataclasses.dataclass
@@ -107,7 +109,7 @@ class Config:
         t, p, c = self.train, self.privacy, self.cluster
         checks = [
             (t.mode in MODES, f"train.mode must be one of {MODES}, got {t.mode!r}"),
-            (t.selection in SELECTIONS, f"train.selection must be one of {SELECTIONS}, got {t.selection!r}"),
+            (is_selector(t.selection), f"train.selection must be one of {selector_names()}, got {t.selection!r}"),
             (t.batch_size >= 1, "train.batch_size must be >= 1"),
             (t.steps >= 1, "train.steps must be >= 1"),
             (t.optimizer in ("sgd", "adagrad", "adam"), f"train.optimizer must be sgd, adagrad or adam, got {t.optimizer!r}"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -26,17 +26,8 @@ from torch.func import functional_call, grad_and_value, vmap
 from accounting import PrivacyLedger
 from accounting import events as ev
 from accounting.calibration import step_event
-from selection import (
-    NoisyStep,
-    contribution_counts,
-    exponential_top_k,
-    fest_top_k,
-    gaussian_threshold,
-    noisy_max_top_k,
-    noisy_step,
-    numeric_sparse,
-    random_rows,
-)
+from selection import NoisyStep, noisy_step
+from selection.registry import SelectionContext, Selector, get_selector, is_selector
 from selection.result import Selection
 from trainer.layout import ShardLayout, route
 from trainer.models import DenseModel
@@ -50,16 +41,12 @@ class PrivacyPlan:
     noise_multiplier: float  # σ of the gradient noise (std = σ · sensitivity)
     clip_norm: float  # S1
     second_clip_norm: Optional[float]  # S2
-    selection: str
-    k: int = 0
-    selection_epsilon: float = 0.0  # em/noisy-max per draw; svt Alg 1 ε
-    selection_delta: float = 0.0  # svt
-    selection_sigma: float = 0.0  # threshold counts σ
-    score_clip: float = 0.1  # S0
-    threshold: float = 0.0  # τ (threshold) / α (svt)
-    contribution_clip: float = 1.0  # C1
-    fest_noise_multiplier: float = 0.0
-    fest_max_rows_per_example: int = 32
+    selection: str  # a registered selector's name (selection.registry), or "none" (DP-SGD)
+    selection_params: Any = None  # that selector's Params (None for "none")
+
+    @property
+    def selector(self) -> Optional[Selector]:
+        return get_selector(self.selection) if is_selector(self.selection) else None
 
 
 @dataclasses.dataclass
@@ -122,20 +109,8 @@ class Engine:
 
     # ---- privacy events ----------------------------------------------------------------------
     def _selection_event(self) -> Optional[ev.DpEvent]:
-        p = self.plan
-        s = p.selection
-        if s in ("random", "fest"):
-            return ev.NoOpDpEvent()  # data-independent per step (FEST's cost is charged once)
-        if s == "em":
-            return ev.ExponentialTopKDpEvent(p.selection_epsilon, p.k)
-        if s == "noisy-max":
-            return ev.NoisyMaxTopKDpEvent(p.selection_epsilon, p.k)
-        if s == "threshold":
-            return ev.GaussianDpEvent(p.selection_sigma)
-        if s == "svt":
-            from accounting.calibration import svt_event
-            return svt_event(p.selection_epsilon, p.selection_delta, p.k, release_values=False)
-        raise ValueError(f"unknown selection {s!r}")
+        """The per-step selection event: the registered selector's `event(params)`."""
+        return get_selector(self.plan.selection).event(self.plan.selection_params)
 
     def _step_event(self) -> Optional[ev.DpEvent]:
         if self.mode == "nonprivate":
@@ -147,9 +122,19 @@ class Engine:
     def step_event(self) -> Optional[ev.DpEvent]:
         return self._event
 
+    def needs_one_time_selection(self) -> bool:
+        """Whether the plan's selector selects once before training (DP-FEST)."""
+        sel = self.plan.selector if self.plan is not None and self.mode == "sparse" else None
+        return sel is not None and sel.one_time_event(self.plan.selection_params) is not None
+
     def prepare_fest(self, feature_rows: Callable[[str], tuple[np.ndarray, np.ndarray]]) -> None:
-        """DP-FEST: charge one Gaussian event, then fix the trainable rows for all steps."""
+        """A one-time selection (DP-FEST): charge the selector's one-time event, then fix the
+        trainable rows for all steps."""
         p = self.plan
+        selector = get_selector(p.selection)
+        event = selector.one_time_event(p.selection_params)
+        if event is None:
+            raise ValueError(f"selection {p.selection!r} has no one-time selection")
         n = len(self.train_set)
         # One example's global rows across all features: concatenate per-feature jagged rows.
         per_feature = [(f, *feature_rows(f.name)) for f in self.layout.features]
@@ -164,9 +149,11 @@ class Engine:
             within = np.arange(vals.size) - np.repeat(off[:-1], counts)
             ids[cursor[example] + within] = vals + self.table_offsets[t]
             cursor += counts
-        self.charge(ev.GaussianDpEvent(p.fest_noise_multiplier))  # before the selection is used
-        sel = fest_top_k(offsets, ids, self.layout.vocabulary_size, p.k, p.fest_noise_multiplier,
-                         p.fest_max_rows_per_example, self.selection_rng)
+        self.charge(event)  # before the selection is used
+        sel = selector.one_time_select(offsets, ids, self.layout.vocabulary_size, p.selection_params,
+                                       self.selection_rng)
+        if sel.event != event:
+            raise RuntimeError(f"the one-time selection ran {sel.event!r} but {event!r} was charged")
         self.fixed_rows = sel.ids
 
     def charge(self, event: ev.DpEvent) -> None:
@@ -332,26 +319,11 @@ class Engine:
             return Selection(np.unique(rows.global_ids), ev.NoOpDpEvent())
         if self.mode == "dpsgd":
             return None
-        if p.selection == "random":
-            return random_rows(V, p.k, rng)
-        if p.selection == "fest":
-            return Selection(self.fixed_rows, ev.NoOpDpEvent())  # its one-time event was charged up front
-        if p.selection == "threshold":
-            offsets, ids = self._example_global_rows(batch, B)
-            count_ids, counts = contribution_counts(offsets, ids, p.contribution_clip, V)
-            return gaussian_threshold(count_ids, counts, V, p.threshold, p.selection_sigma, p.contribution_clip, rng)
-        # Utility of row r: min(‖G_r‖, S0); one example moves it by ≤ min(S1/b, S0) (add/remove).
-        scores = np.minimum(np.linalg.norm(rows.grads, axis=1), p.score_clip)
-        sensitivity = min(p.clip_norm / self.b, p.score_clip)
-        touched = rows.global_ids
-        if p.selection == "em":
-            return exponential_top_k(touched, scores, V, p.k, p.selection_epsilon, sensitivity, rng)
-        if p.selection == "noisy-max":
-            return noisy_max_top_k(touched, scores, V, p.k, p.selection_epsilon, sensitivity, rng)
-        if p.selection == "svt":
-            return numeric_sparse(touched, scores, V, p.threshold, p.k, p.selection_epsilon, p.selection_delta,
-                                  sensitivity, rng, release_values=False)
-        raise ValueError(f"unknown selection {p.selection!r}")
+        context = SelectionContext(
+            num_rows=V, touched_ids=rows.global_ids, row_norms=np.linalg.norm(rows.grads, axis=1),
+            clip_norm=p.clip_norm, expected_batch_size=self.b,
+            example_rows=lambda: self._example_global_rows(batch, B), fixed_rows=self.fixed_rows)
+        return get_selector(p.selection).select(context, p.selection_params, rng)
 
     def _example_global_rows(self, batch, B):
         """(offsets, global row ids) per example across all features (for threshold counts)."""

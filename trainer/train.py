@@ -11,6 +11,7 @@ training statistics and says in the summary that the privacy report does not cov
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -24,6 +25,7 @@ from accounting import PrivacyLedger, calibrate
 from accounting.atomic import atomic_write_bytes
 from accounting import events as ev
 from selection import k_from_fraction
+from selection.registry import NO_SELECTION, get_selector
 from trainer.config import Config, load_config
 from trainer.engine import Engine, PrivacyPlan
 from trainer.layout import FeatureSpec, ShardLayout, TableSpec
@@ -119,65 +121,60 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
     if t.mode == "nonprivate":
         return None, info
     k = p.k or k_from_fraction(p.gamma, vocabulary)
-    selection = t.selection if t.mode == "sparse" else "none"
-    plan = PrivacyPlan(noise_multiplier=p.noise_multiplier, clip_norm=p.clip_norm,
-                       second_clip_norm=p.second_clip_norm or None, selection=selection, k=k,
-                       score_clip=p.score_clip, threshold=p.threshold, contribution_clip=p.contribution_clip,
-                       fest_noise_multiplier=p.fest_noise_multiplier,
-                       fest_max_rows_per_example=p.fest_max_rows_per_example)
+    selector = get_selector(t.selection) if t.mode == "sparse" else None
+    selection = selector.name if selector is not None else NO_SELECTION
+    # What the selectors' Params read (their `config=` keys): privacy.*, k resolved from gamma, δ.
+    source = {**dataclasses.asdict(p), "k": k, "delta": delta}
     extra = [(event, 1) for event in data_events]
-    if selection == "fest":
-        extra.append((ev.GaussianDpEvent(p.fest_noise_multiplier), 1))
-    calib_selection = {"fest": "random"}.get(selection, selection)
+    params = None
+    if selector is not None:
+        params = selector.params_from(source, "config")
+        one_time = selector.one_time_event(params)
+        if one_time is not None:
+            extra.append((one_time, 1))
+    sigma = p.noise_multiplier
     if p.noise_multiplier <= 0:
-        out = calibrate(p.target_epsilon, delta, q, t.steps, selection=calib_selection, fraction=p.selection_fraction,
+        out = calibrate(p.target_epsilon, delta, q, t.steps, selection=selection, fraction=p.selection_fraction,
                         accountant=p.accountant, k=k, max_answers=k, selection_delta=delta,
                         svt_release_values=False, extra_history=extra)
-        plan.noise_multiplier = out.noise_multiplier
-        sp = out.selection_params
-        plan.selection_epsilon = sp.get("epsilon_per_draw", sp.get("epsilon", 0.0))
-        plan.selection_sigma = sp.get("noise_multiplier", 0.0)
+        sigma = out.noise_multiplier
+        if selector is not None and out.selection_params:  # the calibrated fields replace the config's
+            params = dataclasses.replace(params, **dict(out.selection_params))
         info["calibrated"] = True
     else:
-        plan.selection_epsilon = p.selection_epsilon
-        plan.selection_sigma = p.selection_sigma
-        if selection in ("em", "noisy-max", "svt") and p.selection_epsilon <= 0:
-            raise ValueError(f"privacy.noise_multiplier is set: selection {selection!r} also needs privacy.selection_epsilon")
-        if selection == "threshold" and p.selection_sigma <= 0:
-            raise ValueError("privacy.noise_multiplier is set: selection 'threshold' also needs privacy.selection_sigma")
+        if selector is not None:
+            missing = [selector.config_fields()[f] for f in selector.budget_fields() if getattr(params, f) <= 0]
+            if missing:
+                raise ValueError(f"privacy.noise_multiplier is set: selection {selection!r} also needs "
+                                 + " and ".join(f"privacy.{m}" for m in missing))
         info["calibrated"] = False
-    plan.selection_delta = delta
-    if selection in ("threshold", "svt") and p.threshold <= 0:
-        plan.threshold, info["threshold_rule"] = auto_selection_threshold(plan, k, vocabulary, min(t.batch_size, n))
-    info.update(noise_multiplier=plan.noise_multiplier, selection_epsilon=plan.selection_epsilon,
-                selection_sigma=plan.selection_sigma, k=k, threshold=plan.threshold)
+    if selector is not None and getattr(params, "threshold", 1.0) <= 0:
+        auto = selector.auto_threshold(params, k=k, num_rows=vocabulary, clip_norm=p.clip_norm,
+                                       batch_size=min(t.batch_size, n))
+        if auto is not None:
+            params = dataclasses.replace(params, threshold=auto[0])
+            info["threshold_rule"] = auto[1]
+    plan = PrivacyPlan(noise_multiplier=sigma, clip_norm=p.clip_norm, second_clip_norm=p.second_clip_norm or None,
+                       selection=selection, selection_params=params)
+    # The run summary's keys (unchanged): the config's names of the selector's parameters.
+    named = {key: getattr(params, f) for f, key in (selector.config_fields() if selector else {}).items()}
+    unset = info["calibrated"]  # a calibrated run has no config value for parameters its selector lacks
+    info.update(noise_multiplier=sigma, selection_epsilon=named.get("selection_epsilon", 0.0 if unset else p.selection_epsilon),
+                selection_sigma=named.get("selection_sigma", 0.0 if unset else p.selection_sigma), k=k,
+                threshold=named.get("threshold", p.threshold))
     return plan, info
 
 
 def auto_selection_threshold(plan: PrivacyPlan, k: int, vocabulary: int, batch_size: int) -> tuple[float, str]:
-    """The threshold used when a config leaves privacy.threshold at 0 (threshold and svt).
-
-    Data-independent (a function of the calibrated noise, k and p only), so it costs no privacy:
-    the level at which a row with nothing but noise passes with probability k/p, so that about
-    k of the p rows pass on noise alone. Threshold: τ = σ_sel·C1·Φ̄⁻¹(k/p) on the counts.
-    SVT: α = b_q·ln(p/(2k)) for the Laplace(b_q) query noise of NumericSparse (P(Lap(b) > α) =
-    ½e^{−α/b}). A literal 0 would let about half of all p rows through (SVT: stop after the
-    first k rows in id order).
-    """
-    from scipy import stats
-
-    from selection.sparse_vector import numeric_sparse_scales
-
-    frac = min(0.5, k / vocabulary)
-    if plan.selection == "threshold":
-        value = plan.selection_sigma * plan.contribution_clip * float(stats.norm.isf(frac))
-        rule = f"τ = σ_sel·C1·Φ̄⁻¹(k/p) = {plan.selection_sigma:.3g}·{plan.contribution_clip:g}·Φ̄⁻¹({frac:.3g})"
-    else:
-        sensitivity = min(plan.clip_norm / batch_size, plan.score_clip)
-        _, query_scale, _ = numeric_sparse_scales(plan.selection_epsilon, plan.selection_delta, k, sensitivity, False)
-        value = query_scale * math.log(1.0 / (2.0 * frac)) if frac < 0.5 else 0.0
-        rule = f"α = b_query·ln(p/(2k)) with Laplace query scale b_query = {query_scale:.3g}"
-    return float(max(value, 1e-12)), rule
+    """The threshold used when a config leaves privacy.threshold at 0 (threshold and svt): the
+    selector's own data-independent rule (`Selector.auto_threshold`): about k of the p rows
+    pass on noise alone (a literal 0 would let about half of all p rows through)."""
+    selector = plan.selector
+    auto = selector.auto_threshold(plan.selection_params, k=k, num_rows=vocabulary, clip_norm=plan.clip_norm,
+                                   batch_size=batch_size) if selector is not None else None
+    if auto is None:
+        raise ValueError(f"selection {plan.selection!r} has no threshold")
+    return auto
 
 
 def _shard_group(cfg: Config, layout: ShardLayout):
@@ -292,7 +289,7 @@ def _start(engine: Engine, cfg: Config, run_dir: Path, train_set, data_events) -
     if engine.ledger is not None:
         for _, event in data_events:
             engine.charge(event)
-    if engine.plan is not None and engine.plan.selection == "fest":
+    if engine.needs_one_time_selection():
         engine.prepare_fest(train_set.feature_rows)
 
 

@@ -1,0 +1,31 @@
+"""`noisy-max`: Laplace report-noisy-max top-k (selection.noisy_max) on min(‖G_r‖, S0)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from accounting.events import NoisyMaxTopKDpEvent
+from selection.noisy_max import noisy_max_top_k
+from selection.registry import register_selector
+from selection.selectors.em import EmParams, ExponentialSelector
+
+
+@dataclasses.dataclass(frozen=True)
+class NoisyMaxParams(EmParams):
+    """Same fields as em: ε per round (pure ε-DP), k rounds, S0."""
+
+
+@register_selector("noisy-max")
+class NoisyMaxSelector(ExponentialSelector):
+    Params = NoisyMaxParams
+    event_class = NoisyMaxTopKDpEvent
+
+    def select(self, context, params, rng):
+        scores, sensitivity = context.score_sensitivity(params.score_clip)
+        return noisy_max_top_k(context.touched_ids, scores, context.num_rows, params.k, params.epsilon_per_draw,
+                               sensitivity, rng)
+
+    def from_budget(self, rho, inputs):
+        assert inputs.k is not None
+        return self.Params(epsilon_per_draw=math.sqrt(2.0 * rho / inputs.k), k=inputs.k)  # ρ = k·ε²/2

@@ -1,0 +1,45 @@
+"""`threshold`: Gaussian thresholding of per-example contribution counts (selection.threshold)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from accounting.events import GaussianDpEvent
+from selection.registry import Selector, param, register_selector
+from selection.threshold import contribution_counts, gaussian_threshold
+
+
+@dataclasses.dataclass(frozen=True)
+class ThresholdParams:
+    noise_multiplier: float = param(config="selection_sigma", cli="selection_sigma", budget=True, record=True)
+    threshold: float = param(0.0, config="threshold")  # τ on the counts (0 in the config: auto rule)
+    contribution_clip: float = param(1.0, config="contribution_clip")  # C1
+
+
+@register_selector("threshold")
+class ThresholdSelector(Selector):
+    Params = ThresholdParams
+
+    def event(self, params):
+        return GaussianDpEvent(params.noise_multiplier)
+
+    def select(self, context, params, rng):
+        assert context.example_rows is not None, "threshold selection needs the batch's per-example rows"
+        offsets, ids = context.example_rows()
+        count_ids, counts = contribution_counts(offsets, ids, params.contribution_clip, context.num_rows)
+        return gaussian_threshold(count_ids, counts, context.num_rows, params.threshold, params.noise_multiplier,
+                                  params.contribution_clip, rng)
+
+    def from_budget(self, rho, inputs):
+        return self.Params(noise_multiplier=1.0 / math.sqrt(2.0 * rho))  # ρ = 1/(2σ_sel²)
+
+    def auto_threshold(self, params, *, k, num_rows, clip_norm, batch_size):
+        """τ = σ_sel·C1·Φ̄⁻¹(k/p): about k of the p rows pass on noise alone."""
+        from scipy import stats
+
+        frac = min(0.5, k / num_rows)
+        value = params.noise_multiplier * params.contribution_clip * float(stats.norm.isf(frac))
+        rule = (f"τ = σ_sel·C1·Φ̄⁻¹(k/p) = {params.noise_multiplier:.3g}·{params.contribution_clip:g}"
+                f"·Φ̄⁻¹({frac:.3g})")
+        return float(max(value, 1e-12)), rule
