@@ -11,12 +11,14 @@ no problem.
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Optional
 
 from accounting import events as ev
-from accounting.base import (History, Unsupported, UnsupportedEventError, count_problem, nonnegative_problem,
-                             probability_problem)
+from accounting.base import (Accountant, History, Unsupported, UnsupportedEventError, _split_event, check_delta,
+                             count_problem, misplaced_additive_delta, nonnegative_problem, probability_problem,
+                             remaining_delta, split_additive_delta)
 
 _NOT_REDUCIBLE = ("only Gaussian-reducible steps are supported (a Gaussian, compositions of Gaussians, "
                   "Poisson-sampled ones); {name} is not ({event!r}). Use --accountant rdp for this selection.")
@@ -71,3 +73,30 @@ def gaussian_pieces(history: History, accountant: str) -> list[tuple[float, floa
             continue  # no-op
         pieces.append((q, sigma, int(count)))
     return pieces
+
+
+class GaussianReducibleAccountant(Accountant):
+    """Base of the accountants that compose Poisson-sampled Gaussian pieces (pld, prv).
+
+    It owns the part they share: the structural check (additive-δ events only at the top level,
+    everything else Gaussian-reducible), the additive-δ split (their Gaussian part composed,
+    their δ taken out of the target; ε = inf when nothing is left). A subclass gives
+    `pieces_epsilon(pieces, delta)` for the (q, σ, count) pieces at the remaining δ.
+    """
+
+    def _event_problem(self, event: ev.DpEvent) -> Optional[Unsupported]:
+        return misplaced_additive_delta(event) or gaussian_problem(_split_event(event, self.name)[0])
+
+    def epsilon(self, history: History, delta: float) -> float:
+        delta = check_delta(delta)
+        self.check(history)
+        history, additive_delta = split_additive_delta(history, self.name)
+        pieces = gaussian_pieces(history, self.name)
+        rest = remaining_delta(delta, additive_delta)
+        if rest is None:
+            return math.inf
+        return self.pieces_epsilon(pieces, rest)
+
+    @abc.abstractmethod
+    def pieces_epsilon(self, pieces: list[tuple[float, float, int]], delta: float) -> float:
+        """ε of the Poisson-sampled Gaussian pieces (q, σ, count) at δ."""

@@ -17,16 +17,12 @@ issuing module; any other warning reaches the caller.
 
 from __future__ import annotations
 
-import math
 import warnings
-from typing import Optional
 
 from opacus.accountants import PRVAccountant as OpacusPRV
 
-from accounting import events as ev
-from accounting.base import (Accountant, History, Unsupported, _split_event, check_delta, misplaced_additive_delta,
-                             register, remaining_delta, split_additive_delta)
-from accounting.gaussian_reduction import gaussian_pieces, gaussian_problem
+from accounting.base import register
+from accounting.gaussian_reduction import GaussianReducibleAccountant
 
 #: (category, message regex, issuing-module regex, why it is benign) of the Opacus 1.6 warnings
 #: we silence — nothing else.
@@ -55,23 +51,11 @@ def opacus_prv_epsilon(pieces: list[tuple[float, float, int]], delta: float, eps
 
 
 @register
-class PrvAccountant(Accountant):
+class PrvAccountant(GaussianReducibleAccountant):
     name = "prv"
 
     def __init__(self, eps_error: float = 0.01):
         self.eps_error = eps_error
 
-    def _event_problem(self, event: ev.DpEvent) -> Optional[Unsupported]:
-        return misplaced_additive_delta(event) or gaussian_problem(_split_event(event, self.name)[0])
-
-    def epsilon(self, history: History, delta: float) -> float:
-        delta = check_delta(delta)
-        self.check(history)
-        history, additive_delta = split_additive_delta(history, self.name)
-        pieces = gaussian_pieces(history, self.name)
-        delta = remaining_delta(delta, additive_delta)
-        if delta is None:
-            return math.inf
-        if not pieces:
-            return 0.0
-        return opacus_prv_epsilon(pieces, delta, self.eps_error)
+    def pieces_epsilon(self, pieces: list[tuple[float, float, int]], delta: float) -> float:
+        return opacus_prv_epsilon(pieces, delta, self.eps_error) if pieces else 0.0
