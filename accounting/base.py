@@ -182,7 +182,7 @@ def split_additive_delta(history: History, accountant: str) -> tuple[list[tuple[
     out: list[tuple[DpEvent, int]] = []
     total = 0.0
     for event, count in history:
-        reduced, add = _split_event(event, accountant)
+        reduced, add = split_event(event, accountant)
         out.append((reduced, count))
         total += int(count) * add
     return out, total
@@ -218,15 +218,15 @@ def _misplaced_reason(nested: DpEvent, wrapper: DpEvent) -> str:
             f"found inside {type(wrapper).__name__}, where its additive δ would need amplification")
 
 
-def _split_event(event: DpEvent, accountant: str) -> tuple[DpEvent, float]:
+def split_event(event: DpEvent, accountant: str) -> tuple[DpEvent, float]:
     if isinstance(event, ev.ADDITIVE_DELTA_EVENTS):
         return ev.GaussianDpEvent(event.noise_multiplier), float(event.unseen_delta)
     if isinstance(event, ev.ComposedDpEvent):
-        parts = [_split_event(sub, accountant) for sub in event.events]
+        parts = [split_event(sub, accountant) for sub in event.events]
         total = sum(add for _, add in parts)
         return (ev.ComposedDpEvent([sub for sub, _ in parts]) if total else event), total
     if isinstance(event, ev.SelfComposedDpEvent):
-        sub, add = _split_event(event.event, accountant)
+        sub, add = split_event(event.event, accountant)
         return (ev.SelfComposedDpEvent(sub, event.count) if add else event), event.count * add
     nested = _nested_additive_delta_event(event)
     if nested is not None:

@@ -90,8 +90,14 @@ class Calibration:
 
 def step_event(sample_rate: float, noise_multiplier: float, selection_event: Optional[ev.DpEvent] = None) -> ev.DpEvent:
     """The event of one Algorithm 3 step (or one DP-SGD step when selection_event is None)."""
-    gaussian = ev.GaussianDpEvent(noise_multiplier)
-    inner = gaussian if selection_event is None else ev.ComposedDpEvent([selection_event, gaussian])
+    return sampled_step_event(sample_rate, ev.GaussianDpEvent(noise_multiplier), selection_event)
+
+
+def sampled_step_event(sample_rate: float, noise_event: ev.DpEvent,
+                       selection_event: Optional[ev.DpEvent] = None) -> ev.DpEvent:
+    """The one structure of a step's event: PoissonSampled(q, [selection, noise]) — used for the
+    budget (`step_event`) and for what a step actually ran (the engine's record)."""
+    inner = noise_event if selection_event is None else ev.ComposedDpEvent([selection_event, noise_event])
     return ev.PoissonSampledDpEvent(sample_rate, inner)
 
 

@@ -152,7 +152,7 @@ class GaussianPartitionSelectionDpEvent(DpEvent):
 
 # Events that carry an additive δ next to a Gaussian part; accountants split them with
 # `accounting.base.split_additive_delta`.
-# Typed by the one class so far: `base._split_event` reads `noise_multiplier` and `unseen_delta`,
+# Typed by the one class so far: `base.split_event` reads `noise_multiplier` and `unseen_delta`,
 # which every such event must have.
 ADDITIVE_DELTA_EVENTS: tuple[type[GaussianPartitionSelectionDpEvent], ...] = (GaussianPartitionSelectionDpEvent,)
 

@@ -16,7 +16,7 @@ import math
 from typing import Optional
 
 from accounting import events as ev
-from accounting.base import (Accountant, History, Unsupported, UnsupportedEventError, _split_event, check_delta,
+from accounting.base import (Accountant, History, Unsupported, UnsupportedEventError, split_event, check_delta,
                              count_problem, misplaced_additive_delta, nonnegative_problem, probability_problem,
                              remaining_delta, split_additive_delta)
 
@@ -85,7 +85,7 @@ class GaussianReducibleAccountant(Accountant):
     """
 
     def _event_problem(self, event: ev.DpEvent) -> Optional[Unsupported]:
-        return misplaced_additive_delta(event) or gaussian_problem(_split_event(event, self.name)[0])
+        return misplaced_additive_delta(event) or gaussian_problem(split_event(event, self.name)[0])
 
     def epsilon(self, history: History, delta: float) -> float:
         delta = check_delta(delta)

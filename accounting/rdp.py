@@ -38,7 +38,7 @@ from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy import special
 
 from accounting import events as ev
-from accounting.base import (Accountant, History, Unsupported, UnsupportedEventError, _split_event, check_delta,
+from accounting.base import (Accountant, History, Unsupported, UnsupportedEventError, split_event, check_delta,
                              count_problem, misplaced_additive_delta, nonnegative_problem, probability_problem,
                              register, remaining_delta, split_additive_delta)
 
@@ -209,7 +209,7 @@ class RdpAccountant(Accountant):
 
     def _event_problem(self, event: ev.DpEvent) -> Optional[Unsupported]:
         # As `details` computes: additive-δ events split off at the top level, then curves.
-        return misplaced_additive_delta(event) or rdp_problem(_split_event(event, self.name)[0])
+        return misplaced_additive_delta(event) or rdp_problem(split_event(event, self.name)[0])
 
     def epsilon(self, history: History, delta: float) -> float:
         return self.details(history, delta)["epsilon"]

@@ -25,7 +25,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from accounting import PrivacyLedger
 from accounting import events as ev
-from accounting.calibration import step_event
+from accounting.calibration import sampled_step_event, step_event
 from selection import NoisyStep, noisy_step
 from selection.registry import SelectionContext, Selector, get_selector, is_selector
 from selection.result import Selection
@@ -281,8 +281,7 @@ class Engine:
         budgeted, record and persist it — before anything is released."""
         if noisy is None:
             return
-        inner = noisy.event if selection is None else ev.ComposedDpEvent([selection.event, noisy.event])
-        ran = ev.PoissonSampledDpEvent(self.q, inner)
+        ran = sampled_step_event(self.q, noisy.event, None if selection is None else selection.event)
         if ran != self._event:
             raise RuntimeError(f"the step ran {ran!r} but the budget was checked for {self._event!r}; "
                                "nothing was recorded or released")
