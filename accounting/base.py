@@ -262,9 +262,19 @@ def register(cls: type[Accountant]) -> type[Accountant]:
     return cls
 
 
-def make_accountant(name: str, **kwargs) -> Accountant:
+def _import_accountants() -> None:
     # Import for registration side effects (each accountant lives in its own module).
     from accounting import paper, pld, prv, rdp  # noqa: F401
+
+
+def accountant_names() -> tuple[str, ...]:
+    """The registered accountants' names (sorted)."""
+    _import_accountants()
+    return tuple(sorted(ACCOUNTANTS))
+
+
+def make_accountant(name: str, **kwargs) -> Accountant:
+    _import_accountants()
 
     if name not in ACCOUNTANTS:
         raise ValueError(f"unknown accountant {name!r}; choose one of {sorted(ACCOUNTANTS)}")

@@ -349,30 +349,46 @@ TIMING_PRIVACY = ["privacy.noise_multiplier=1.0", "privacy.selection_epsilon=0.1
 
 
 class MethodBytes:
-    """Wraps a shard group's `call` to attribute payload bytes and calls to each shard method."""
+    """Payload bytes, calls and wall time per shard method, through the shard group's public
+    observer hook (`ShardGroup.add_observer`)."""
 
     def __init__(self, group):
-        self.group = group
         self.per: dict[str, list] = {}
-        orig = group.call
+        self.remove = group.add_observer(self._observe)
 
-        def call(method, per_shard_args):
-            t0, f0 = group.bytes_to_shards, group.bytes_from_shards
-            out = orig(method, per_shard_args)
-            entry = self.per.setdefault(method, [0, 0, 0])
-            entry[0] += group.bytes_to_shards - t0
-            entry[1] += group.bytes_from_shards - f0
-            entry[2] += 1
-            return out
-
-        group.call = call  # broadcast() goes through self.call too
+    def _observe(self, call) -> None:
+        entry = self.per.setdefault(call.method, [0, 0, 0, 0.0])
+        entry[0] += call.bytes_to
+        entry[1] += call.bytes_from
+        entry[2] += 1
+        entry[3] += call.seconds
 
     def reset(self):
         self.per = {}
-        self.start = (self.group.bytes_to_shards, self.group.bytes_from_shards)
 
     def per_step(self, steps: int) -> dict:
-        return {m: {"to": v[0] / steps, "from": v[1] / steps, "calls": v[2] / steps} for m, v in sorted(self.per.items())}
+        return {m: {"to": v[0] / steps, "from": v[1] / steps, "calls": v[2] / steps, "seconds": v[3] / steps}
+                for m, v in sorted(self.per.items())}
+
+
+class StepTimer:
+    """Run callback recording each step's wall time, phases and sizes; stops the loop after
+    `steps` timed steps, or after `min_steps` once `max_seconds` have passed."""
+
+    def __init__(self, steps: int, min_steps: int, max_seconds: float):
+        self.steps, self.min_steps, self.max_seconds = steps, min_steps, max_seconds
+        self.times, self.phases, self.batch, self.touched, self.selected = [], {}, [], [], []
+        self.start = time.perf_counter()
+
+    def on_step(self, engine, stats, seconds) -> bool:
+        self.times.append(seconds)
+        for name, sec in getattr(stats, "phases", {}).items():
+            self.phases.setdefault(name, []).append(sec)
+        self.batch.append(stats.batch_size)
+        self.touched.append(stats.rows_touched)
+        self.selected.append(stats.rows_selected)
+        n = len(self.times)
+        return n >= self.steps or (n >= self.min_steps and time.perf_counter() - self.start >= self.max_seconds)
 
 
 def time_engine(spec: dict) -> dict:
@@ -386,33 +402,24 @@ def time_engine(spec: dict) -> dict:
 
     cfg = load_config(spec["config"], list(spec.get("overrides", [])))
     cfg.validate()
-    rule = default_selection_threshold(cfg)  # svt/threshold with the config's threshold 0
+    rule = default_selection_threshold(cfg)  # svt/threshold with privacy.threshold = "auto"
     if rule:
         cfg.privacy.threshold = rule["threshold"]
     t0 = time.perf_counter()
-    engine, train_set, _, meta, info = build_run(cfg)
+    run = build_run(cfg)
+    engine, train_set, info = run.engine, run.train_set, run.privacy
     build_s = time.perf_counter() - t0
     try:
         counter = MethodBytes(engine.shards)
-        for _ in range(int(spec.get("warmup", 2))):
-            if engine.step() is None:
-                raise RuntimeError("budget exhausted during warm-up")
+        warmup = int(spec.get("warmup", 2))
+        if run.run(engine.step_count + warmup).stopped_by_budget:
+            raise RuntimeError("budget exhausted during warm-up")
         counter.reset()
-        times, phases, batch, touched, selected = [], {}, [], [], []
         steps, min_steps = int(spec.get("steps", 10)), int(spec.get("min_steps", 2))
-        max_seconds = float(spec.get("max_seconds", 1e9))
-        start = time.perf_counter()
-        while len(times) < steps and (len(times) < min_steps or time.perf_counter() - start < max_seconds):
-            s0 = time.perf_counter()
-            stats = engine.step()
-            times.append(time.perf_counter() - s0)
-            if stats is None:
-                raise RuntimeError("budget exhausted while timing")
-            for name, sec in getattr(stats, "phases", {}).items():
-                phases.setdefault(name, []).append(sec)
-            batch.append(stats.batch_size)
-            touched.append(stats.rows_touched)
-            selected.append(stats.rows_selected)
+        timer = StepTimer(steps, min_steps, float(spec.get("max_seconds", 1e9)))
+        if run.run(engine.step_count + steps, [timer]).stopped_by_budget:
+            raise RuntimeError("budget exhausted while timing")
+        times, phases, batch, touched, selected = timer.times, timer.phases, timer.batch, timer.touched, timer.selected
         n = len(times)
         phase_sum = [sum(p[i] for p in phases.values()) for i in range(n)] if phases else [0.0] * n
         med = statistics.median(times)
@@ -427,8 +434,8 @@ def time_engine(spec: dict) -> dict:
             "tables": len(engine.layout.tables),
             "dim": engine.layout.dim,
             "train_examples": len(train_set),
-            "expected_batch": info["sample_rate"] * len(train_set),
-            "k": info.get("k"),
+            "expected_batch": info.sample_rate * len(train_set),
+            "k": info.k,
             "build_s": build_s,
             "warmup": int(spec.get("warmup", 2)),
             "steps_timed": n,
@@ -447,7 +454,7 @@ def time_engine(spec: dict) -> dict:
             "bytes_from_shards_per_step": sum(v["from"] for v in bytes_per.values()),
         }
     finally:
-        engine.shards.shutdown()
+        run.close()
 
 
 def timing_overrides(mode: str, selection: str = "em", backend: Optional[str] = None, extra: Sequence[str] = ()) -> list:
@@ -494,17 +501,18 @@ def quick_data_overrides(config: str) -> list[str]:
 # ---- training runs (privacy-utility, Fig 1) -------------------------------------------------------
 
 def default_selection_threshold(cfg) -> Optional[dict]:
-    """The trainer's own rule for privacy.threshold = 0 (`trainer.train.auto_selection_threshold`),
-    made explicit so that a benchmark record carries the value and the rule.
-    Returns {"threshold": value, "rule": text}, or None when the config's own value is used."""
+    """The trainer's own rule for privacy.threshold = "auto" (`Selector.auto_threshold`, applied
+    by `trainer.planning.plan_privacy`), made explicit so that a benchmark record carries the
+    value and the rule. Returns {"threshold": value, "rule": text}, or None when the config's
+    own value is used (or the selector has no threshold)."""
     from selection.registry import get_selector
+    from trainer.config import is_auto
     from trainer.train import _ensure_dataset, plan_privacy
 
     t, p = cfg.train, cfg.privacy
-    if t.mode != "sparse" or "threshold" not in get_selector(t.selection).config_fields().values() or p.threshold > 0:
+    if t.mode != "sparse" or "threshold" not in get_selector(t.selection).config_fields().values() or not is_auto(p.threshold):
         return None
     train_set, _ = _ensure_dataset(cfg)
     vocab = int(sum(train_set.meta.table_sizes.values()))
-    n = len(train_set)
-    plan, info = plan_privacy(cfg, n, vocab)
-    return {"threshold": plan.selection_params.threshold, "rule": info["threshold_rule"]}
+    plan, info = plan_privacy(cfg, len(train_set), vocab)
+    return {"threshold": plan.selection_params.threshold, "rule": info.threshold_rule}

@@ -367,7 +367,7 @@ def section_utility(doc, plots, out_dir) -> tuple[list, list]:
 
     lines, goals = [], []
     points = doc["points"]
-    for dataset, metric, better in (("ctr", "auc", "max"), ("cbow", "loss", "min")):
+    for dataset, metric, better in (("criteo_like", "auc", "max"), ("ctr", "auc", "max"), ("cbow", "loss", "min")):
         pts = [p for p in points if p["dataset"] == dataset and metric in p["metrics"]]
         if not pts:
             continue
@@ -388,7 +388,7 @@ def section_utility(doc, plots, out_dir) -> tuple[list, list]:
         nonp = [p for p in pts if p["mode"] == "nonprivate"]
         if nonp:
             ax.axhline(nonp[0]["metrics"][metric]["median"], color="k", linestyle="--", label="nonprivate")
-        if dataset == "ctr" and pts[0].get("bayes_auc"):
+        if metric == "auc" and pts[0].get("bayes_auc"):
             ax.axhline(pts[0]["bayes_auc"], color="gray", linestyle=":", label="Bayes AUC (planted)")
         eps_ticks = sorted({p["target_epsilon"] for p in pts if p["target_epsilon"] is not None})
         ax.set_xscale("log")
@@ -408,7 +408,7 @@ def section_utility(doc, plots, out_dir) -> tuple[list, list]:
             lines.append(f"| {p['mode']}{'/' + p['selection'] if p['selection'] else ''} | {f(p['target_epsilon'])} | {p['seeds']} | "
                          f"{m['median']:.4f} | {m['min']:.4f} | {m['max']:.4f} | {f(p['steps_median'])} | {f(p['epsilon_spent_median'])} | "
                          f"{f(p['paper_epsilon_median'])} |")
-        if dataset == "ctr" and pts[0].get("bayes_auc"):
+        if metric == "auc" and pts[0].get("bayes_auc"):
             lines.append(f"\nBayes AUC of the planted model: {pts[0]['bayes_auc']:.4f}.")
         lines.append("")
     fails = [r for r in doc.get("records", []) if "error" in r]

@@ -42,7 +42,7 @@ from _common import DATA_DIR, REPO, announce_machine, default_selection_threshol
 
 PAPER = ["model.embedding_dim=100", "train.batch_size=20", "train.optimizer=adam", "train.lr=0.001",
          "train.dense_lr=0.001", "privacy.clip_norm=15", "privacy.second_clip_norm=0.05", "privacy.gamma=0.001",
-         "privacy.k=0", "privacy.score_clip=0.1", "privacy.delta=1e-5", "data.synth_vocab=1000"]
+         "privacy.k=auto", "privacy.score_clip=0.1", "privacy.delta=1e-5", "data.synth_vocab=1000"]
 RUNS = [  # name, overrides
     ("nonprivate", ["train.mode=nonprivate"]),
     ("dpsgd σ=0.32", ["train.mode=dpsgd", "privacy.noise_multiplier=0.32", "privacy.target_epsilon=1e9"]),
@@ -78,7 +78,8 @@ def train_curve(name: str, cfg, steps: int, points: int, eval_examples: int, cur
     rule = default_selection_threshold(cfg)
     if rule:
         cfg.privacy.threshold = rule["threshold"]
-    engine, train_set, test_set, meta, info = build_run(cfg)
+    run = build_run(cfg)
+    engine, train_set, test_set, info = run.engine, run.train_set, run.test_set, run.privacy
     try:
         train_eval, test_eval = _Subset(train_set, eval_examples, 1), _Subset(test_set, eval_examples, 2)
         every = max(1, steps // points)
@@ -94,38 +95,33 @@ def train_curve(name: str, cfg, steps: int, points: int, eval_examples: int, cur
             curve["epsilon"].append(engine.ledger.epsilon() if engine.ledger is not None else None)
             batch_losses.clear()
 
+        class Curve:  # the loop's callback: batch losses (a benchmark's own debug record), evaluations
+            def on_step(self, engine, stats, seconds):
+                step_times.append(seconds)
+                batch_losses.append(stats.loss)
+                if engine.step_count % every == 0:
+                    evaluate()
+
         evaluate()
-        stopped = False
-        t0 = time.perf_counter()
-        while engine.step_count < steps:
-            s0 = time.perf_counter()
-            stats = engine.step()
-            if stats is None:
-                stopped = True
-                break
-            step_times.append(time.perf_counter() - s0)
-            batch_losses.append(stats.loss)
-            if engine.step_count % every == 0:
-                evaluate()
+        result = run.run(steps, [Curve()])
         if curve["step"][-1] != engine.step_count:
             evaluate()
-        wall = time.perf_counter() - t0
         out = {"name": name, "mode": cfg.train.mode, "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
-               "steps": engine.step_count, "stopped_by_budget": stopped, "curve": curve,
+               "steps": engine.step_count, "stopped_by_budget": result.stopped_by_budget, "curve": curve,
                "final_train_loss": curve["train_loss"][-1], "final_test_loss": curve["test_loss"][-1],
-               "noise_multiplier": info.get("noise_multiplier"), "selection_epsilon": info.get("selection_epsilon"),
-               "k": info.get("k"), "sample_rate": info["sample_rate"], "delta": info["delta"],
-               "threshold_rule": rule, "wall_s": wall,
+               "noise_multiplier": info.noise_multiplier, "selection_epsilon": info.selection_epsilon,
+               "k": info.k, "sample_rate": info.sample_rate, "delta": info.delta,
+               "threshold_rule": rule, "wall_s": result.elapsed_s,
                "step_ms_median": 1e3 * statistics.median(step_times) if step_times else None,
                "vocabulary_size": engine.layout.vocabulary_size, "train_examples": len(train_set),
                "test_examples": len(test_set)}
         if engine.ledger is not None:
             hist = engine.ledger.history
-            out["accountants"] = epsilon_by_accountant(hist, info["delta"])
-            out["epsilon_curves"] = epsilon_curves(hist, info["delta"], curve_points, ("rdp", "pld", "paper"))
+            out["accountants"] = epsilon_by_accountant(hist, info.delta)
+            out["epsilon_curves"] = epsilon_curves(hist, info.delta, curve_points, ("rdp", "pld", "paper"))
         return out
     finally:
-        engine.shards.shutdown()
+        run.close()
 
 
 def ordering(runs: list) -> dict:

@@ -1,7 +1,9 @@
 """Privacy-utility curves: test AUC / loss versus ε for nonprivate, dpsgd and sparse training.
 
-Data sets: the planted-truth synthetic CTR set (configs/ctr.toml; its Bayes AUC is known) and
-CBOW over the synthetic Zipf corpus (configs/cbow.toml). Each point trains one run with
+Data sets: the realistic Criteo-format planted-truth set (configs/ctr_criteo_like.toml: Criteo's
+26 published cardinalities, per-feature Zipf, hashed to 262,144; the main CTR benchmark), the
+planted-truth synthetic CTR set (configs/ctr.toml; its Bayes AUC is known) and CBOW over the
+synthetic Zipf corpus (configs/cbow.toml). Each point trains one run with
 `trainer.train.train` from the configs — `{config}_dpsgd.toml` / `{config}_nonprivate.toml`
 for those modes when they exist, so hyperparameters tuned there are used — at target
 ε ∈ {1, 3, 8} (δ = 1/n, σ and the selection budget calibrated by the config's accountant for
@@ -14,10 +16,10 @@ Goals: sparse >= dpsgd at every ε; at ε = 8 sparse within 0.01 AUC of nonpriva
 
 Runs are kept under runs/bench/privacy_utility[/quick]/ and reused when their config is
 unchanged (an interrupted grid resumes; --fresh retrains). SVT and threshold selections use
-the config's privacy.threshold, or when that is 0 the noise-only rule of
+the config's privacy.threshold, or when that is "auto" the noise-only rule of
 _common.default_selection_threshold (pure-noise rows pass with probability k/p).
 
-    python benchmarks/privacy_utility.py [--quick] [--datasets ctr,cbow] [--eps 1,3,8] [--seeds 0,1,2]
+    python benchmarks/privacy_utility.py [--quick] [--datasets criteo_like,ctr,cbow] [--eps 1,3,8] [--seeds 0,1,2]
         [--steps N] [--examples N] [--set section.key=value ...]
 """
 
@@ -35,9 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (announce_machine, DATA_DIR, REPO, default_selection_threshold, format_table, write_results)
 
-DATASETS = {"ctr": "configs/ctr.toml", "cbow": "configs/cbow.toml"}
-PRIMARY = {"ctr": ("auc", "max"), "cbow": ("loss", "min")}
+DATASETS = {"criteo_like": "configs/ctr_criteo_like.toml", "ctr": "configs/ctr.toml", "cbow": "configs/cbow.toml"}
+PRIMARY = {"criteo_like": ("auc", "max"), "ctr": ("auc", "max"), "cbow": ("loss", "min")}
 QUICK = {  # a tiny grid: small data, few steps, in-process shards
+    "criteo_like": ["data.synth_table_size=4096", "privacy.k=2000", "train.batch_size=256"],
     "ctr": ["data.synth_table_size=2000", "privacy.k=2000", "train.batch_size=256"],
     "cbow": ["train.batch_size=128"],
 }
@@ -153,7 +156,7 @@ def goals(points: list) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny grid: ε 1 and 8, one seed, small data, 15 steps")
-    parser.add_argument("--datasets", default="ctr,cbow")
+    parser.add_argument("--datasets", default="criteo_like,ctr,cbow", help=f"comma list of {sorted(DATASETS)}")
     parser.add_argument("--ctr-config", default=DATASETS["ctr"])
     parser.add_argument("--cbow-config", default=DATASETS["cbow"])
     parser.add_argument("--eps", default=None, help="target ε list (default 1,3,8; quick 1,8)")
@@ -182,7 +185,7 @@ def main(argv=None) -> dict:
 
         torch.set_num_threads(args.threads)
     machine = announce_machine()
-    configs = {"ctr": args.ctr_config, "cbow": args.cbow_config}
+    configs = {**DATASETS, "ctr": args.ctr_config, "cbow": args.cbow_config}
     records, settings = [], {}
     for dataset in [d for d in args.datasets.split(",") if d]:
         config = configs[dataset]

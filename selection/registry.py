@@ -36,7 +36,8 @@ Adding a selector is one new file plus its tests. The file defines:
            nothing per step and is never asked);
      and optionally `one_time_event` / `one_time_select` (a selection made once before
      training, e.g. DP-FEST) and `auto_threshold` (a data-independent default for a
-     `threshold` field left at 0).
+     `threshold` field left at 0, which is what the trainer's
+     privacy.threshold = "auto" gives).
   The file goes in `selection/selectors/` (every module there is imported, so registered, when
   the registry is first read); a selector defined elsewhere registers when its module is imported.
 Its tests: tests/test_selector_registry.py already checks every registered selector's
@@ -132,7 +133,7 @@ class Selector:
 
     def auto_threshold(self, params: Any, *, k: int, num_rows: int, clip_norm: float,
                        batch_size: int) -> Optional[tuple[float, str]]:
-        """(value, rule) for a `threshold` field left at 0, or None (no such field)."""
+        """(value, rule) for a `threshold` field left at 0 ("auto" in the config), or None (no such field)."""
         return None
 
     # ---- generic, from the Params metadata ---------------------------------------------------

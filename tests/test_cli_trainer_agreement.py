@@ -29,8 +29,8 @@ from trainer.train import plan_privacy
 SELECTIONS = ("none", "em", "noisy-max", "svt", "threshold", "random", "fest")
 
 
-def _config(selection, *, sigma, n_batch, steps, delta, accountant="rdp", k=50, selection_epsilon=0.0,
-            selection_sigma=0.0, fest_sigma=5.0, target_epsilon=1e9, data_path="unused"):
+def _config(selection, *, sigma, n_batch, steps, delta, accountant="rdp", k=50, selection_epsilon="auto",
+            selection_sigma="auto", fest_sigma=5.0, target_epsilon=1e9, data_path="unused"):
     cfg = Config()
     cfg.data.path = data_path
     cfg.train.mode = "dpsgd" if selection == "none" else "sparse"
@@ -46,14 +46,14 @@ def _config(selection, *, sigma, n_batch, steps, delta, accountant="rdp", k=50, 
 def _engine_step_event(cfg, plan, info):
     """The step event exactly as the engine builds it (its own methods, no data needed)."""
     engine = Engine.__new__(Engine)
-    engine.mode, engine.q, engine.plan = cfg.train.mode, info["sample_rate"], plan
+    engine.mode, engine.q, engine.plan = cfg.train.mode, info.sample_rate, plan
     return engine._step_event()
 
 
 def _cli_run_args(selection, plan, info, steps, accountant):
     """What a user types to ask `widedp` about the run `plan` describes (defaults left alone)."""
-    args = ["--accountant", accountant, "--sample-rate", repr(info["sample_rate"]),
-            "--steps", str(steps), "--delta", repr(info["delta"]), "--selection", selection]
+    args = ["--accountant", accountant, "--sample-rate", repr(info.sample_rate),
+            "--steps", str(steps), "--delta", repr(info.delta), "--selection", selection]
     sp = plan.selection_params
     if selection in ("em", "noisy-max"):
         args += ["--selection-epsilon", repr(sp.epsilon_per_draw), "--k", str(sp.k)]
@@ -106,15 +106,15 @@ ALL_CASES = [(s, acc, kw, N.get(s, 10_000)) for s, (acc, kw) in CASES.items()] +
 def test_cli_epsilon_equals_the_training_ledger(capsys, selection, accountant, kwargs, n):
     cfg = _config(selection, accountant=accountant, **kwargs)
     plan, info = plan_privacy(cfg, n, vocabulary=10_000)
-    assert plan.selection == selection and not info["calibrated"]
-    ledger = PrivacyLedger(info["accountant"], info["delta"])
+    assert plan.selection == selection and not info.calibrated
+    ledger = PrivacyLedger(info.accountant, info.delta)
     if selection == "fest":  # Engine.prepare_fest charges this before the steps (real path: next test)
         ledger.record(ev.GaussianDpEvent(plan.selection_params.noise_multiplier))
     ledger.record(_engine_step_event(cfg, plan, info), count=cfg.train.steps)
     trainer_eps = ledger.epsilon()
     cli = _cli_epsilon(capsys, selection, plan, info, cfg.train.steps, accountant)
     assert cli["epsilon"] == pytest.approx(trainer_eps, rel=1e-12)
-    assert cli["delta"] == info["delta"]
+    assert cli["delta"] == info.delta
     if accountant == "paper":
         assert cli["valid"] is True and cli["epsilon_seed_lemma_literal"] < cli["epsilon"]
 
@@ -123,8 +123,8 @@ def test_svt_regression_case_reproduces_the_measured_numbers(capsys):
     acc, kwargs = CASES["svt"]
     cfg = _config("svt", accountant=acc, **kwargs)
     plan, info = plan_privacy(cfg, 2500, vocabulary=10_000)
-    assert info["sample_rate"] == 0.01 and info["delta"] == 4e-5 and plan.selection_params.max_answers == 20
-    ledger = PrivacyLedger(acc, info["delta"])
+    assert info.sample_rate == 0.01 and info.delta == 4e-5 and plan.selection_params.max_answers == 20
+    ledger = PrivacyLedger(acc, info.delta)
     ledger.record(_engine_step_event(cfg, plan, info), count=500)
     assert round(ledger.epsilon(), 2) == 4.00
     cli = _cli_epsilon(capsys, "svt", plan, info, 500, acc)
@@ -166,10 +166,10 @@ def test_cli_epsilon_equals_a_running_engines_ledger(capsys, selection):
     ds = tiny_ctr(n=64)
     cfg = _config(selection, n_batch=16, steps=TINY_STEPS, delta=1e-5, k=5, **TINY_PARAMS[selection])
     plan, info = plan_privacy(cfg, len(ds), vocabulary=sum(ds.meta.table_sizes.values()))
-    engine = make_engine(ds, mode=cfg.train.mode, selection=plan.selection, q=info["sample_rate"], k=info["k"],
+    engine = make_engine(ds, mode=cfg.train.mode, selection=plan.selection, q=info.sample_rate, k=info.k,
                          plan_overrides=dataclasses.asdict(plan))
     try:
-        assert engine.ledger.delta == info["delta"]
+        assert engine.ledger.delta == info.delta
         if selection == "fest":  # as trainer.train._start does
             engine.prepare_fest(ds.feature_rows)
         for _ in range(TINY_STEPS):
@@ -185,10 +185,10 @@ def test_cli_epsilon_equals_a_running_engines_ledger(capsys, selection):
 
 @pytest.mark.parametrize("selection", SELECTIONS)
 def test_cli_calibrate_equals_the_trainers_calibration(capsys, selection):
-    cfg = _config(selection, sigma=0.0, n_batch=100, steps=300, delta=1e-6, k=20, target_epsilon=3.0)
+    cfg = _config(selection, sigma="auto", n_batch=100, steps=300, delta=1e-6, k=20, target_epsilon=3.0)
     cfg.privacy.selection_fraction = 0.3
     plan, info = plan_privacy(cfg, 10_000, vocabulary=10_000)
-    assert info["calibrated"]
+    assert info.calibrated
     argv = ["calibrate", "--target-epsilon", "3.0", *_cli_run_args(selection, plan, info, 300, "rdp")]
     if selection in ("em", "noisy-max", "svt"):  # calibrate takes the budget split, not an ε
         i = argv.index("--selection-epsilon")
@@ -201,8 +201,8 @@ def test_cli_calibrate_equals_the_trainers_calibration(capsys, selection):
     cli = _cli(capsys, *argv)
     assert cli["noise_multiplier"] == pytest.approx(plan.noise_multiplier, rel=1e-12)
     sp = cli["selection_params"]
-    assert sp.get("epsilon_per_draw", sp.get("epsilon", 0.0)) == pytest.approx(info["selection_epsilon"], rel=1e-12)
-    assert sp.get("noise_multiplier", 0.0) == pytest.approx(info["selection_sigma"], rel=1e-12)
+    assert sp.get("epsilon_per_draw", sp.get("epsilon", 0.0)) == pytest.approx(info.selection_epsilon or 0.0, rel=1e-12)
+    assert sp.get("noise_multiplier", 0.0) == pytest.approx(info.selection_sigma or 0.0, rel=1e-12)
     for name, value in sp.items():  # the trainer's selector parameters are the calibrated ones
         assert getattr(plan.selection_params, name) == pytest.approx(value, rel=1e-12)
     if selection == "svt":

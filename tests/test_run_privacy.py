@@ -55,8 +55,7 @@ def _batches(engine, count=5):
 
 def test_two_builds_of_one_config_draw_different_batches_and_noise(ctr_dir):
     cfg = _cfg(ctr_dir)
-    a, *_ = build_run(cfg)
-    b, *_ = build_run(cfg)
+    a, b = build_run(cfg).engine, build_run(cfg).engine
     try:
         assert _batches(a) != _batches(b)
         assert not torch.equal(torch.randn(8, generator=a.noise_gen), torch.randn(8, generator=b.noise_gen))
@@ -73,7 +72,8 @@ def test_sampler_stream_is_not_a_function_of_the_config(ctr_dir):
     from trainer.data import PoissonSampler
 
     cfg = _cfg(ctr_dir, "train.seed=0")
-    engine, train_set, *_ = build_run(cfg)
+    run = build_run(cfg)
+    engine, train_set = run.engine, run.train_set
     try:
         batches = _batches(engine)
         old = PoissonSampler(len(train_set), engine.q, seed=cfg.train.seed)
@@ -84,8 +84,7 @@ def test_sampler_stream_is_not_a_function_of_the_config(ctr_dir):
 
 def test_reproducible_mode_replays_and_says_the_seed_must_stay_secret(ctr_dir):
     cfg = _cfg(ctr_dir, "privacy.reproducible=true", "privacy.noise_seed=17")
-    a, *_ = build_run(cfg)
-    b, *_ = build_run(cfg)
+    a, b = build_run(cfg).engine, build_run(cfg).engine
     try:
         assert _batches(a) == _batches(b)
         assert torch.equal(torch.randn(8, generator=a.noise_gen), torch.randn(8, generator=b.noise_gen))
@@ -182,7 +181,8 @@ def test_debug_metrics_opt_in_writes_raw_values_and_voids_the_report_for_them(ca
 # ---- defaults -----------------------------------------------------------------------------------------
 
 def test_default_delta_is_clearly_below_one_over_n(ctr_dir):
-    engine, train_set, *_ = build_run(_cfg(ctr_dir))
+    run = build_run(_cfg(ctr_dir))
+    engine, train_set = run.engine, run.train_set
     try:
         n = len(train_set)
         assert engine.ledger.delta == pytest.approx(default_delta(n)) == pytest.approx(0.1 / n)

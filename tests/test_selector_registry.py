@@ -198,9 +198,9 @@ def test_toy_selector_is_accepted_everywhere(toy, capsys):
     cfg.privacy.noise_multiplier, cfg.privacy.selection_sigma, cfg.privacy.k = 1.0, 2.0, 4
     plan, info = plan_privacy(cfg, 1000, vocabulary=100)
     assert plan.selection == "toy" and plan.selection_params == ToyParams(noise_multiplier=2.0, k=4)
-    cfg.privacy.noise_multiplier = 0.0  # calibrated through toy.from_budget
+    cfg.privacy.noise_multiplier = "auto"  # calibrated through toy.from_budget
     plan, info = plan_privacy(cfg, 1000, vocabulary=100)
-    assert info["calibrated"] and plan.selection_params.noise_multiplier > 0
+    assert info.calibrated and plan.selection_params.noise_multiplier > 0
 
     code = main(["epsilon", "--noise-multiplier", "1.0", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-6",
                  "--selection", "toy", "--selection-sigma", "2.0"])

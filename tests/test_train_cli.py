@@ -53,6 +53,8 @@ def test_train_writes_the_run_dir_contract(capsys, tmp_path, config):
     assert 0 < summary["epsilon"] <= 3.0  # calibrated to the default target for exactly these steps
     assert 0.5 < summary["bayes_auc"] < 1 and "auc" in summary["test_metrics"]
     assert summary["rows_selected_mean"] == 50 and "bytes_to_shards" not in summary  # debug-only (threat model)
+    assert summary["calibrated"] and summary["selection_params"]["k"] == 50  # the selector's typed Params, as run
+    assert summary["selection_params"]["epsilon_per_draw"] == summary["selection_epsilon"] > 0
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [2, 4, 6]
     assert json.loads((run / "ledger.json").read_text())["history"][0]["count"] == 6
@@ -126,6 +128,9 @@ def test_train_on_embedded_ray(capsys, tmp_path, config):
     ("train.steps=abc", "train.steps must be an integer"),
     ("train.mode=fast", "train.mode must be one of"),
     ("privacy.selection_fraction=1.5", "selection_fraction"),
+    ("privacy.delta=0", 'privacy.delta must be > 0 or "auto" (0 does not mean automatic or off)'),
+    ("privacy.second_clip_norm=0", 'privacy.second_clip_norm must be > 0 or "none"'),
+    ("privacy.accountant=moments", "privacy.accountant must be one of ('paper', 'pld', 'prv', 'rdp')"),
 ])
 def test_config_errors_exit_2_naming_the_key(capsys, config, override, match):
     code, out, err = _train(capsys, config, "--set", override)
@@ -166,8 +171,9 @@ def test_ledger_on_disk_before_the_update_is_released(tmp_path, ctr_dir, monkeyp
 
 
 @pytest.mark.parametrize("selection", ["threshold", "svt"])
-def test_threshold_zero_means_the_noise_only_rule(ctr_dir, selection):
-    """privacy.threshold = 0: about k of p rows pass on noise alone (a literal 0 would pass ~p/2)."""
+def test_threshold_auto_means_the_noise_only_rule(ctr_dir, selection):
+    """privacy.threshold = "auto" (the default): about k of p rows pass on noise alone (a literal
+    0 would pass ~p/2, and is refused)."""
     from selection.sparse_vector import numeric_sparse
     from selection.threshold import gaussian_threshold
     from trainer.config import load_config
@@ -178,7 +184,7 @@ def test_threshold_zero_means_the_noise_only_rule(ctr_dir, selection):
     vocab, k = 26 * 500, 40
     plan, info = plan_privacy(cfg, 2700, vocab)
     sp = plan.selection_params
-    assert sp.threshold > 0 and info["threshold"] == sp.threshold and info["threshold_rule"]
+    assert sp.threshold > 0 and info.threshold == sp.threshold and info.threshold_rule
     rng = np.random.default_rng(0)
     empty_ids, empty = np.zeros(0, dtype=np.int64), np.zeros(0)
     if selection == "threshold":  # Binomial(p, k/p) pure-noise passes: mean k, sd < sqrt(k)
@@ -193,8 +199,8 @@ def test_threshold_zero_means_the_noise_only_rule(ctr_dir, selection):
         assert 0.3 * k < np.mean(counts) <= k
     plan0, info0 = plan_privacy(load_config(None, [f"data.path={ctr_dir}", "train.mode=sparse", "train.selection=em"]),
                             2700, vocab)
-    assert not hasattr(plan0.selection_params, "threshold")  # em has no threshold; the config's stays 0
-    assert info0["threshold"] == 0
+    assert not hasattr(plan0.selection_params, "threshold")  # em has no threshold: none is reported
+    assert info0.threshold is None
 
 
 def test_dlrm_cat_interaction_feeds_embeddings_linearly():

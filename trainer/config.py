@@ -1,42 +1,105 @@
 """Training configuration: a TOML file, overridable with `--set section.key=value`.
 
-Unknown sections/keys and wrong types are errors naming the key (a typo must not silently
-train with a default).
+One load-and-validate path (`config_from_dict`) serves a TOML file, `--set` overrides and a
+run's saved `config.json` / checkpoint: unknown sections/keys and wrong types are errors
+naming the source and the key (a typo must not silently train with a default). Each section
+validates itself (`validate()`), reading the registries for names (selectors, accountants,
+models, optimizers, synthetic data sets) instead of lists of its own.
+
+Values the trainer derives are spelled explicitly: `"auto"` (e.g. `privacy.delta = "auto"`)
+or, for an optional feature that is off, `"none"` in TOML / `--set` (None in Python, null in
+config.json). A literal 0 never means "automatic" and is refused with a message saying so.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from selection.registry import is_selector, selector_names
 
 MODES = ("nonprivate", "dpsgd", "sparse")
 # train.selection: any registered selector (selection.registry); DP-SGD is train.mode = "dpsgd".
+AUTO = "auto"
+PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
+BACKENDS = ("ray", "local")
+
+Auto = Union[float, str]  # a positive number, or AUTO
+AutoInt = Union[int, str]
+
+
+def auto_or(kind: type, help: str) -> Any:
+    """A field that is a positive `kind` or "auto" (the default: the trainer derives it)."""
+    return dataclasses.field(default=AUTO, metadata={"kind": kind, "auto": True, "help": help})
+
+
+def none_or(kind: type, help: str) -> Any:
+    """A field that is a positive `kind` or None (off; "none" in TOML / --set)."""
+    return dataclasses.field(default=None, metadata={"kind": kind, "none": True, "help": help})
+
+
+def is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == AUTO
+
+
+class ConfigError(ValueError):
+    """A config value or structure is wrong; the message names the source and the key."""
+
+
+def _require(checks: Sequence[tuple[bool, str]]) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
 
 
 @dataclasses.dataclass
 class DataConfig:
     path: str = ""  # dataset directory (dataset.json + data.parquet)
-    synth: str = ""  # "ctr" | "text": generate the dataset at `path` if it does not exist
+    synth: str = ""  # a synthetic generator (trainer.data.generators): generate the dataset at `path` if it does not exist
     synth_examples: int = 20_000
-    synth_table_size: int = 10_000
+    synth_table_size: int = 10_000  # ctr: rows of every table; criteo: the hash size (tables of min(cardinality, it) rows)
     synth_vocab: int = 1_000
     test_fraction: float = 0.1
     seed: int = 0
 
+    def validate(self) -> None:
+        from trainer.data.generators import SYNTHETIC_DATASETS
+
+        _require([
+            (bool(self.path), "data.path is required"),
+            (not self.synth or self.synth in SYNTHETIC_DATASETS,
+             f"data.synth must be empty or one of {sorted(SYNTHETIC_DATASETS)}, got {self.synth!r}"),
+            (0 <= self.test_fraction < 1, f"data.test_fraction must be in [0, 1), got {self.test_fraction}"),
+            (self.synth_examples >= 1, "data.synth_examples must be >= 1"),
+            (self.seed >= 0, "data.seed must be >= 0"),
+        ])
+
 
 @dataclasses.dataclass
 class ModelConfig:
-    name: str = "dlrm"  # "dlrm" | "cbow"
+    name: str = "dlrm"  # a registered model (trainer.models.MODELS): "dlrm" | "cbow"
     embedding_dim: int = 16
     bottom_mlp: list = dataclasses.field(default_factory=lambda: [64])
     top_mlp: list = dataclasses.field(default_factory=lambda: [64])
     init_std: float = 0.05
     interaction: str = "dot"  # dlrm: "dot" (pairwise dots) | "cat" (embeddings concatenated into the top MLP)
+
+    def validate(self) -> None:
+        from trainer.models import MODELS
+        from trainer.models.dlrm import INTERACTIONS
+
+        _require([
+            (self.name in MODELS, f"model.name must be one of {sorted(MODELS)}, got {self.name!r}"),
+            (self.interaction in INTERACTIONS, f"model.interaction must be one of {INTERACTIONS}, got {self.interaction!r}"),
+            (self.embedding_dim >= 1, "model.embedding_dim must be >= 1"),
+            (all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in [*self.bottom_mlp, *self.top_mlp]),
+             "model.bottom_mlp and model.top_mlp must be lists of positive integers"),
+            (self.init_std > 0, "model.init_std must be > 0"),
+        ])
 
 
 @dataclasses.dataclass
@@ -57,22 +120,39 @@ class TrainConfig:
     eval_batch_size: int = 4096
     checkpoint_every: int = 100
 
+    def validate(self) -> None:
+        from trainer.shard import OPTIMIZERS
+
+        _require([
+            (self.mode in MODES, f"train.mode must be one of {MODES}, got {self.mode!r}"),
+            (is_selector(self.selection), f"train.selection must be one of {selector_names()}, got {self.selection!r}"),
+            (self.batch_size >= 1, "train.batch_size must be >= 1"),
+            (self.steps >= 1, "train.steps must be >= 1"),
+            (self.optimizer in OPTIMIZERS, f"train.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"),
+            (self.lr > 0 and self.dense_lr > 0, "train.lr and train.dense_lr must be > 0"),
+            (self.log_every >= 1, "train.log_every must be >= 1"),
+            (self.eval_every >= 0, "train.eval_every must be >= 0"),
+            (self.eval_batch_size >= 1, "train.eval_batch_size must be >= 1"),
+            (self.checkpoint_every >= 1, "train.checkpoint_every must be >= 1"),
+        ])
+
 
 @dataclasses.dataclass
 class PrivacyConfig:
     target_epsilon: float = 3.0
-    delta: float = 0.0  # 0 = min(1/(10n), n^-1.1): clearly below 1/n (docs/THREAT_MODEL.md)
-    noise_multiplier: float = 0.0  # > 0: use this σ (ε reported, training stops at target_epsilon)
+    delta: Auto = auto_or(float, "auto: min(1/(10n), n^-1.1), clearly below 1/n (docs/THREAT_MODEL.md)")
+    noise_multiplier: Auto = auto_or(
+        float, "auto: calibrated to target_epsilon; a number: that σ (ε reported, training stops at target_epsilon)")
     accountant: str = "rdp"
     clip_norm: float = 1.0  # S1
-    second_clip_norm: float = 0.0  # S2 (0 = no second clip)
+    second_clip_norm: Optional[float] = none_or(float, "S2; none: no second clip")
     selection_fraction: float = 0.2
-    k: int = 0  # rows selected per step (em, noisy-max, random, fest); 0 = from gamma
-    gamma: float = 0.01  # k = floor(gamma * vocabulary) when k = 0
+    k: AutoInt = auto_or(int, "rows selected per step (em, noisy-max, random, fest); auto: floor(gamma * vocabulary)")
+    gamma: float = 0.01  # k = floor(gamma * vocabulary) when k = "auto"
     score_clip: float = 0.1  # S0: EM/SVT/noisy-max utility is min(‖G_r‖, S0)
-    selection_epsilon: float = 0.0  # explicit per-draw ε (em, noisy-max) / Alg 1 ε (svt)
-    selection_sigma: float = 0.0  # explicit σ of threshold counts
-    threshold: float = 0.0  # τ for threshold selection (counts), α for svt (scores); 0 = auto (about k noise-only rows pass)
+    selection_epsilon: Auto = auto_or(float, "per-draw ε (em, noisy-max) / Alg 1 ε (svt); auto: calibrated")
+    selection_sigma: Auto = auto_or(float, "σ of threshold counts; auto: calibrated")
+    threshold: Auto = auto_or(float, "τ (threshold counts), α (svt scores); auto: about k noise-only rows pass")
     contribution_clip: float = 1.0  # C1 for threshold counts
     fest_noise_multiplier: float = 5.0
     fest_max_rows_per_example: int = 32
@@ -81,6 +161,31 @@ class PrivacyConfig:
     # derives them from noise_seed: for tests/debugging only, ε then holds only while the seed is secret.
     reproducible: bool = False
     noise_seed: int = 0
+
+    def validate(self) -> None:
+        from accounting.base import accountant_names
+
+        names = accountant_names()
+        _require([
+            (self.target_epsilon > 0, "privacy.target_epsilon must be > 0"),
+            (is_auto(self.delta) or 0 < float(self.delta) < 1, "privacy.delta must be \"auto\" or in (0, 1)"),
+            (self.noise_seed >= 0, "privacy.noise_seed must be >= 0"),
+            (not (self.secure_mode and self.reproducible),
+             "privacy.secure_mode and privacy.reproducible exclude each other (secure mode needs secret randomness)"),
+            (self.clip_norm > 0, "privacy.clip_norm must be > 0"),
+            (0 < self.selection_fraction < 1, "privacy.selection_fraction must be in (0, 1)"),
+            (0 < self.gamma <= 1, "privacy.gamma must be in (0, 1]"),
+            (self.score_clip > 0, "privacy.score_clip must be > 0"),
+            (self.contribution_clip > 0, "privacy.contribution_clip must be > 0"),
+            (self.fest_noise_multiplier > 0, "privacy.fest_noise_multiplier must be > 0"),
+            (self.fest_max_rows_per_example >= 1, "privacy.fest_max_rows_per_example must be >= 1"),
+            (self.accountant in names, f"privacy.accountant must be one of {names}, got {self.accountant!r}"),
+        ])
+
+    def resolved(self, name: str) -> Optional[Any]:
+        """The field's value with "auto" as None (the caller derives it)."""
+        value = getattr(self, name)
+        return None if is_auto(value) else value
 
 
 @dataclasses.dataclass
@@ -91,6 +196,19 @@ class ClusterConfig:
     gpus_per_shard: float = 0.0
     address: str = ""  # Ray address; empty: RAY_ADDRESS (set under `ray job submit`) or embedded local Ray
     placement_strategy: str = "SPREAD"  # Ray placement group strategy for the shard actors
+
+    def validate(self) -> None:
+        _require([
+            (self.backend in BACKENDS, f"cluster.backend must be one of {BACKENDS}, got {self.backend!r}"),
+            (self.num_shards >= 1, "cluster.num_shards must be >= 1"),
+            (self.cpus_per_shard > 0, "cluster.cpus_per_shard must be > 0"),
+            (self.gpus_per_shard >= 0, "cluster.gpus_per_shard must be >= 0"),
+            (self.placement_strategy in PLACEMENT_STRATEGIES,
+             f"cluster.placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {self.placement_strategy!r}"),
+        ])
+
+
+SECTIONS = ("data", "model", "train", "privacy", "cluster")
 
 
 @dataclasses.dataclass
@@ -106,80 +224,86 @@ class Config:
         return dataclasses.asdict(self)
 
     def validate(self) -> "Config":
-        t, p, c = self.train, self.privacy, self.cluster
-        checks = [
-            (t.mode in MODES, f"train.mode must be one of {MODES}, got {t.mode!r}"),
-            (is_selector(t.selection), f"train.selection must be one of {selector_names()}, got {t.selection!r}"),
-            (t.batch_size >= 1, "train.batch_size must be >= 1"),
-            (t.steps >= 1, "train.steps must be >= 1"),
-            (t.optimizer in ("sgd", "adagrad", "adam"), f"train.optimizer must be sgd, adagrad or adam, got {t.optimizer!r}"),
-            (t.lr > 0 and t.dense_lr > 0, "train.lr and train.dense_lr must be > 0"),
-            (p.target_epsilon > 0, "privacy.target_epsilon must be > 0"),
-            (0 <= p.delta < 1, "privacy.delta must be in [0, 1) (0 means min(1/(10n), n^-1.1))"),
-            (p.noise_seed >= 0, "privacy.noise_seed must be >= 0"),
-            (not (p.secure_mode and p.reproducible),
-             "privacy.secure_mode and privacy.reproducible exclude each other (secure mode needs secret randomness)"),
-            (t.eval_every >= 0, "train.eval_every must be >= 0"),
-            (p.noise_multiplier >= 0, "privacy.noise_multiplier must be >= 0"),
-            (p.clip_norm > 0, "privacy.clip_norm must be > 0"),
-            (p.second_clip_norm >= 0, "privacy.second_clip_norm must be >= 0"),
-            (0 < p.selection_fraction < 1, "privacy.selection_fraction must be in (0, 1)"),
-            (p.accountant in ("rdp", "pld", "prv", "paper"), f"privacy.accountant unknown: {p.accountant!r}"),
-            (c.backend in ("ray", "local"), f"cluster.backend must be 'ray' or 'local', got {c.backend!r}"),
-            (c.num_shards >= 1, "cluster.num_shards must be >= 1"),
-            (c.placement_strategy in ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK"),
-             f"cluster.placement_strategy must be SPREAD, STRICT_SPREAD, PACK or STRICT_PACK, got {c.placement_strategy!r}"),
-            (self.model.name in ("dlrm", "cbow"), f"model.name must be dlrm or cbow, got {self.model.name!r}"),
-            (self.model.interaction in ("dot", "cat"), f"model.interaction must be dot or cat, got {self.model.interaction!r}"),
-            (bool(self.data.path), "data.path is required"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        for section in SECTIONS:
+            _check_auto_fields(section, getattr(self, section))
+            getattr(self, section).validate()
         return self
 
 
-def _coerce(section: str, key: str, current: Any, value: Any) -> Any:
-    where = f"{section}.{key}"
-    if isinstance(current, bool):
+def _check_auto_fields(section: str, values: Any) -> None:
+    """"auto"/None fields hold their keyword or a positive number, also when set from Python."""
+    for field in dataclasses.fields(values):
+        meta, value = field.metadata, getattr(values, field.name)
+        if not (meta.get("auto") or meta.get("none")):
+            continue
+        if (meta.get("auto") and is_auto(value)) or (meta.get("none") and value is None):
+            continue
+        keyword = '"auto"' if meta.get("auto") else "None"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            zero = " (0 does not mean automatic or off)" if value == 0 and not isinstance(value, bool) else ""
+            raise ConfigError(f"{section}.{field.name} must be > 0 or {keyword}{zero}, got {value!r}")
+
+
+def _coerce(where: str, field: dataclasses.Field, current: Any, value: Any) -> Any:
+    meta = field.metadata
+    kind = meta.get("kind") or type(current)
+    if meta.get("auto") and isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    if meta.get("none") and (value is None or (isinstance(value, str) and value.strip().lower() == "none")):
+        return None
+    if value is None:
+        raise ConfigError(f"{where} must not be null")
+    if kind is bool:
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
         if isinstance(value, bool):
             return value
-        raise ValueError(f"{where} must be true or false, got {value!r}")
-    if isinstance(current, int) and not isinstance(current, bool):
-        try:
-            return int(value) if not isinstance(value, float) or value.is_integer() else _raise()
-        except (TypeError, ValueError):
-            raise ValueError(f"{where} must be an integer, got {value!r}")
-    if isinstance(current, float):
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{where} must be a number, got {value!r}")
-    if isinstance(current, list):
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if kind in (int, float):
+        out = _number(where, kind, value)
+        if meta.get("auto") or meta.get("none"):
+            other = '"auto"' if meta.get("auto") else '"none"'
+            if not out > 0:
+                zero = " (0 does not mean automatic or off)" if out == 0 else ""
+                raise ConfigError(f"{where} must be > 0 or {other}{zero}, got {value!r}")
+        return out
+    if kind is list:
         if isinstance(value, str):
-            value = json.loads(value)
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise ConfigError(f"{where} must be a list like [64, 32], got {value!r}")
         if not isinstance(value, list):
-            raise ValueError(f"{where} must be a list, got {value!r}")
-        return value
-    return str(value)
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return list(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    return value
 
 
-def _raise():
-    raise ValueError
+def _number(where: str, kind: type, value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    try:
+        if kind is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
 
 
 def _read_toml(path: Path, seen: tuple = ()) -> dict:
     """Read a config file; `base = "other.toml"` (relative to the file) is merged underneath."""
     if path.resolve() in seen:
-        raise ValueError(f"{path}: circular base = chain")
+        raise ConfigError(f"{path}: circular base = chain")
     try:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
-        raise ValueError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {path} does not exist")
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: invalid TOML ({exc})")
+        raise ConfigError(f"{path}: invalid TOML ({exc})")
     base = raw.pop("base", None)
     if base is None:
         return raw
@@ -192,24 +316,57 @@ def _read_toml(path: Path, seen: tuple = ()) -> dict:
     return merged
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
-    cfg = Config()
-    raw: dict = _read_toml(Path(path)) if path else {}
-    for item in overrides or []:
+def _apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
+    for item in overrides:
         if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ValueError(f"--set expects section.key=value, got {item!r}")
+            raise ConfigError(f"--set expects section.key=value, got {item!r}")
         dotted, value = item.split("=", 1)
         section, key = dotted.split(".", 1)
-        raw.setdefault(section, {})[key] = value
-    for section, values in raw.items():
+        target = raw.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"--set {item}: [{section}] is not a config section")
+        target[key] = value
+    return raw
+
+
+def config_from_dict(raw: Mapping[str, Any], source: str, overrides: Sequence[str] = ()) -> Config:
+    """The one path from plain data to a Config: `raw` (a TOML file's tables, a config.json)
+    with `--set` overrides applied on top, every key and type checked against the dataclasses.
+    Errors name `source` (or `--set`) and the key. Does not run `validate()` (callers may still
+    change fields, e.g. benchmarks); `train()` validates."""
+    data = _apply_overrides(copy.deepcopy(dict(raw)), overrides)
+    overridden = {o.split("=", 1)[0] for o in overrides}
+    cfg = Config()
+    for section, values in data.items():
         if section == "run_dir":
-            cfg.run_dir = str(values)
+            cfg.run_dir = "" if values is None else str(values)
             continue
-        if not hasattr(cfg, section) or not isinstance(values, dict):
-            raise ValueError(f"{path or '--set'}: unknown config section [{section}]")
+        if section not in SECTIONS or not isinstance(values, dict):
+            raise ConfigError(f"{source}: unknown config section [{section}]")
         target = getattr(cfg, section)
+        fields = {f.name: f for f in dataclasses.fields(target)}
         for key, value in values.items():
-            if not hasattr(target, key):
-                raise ValueError(f"{path or '--set'}: unknown key {section}.{key}")
-            setattr(target, key, _coerce(section, key, getattr(target, key), value))
+            origin = "--set" if f"{section}.{key}" in overridden else source
+            if key not in fields:
+                raise ConfigError(f"{origin}: unknown key {section}.{key}")
+            setattr(target, key, _coerce(f"{origin}: {section}.{key}", fields[key], getattr(target, key), value))
     return cfg
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[Sequence[str]] = None) -> Config:
+    """A TOML file (or only defaults) with `--set` overrides (`config_from_dict`)."""
+    raw: dict = _read_toml(Path(path)) if path else {}
+    return config_from_dict(raw, path or "--set", overrides or ())
+
+
+def load_saved_config(path: Path, overrides: Sequence[str] = ()) -> Config:
+    """A run's config.json (written by `train`) with `--set` overrides (`config_from_dict`)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist")
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON ({exc})")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object of config sections")
+    return config_from_dict(raw, str(path), overrides)

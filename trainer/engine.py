@@ -107,16 +107,23 @@ class Engine:
         self.fixed_rows: Optional[np.ndarray] = None  # DP-FEST's one-time selection
         self._event = self._step_event()
 
+    @property
+    def private_plan(self) -> PrivacyPlan:
+        """The plan of a private run; the private phases only run when there is one."""
+        if self.plan is None:
+            raise RuntimeError("a private step phase ran without a privacy plan (mode nonprivate)")
+        return self.plan
+
     # ---- privacy events ----------------------------------------------------------------------
     def _selection_event(self) -> Optional[ev.DpEvent]:
         """The per-step selection event: the registered selector's `event(params)`."""
-        return get_selector(self.plan.selection).event(self.plan.selection_params)
+        return get_selector(self.private_plan.selection).event(self.private_plan.selection_params)
 
     def _step_event(self) -> Optional[ev.DpEvent]:
         if self.mode == "nonprivate":
             return None
         sel = self._selection_event() if self.mode == "sparse" else None
-        return step_event(self.q, self.plan.noise_multiplier, sel)
+        return step_event(self.q, self.private_plan.noise_multiplier, sel)
 
     @property
     def step_event(self) -> Optional[ev.DpEvent]:
@@ -125,12 +132,12 @@ class Engine:
     def needs_one_time_selection(self) -> bool:
         """Whether the plan's selector selects once before training (DP-FEST)."""
         sel = self.plan.selector if self.plan is not None and self.mode == "sparse" else None
-        return sel is not None and sel.one_time_event(self.plan.selection_params) is not None
+        return sel is not None and sel.one_time_event(self.private_plan.selection_params) is not None
 
     def prepare_fest(self, feature_rows: Callable[[str], tuple[np.ndarray, np.ndarray]]) -> None:
         """A one-time selection (DP-FEST): charge the selector's one-time event, then fix the
         trainable rows for all steps."""
-        p = self.plan
+        p = self.private_plan
         selector = get_selector(p.selection)
         event = selector.one_time_event(p.selection_params)
         if event is None:
@@ -159,6 +166,8 @@ class Engine:
     def charge(self, event: ev.DpEvent) -> None:
         """Record a one-time event (DP-FEST, a private vocabulary) and persist the ledger,
         before anything that depends on that mechanism's output is used."""
+        if self.ledger is None:
+            raise RuntimeError("charge() needs a privacy ledger (a nonprivate run has none)")
         self.ledger.record(event)
         if self.ledger_path is not None:
             self.ledger.save(self.ledger_path)
@@ -246,7 +255,7 @@ class Engine:
         sq = np.sum(self.shards.broadcast("example_sq_norms", g_pooled), axis=0)
         sq = sq + sum(torch.linalg.vector_norm(g.reshape(B, -1), dim=1).double().pow(2).numpy()
                       for g in g_params.values() if g.numel())
-        return np.minimum(1.0, self.plan.clip_norm / np.maximum(np.sqrt(sq), 1e-30))
+        return np.minimum(1.0, self.private_plan.clip_norm / np.maximum(np.sqrt(sq), 1e-30))
 
     def _row_sums(self, factors: np.ndarray) -> "RowSums":
         """G restricted to the touched rows: Σ_j clipped row gradients / b, from every shard."""
@@ -272,7 +281,7 @@ class Engine:
         """The audited Gaussian step (`selection.noisy_step`); None in non-private mode."""
         if self.mode == "nonprivate":
             return None
-        p = self.plan
+        p = self.private_plan
         return noisy_step(delta_rows, dense_grads, p.noise_multiplier, p.clip_norm, self.b, p.second_clip_norm,
                           self.noise_gen, secure=self.secure_mode, noise_rows=noise_rows)
 
@@ -313,11 +322,11 @@ class Engine:
     def _select(self, rows: "RowSums", batch, B: int) -> Optional[Selection]:
         """The step's selection over the whole vocabulary (its ids and the event the selector
         returned). Non-private: every touched row, no event; DP-SGD: None (every row)."""
-        p, rng, V = self.plan, self.selection_rng, self.layout.vocabulary_size
         if self.mode == "nonprivate":
             return Selection(np.unique(rows.global_ids), ev.NoOpDpEvent())
         if self.mode == "dpsgd":
             return None
+        p, rng, V = self.private_plan, self.selection_rng, self.layout.vocabulary_size
         context = SelectionContext(
             num_rows=V, touched_ids=rows.global_ids, row_norms=np.linalg.norm(rows.grads, axis=1),
             clip_norm=p.clip_norm, expected_batch_size=self.b,

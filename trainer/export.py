@@ -392,6 +392,7 @@ def privacy_report(run_dir: Path, summary: dict, config: dict, engine_state: dic
         "selection_epsilon": summary.get("selection_epsilon"),
         "k": summary.get("k"),
         "threshold": summary.get("threshold"),
+        "selection_params": summary.get("selection_params"),
         "clip_norm": priv.get("clip_norm"),
         "second_clip_norm": priv.get("second_clip_norm"),
         "secure_mode": priv.get("secure_mode"),

@@ -2,13 +2,16 @@
 
 Every call fans out to all shards and gathers their answers; both implementations count the
 bytes of the arrays sent to and received from shards the same way (payload arrays, not
-framing), so summaries compare across placements. Only this module and trainer/train.py
-know Ray.
+framing), so summaries compare across placements. `add_observer` is the public hook for
+per-method accounting (benchmarks attribute bytes, calls and wall time to shard methods with
+it). Only this module and trainer/train.py know Ray.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -30,6 +33,20 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardCall:
+    """One fan-out call as an observer sees it: the shard method, payload bytes sent to and
+    received from all shards, and the wall time of the call (dispatch to last answer)."""
+
+    method: str
+    bytes_to: int
+    bytes_from: int
+    seconds: float
+
+
+CallObserver = Callable[[ShardCall], None]
+
+
 class ShardGroup:
     """Base: `call(method, per_shard_args)` runs a shard method on every shard."""
 
@@ -37,15 +54,29 @@ class ShardGroup:
         self.layout = layout
         self.bytes_to_shards = 0
         self.bytes_from_shards = 0
+        self._observers: list[CallObserver] = []
+
+    def add_observer(self, observer: CallObserver) -> Callable[[], None]:
+        """Call `observer(ShardCall)` after every call; returns a function that removes it."""
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer)
 
     @property
     def num_shards(self) -> int:
         return self.layout.num_shards
 
     def call(self, method: str, per_shard_args: Sequence[tuple]) -> list:
-        self.bytes_to_shards += sum(_nbytes(list(a)) for a in per_shard_args)
+        sent = sum(_nbytes(list(a)) for a in per_shard_args)
+        start = time.perf_counter()
         results = self._call(method, per_shard_args)
-        self.bytes_from_shards += sum(_nbytes(r) for r in results)
+        seconds = time.perf_counter() - start
+        received = sum(_nbytes(r) for r in results)
+        self.bytes_to_shards += sent
+        self.bytes_from_shards += received
+        if self._observers:
+            record = ShardCall(method, sent, received, seconds)
+            for observer in list(self._observers):
+                observer(record)
         return results
 
     def broadcast(self, method: str, *args) -> list:
@@ -149,5 +180,5 @@ class RayShardGroup(ShardGroup):
 
     def shutdown(self) -> None:
         for actor in self.actors:
-            self._ray.kill(actor)
+            self._ray.kill(actor)  # type: ignore[arg-type]  # ray's stubs type ray.remote(cls) as the class
         self._ray.util.remove_placement_group(self._pg)

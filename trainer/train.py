@@ -11,41 +11,29 @@ training statistics and says in the summary that the privacy report does not cov
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from accounting import PrivacyLedger, calibrate
+from accounting import PrivacyLedger
 from accounting.atomic import atomic_write_bytes
-from accounting import events as ev
-from selection import k_from_fraction
-from selection.registry import NO_SELECTION, get_selector
-from trainer.config import Config, load_config
-from trainer.engine import Engine, PrivacyPlan
+from trainer.config import Config, load_config, load_saved_config
+from trainer.engine import Engine, StepStats
 from trainer.layout import FeatureSpec, ShardLayout, TableSpec
 from trainer.models import MODELS
+from trainer.planning import PrivacyInfo, default_delta, plan_privacy  # noqa: F401  (public here too)
 from trainer.randomness import PrivacyRandomness
+from trainer.run import Run
 from trainer.run_outputs import RunRecorder, eval_line
 
 # docs/DESIGN.md §4 keys of every summary.json (debug-only statistics are in run_outputs.DEBUG_SUMMARY_KEYS).
 SUMMARY_KEYS = ("mode", "selection", "epsilon", "delta", "accountant", "steps", "examples_per_sec",
                 "step_time_ms_median", "rows_selected_mean", "num_shards", "test_metrics", "bayes_auc")
-
-
-def default_delta(n: int) -> float:
-    """δ when privacy.delta is 0: min(1/(10n), n^-1.1), clearly below 1/n at every n.
-
-    δ = 1/n admits mechanisms that publish one random example outright ((0, 1/n)-DP), so δ
-    must be well below 1/n. 1/(10n) keeps a 10× margin at practical sizes; n^-1.1 makes δ
-    o(1/n) as n grows (it takes over beyond n = 10^10). The ε cost is logarithmic in 1/δ.
-    """
-    return min(0.1 / n, float(n) ** -1.1)
 
 
 def atomic_write_json(path: Path, obj) -> None:
@@ -63,40 +51,28 @@ def _json_default(o):
 
 
 def _ensure_dataset(cfg: Config):
+    """The config's train/test splits; a `data.synth` set is generated at data.path first if
+    absent (trainer/data/generators.py), and a cached one must match the config."""
     from trainer import data as data_mod
+    from trainer.data.generators import SYNTHETIC_DATASETS
 
     path = Path(cfg.data.path)
+    synthetic = SYNTHETIC_DATASETS.get(cfg.data.synth) if cfg.data.synth else None
+    if cfg.data.synth and synthetic is None:
+        raise ValueError(f"data.synth must be empty or one of {sorted(SYNTHETIC_DATASETS)}, got {cfg.data.synth!r}")
     if not (path / "dataset.json").exists():
-        if not cfg.data.synth:
+        if synthetic is None:
             raise ValueError(f"data.path {path} has no dataset.json (set data.synth to generate one)")
-        if cfg.data.synth == "ctr":
-            data_mod.synth_ctr(path, num_examples=cfg.data.synth_examples, table_sizes=cfg.data.synth_table_size,
-                               seed=cfg.data.seed)
-        elif cfg.data.synth == "text":
-            data_mod.synth_text(path, num_examples=cfg.data.synth_examples, vocab=cfg.data.synth_vocab,
-                                seed=cfg.data.seed)
-        else:
-            raise ValueError(f"data.synth must be 'ctr' or 'text', got {cfg.data.synth!r}")
-    elif cfg.data.synth:
-        _check_synthetic_matches(path, cfg)
+        synthetic.generate(path, cfg.data)
+    elif synthetic is not None:
+        _check_synthetic_matches(path, synthetic.wanted(cfg.data), synthetic.recorded(json.loads((path / "dataset.json").read_text())))
     return data_mod.open_dataset(path, test_fraction=cfg.data.test_fraction, seed=cfg.data.seed)
 
 
-def _check_synthetic_matches(path: Path, cfg: Config) -> None:
+def _check_synthetic_matches(path: Path, want: dict, have: dict) -> None:
     """A cached synthetic data set must be the one the config asks for (else a changed
     synth_* key would silently train on the old data)."""
-    raw = json.loads((path / "dataset.json").read_text())
-    d = cfg.data
-    want = {"synth_examples": d.synth_examples, "seed": d.seed}
-    have = {"synth_examples": raw.get("num_examples"), "seed": raw.get("seed")}
-    if d.synth == "ctr":
-        want["synth_table_size"] = d.synth_table_size
-        sizes = set((raw.get("table_sizes") or {}).values())
-        have["synth_table_size"] = sizes.pop() if len(sizes) == 1 else sorted(sizes)
-    else:
-        want["synth_vocab"] = d.synth_vocab
-        have["synth_vocab"] = (raw.get("table_sizes") or {}).get("input")
-    diff = [f"{k}={have[k]} (config: {want[k]})" for k in want if have[k] != want[k]]
+    diff = [f"{k}={have.get(k)} (config: {want[k]})" for k in want if have.get(k) != want[k]]
     if diff:
         raise ValueError(f"data.path {path} holds a different synthetic data set: {', '.join(diff)}; "
                          f"delete that directory or point data.path elsewhere")
@@ -106,75 +82,6 @@ def _layout(meta, cfg: Config) -> ShardLayout:
     tables = tuple(TableSpec(name, int(rows), cfg.model.embedding_dim) for name, rows in meta.table_sizes.items())
     features = tuple(FeatureSpec(f, meta.feature_tables[f], meta.pooling[f]) for f in meta.features)
     return ShardLayout(tables, features, cfg.cluster.num_shards)
-
-
-def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.DpEvent] = ()
-                 ) -> tuple[Optional[PrivacyPlan], dict]:
-    """Privacy plan and what it implies (calibrated or explicit σ, ε, δ).
-
-    `data_events`: one-time events of data preparation (e.g. a private vocabulary), charged
-    before the first step; calibration leaves room for them inside the target ε."""
-    t, p = cfg.train, cfg.privacy
-    q = min(1.0, t.batch_size / n)
-    delta = p.delta or default_delta(n)
-    info = {"sample_rate": q, "delta": delta, "accountant": p.accountant}
-    if t.mode == "nonprivate":
-        return None, info
-    k = p.k or k_from_fraction(p.gamma, vocabulary)
-    selector = get_selector(t.selection) if t.mode == "sparse" else None
-    selection = selector.name if selector is not None else NO_SELECTION
-    # What the selectors' Params read (their `config=` keys): privacy.*, k resolved from gamma, δ.
-    source = {**dataclasses.asdict(p), "k": k, "delta": delta}
-    extra = [(event, 1) for event in data_events]
-    params = None
-    if selector is not None:
-        params = selector.params_from(source, "config")
-        one_time = selector.one_time_event(params)
-        if one_time is not None:
-            extra.append((one_time, 1))
-    sigma = p.noise_multiplier
-    if p.noise_multiplier <= 0:
-        out = calibrate(p.target_epsilon, delta, q, t.steps, selection=selection, fraction=p.selection_fraction,
-                        accountant=p.accountant, k=k, max_answers=k, selection_delta=delta,
-                        svt_release_values=False, extra_history=extra)
-        sigma = out.noise_multiplier
-        if selector is not None and out.selection_params:  # the calibrated fields replace the config's
-            params = dataclasses.replace(params, **dict(out.selection_params))
-        info["calibrated"] = True
-    else:
-        if selector is not None:
-            missing = [selector.config_fields()[f] for f in selector.budget_fields() if getattr(params, f) <= 0]
-            if missing:
-                raise ValueError(f"privacy.noise_multiplier is set: selection {selection!r} also needs "
-                                 + " and ".join(f"privacy.{m}" for m in missing))
-        info["calibrated"] = False
-    if selector is not None and getattr(params, "threshold", 1.0) <= 0:
-        auto = selector.auto_threshold(params, k=k, num_rows=vocabulary, clip_norm=p.clip_norm,
-                                       batch_size=min(t.batch_size, n))
-        if auto is not None:
-            params = dataclasses.replace(params, threshold=auto[0])
-            info["threshold_rule"] = auto[1]
-    plan = PrivacyPlan(noise_multiplier=sigma, clip_norm=p.clip_norm, second_clip_norm=p.second_clip_norm or None,
-                       selection=selection, selection_params=params)
-    # The run summary's keys (unchanged): the config's names of the selector's parameters.
-    named = {key: getattr(params, f) for f, key in (selector.config_fields() if selector else {}).items()}
-    unset = info["calibrated"]  # a calibrated run has no config value for parameters its selector lacks
-    info.update(noise_multiplier=sigma, selection_epsilon=named.get("selection_epsilon", 0.0 if unset else p.selection_epsilon),
-                selection_sigma=named.get("selection_sigma", 0.0 if unset else p.selection_sigma), k=k,
-                threshold=named.get("threshold", p.threshold))
-    return plan, info
-
-
-def auto_selection_threshold(plan: PrivacyPlan, k: int, vocabulary: int, batch_size: int) -> tuple[float, str]:
-    """The threshold used when a config leaves privacy.threshold at 0 (threshold and svt): the
-    selector's own data-independent rule (`Selector.auto_threshold`): about k of the p rows
-    pass on noise alone (a literal 0 would let about half of all p rows through)."""
-    selector = plan.selector
-    auto = selector.auto_threshold(plan.selection_params, k=k, num_rows=vocabulary, clip_norm=plan.clip_norm,
-                                   batch_size=batch_size) if selector is not None else None
-    if auto is None:
-        raise ValueError(f"selection {plan.selection!r} has no threshold")
-    return auto
 
 
 def _shard_group(cfg: Config, layout: ShardLayout):
@@ -200,8 +107,8 @@ def run_randomness(cfg: Config) -> PrivacyRandomness:
     return PrivacyRandomness.fresh()
 
 
-def build_run(cfg: Config):
-    """Everything a run needs: (engine, train split, test split, meta, privacy info)."""
+def build_run(cfg: Config) -> Run:
+    """Everything a run needs (trainer/run.py `Run`): engine, splits, metadata, privacy plan."""
     from trainer.data import PoissonSampler
 
     if cfg.cluster.backend == "ray":  # connection problems surface before any data work
@@ -219,16 +126,16 @@ def build_run(cfg: Config):
     if n == 0:
         raise ValueError(f"{cfg.data.path}: the training split is empty")
     plan, info = plan_privacy(cfg, n, layout.vocabulary_size, [e for _, e in meta.privacy_events])
-    ledger = PrivacyLedger(cfg.privacy.accountant, info["delta"]) if plan is not None else None
+    ledger = PrivacyLedger(cfg.privacy.accountant, info.delta) if plan is not None else None
     shards = _shard_group(cfg, layout)
     randomness = run_randomness(cfg)
-    sampler = PoissonSampler(n, info["sample_rate"], seed=randomness.sampler_seed())
+    sampler = PoissonSampler(n, info.sample_rate, seed=randomness.sampler_seed())
     engine = Engine(model, layout, shards, train_set, sampler, mode=cfg.train.mode,
-                    expected_batch_size=info["sample_rate"] * n, sample_rate=info["sample_rate"], plan=plan,
+                    expected_batch_size=info.sample_rate * n, sample_rate=info.sample_rate, plan=plan,
                     ledger=ledger, target_epsilon=cfg.privacy.target_epsilon,
                     dense_optimizer=_dense_optimizer(cfg, model), randomness=randomness,
                     secure_mode=cfg.privacy.secure_mode)
-    return engine, train_set, test_set, meta, info
+    return Run(cfg, engine, train_set, test_set, meta, info)
 
 
 def save_checkpoint(run_dir: Path, engine: Engine, cfg: Config) -> None:
@@ -293,89 +200,106 @@ def _start(engine: Engine, cfg: Config, run_dir: Path, train_set, data_events) -
         engine.prepare_fest(train_set.feature_rows)
 
 
+class _TrainCallbacks:
+    """What `widedp train` does after each step: metrics/eval lines (through the recorder, which
+    enforces docs/THREAT_MODEL.md), checkpoints, the progress bar."""
+
+    def __init__(self, run: Run, recorder: RunRecorder, run_dir: Path, progress: bool):
+        self.run, self.recorder, self.run_dir = run, recorder, run_dir
+        self.start = time.perf_counter()
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            cfg = run.config
+            self.bar = tqdm(total=cfg.train.steps, initial=run.engine.step_count, desc=cfg.train.mode, unit="step")
+
+    def on_step(self, engine: Engine, stats: StepStats, seconds: float) -> None:
+        t, recorder = self.run.config.train, self.recorder
+        recorder.on_step(stats, seconds)
+        if stats.step % t.log_every == 0 or stats.step == t.steps:
+            recorder.log(recorder.metrics_line(stats))
+        if t.eval_every and stats.step % t.eval_every == 0:
+            recorder.log(eval_line(stats.step, self.run.evaluate()))
+        if stats.step % t.checkpoint_every == 0:
+            save_checkpoint(self.run_dir, engine, self.run.config)
+        if self.bar is not None:
+            self.bar.set_postfix(**recorder.progress_postfix(stats, time.perf_counter() - self.start))
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True) -> dict:
     """Train per `cfg`, writing only what docs/THREAT_MODEL.md allows (trainer/run_outputs.py)."""
     cfg.validate()
     run_dir.mkdir(parents=True, exist_ok=True)
-    engine, train_set, test_set, meta, info = build_run(cfg)
-    try:
-        data_events = list(meta.privacy_events)
+    with build_run(cfg) as run:
+        engine, info = run.engine, run.privacy
+        data_events = list(run.meta.privacy_events)
         engine.ledger_path = run_dir / "ledger.json" if engine.ledger is not None else None
         if resume:
             _restore(engine, run_dir, cfg)
         else:
-            _start(engine, cfg, run_dir, train_set, data_events)
+            _start(engine, cfg, run_dir, run.train_set, data_events)
         recorder = RunRecorder(expected_batch_size=engine.b, metrics_path=run_dir / "metrics.jsonl",
                                debug_metrics=cfg.train.debug_metrics, randomness_note=engine.randomness.describe(),
                                reproducible=engine.randomness.reproducible, private=engine.plan is not None)
-        stopped_by_budget = False
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=cfg.train.steps, initial=engine.step_count, desc=f"{cfg.train.mode}", unit="step")
-        start = time.perf_counter()
-        while engine.step_count < cfg.train.steps:
-            t0 = time.perf_counter()
-            stats = engine.step()
-            if stats is None:
-                stopped_by_budget = True
-                break
-            recorder.on_step(stats, time.perf_counter() - t0)
-            if stats.step % cfg.train.log_every == 0 or stats.step == cfg.train.steps:
-                recorder.log(recorder.metrics_line(stats))
-            if cfg.train.eval_every and stats.step % cfg.train.eval_every == 0:
-                recorder.log(eval_line(stats.step, engine.evaluate(test_set, cfg.train.eval_batch_size)))
-            if stats.step % cfg.train.checkpoint_every == 0:
-                save_checkpoint(run_dir, engine, cfg)
-            if bar is not None:
-                bar.set_postfix(**recorder.progress_postfix(stats, time.perf_counter() - start))
-                bar.update(1)
-        elapsed = time.perf_counter() - start
-        if bar is not None:
-            bar.close()
+        callbacks = _TrainCallbacks(run, recorder, run_dir, progress)
+        try:
+            result = run.run(cfg.train.steps, [callbacks])
+        finally:
+            callbacks.close()
         save_checkpoint(run_dir, engine, cfg)
         summary = {
             "mode": cfg.train.mode,
             "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
             "epsilon": engine.ledger.epsilon() if engine.ledger is not None else math.inf,
-            "delta": info["delta"],
-            "accountant": info["accountant"],
+            "delta": info.delta,
+            "accountant": info.accountant,
             "steps": engine.step_count,
             "events_charged": engine.ledger.steps if engine.ledger is not None else 0,
             "num_shards": cfg.cluster.num_shards,
-            "test_metrics": engine.evaluate(test_set, cfg.train.eval_batch_size),
-            "bayes_auc": meta.bayes_auc,
+            "test_metrics": run.evaluate(),
+            "bayes_auc": run.meta.bayes_auc,
             "target_epsilon": cfg.privacy.target_epsilon,
-            "noise_multiplier": info.get("noise_multiplier"),
-            "selection_epsilon": info.get("selection_epsilon"),
-            "selection_sigma": info.get("selection_sigma"),
-            "k": info.get("k"),
-            "threshold": info.get("threshold"),
-            "threshold_rule": info.get("threshold_rule"),
-            "sample_rate": info["sample_rate"],
-            "stopped_by_budget": stopped_by_budget,
+            "noise_multiplier": info.noise_multiplier,
+            "calibrated": info.calibrated,
+            "selection_epsilon": info.selection_epsilon,
+            "selection_sigma": info.selection_sigma,
+            "selection_params": info.selection_params,
+            "k": info.k,
+            "threshold": info.threshold,
+            "threshold_rule": info.threshold_rule,
+            "sample_rate": info.sample_rate,
+            "stopped_by_budget": result.stopped_by_budget,
             "resumed": resume,
             "vocabulary_size": engine.layout.vocabulary_size,
             "backend": cfg.cluster.backend,
-            **recorder.summary_fields(elapsed, engine.shards, [d for d, _ in data_events]),
+            **recorder.summary_fields(result.elapsed_s, engine.shards, [d for d, _ in data_events]),
         }
         atomic_write_json(run_dir / "summary.json", summary)
         return summary
-    finally:
-        engine.shards.shutdown()
 
 
 def evaluate(run_dir: Path) -> dict:
     state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
-    cfg = _config_from_dict(state["config"], [])
+    cfg = _saved_config(state["config"], f"{run_dir / 'checkpoint.pt'} (its config)")
     cfg.cluster.backend = "local"  # evaluation needs no cluster
-    engine, _, test_set, meta, _ = build_run(cfg)
-    try:
-        engine.load_state_dict(state["engine"])
-        return {"run_dir": str(run_dir), "steps": engine.step_count, "test_metrics": engine.evaluate(test_set, cfg.train.eval_batch_size),
-                "bayes_auc": meta.bayes_auc, "epsilon": engine.ledger.epsilon() if engine.ledger else None}
-    finally:
-        engine.shards.shutdown()
+    with build_run(cfg) as run:
+        run.engine.load_state_dict(state["engine"])
+        return {"run_dir": str(run_dir), "steps": run.engine.step_count, "test_metrics": run.evaluate(),
+                "bayes_auc": run.meta.bayes_auc, "epsilon": run.engine.ledger.epsilon() if run.engine.ledger else None}
+
+
+def _saved_config(data: Any, source: str) -> Config:
+    from trainer.config import config_from_dict
+
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a dict of config sections")
+    return config_from_dict(data, source)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------
@@ -392,29 +316,12 @@ def add_commands(sub) -> dict:
     return {"train": cmd_train, "evaluate": cmd_evaluate}
 
 
-def _config_from_dict(data: dict, overrides: list[str]) -> Config:
-    """A Config from its saved dict (config.json / checkpoint), then `--set` overrides applied."""
-    cfg = Config()
-    for section in ("data", "model", "train", "privacy", "cluster"):
-        for key, value in data.get(section, {}).items():
-            setattr(getattr(cfg, section), key, value)
-    cfg.run_dir = data.get("run_dir", "")
-    if overrides:
-        patched = load_config(None, overrides)
-        defaults = Config()
-        for section in ("data", "model", "train", "privacy", "cluster"):
-            for key in vars(getattr(defaults, section)):
-                if any(o.startswith(f"{section}.{key}=") for o in overrides):
-                    setattr(getattr(cfg, section), key, getattr(getattr(patched, section), key))
-    return cfg
-
-
 def cmd_train(args) -> dict:
     if args.resume and not args.config:
         config_path = Path(args.resume) / "config.json"
         if not config_path.exists():
             raise ValueError(f"--resume {args.resume}: no config.json there (pass --config)")
-        cfg = _config_from_dict(json.loads(config_path.read_text()), args.set)
+        cfg = load_saved_config(config_path, args.set)
     elif not args.config:
         raise ValueError("--config is required (or --resume RUN_DIR)")
     else:

@@ -16,7 +16,7 @@ class SvtParams:
     delta: float = param(config="delta", cli="selection_delta", record=True)  # Alg 1's δ
     max_answers: int = param(config="k", cli="max_answers", record=True)  # c (the trainer answers ≤ k rows)
     release_values: bool = param(False, cli="svt_release_values", record=True)  # the trainer: selection only
-    threshold: float = param(0.0, config="threshold")  # α on the scores (0 in the config: auto rule)
+    threshold: float = param(0.0, config="threshold")  # α on the scores (privacy.threshold = "auto": the auto rule)
     score_clip: float = param(0.1, config="score_clip")  # S0
 
 

@@ -13,7 +13,7 @@ from selection.threshold import contribution_counts, gaussian_threshold
 @dataclasses.dataclass(frozen=True)
 class ThresholdParams:
     noise_multiplier: float = param(config="selection_sigma", cli="selection_sigma", budget=True, record=True)
-    threshold: float = param(0.0, config="threshold")  # τ on the counts (0 in the config: auto rule)
+    threshold: float = param(0.0, config="threshold")  # τ on the counts (privacy.threshold = "auto": the auto rule)
     contribution_clip: float = param(1.0, config="contribution_clip")  # C1
 
 

@@ -1,0 +1,115 @@
+"""A run's privacy plan from its config: the sampling rate, δ, k, and σ and the selector's
+parameters — explicit or calibrated to the target ε (docs/DESIGN.md §3).
+
+Values the config leaves at "auto" are derived here, each by one stated rule; the result,
+`PrivacyInfo`, records every derived value and how it was obtained (for summary.json, the
+privacy report and the benchmarks), so nothing downstream re-derives one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+from accounting import calibrate
+from accounting import events as ev
+from selection import k_from_fraction
+from selection.registry import NO_SELECTION, get_selector
+from trainer.config import Config
+from trainer.engine import PrivacyPlan
+
+
+def default_delta(n: int) -> float:
+    """δ when privacy.delta is "auto": min(1/(10n), n^-1.1), clearly below 1/n at every n.
+
+    δ = 1/n admits mechanisms that publish one random example outright ((0, 1/n)-DP), so δ
+    must be well below 1/n. 1/(10n) keeps a 10× margin at practical sizes; n^-1.1 makes δ
+    o(1/n) as n grows (it takes over beyond n = 10^10). The ε cost is logarithmic in 1/δ.
+    """
+    return min(0.1 / n, float(n) ** -1.1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyInfo:
+    """What a run's privacy plan resolved to (every "auto" replaced by its value).
+
+    `selection_epsilon` / `selection_sigma` / `threshold` are the selector's values under the
+    config's names, None where the selector has no such parameter; `selection_params` is the
+    selector's whole typed Params as a dict (None without selection)."""
+
+    sample_rate: float
+    delta: float
+    accountant: str
+    calibrated: bool = False
+    noise_multiplier: Optional[float] = None
+    k: Optional[int] = None
+    selection_epsilon: Optional[float] = None
+    selection_sigma: Optional[float] = None
+    threshold: Optional[float] = None
+    threshold_rule: Optional[str] = None
+    selection_params: Optional[dict] = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.DpEvent] = ()
+                 ) -> tuple[Optional[PrivacyPlan], PrivacyInfo]:
+    """Privacy plan (None for nonprivate) and what it resolved to (calibrated or explicit σ, ε, δ).
+
+    `data_events`: one-time events of data preparation (e.g. a private vocabulary), charged
+    before the first step; calibration leaves room for them inside the target ε."""
+    t, p = cfg.train, cfg.privacy
+    q = min(1.0, t.batch_size / n)
+    delta = p.resolved("delta") or default_delta(n)
+    base = PrivacyInfo(sample_rate=q, delta=delta, accountant=p.accountant)
+    if t.mode == "nonprivate":
+        return None, base
+    k = p.resolved("k") or k_from_fraction(p.gamma, vocabulary)
+    selector = get_selector(t.selection) if t.mode == "sparse" else None
+    selection = selector.name if selector is not None else NO_SELECTION
+    # What the selectors' Params read (their `config=` keys): privacy.* ("auto" as unset: the
+    # Params default), k resolved from gamma, and δ.
+    source: dict[str, Any] = {f.name: p.resolved(f.name) for f in dataclasses.fields(p)}
+    source.update(k=k, delta=delta)
+    if selector is not None:  # budget fields left "auto" are 0 until calibration fills them in
+        budget_keys = {selector.config_fields()[f] for f in selector.budget_fields()}
+        source.update({key: 0.0 for key in budget_keys if source.get(key) is None})
+    extra = [(event, 1) for event in data_events]
+    params: Any = None
+    if selector is not None:
+        params = selector.params_from(source, "config")
+        one_time = selector.one_time_event(params)
+        if one_time is not None:
+            extra.append((one_time, 1))
+    explicit = p.resolved("noise_multiplier")
+    calibrated = explicit is None
+    sigma = 0.0 if explicit is None else float(explicit)
+    if calibrated:
+        out = calibrate(p.target_epsilon, delta, q, t.steps, selection=selection, fraction=p.selection_fraction,
+                        accountant=p.accountant, k=k, max_answers=k, selection_delta=delta,
+                        svt_release_values=False, extra_history=extra)
+        sigma = out.noise_multiplier
+        if selector is not None and out.selection_params:  # the calibrated fields replace the config's
+            params = dataclasses.replace(params, **dict(out.selection_params))
+    elif selector is not None:
+        missing = [selector.config_fields()[f] for f in selector.budget_fields() if getattr(params, f) <= 0]
+        if missing:
+            raise ValueError(f"privacy.noise_multiplier is set: selection {selection!r} also needs "
+                             + " and ".join(f"privacy.{m}" for m in missing))
+    rule = None
+    if selector is not None and getattr(params, "threshold", 1.0) <= 0:  # "auto": the selector's own rule
+        auto = selector.auto_threshold(params, k=k, num_rows=vocabulary, clip_norm=p.clip_norm,
+                                       batch_size=min(t.batch_size, n))
+        if auto is not None:
+            params = dataclasses.replace(params, threshold=auto[0])
+            rule = auto[1]
+    plan = PrivacyPlan(noise_multiplier=sigma, clip_norm=p.clip_norm, second_clip_norm=p.second_clip_norm,
+                       selection=selection, selection_params=params)
+    # The config's names of the selector's parameters (summary.json keys).
+    named = {key: getattr(params, f) for f, key in (selector.config_fields() if selector else {}).items()}
+    info = dataclasses.replace(
+        base, calibrated=calibrated, noise_multiplier=sigma, k=k, threshold=named.get("threshold"), threshold_rule=rule,
+        selection_epsilon=named.get("selection_epsilon"), selection_sigma=named.get("selection_sigma"),
+        selection_params=dataclasses.asdict(params) if params is not None else None)
+    return plan, info

@@ -1,0 +1,81 @@
+"""A built run and the one training loop every driver uses (`widedp train`, the benchmarks,
+the Fig 1 script).
+
+`Run` holds what `trainer.train.build_run` assembles (config, engine, splits, metadata, the
+resolved privacy plan); `Run.run(steps, callbacks)` steps the engine until it has taken
+`steps` steps in all or the budget refuses a step, and hands each step to the callbacks.
+Callbacks only observe: what a callback writes is governed by docs/THREAT_MODEL.md (the
+train command's recorder enforces it; benchmarks may record debug statistics of their own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Optional, Protocol, Sequence
+
+from trainer.config import Config
+from trainer.engine import Engine, StepStats
+from trainer.planning import PrivacyInfo
+
+
+class StepCallback(Protocol):
+    def on_step(self, engine: Engine, stats: StepStats, seconds: float) -> Optional[bool]:
+        """After each released step (`seconds`: its wall time). Return True to stop the loop."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopResult:
+    """How a `Run.run` call ended: steps taken in this call, whether the budget refused a step
+    (the engine never takes a step past the target ε), wall seconds of the loop."""
+
+    steps_taken: int
+    stopped_by_budget: bool
+    stopped_by_callback: bool
+    elapsed_s: float
+
+
+@dataclasses.dataclass
+class Run:
+    """One training run, built by `trainer.train.build_run(cfg)`; close it (or use `with`) to
+    release the shards (Ray actors)."""
+
+    config: Config
+    engine: Engine
+    train_set: Any
+    test_set: Any
+    meta: Any  # trainer.data.DatasetMeta
+    privacy: PrivacyInfo
+
+    def run(self, steps: int, callbacks: Sequence[StepCallback] = ()) -> LoopResult:
+        """Step until `engine.step_count == steps`, the budget refuses a step, or a callback
+        asks to stop; each callback's `on_step` sees every step in order."""
+        engine = self.engine
+        start = time.perf_counter()
+        taken, by_budget, by_callback = 0, False, False
+        while engine.step_count < steps:
+            t0 = time.perf_counter()
+            stats = engine.step()
+            if stats is None:
+                by_budget = True
+                break
+            seconds = time.perf_counter() - t0
+            taken += 1
+            stop = [bool(cb.on_step(engine, stats, seconds)) for cb in callbacks]
+            if any(stop):
+                by_callback = True
+                break
+        return LoopResult(taken, by_budget, by_callback, time.perf_counter() - start)
+
+    def evaluate(self, split: Any = None) -> dict:
+        """Metrics on `split` (default: the test split) with the config's eval batch size."""
+        return self.engine.evaluate(self.test_set if split is None else split, self.config.train.eval_batch_size)
+
+    def close(self) -> None:
+        self.engine.shards.shutdown()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
