@@ -234,14 +234,18 @@ def _check_auto_fields(section: str, values: Any) -> None:
     """"auto"/None fields hold their keyword or a positive number, also when set from Python."""
     for field in dataclasses.fields(values):
         meta, value = field.metadata, getattr(values, field.name)
-        if not (meta.get("auto") or meta.get("none")):
-            continue
         if (meta.get("auto") and is_auto(value)) or (meta.get("none") and value is None):
             continue
-        keyword = '"auto"' if meta.get("auto") else "None"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            zero = " (0 does not mean automatic or off)" if value == 0 and not isinstance(value, bool) else ""
-            raise ConfigError(f"{section}.{field.name} must be > 0 or {keyword}{zero}, got {value!r}")
+        if meta.get("auto") or meta.get("none"):
+            _check_positive_or_keyword(f"{section}.{field.name}", meta, value)
+
+
+def _check_positive_or_keyword(where: str, meta: Mapping[str, Any], value: Any) -> None:
+    """The one rule (and message) of "auto"/"none" fields: a number there must be > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        keyword = '"auto"' if meta.get("auto") else '"none"'
+        zero = " (0 does not mean automatic or off)" if value == 0 and not isinstance(value, bool) else ""
+        raise ConfigError(f"{where} must be > 0 or {keyword}{zero}, got {value!r}")
 
 
 def _coerce(where: str, field: dataclasses.Field, current: Any, value: Any) -> Any:
@@ -262,10 +266,7 @@ def _coerce(where: str, field: dataclasses.Field, current: Any, value: Any) -> A
     if kind in (int, float):
         out = _number(where, kind, value)
         if meta.get("auto") or meta.get("none"):
-            other = '"auto"' if meta.get("auto") else '"none"'
-            if not out > 0:
-                zero = " (0 does not mean automatic or off)" if out == 0 else ""
-                raise ConfigError(f"{where} must be > 0 or {other}{zero}, got {value!r}")
+            _check_positive_or_keyword(where, meta, out)
         return out
     if kind is list:
         if isinstance(value, str):
@@ -359,14 +360,19 @@ def load_config(path: Optional[str] = None, overrides: Optional[Sequence[str]] =
     return config_from_dict(raw, path or "--set", overrides or ())
 
 
+def saved_config(raw: Any, source: str, overrides: Sequence[str] = ()) -> Config:
+    """A config a run saved (config.json, a checkpoint's "config") through `config_from_dict`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a JSON object of config sections")
+    return config_from_dict(raw, source, overrides)
+
+
 def load_saved_config(path: Path, overrides: Sequence[str] = ()) -> Config:
-    """A run's config.json (written by `train`) with `--set` overrides (`config_from_dict`)."""
+    """A run's config.json (written by `train`) with `--set` overrides (`saved_config`)."""
     try:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path} does not exist")
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: invalid JSON ({exc})")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object of config sections")
-    return config_from_dict(raw, str(path), overrides)
+    return saved_config(raw, str(path), overrides)

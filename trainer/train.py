@@ -15,14 +15,13 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from accounting import PrivacyLedger
 from accounting.atomic import atomic_write_bytes
-from trainer.config import Config, load_config, load_saved_config
+from trainer.config import Config, load_config, load_saved_config, saved_config
 from trainer.engine import Engine, StepStats
 from trainer.layout import FeatureSpec, ShardLayout, TableSpec
 from trainer.models import MODELS
@@ -286,20 +285,12 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tru
 
 def evaluate(run_dir: Path) -> dict:
     state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
-    cfg = _saved_config(state["config"], f"{run_dir / 'checkpoint.pt'} (its config)")
+    cfg = saved_config(state["config"], f"{run_dir / 'checkpoint.pt'} (its config)")
     cfg.cluster.backend = "local"  # evaluation needs no cluster
     with build_run(cfg) as run:
         run.engine.load_state_dict(state["engine"])
         return {"run_dir": str(run_dir), "steps": run.engine.step_count, "test_metrics": run.evaluate(),
                 "bayes_auc": run.meta.bayes_auc, "epsilon": run.engine.ledger.epsilon() if run.engine.ledger else None}
-
-
-def _saved_config(data: Any, source: str) -> Config:
-    from trainer.config import config_from_dict
-
-    if not isinstance(data, dict):
-        raise ValueError(f"{source}: expected a dict of config sections")
-    return config_from_dict(data, source)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------
