@@ -263,7 +263,7 @@ def _paper_threshold(fE: float, k: int, delta_prime: float):
 #: Theorem 3 needs an (ε', δ')-DP selection: the paper calibration's own per-selector table (the
 #: registry's `from_budget` speaks zCDP, which Theorem 3 does not use). Other spending
 #: selectors are refused; free ones (random, fest) need no entry.
-_PAPER_SELECTION = {"em": _paper_em, "threshold": _paper_threshold}
+_PAPER_SELECTION = {"em": _paper_em, "threshold": _paper_threshold, "fest-threshold": _paper_threshold}
 
 
 def _calibrate_paper(acc, target_epsilon, delta, q, steps, selection, fraction, k) -> Calibration:

@@ -507,12 +507,15 @@ def default_selection_threshold(cfg) -> Optional[dict]:
     own value is used (or the selector has no threshold)."""
     from selection.registry import get_selector
     from trainer.config import is_auto
-    from trainer.train import _ensure_dataset, plan_privacy
+    from trainer.train import _ensure_dataset, plan_run
 
     t, p = cfg.train, cfg.privacy
     if t.mode != "sparse" or "threshold" not in get_selector(t.selection).config_fields().values() or not is_auto(p.threshold):
         return None
     train_set, _ = _ensure_dataset(cfg)
-    vocab = int(sum(train_set.meta.table_sizes.values()))
-    plan, info = plan_privacy(cfg, len(train_set), vocab)
+    meta = train_set.meta
+    plan, info, _ = plan_run(cfg, len(train_set), meta.table_sizes, [e for _, e in meta.privacy_events],
+                             meta.feature_tables)
+    if plan is None or plan.selection_params is None:  # every table dense: no selection
+        return None
     return {"threshold": plan.selection_params.threshold, "rule": info.threshold_rule}

@@ -65,6 +65,7 @@ class NoisyStep:
     std: float
     rows_noised: bool
     event: GaussianDpEvent
+    shard_rows: Optional[torch.Tensor] = None  # `shard_noised` after the S2 clip, not noised here
 
 
 def noisy_step(
@@ -77,14 +78,18 @@ def noisy_step(
     generator: torch.Generator,
     secure: bool = False,
     noise_rows: bool = True,
+    shard_noised: Optional[torch.Tensor] = None,
 ) -> NoisyStep:
     """Alg 3 lines 9-11 over one vector: the selected rows Δ = G ⊙ M and every dense gradient.
 
     Add/remove-one neighbours: the whole vector (rows and dense parameters) is projected onto
     the S2-ball together (`second_clip_norm`), so its ℓ2 sensitivity is min(S1/b, 2·S2)
     (module docstring); N(0, (σ·sensitivity)²) is added to the selected rows (unless
-    `noise_rows=False`: the caller noises them with the same std, e.g. DP-SGD on the shards)
-    and to every dense gradient. Inputs may be float64; outputs are float32. Draw order (part
+    `noise_rows=False`: the caller noises them with the same std) and to every dense gradient.
+    `shard_noised`: further rows of the same vector that the caller noises itself with the
+    returned std (the rows of densely noised tables, which the shards noise every row of, as
+    in DP-SGD): they count in the S2 norm and are scaled with the rest, but get no noise here
+    (`NoisyStep.shard_rows`). Inputs may be float64; outputs are float32. Draw order (part
     of the contract: the reference implementation reproduces it): the rows as one [k, D] draw,
     then each dense gradient in mapping order. Returns a `NoisyStep` whose `event` is
     `GaussianDpEvent(σ)`.
@@ -94,7 +99,8 @@ def noisy_step(
     std = noise_multiplier * step_sensitivity(clip_norm, expected_batch_size, second_clip_norm)
     scale = 1.0
     if second_clip_norm is not None:
-        total = math.sqrt(float((rows.double() ** 2).sum()) + sum(float((g.double() ** 2).sum()) for g in dense.values()))
+        total = math.sqrt(float((rows.double() ** 2).sum()) + sum(float((g.double() ** 2).sum()) for g in dense.values())
+                          + (float((shard_noised.double() ** 2).sum()) if shard_noised is not None else 0.0))
         scale = min(1.0, second_clip_norm / total) if total > 0 else 1.0
     out_rows = (rows * scale).float()
     if noise_rows:
@@ -103,7 +109,8 @@ def noisy_step(
     for name, g in dense.items():
         g = (g * scale).float()
         out_dense[name] = g + gaussian_noise(g.shape, std, generator, secure=secure)
-    return NoisyStep(out_rows, out_dense, std, noise_rows, GaussianDpEvent(noise_multiplier))
+    shard_rows = (shard_noised * scale).float() if shard_noised is not None else None
+    return NoisyStep(out_rows, out_dense, std, noise_rows, GaussianDpEvent(noise_multiplier), shard_rows)
 
 
 def noisy_selected_rows(

@@ -132,8 +132,10 @@ class Selector:
         raise NotImplementedError(f"selection {self.name!r} has no one-time selection")
 
     def auto_threshold(self, params: Any, *, k: int, num_rows: int, clip_norm: float,
-                       batch_size: int) -> Optional[tuple[float, str]]:
-        """(value, rule) for a `threshold` field left at 0 ("auto" in the config), or None (no such field)."""
+                       batch_size: int, false_positive_rows: Optional[float] = None) -> Optional[tuple[float, str]]:
+        """(value, rule) for a `threshold` field left at 0 ("auto" in the config), or None (no such field).
+        `false_positive_rows`: the expected number of pure-noise rows per step the run allows
+        (public: from b and the rows an example can touch), for selectors whose rule uses it."""
         return None
 
     # ---- generic, from the Params metadata ---------------------------------------------------

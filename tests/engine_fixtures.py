@@ -218,14 +218,15 @@ def make_plan(selection, *, sigma=0.8, second_clip=None, k=5, overrides=None):
 def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="local", optimizer="sgd", q=0.25,
                 sigma=0.8, k=5, seed=0, dim=4, target_epsilon=1e9, second_clip=None, accountant="rdp",
                 lr=0.1, dense_lr=0.05, model="dlrm", sampler=None, dense_optimizer="sgd", init_std=0.3,
-                plan_overrides=None):
+                plan_overrides=None, dense_tables=()):
     """An engine over `ds`. Extras (defaults keep the original behaviour): `sampler` replaces
     the Poisson `SimpleSampler(len(ds), q, seed + 7)` (e.g. a `ListSampler`);
     `dense_optimizer` is "sgd" | "adam" | "adagrad" (lr = dense_lr); `plan_overrides` replaces
     PrivacyPlan fields (noise_multiplier, clip_norm, second_clip_norm, selection, selection_params
     as a dict or Params) or the selector's parameters by their config names (`privacy.<key>`:
     selection_epsilon, selection_sigma, threshold, score_clip, contribution_clip,
-    fest_noise_multiplier, fest_max_rows_per_example, k; `selection_delta` for SVT's δ)."""
+    fest_noise_multiplier, fest_max_rows_per_example, k; `selection_delta` for SVT's δ);
+    `dense_tables`: table indices noised densely in sparse mode (trainer/table_policy.py)."""
     from trainer.shard_group import InProcessShardGroup, RayShardGroup
 
     layout = layout_for(ds, num_shards, dim)
@@ -245,4 +246,4 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
     return Engine(net, layout, shards, ds, SimpleSampler(len(ds), q, seed + 7) if sampler is None else sampler,
                   mode=mode, expected_batch_size=q * len(ds), sample_rate=q, plan=plan, ledger=ledger,
                   target_epsilon=target_epsilon, dense_optimizer=optimizers[dense_optimizer](dense_params, lr=dense_lr),
-                  randomness=PrivacyRandomness.from_seed(seed))
+                  randomness=PrivacyRandomness.from_seed(seed), dense_tables=dense_tables)

@@ -25,6 +25,10 @@ computed here.
 
 The global row id of row r of table t is offset_t + r, tables concatenated in the order of
 `ds.meta.table_sizes`.
+
+Per-table policy (sparse mode, `dense_tables`): a dense table is treated exactly as DP-SGD treats
+every table (all its rows get G + the DP-SGD table noise, in the S2 norm); the selectors see
+only the rows of the other tables, numbered 0, 1, ... in global-id order (a Python list here).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from trainer.randomness import PrivacyRandomness
 
 class ReferenceAlg3:
     def __init__(self, ds, model: torch.nn.Module, *, mode: str, plan=None, expected_batch_size: float,
-                 lr: float, dense_lr: float, seed: int, dim: int, init_std: float):
+                 lr: float, dense_lr: float, seed: int, dim: int, init_std: float, dense_tables=()):
         """`model` is copied (pass the engine's dense model before it takes a step, or an
         identically initialized one); `plan` is a trainer.engine.PrivacyPlan (None for
         nonprivate)."""
@@ -68,6 +72,12 @@ class ReferenceAlg3:
         self.dpsgd_seed = randomness.dpsgd_noise_seed()
         self.step_count = 0
         self.fixed_rows: Optional[np.ndarray] = None
+        all_tables = list(range(len(self.table_rows)))
+        self.dense_tables = {"dpsgd": all_tables, "nonprivate": []}.get(mode, sorted(dense_tables))
+        # The selectors' rows: every row of the sparse tables, position = the selector's id.
+        self.candidates = [int(self.offsets[t] + r) for t in all_tables if t not in self.dense_tables
+                           for r in range(self.table_rows[t])]
+        self.candidate_index = {g: i for i, g in enumerate(self.candidates)}
 
     # ---- the model, one example at a time ------------------------------------------------------
     def example_loss(self, i: int, tables: list[torch.Tensor]) -> torch.Tensor:
@@ -114,11 +124,13 @@ class ReferenceAlg3:
     # ---- DP-FEST: the one-time selection -----------------------------------------------------------
     def prepare_fest(self) -> None:
         n = len(self.ds.labels)
-        rows = [self.example_global_rows(i) for i in range(n)]
+        rows = [[self.candidate_index[r] for r in self.example_global_rows(i) if r in self.candidate_index]
+                for i in range(n)]
         offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
         ids = np.array([r for ex in rows for r in ex], dtype=np.int64)
         sp = self.plan.selection_params
-        self.fixed_rows = selection.fest_top_k(offsets, ids, self.V, sp.k, sp.noise_multiplier,
+        sigma = sp.fest_noise_multiplier if self.plan.selection == "fest-threshold" else sp.noise_multiplier
+        self.fixed_rows = selection.fest_top_k(offsets, ids, len(self.candidates), sp.k, sigma,
                                                sp.max_rows_per_example, self.selection_rng).ids
 
     # ---- one step -------------------------------------------------------------------------------
@@ -149,21 +161,19 @@ class ReferenceAlg3:
         touched = sorted({r for i in indices for r in self.example_global_rows(i)})
         touched = np.array(touched, dtype=np.int64)
 
-        # 3. selection (global row ids, sorted); dpsgd: every row
-        if self.mode == "sparse":
-            selected = np.unique(self._select(indices, touched, G))
+        # 3. selection (global row ids, sorted) over the sparse tables' rows; dpsgd: none (every
+        # table is dense)
+        if self.mode == "sparse" and self.candidates:
+            chosen = self._select(indices, [r for r in touched if r in self.candidate_index], G)
+            selected = np.unique(np.array([self.candidates[int(c)] for c in chosen], dtype=np.int64))
         elif self.mode == "nonprivate":
             selected = touched
         else:
-            selected = None
+            selected = np.zeros(0, dtype=np.int64)
 
-        # 4. Δ = G ⊙ M, second clip, noise
-        if selected is not None:
-            delta = torch.stack([self._row(G, r) for r in selected]) if selected.size else torch.zeros(0, self.dim, dtype=torch.float64)
-            delta_sq = float((delta ** 2).sum())
-        else:
-            delta = None
-            delta_sq = sum(float((g ** 2).sum()) for g in G)
+        # 4. Δ = G ⊙ M, second clip (over Δ, the dense tables' G and the dense params), noise
+        delta = torch.stack([self._row(G, r) for r in selected]) if selected.size else torch.zeros(0, self.dim, dtype=torch.float64)
+        delta_sq = float((delta ** 2).sum()) + sum(float((G[t] ** 2).sum()) for t in self.dense_tables)
         scale, std = 1.0, 0.0
         if private:
             s2 = p.second_clip_norm
@@ -173,19 +183,16 @@ class ReferenceAlg3:
             sensitivity = p.clip_norm / self.b if not s2 else min(p.clip_norm / self.b, 2.0 * s2)
             std = p.noise_multiplier * sensitivity
 
-        if selected is not None:
-            noisy = (delta * scale).float()
-            if private:
-                noisy = noisy + torch.normal(0.0, std, size=tuple(noisy.shape), generator=self.noise_gen, dtype=torch.float32)
-            with torch.no_grad():
-                for r, row in zip(selected, noisy):
-                    t, local = self._table_of(r)
-                    self.tables[t][local] -= self.lr * row
-        else:  # dpsgd: every row of every table
-            with torch.no_grad():
-                for t, rows in enumerate(self.table_rows):
-                    noise = row_block_normal(self.dpsgd_seed, "dpsgd", self.step_count, t, 0, rows, self.dim, std)
-                    self.tables[t] -= self.lr * ((G[t] * scale).float() + noise)
+        noisy = (delta * scale).float()
+        if private:
+            noisy = noisy + torch.normal(0.0, std, size=tuple(noisy.shape), generator=self.noise_gen, dtype=torch.float32)
+        with torch.no_grad():
+            for r, row in zip(selected, noisy):
+                t, local = self._table_of(r)
+                self.tables[t][local] -= self.lr * row
+            for t in self.dense_tables:  # every row of a dense table (dpsgd: of every table)
+                noise = row_block_normal(self.dpsgd_seed, "dpsgd", self.step_count, t, 0, self.table_rows[t], self.dim, std)
+                self.tables[t] -= self.lr * ((G[t] * scale).float() + noise)
 
         with torch.no_grad():
             for n, param in self.model.named_parameters():
@@ -194,7 +201,8 @@ class ReferenceAlg3:
                     g = g + torch.normal(0.0, std, size=tuple(g.shape), generator=self.noise_gen, dtype=torch.float32)
                 param -= self.dense_lr * g
         self.step_count += 1
-        return {"selected": selected, "touched": touched, "norms": np.array(norms), "factors": np.array(factors),
+        rows_noised = selected.size + sum(self.table_rows[t] for t in self.dense_tables)
+        return {"selected": selected, "rows_noised": rows_noised, "touched": touched, "norms": np.array(norms), "factors": np.array(factors),
                 "scale": scale, "std": std, "G": G, "losses": [loss for _, _, loss in per_example]}
 
     def _table_of(self, r: int) -> tuple[int, int]:
@@ -206,21 +214,26 @@ class ReferenceAlg3:
         return G[t][local]
 
     def _select(self, indices, touched, G) -> np.ndarray:
-        p, rng, V = self.plan, self.selection_rng, self.V
+        """The selector's choice among the candidates (positions in `self.candidates`);
+        `touched`: the touched candidate rows (global ids)."""
+        p, rng, V = self.plan, self.selection_rng, len(self.candidates)
         sp = p.selection_params  # the selector's own Params (selection.selectors.*)
+        cand = self.candidate_index
         if p.selection == "random":
             return selection.random_rows(V, sp.k, rng).ids
         if p.selection == "fest":
             return self.fixed_rows
-        if p.selection == "threshold":
-            distinct = [sorted(set(self.example_global_rows(i))) for i in indices]
+        if p.selection in ("threshold", "fest-threshold"):
+            distinct = [sorted({cand[r] for r in self.example_global_rows(i) if r in cand}) for i in indices]
             offsets = np.concatenate([[0], np.cumsum([len(d) for d in distinct])]).astype(np.int64)
             ids = np.array([r for d in distinct for r in d], dtype=np.int64)
             rows, counts = selection.contribution_counts(offsets, ids, sp.contribution_clip, V)
-            return selection.gaussian_threshold(rows, counts, V, sp.threshold, sp.noise_multiplier,
-                                                sp.contribution_clip, rng).ids
+            passed = selection.gaussian_threshold(rows, counts, V, sp.threshold, sp.noise_multiplier,
+                                                  sp.contribution_clip, rng).ids
+            return np.union1d(self.fixed_rows, passed) if p.selection == "fest-threshold" else passed
         scores = np.array([min(float(torch.linalg.vector_norm(self._row(G, r))), sp.score_clip) for r in touched])
         sensitivity = min(p.clip_norm / self.b, sp.score_clip)
+        touched = np.array([cand[r] for r in touched], dtype=np.int64)
         if p.selection == "em":
             return selection.exponential_top_k(touched, scores, V, sp.k, sp.epsilon_per_draw, sensitivity, rng).ids
         if p.selection == "noisy-max":

@@ -184,6 +184,11 @@ def test_privacy_utility_smoke(tmp_path):
     rec = next(r for r in doc["records"] if r["mode"] == "sparse")
     assert rec["epsilon"] <= 8 + 1e-6 and "rdp" in rec["accountants"] and "paper" in rec["accountants"]
     assert "cbow: sparse/em <= dpsgd (loss) at every ε" in stdout
+    assert "cbow: best sparse within 0 of dpsgd (loss) at every ε" in stdout
+    sparse = next(p for p in doc["points"] if p["mode"] == "sparse")
+    dpsgd = next(p for p in doc["points"] if p["mode"] == "dpsgd")
+    assert dpsgd["rows_noised_median"] == 2000  # every row of the 2 × 1000-row tables
+    assert sparse["rows_noised_ratio"] == pytest.approx(2000 / sparse["rows_noised_median"])
 
 
 def test_paper_fig1_smoke(tmp_path):

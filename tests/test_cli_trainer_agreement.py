@@ -47,6 +47,7 @@ def _engine_step_event(cfg, plan, info):
     """The step event exactly as the engine builds it (its own methods, no data needed)."""
     engine = Engine.__new__(Engine)
     engine.mode, engine.q, engine.plan = cfg.train.mode, info.sample_rate, plan
+    engine.selects = cfg.train.mode == "sparse"  # every table selected (no dense table in these plans)
     return engine._step_event()
 
 

@@ -4,6 +4,7 @@ loop (`Run.run` with callbacks) and the shard group's public observer hook."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -142,3 +143,10 @@ def test_privacy_info_is_typed_and_complete(ctr_dir):
         assert info.selection_epsilon is None and info.selection_sigma == info.selection_params["noise_multiplier"]
         with pytest.raises(dataclasses.FrozenInstanceError):
             info.delta = 1.0
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_validates(path):
+    """A config a user copies must at least parse and pass validation (keys, kinds, registries)."""
+    load_config(str(path)).validate()

@@ -46,6 +46,7 @@ SELECTION_PLANS = {
     "threshold": dict(threshold=1.0, selection_sigma=0.5),
     "random": {},
     "fest": {},
+    "fest-threshold": dict(threshold=1.0, selection_sigma=0.5, k=3),
 }
 
 # One example that repeats a row inside a bag (f0: 2, 2 mean-pooled; f1: 16, 16 summed) and
@@ -63,11 +64,12 @@ def plan_overrides(selection):
 
 
 def build(ds, batches, *, mode, selection="em", num_shards=1, second_clip=None, backend="local",
-          optimizer="sgd", dense_optimizer="sgd", model="dlrm", target_epsilon=1e9, seed=SEED, overrides=None):
+          optimizer="sgd", dense_optimizer="sgd", model="dlrm", target_epsilon=1e9, seed=SEED, overrides=None,
+          dense_tables=()):
     return make_engine(ds, num_shards=num_shards, mode=mode, selection=selection, backend=backend,
                        optimizer=optimizer, dense_optimizer=dense_optimizer, q=Q, seed=seed, dim=DIM,
                        second_clip=second_clip, lr=LR, dense_lr=DENSE_LR, model=model, init_std=INIT_STD,
-                       sampler=ListSampler(batches), target_epsilon=target_epsilon,
+                       sampler=ListSampler(batches), target_epsilon=target_epsilon, dense_tables=dense_tables,
                        plan_overrides={**plan_overrides(selection), **(overrides or {})} if mode != "nonprivate" else None)
 
 
@@ -75,7 +77,8 @@ def reference_for(engine, ds, mode):
     """A reference with the engine's (not yet stepped) dense model and privacy plan."""
     assert engine.step_count == 0
     return ReferenceAlg3(ds, engine.model, mode=mode, plan=engine.plan, expected_batch_size=engine.b,
-                         lr=LR, dense_lr=DENSE_LR, seed=SEED, dim=DIM, init_std=INIT_STD)
+                         lr=LR, dense_lr=DENSE_LR, seed=SEED, dim=DIM, init_std=INIT_STD,
+                         dense_tables=engine.dense_tables)
 
 
 def engine_params(engine):
@@ -111,7 +114,7 @@ def batches_with_crafted(ds, steps, seed=11):
 def run_both(ds, batches, mode, **kw):
     engine = build(ds, batches, mode=mode, **kw)
     ref = reference_for(engine, ds, mode)
-    if kw.get("selection") == "fest" and mode == "sparse":
+    if engine.needs_one_time_selection():  # fest, fest-threshold
         engine.prepare_fest(ds.feature_rows)
         ref.prepare_fest()
         assert np.array_equal(engine.fixed_rows, ref.fixed_rows)
@@ -124,7 +127,8 @@ def run_both(ds, batches, mode, **kw):
 
 # ---- 1. engine == reference -------------------------------------------------------------------
 
-MODES = [("sparse", s) for s in ("em", "threshold", "random", "svt", "noisy-max", "fest")] + [("dpsgd", None)]
+MODES = ([("sparse", s) for s in ("em", "threshold", "random", "svt", "noisy-max", "fest", "fest-threshold")]
+         + [("dpsgd", None)])
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3])
@@ -139,7 +143,7 @@ def test_engine_matches_reference(mode, selection, second_clip, num_shards):
     for st, info, idx in zip(stats, infos, batches):
         assert st is not None and st.batch_size == idx.size
         assert st.rows_touched == info["touched"].size
-        assert st.rows_selected == (ref.V if info["selected"] is None else info["selected"].size)
+        assert st.rows_selected == info["rows_noised"]
         assert st.loss == pytest.approx(np.mean(info["losses"]), rel=1e-5)
     # The run exercised what it claims: the first clip bound for some examples, not all; S2 bound.
     factors = np.concatenate([i["factors"] for i in infos])
@@ -150,7 +154,7 @@ def test_engine_matches_reference(mode, selection, second_clip, num_shards):
         assert any(np.isin(i["selected"], i["touched"]).any() for i in infos)
     # ε reported after the last step = the accountant on the run's events, computed directly
     history = [(engine.step_event, len(batches))]
-    if selection == "fest":
+    if selection in ("fest", "fest-threshold"):
         history.insert(0, (engine.ledger.history[0][0], 1))
     assert stats[-1].epsilon == pytest.approx(make_accountant("rdp").epsilon(history, engine.ledger.delta), rel=1e-9)
 
@@ -420,6 +424,74 @@ def test_dpsgd_step_changes_every_row(num_shards):
         assert (before[name] != after[name]).any(dim=1).all(), name
     for name in dense_before:
         assert (dense_before[name] != dense_after[name]).all(), name
+
+
+# ---- 4b. per-table policy: dense tables beside selected ones --------------------------------------
+
+POLICY_SELECTORS = ["threshold", "em", "svt", "fest", "fest-threshold"]
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+@pytest.mark.parametrize("selection", POLICY_SELECTORS)
+def test_engine_with_dense_tables_matches_reference(selection, num_shards):
+    """Table t1 (shared by two features) dense, t0 and t2 selected: the engine equals the slow
+    reference, which noises t1 like DP-SGD and lets the selector see only t0's and t2's rows."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 4)
+    engine, ref, stats, infos = run_both(ds, batches, "sparse", selection=selection, num_shards=num_shards,
+                                         second_clip=S2, dense_tables=(1,))
+    assert_params_close(engine_params(engine), ref.state())
+    t1 = set(range(int(ref.offsets[1]), int(ref.offsets[2])))
+    for st, info in zip(stats, infos):
+        assert st.rows_selected == info["rows_noised"] == info["selected"].size + ref.table_rows[1]
+        assert not t1 & set(info["selected"].tolist())  # the selector never sees the dense table
+    assert any(i["selected"].size for i in infos)
+    assert engine.sparse_vocabulary.num_rows == ref.table_rows[0] + ref.table_rows[2]
+
+
+@pytest.mark.parametrize("selection", ["threshold", "em"])
+def test_all_dense_sparse_engine_equals_dpsgd_exactly(selection):
+    """A sparse run whose policy makes every table dense is DP-SGD: bit-identical parameters,
+    the same step event (no selection is charged) and every row noised."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 3)
+    dpsgd = build(ds, batches, mode="dpsgd", num_shards=2, second_clip=S2)
+    dense = build(ds, batches, mode="sparse", selection=selection, num_shards=2, second_clip=S2,
+                  dense_tables=(0, 1, 2))
+    assert not dense.selects and dense.step_event == dpsgd.step_event
+    for _ in batches:
+        a, b = dpsgd.step(), dense.step()
+        assert a.rows_selected == b.rows_selected == dpsgd.layout.vocabulary_size
+    assert_params_equal(engine_params(dense), engine_params(dpsgd))
+    assert dense.ledger.epsilon() == dpsgd.ledger.epsilon()
+
+
+def test_no_dense_table_is_the_unchanged_sparse_engine():
+    """An explicit all-sparse policy (dense_tables=()) is today's sparse step, bit for bit."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 3)
+    default = build(ds, batches, mode="sparse", selection="threshold", num_shards=2)
+    explicit = build(ds, batches, mode="sparse", selection="threshold", num_shards=2, dense_tables=())
+    for _ in batches:
+        assert default.step().rows_selected == explicit.step().rows_selected
+    assert_params_equal(engine_params(default), engine_params(explicit))
+
+
+def test_dense_table_rows_all_move_and_unselected_sparse_rows_do_not():
+    ds = dataset()
+    batches = [np.array([0, 5, len(ds) - 1])]
+    engine = build(ds, batches, mode="sparse", selection="threshold", num_shards=3, second_clip=S2,
+                   dense_tables=(2,), overrides={"threshold": 2.0, "selection_sigma": 1.0})
+    ref = reference_for(engine, ds, "sparse")
+    before, _ = engine_params(engine)
+    engine.step()
+    info = ref.step(batches[0])
+    after, _ = engine_params(engine)
+    assert (before["t2"] != after["t2"]).any(dim=1).all()  # every row of the dense table
+    moved = {int(ref.offsets[t] + r) for t, name in enumerate(["t0", "t1"])
+             for r in range(before[name].shape[0]) if not torch.equal(before[name][r], after[name][r])}
+    assert moved == set(info["selected"].tolist())
+    assert np.setdiff1d(info["touched"][info["touched"] < ref.offsets[2]], info["selected"]).size
 
 
 # ---- 5. checkpoint / resume --------------------------------------------------------------------

@@ -213,7 +213,8 @@ def test_a_private_vocabulary_is_charged_to_the_training_ledger_before_the_first
     run = tmp_path / "run"
     code = main(["train", "--config", str(config), "--run-dir", str(run), "--no-progress",
                  *_sets("train.steps=3", "train.batch_size=32", "privacy.k=6", "cluster.backend=local",
-                        "train.selection=threshold", "privacy.target_epsilon=4")])
+                        "train.selection=threshold", "privacy.target_epsilon=4",
+                        "privacy.table_default=sparse")])
     out, err = capsys.readouterr()
     assert code == 0, err
     summary = json.loads(out)

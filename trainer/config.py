@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from selection.registry import is_selector, selector_names
+from trainer.table_policy import DEFAULTS as TABLE_DEFAULTS
+from trainer.table_policy import POLICIES as TABLE_POLICIES
 
 MODES = ("nonprivate", "dpsgd", "sparse")
 # train.selection: any registered selector (selection.registry); DP-SGD is train.mode = "dpsgd".
@@ -152,10 +154,21 @@ class PrivacyConfig:
     score_clip: float = 0.1  # S0: EM/SVT/noisy-max utility is min(‖G_r‖, S0)
     selection_epsilon: Auto = auto_or(float, "per-draw ε (em, noisy-max) / Alg 1 ε (svt); auto: calibrated")
     selection_sigma: Auto = auto_or(float, "σ of threshold counts; auto: calibrated")
-    threshold: Auto = auto_or(float, "τ (threshold counts), α (svt scores); auto: about k noise-only rows pass")
+    threshold: Auto = auto_or(float, "τ (threshold counts), α (svt scores); auto: about k noise-only rows pass, "
+                                     "or (threshold selectors) false_positive_ratio·b·(sparse features) when set")
     contribution_clip: float = 1.0  # C1 for threshold counts
+    false_positive_ratio: Optional[float] = none_or(
+        float, "threshold = auto (threshold selectors): τ lets about this fraction of b·(sparse-table features) "
+               "pure-noise rows pass per step; none: about k rows")
     fest_noise_multiplier: float = 5.0
     fest_max_rows_per_example: int = 32
+    # Per-table policy of sparse mode (trainer/table_policy.py): "dense" tables are noised and
+    # updated every step like DP-SGD, "sparse" ones go through the selection. "auto": dense when
+    # the table has at most dense_max_rows rows. [privacy.tables] name = "dense" | "sparse" overrides.
+    table_default: str = "auto"
+    dense_max_rows: AutoInt = auto_or(int, "tables with at most this many rows are dense (table_default = auto); "
+                                           "auto: the expected batch size")
+    tables: dict = dataclasses.field(default_factory=dict)
     secure_mode: bool = False  # 4-draw Gaussian (floating-point attack resistant); needs secret randomness
     # Sampling, selection and noise come from fresh OS entropy unless reproducible = true, which
     # derives them from noise_seed: for tests/debugging only, ε then holds only while the seed is secret.
@@ -180,7 +193,11 @@ class PrivacyConfig:
             (self.fest_noise_multiplier > 0, "privacy.fest_noise_multiplier must be > 0"),
             (self.fest_max_rows_per_example >= 1, "privacy.fest_max_rows_per_example must be >= 1"),
             (self.accountant in names, f"privacy.accountant must be one of {names}, got {self.accountant!r}"),
+            (self.table_default in TABLE_DEFAULTS,
+             f"privacy.table_default must be one of {TABLE_DEFAULTS}, got {self.table_default!r}"),
         ])
+        for name, kind in self.tables.items():
+            _require([(kind in TABLE_POLICIES, f"privacy.tables.{name} must be one of {TABLE_POLICIES}, got {kind!r}")])
 
     def resolved(self, name: str) -> Optional[Any]:
         """The field's value with "auto" as None (the caller derives it)."""
@@ -268,6 +285,10 @@ def _coerce(where: str, field: dataclasses.Field, current: Any, value: Any) -> A
         if meta.get("auto") or meta.get("none"):
             _check_positive_or_keyword(where, meta, out)
         return out
+    if kind is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise ConfigError(f"{where} must be a table of names to strings, got {value!r}")
+        return dict(value)
     if kind is list:
         if isinstance(value, str):
             try:
@@ -348,6 +369,12 @@ def config_from_dict(raw: Mapping[str, Any], source: str, overrides: Sequence[st
         fields = {f.name: f for f in dataclasses.fields(target)}
         for key, value in values.items():
             origin = "--set" if f"{section}.{key}" in overridden else source
+            head, _, item = key.partition(".")
+            if item and head in fields and isinstance(getattr(target, head), dict):  # --set privacy.tables.C1=dense
+                current = dict(getattr(target, head))
+                current[item] = value
+                setattr(target, head, _coerce(f"{origin}: {section}.{head}", fields[head], current, current))
+                continue
             if key not in fields:
                 raise ConfigError(f"{origin}: unknown key {section}.{key}")
             setattr(target, key, _coerce(f"{origin}: {section}.{key}", fields[key], getattr(target, key), value))

@@ -9,7 +9,10 @@ sums normalized by the expected batch size b (docs/DESIGN.md §1). One step (doc
   params → ledger.record(event) → release: (ids, noisy rows) of selected rows to the shards,
   dense optimizer step.
 Modes: `nonprivate` (no clip/noise, touched rows updated), `dpsgd` (every row and dense param
-noised), `sparse` (the above with a selector).
+noised), `sparse` (the above with a selector). In `sparse` mode a public per-table policy
+(trainer/table_policy.py) may make some tables dense: their rows are noised and updated every
+step as in `dpsgd` (same noise stream, so an all-dense sparse engine equals `dpsgd`), and the
+selection runs over the rows of the other tables only.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from selection.result import Selection
 from trainer.layout import ShardLayout, route
 from trainer.models import DenseModel
 from trainer.randomness import PrivacyRandomness
+from trainer.table_policy import SparseVocabulary
 
 
 @dataclasses.dataclass
@@ -69,6 +73,9 @@ class RowSums:
     grads: np.ndarray  # float64 [m, D]
     global_ids: np.ndarray
 
+    def subset(self, mask: np.ndarray) -> "RowSums":
+        return RowSums(self.tables[mask], self.row_ids[mask], self.grads[mask], self.global_ids[mask])
+
 
 class PhaseClock:
     """Wall time per named phase: `mark(name)` closes the phase that ran since the last mark."""
@@ -87,7 +94,10 @@ class Engine:
     def __init__(self, model: DenseModel, layout: ShardLayout, shards, train_set, sampler, *, mode: str,
                  expected_batch_size: float, sample_rate: float, plan: Optional[PrivacyPlan], ledger: Optional[PrivacyLedger],
                  target_epsilon: float, dense_optimizer: torch.optim.Optimizer,
-                 randomness: Optional[PrivacyRandomness] = None, secure_mode: bool = False, ledger_path=None):
+                 randomness: Optional[PrivacyRandomness] = None, secure_mode: bool = False, ledger_path=None,
+                 dense_tables: tuple[int, ...] = ()):
+        """`dense_tables`: in `sparse` mode, the indices of the tables noised densely every step
+        (trainer/table_policy.py); `dpsgd` noises every table, `nonprivate` none."""
         self.model, self.layout, self.shards = model, layout, shards
         self.train_set, self.sampler = train_set, sampler
         self.mode, self.b, self.q = mode, float(expected_batch_size), float(sample_rate)
@@ -104,7 +114,15 @@ class Engine:
         self.dpsgd_noise_seed = self.randomness.dpsgd_noise_seed()
         self.step_count = 0
         self.table_offsets = layout.table_offsets
-        self.fixed_rows: Optional[np.ndarray] = None  # DP-FEST's one-time selection
+        all_tables = tuple(range(len(layout.tables)))
+        if any(t not in all_tables for t in dense_tables):
+            raise ValueError(f"dense_tables {tuple(dense_tables)} must be table indices in {all_tables}")
+        self.dense_tables = {"dpsgd": all_tables, "nonprivate": ()}.get(mode, tuple(sorted(set(dense_tables))))
+        self.dense_table_rows = sum(layout.tables[t].num_rows for t in self.dense_tables)
+        self.sparse_vocabulary = SparseVocabulary(np.array([t.num_rows for t in layout.tables]), self.dense_tables)
+        # A step selects privately only when some table is sparse (no sparse table: DP-SGD).
+        self.selects = mode == "sparse" and self.sparse_vocabulary.num_rows > 0
+        self.fixed_rows: Optional[np.ndarray] = None  # DP-FEST's one-time selection (compact sparse ids)
         self._event = self._step_event()
 
     @property
@@ -122,7 +140,7 @@ class Engine:
     def _step_event(self) -> Optional[ev.DpEvent]:
         if self.mode == "nonprivate":
             return None
-        sel = self._selection_event() if self.mode == "sparse" else None
+        sel = self._selection_event() if self.selects else None
         return step_event(self.q, self.private_plan.noise_multiplier, sel)
 
     @property
@@ -131,12 +149,12 @@ class Engine:
 
     def needs_one_time_selection(self) -> bool:
         """Whether the plan's selector selects once before training (DP-FEST)."""
-        sel = self.plan.selector if self.plan is not None and self.mode == "sparse" else None
+        sel = self.plan.selector if self.plan is not None and self.selects else None
         return sel is not None and sel.one_time_event(self.private_plan.selection_params) is not None
 
     def prepare_fest(self, feature_rows: Callable[[str], tuple[np.ndarray, np.ndarray]]) -> None:
         """A one-time selection (DP-FEST): charge the selector's one-time event, then fix the
-        trainable rows for all steps."""
+        trainable rows for all steps (over the sparse tables' rows, as compact ids)."""
         p = self.private_plan
         selector = get_selector(p.selection)
         event = selector.one_time_event(p.selection_params)
@@ -156,8 +174,11 @@ class Engine:
             within = np.arange(vals.size) - np.repeat(off[:-1], counts)
             ids[cursor[example] + within] = vals + self.table_offsets[t]
             cursor += counts
+        keep, compact = self.sparse_vocabulary.to_compact(ids)  # only the sparse tables' rows compete
+        example_of = np.repeat(np.arange(n), np.diff(offsets))
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(example_of[keep], minlength=n))]).astype(np.int64)
         self.charge(event)  # before the selection is used
-        sel = selector.one_time_select(offsets, ids, self.layout.vocabulary_size, p.selection_params,
+        sel = selector.one_time_select(offsets, compact, self.sparse_vocabulary.num_rows, p.selection_params,
                                        self.selection_rng)
         if sel.event != event:
             raise RuntimeError(f"the one-time selection ran {sel.event!r} but {event!r} was charged")
@@ -212,23 +233,26 @@ class Engine:
         dense_grads = {n: torch.tensordot(torch.from_numpy(factors).to(g.dtype), g, dims=1).double() / self.b
                        for n, g in g_params.items()}
         clock.mark("row_sums")
+        dense_part = rows.subset(np.isin(rows.tables, self.dense_tables))
         selection = self._select(rows, batch, B)
         selected, delta_rows = self._restrict_to_selection(rows, selection)
         clock.mark("selection")
-        noisy = self._clip_and_noise(delta_rows, dense_grads, noise_rows=selected is not None)
+        noisy = self._clip_and_noise(delta_rows, dense_grads, torch.from_numpy(dense_part.grads))
         clock.mark("clip_and_noise")
         self._record(selection, noisy)  # ledger first: a crash after this can only over-count
         clock.mark("ledger")
-        update = noisy.rows if noisy is not None else delta_rows.float()
-        self._release(selected, update, noisy.std if noisy is not None else 0.0, rows)
+        if noisy is None:  # nonprivate: the touched rows, unclipped and un-noised
+            self._release_rows(selected, delta_rows.float())
+        else:
+            self._release_rows(selected, noisy.rows)
+            self._release_dense_tables(noisy.shard_rows, noisy.std, dense_part)
         clock.mark("write_back")
         self._dense_update(noisy.dense if noisy is not None else dense_grads)
         clock.mark("dense_update")
         self.step_count += 1
         eps = self.ledger.epsilon() if noisy is not None and self.ledger is not None else 0.0
-        n_selected = self.layout.vocabulary_size if selected is None else int(selected.size)
         return StepStats(self.step_count, B, float(losses.mean()) if B else float("nan"),
-                         int(rows.global_ids.size), n_selected, eps, clock.phases)
+                         int(rows.global_ids.size), int(selected.size) + self.dense_table_rows, eps, clock.phases)
 
     # ---- the phases of one step ---------------------------------------------------------------------
     def _lookup(self, batch, B: int, example_ids=None) -> np.ndarray:
@@ -266,9 +290,10 @@ class Engine:
         return RowSums(tables, row_ids, grads, self.table_offsets[tables] + row_ids)
 
     def _restrict_to_selection(self, rows: "RowSums", selection: Optional[Selection]):
-        """(selected global ids sorted, Δ = G ⊙ M on them); DP-SGD: (None, G on the touched rows)."""
+        """(selected global ids sorted, Δ = G ⊙ M on them); no selection (DP-SGD, every table
+        dense): no rows. The rows of dense tables are not here (`dense_part` of the step)."""
         if selection is None:
-            return None, torch.from_numpy(rows.grads)
+            return np.empty(0, np.int64), torch.zeros((0, self.layout.dim), dtype=torch.float64)
         selected = np.unique(selection.ids).astype(np.int64)
         delta = np.zeros((selected.size, self.layout.dim))
         if selected.size:  # SVT / thresholding may legitimately select nothing
@@ -277,13 +302,17 @@ class Engine:
             delta[pos[hit]] = rows.grads[hit]
         return selected, torch.from_numpy(delta)
 
-    def _clip_and_noise(self, delta_rows: torch.Tensor, dense_grads: dict, noise_rows: bool) -> Optional[NoisyStep]:
-        """The audited Gaussian step (`selection.noisy_step`); None in non-private mode."""
+    def _clip_and_noise(self, delta_rows: torch.Tensor, dense_grads: dict, dense_table_rows: torch.Tensor
+                        ) -> Optional[NoisyStep]:
+        """The audited Gaussian step (`selection.noisy_step`) over one vector: the selected rows
+        (noised here), the dense parameters (noised here) and the touched rows of the dense
+        tables (scaled here, noised on the shards with the same std); None in non-private mode."""
         if self.mode == "nonprivate":
             return None
         p = self.private_plan
         return noisy_step(delta_rows, dense_grads, p.noise_multiplier, p.clip_norm, self.b, p.second_clip_norm,
-                          self.noise_gen, secure=self.secure_mode, noise_rows=noise_rows)
+                          self.noise_gen, secure=self.secure_mode,
+                          shard_noised=dense_table_rows if self.dense_tables else None)
 
     def _record(self, selection: Optional[Selection], noisy: Optional[NoisyStep]) -> None:
         """Compose the step's event from the events the mechanisms returned, check it is the one
@@ -302,16 +331,23 @@ class Engine:
         self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
 
-    def _release(self, selected: Optional[np.ndarray], update: torch.Tensor, std: float, rows: "RowSums") -> None:
-        """Send the update to the shards: (ids, rows) of the selected rows only; DP-SGD (`selected`
-        None): the clipped touched rows plus the noise std — each shard noises every row it owns."""
-        values = update.numpy()
-        if selected is None:
-            owner = self.layout.owner(rows.tables, rows.row_ids)
-            self.shards.call("apply_dense_noise_update", [
-                (self.step_count, self.dpsgd_noise_seed, std, rows.tables[owner == s], rows.row_ids[owner == s],
-                 values[owner == s], self.secure_mode) for s in range(self.layout.num_shards)])
+    def _release_dense_tables(self, values: Optional[torch.Tensor], std: float, part: "RowSums") -> None:
+        """Dense tables (every table in DP-SGD): the clipped touched rows plus the noise std —
+        each shard noises and updates every row it owns of those tables."""
+        if not self.dense_tables:
             return
+        assert values is not None
+        update = values.numpy()
+        owner = self.layout.owner(part.tables, part.row_ids)
+        self.shards.call("apply_dense_noise_update", [
+            (self.step_count, self.dpsgd_noise_seed, std, part.tables[owner == s], part.row_ids[owner == s],
+             update[owner == s], self.secure_mode, self.dense_tables) for s in range(self.layout.num_shards)])
+
+    def _release_rows(self, selected: np.ndarray, update: torch.Tensor) -> None:
+        """Send the update of the selected rows (global ids) to the shards that own them."""
+        if self.dense_tables and not selected.size:
+            return  # nothing selected: the dense-table release clears the shards' step cache
+        values = update.numpy()
         t = np.searchsorted(self.table_offsets, selected, side="right") - 1
         local_ids = selected - self.table_offsets[t]
         owner = self.layout.owner(t, local_ids)
@@ -320,18 +356,27 @@ class Engine:
 
     # ---- selection ------------------------------------------------------------------------------
     def _select(self, rows: "RowSums", batch, B: int) -> Optional[Selection]:
-        """The step's selection over the whole vocabulary (its ids and the event the selector
-        returned). Non-private: every touched row, no event; DP-SGD: None (every row)."""
+        """The step's selection over every row of the sparse tables (its global ids and the
+        event the selector returned). Non-private: every touched row, no event; no sparse table
+        (DP-SGD): None. The selector sees the sparse tables' rows as one compact id space."""
         if self.mode == "nonprivate":
             return Selection(np.unique(rows.global_ids), ev.NoOpDpEvent())
-        if self.mode == "dpsgd":
+        if not self.selects:
             return None
-        p, rng, V = self.private_plan, self.selection_rng, self.layout.vocabulary_size
+        p, rng, vocab = self.private_plan, self.selection_rng, self.sparse_vocabulary
+        keep, touched = vocab.to_compact(rows.global_ids)
+
+        def example_rows():
+            offsets, ids = self._example_global_rows(batch, B)
+            keep_ids, compact = vocab.to_compact(ids)
+            example = np.repeat(np.arange(B), np.diff(offsets))
+            return np.concatenate([[0], np.cumsum(np.bincount(example[keep_ids], minlength=B))]).astype(np.int64), compact
+
         context = SelectionContext(
-            num_rows=V, touched_ids=rows.global_ids, row_norms=np.linalg.norm(rows.grads, axis=1),
-            clip_norm=p.clip_norm, expected_batch_size=self.b,
-            example_rows=lambda: self._example_global_rows(batch, B), fixed_rows=self.fixed_rows)
-        return get_selector(p.selection).select(context, p.selection_params, rng)
+            num_rows=vocab.num_rows, touched_ids=touched, row_norms=np.linalg.norm(rows.grads[keep], axis=1),
+            clip_norm=p.clip_norm, expected_batch_size=self.b, example_rows=example_rows, fixed_rows=self.fixed_rows)
+        sel = get_selector(p.selection).select(context, p.selection_params, rng)
+        return Selection(vocab.to_global(sel.ids), sel.event)
 
     def _example_global_rows(self, batch, B):
         """(offsets, global row ids) per example across all features (for threshold counts)."""

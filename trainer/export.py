@@ -393,6 +393,7 @@ def privacy_report(run_dir: Path, summary: dict, config: dict, engine_state: dic
         "k": summary.get("k"),
         "threshold": summary.get("threshold"),
         "selection_params": summary.get("selection_params"),
+        "table_policy": summary.get("table_policy"),
         "clip_norm": priv.get("clip_norm"),
         "second_clip_norm": priv.get("second_clip_norm"),
         "secure_mode": priv.get("secure_mode"),

@@ -9,7 +9,7 @@ privacy report and the benchmarks), so nothing downstream re-derives one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from accounting import calibrate
 from accounting import events as ev
@@ -17,6 +17,7 @@ from selection import k_from_fraction
 from selection.registry import NO_SELECTION, get_selector
 from trainer.config import Config
 from trainer.engine import PrivacyPlan
+from trainer.table_policy import TablePolicy, resolve_table_policy
 
 
 def default_delta(n: int) -> float:
@@ -48,25 +49,59 @@ class PrivacyInfo:
     threshold: Optional[float] = None
     threshold_rule: Optional[str] = None
     selection_params: Optional[dict] = None
+    table_policy: Optional[dict] = None  # sparse mode: {"dense": [...], "sparse": [...], "rule": ...}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.DpEvent] = ()
+def table_policy(cfg: Config, table_rows: Mapping[str, int], n: int) -> Optional[TablePolicy]:
+    """A sparse run's per-table policy (trainer/table_policy.py) from the config, the tables'
+    sizes and the expected batch size min(batch_size, n); None outside sparse mode."""
+    if cfg.train.mode != "sparse":
+        return None
+    p = cfg.privacy
+    return resolve_table_policy(table_rows, expected_batch_size=min(cfg.train.batch_size, n),
+                                default=p.table_default, dense_max_rows=p.resolved("dense_max_rows"),
+                                overrides=p.tables)
+
+
+def plan_run(cfg: Config, n: int, table_rows: Mapping[str, int], data_events: Sequence[ev.DpEvent] = (),
+             feature_tables: Optional[Mapping[str, str]] = None
+             ) -> tuple[Optional[PrivacyPlan], PrivacyInfo, Optional[TablePolicy]]:
+    """A run's table policy and privacy plan: the selection runs over the sparse tables' rows.
+    `feature_tables` ({feature: table}, public metadata) gives the false-positive budget's
+    scale: one row per feature of a sparse table per example."""
+    policy = table_policy(cfg, table_rows, n)
+    sparse = policy.sparse if policy else tuple(table_rows)
+    selectable = sum(int(table_rows[name]) for name in sparse)
+    rows_per_example = None if feature_tables is None else sum(t in sparse for t in feature_tables.values())
+    plan, info = plan_privacy(cfg, n, selectable, data_events, policy, rows_per_example=rows_per_example)
+    return plan, info, policy
+
+
+def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.DpEvent] = (),
+                 policy: Optional[TablePolicy] = None, rows_per_example: Optional[int] = None
                  ) -> tuple[Optional[PrivacyPlan], PrivacyInfo]:
     """Privacy plan (None for nonprivate) and what it resolved to (calibrated or explicit σ, ε, δ).
 
+    `vocabulary`: the rows the selection runs over (every row of the sparse tables);
     `data_events`: one-time events of data preparation (e.g. a private vocabulary), charged
-    before the first step; calibration leaves room for them inside the target ε."""
+    before the first step; calibration leaves room for them inside the target ε. A sparse run
+    whose `policy` makes every table dense selects nothing privately: it is planned (and
+    charged) as DP-SGD. `rows_per_example`: the sparse-table features per example; with it and
+    privacy.false_positive_ratio set, an "auto" threshold lets about
+    false_positive_ratio · b · rows_per_example pure-noise rows pass per step (that fraction of
+    the most rows a batch touches with one id per feature), else about k."""
     t, p = cfg.train, cfg.privacy
     q = min(1.0, t.batch_size / n)
     delta = p.resolved("delta") or default_delta(n)
-    base = PrivacyInfo(sample_rate=q, delta=delta, accountant=p.accountant)
+    base = PrivacyInfo(sample_rate=q, delta=delta, accountant=p.accountant,
+                       table_policy=policy.to_dict() if policy is not None else None)
     if t.mode == "nonprivate":
         return None, base
-    k = p.resolved("k") or k_from_fraction(p.gamma, vocabulary)
-    selector = get_selector(t.selection) if t.mode == "sparse" else None
+    k = p.resolved("k") or (k_from_fraction(p.gamma, vocabulary) if vocabulary > 0 else None)
+    selector = get_selector(t.selection) if t.mode == "sparse" and vocabulary > 0 else None
     selection = selector.name if selector is not None else NO_SELECTION
     # What the selectors' Params read (their `config=` keys): privacy.* ("auto" as unset: the
     # Params default), k resolved from gamma, and δ.
@@ -99,8 +134,12 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
                              + " and ".join(f"privacy.{m}" for m in missing))
     rule = None
     if selector is not None and getattr(params, "threshold", 1.0) <= 0:  # "auto": the selector's own rule
-        auto = selector.auto_threshold(params, k=k, num_rows=vocabulary, clip_norm=p.clip_norm,
-                                       batch_size=min(t.batch_size, n))
+        assert k is not None  # a selector runs only over a non-empty vocabulary, where k is set
+        b = min(t.batch_size, n)
+        ratio = p.false_positive_ratio
+        fp_rows = None if not rows_per_example or ratio is None else ratio * b * rows_per_example
+        auto = selector.auto_threshold(params, k=k, num_rows=vocabulary, clip_norm=p.clip_norm, batch_size=b,
+                                       false_positive_rows=fp_rows)
         if auto is not None:
             params = dataclasses.replace(params, threshold=auto[0])
             rule = auto[1]

@@ -161,12 +161,13 @@ class EmbeddingShard:
         self._cache = {}
 
     def apply_dense_noise_update(self, step: int, noise_seed: int, std: float, table_idx, global_ids, rows,
-                                 secure: bool = False) -> None:
-        """DP-SGD: every row of every table gets G + N(0, std²) (G = 0 for untouched rows).
-        The noise of row r depends only on (seed, step, table, r), not on the sharding."""
+                                 secure: bool = False, tables=None) -> None:
+        """DP-SGD: every row of every table in `tables` (None: all) gets G + N(0, std²) (G = 0
+        for untouched rows). The noise of row r depends only on (seed, step, table, r), not on
+        the sharding nor on which other tables are dense."""
         rows = np.asarray(rows, dtype=np.float32)
         for t, (start, end) in enumerate(self.ranges):
-            if end <= start:
+            if end <= start or (tables is not None and t not in tables):
                 continue
             sel = np.flatnonzero(table_idx == t)
             for lo in range(start, end, UPDATE_CHUNK):

@@ -25,7 +25,7 @@ from trainer.config import Config, load_config, load_saved_config, saved_config
 from trainer.engine import Engine, StepStats
 from trainer.layout import FeatureSpec, ShardLayout, TableSpec
 from trainer.models import MODELS
-from trainer.planning import PrivacyInfo, default_delta, plan_privacy  # noqa: F401  (public here too)
+from trainer.planning import PrivacyInfo, default_delta, plan_privacy, plan_run  # noqa: F401  (public here too)
 from trainer.randomness import PrivacyRandomness
 from trainer.run import Run
 from trainer.run_outputs import RunRecorder, eval_line
@@ -124,7 +124,7 @@ def build_run(cfg: Config) -> Run:
     n = len(train_set)
     if n == 0:
         raise ValueError(f"{cfg.data.path}: the training split is empty")
-    plan, info = plan_privacy(cfg, n, layout.vocabulary_size, [e for _, e in meta.privacy_events])
+    plan, info, policy = plan_run(cfg, n, meta.table_sizes, [e for _, e in meta.privacy_events], meta.feature_tables)
     ledger = PrivacyLedger(cfg.privacy.accountant, info.delta) if plan is not None else None
     shards = _shard_group(cfg, layout)
     randomness = run_randomness(cfg)
@@ -133,7 +133,8 @@ def build_run(cfg: Config) -> Run:
                     expected_batch_size=info.sample_rate * n, sample_rate=info.sample_rate, plan=plan,
                     ledger=ledger, target_epsilon=cfg.privacy.target_epsilon,
                     dense_optimizer=_dense_optimizer(cfg, model), randomness=randomness,
-                    secure_mode=cfg.privacy.secure_mode)
+                    secure_mode=cfg.privacy.secure_mode,
+                    dense_tables=policy.dense_indices([t.name for t in layout.tables]) if policy else ())
     return Run(cfg, engine, train_set, test_set, meta, info)
 
 
@@ -272,6 +273,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tru
             "k": info.k,
             "threshold": info.threshold,
             "threshold_rule": info.threshold_rule,
+            "table_policy": info.table_policy,
             "sample_rate": info.sample_rate,
             "stopped_by_budget": result.stopped_by_budget,
             "resumed": resume,

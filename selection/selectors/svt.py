@@ -46,7 +46,7 @@ class SparseVectorSelector(Selector):
         epsilon = eps_round * unit / ((2 * 0.95 + 0.05 / 2) if inputs.release_values else 2.0)
         return self.Params(epsilon=epsilon, delta=inputs.delta, max_answers=c, release_values=inputs.release_values)
 
-    def auto_threshold(self, params, *, k, num_rows, clip_norm, batch_size):
+    def auto_threshold(self, params, *, k, num_rows, clip_norm, batch_size, false_positive_rows=None):
         """α = b_q·ln(p/(2k)) for the Laplace(b_q) query noise (P(Lap(b) > α) = ½e^{−α/b})."""
         frac = min(0.5, k / num_rows)
         sensitivity = min(clip_norm / batch_size, params.score_clip)

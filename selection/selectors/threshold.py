@@ -34,12 +34,15 @@ class ThresholdSelector(Selector):
     def from_budget(self, rho, inputs):
         return self.Params(noise_multiplier=1.0 / math.sqrt(2.0 * rho))  # ρ = 1/(2σ_sel²)
 
-    def auto_threshold(self, params, *, k, num_rows, clip_norm, batch_size):
-        """τ = σ_sel·C1·Φ̄⁻¹(k/p): about k of the p rows pass on noise alone."""
+    def auto_threshold(self, params, *, k, num_rows, clip_norm, batch_size, false_positive_rows=None):
+        """τ = σ_sel·C1·Φ̄⁻¹(m/p): about m of the p rows pass on noise alone, where m is the
+        run's false-positive budget (`false_positive_rows`: privacy.false_positive_ratio times
+        the most rows a batch can touch) or, without one, k."""
         from scipy import stats
 
-        frac = min(0.5, k / num_rows)
+        budget, name = (k, "k") if false_positive_rows is None else (false_positive_rows, "m")
+        frac = min(0.5, budget / num_rows)
         value = params.noise_multiplier * params.contribution_clip * float(stats.norm.isf(frac))
-        rule = (f"τ = σ_sel·C1·Φ̄⁻¹(k/p) = {params.noise_multiplier:.3g}·{params.contribution_clip:g}"
-                f"·Φ̄⁻¹({frac:.3g})")
+        rule = (f"τ = σ_sel·C1·Φ̄⁻¹({name}/p) = {params.noise_multiplier:.3g}·{params.contribution_clip:g}"
+                f"·Φ̄⁻¹({budget:.4g}/{num_rows})")
         return float(max(value, 1e-12)), rule

@@ -1,0 +1,143 @@
+"""The per-table privacy policy of sparse mode (trainer/table_policy.py): the public rule, the
+config keys, the compact id space the selectors see, and what a run plans and reports.
+
+The engine's behaviour with dense tables (equal to the slow reference; all-dense equals
+DP-SGD bit for bit; no dense table equals the unchanged sparse step) is in tests/test_engine.py
+§4b."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from trainer.config import ConfigError, load_config
+from trainer.planning import plan_run
+from trainer.table_policy import SparseVocabulary, resolve_table_policy
+
+ROWS = {"small": 7, "edge": 1024, "above": 1025, "big": 2_000_000}
+
+
+def test_auto_rule_makes_exactly_the_tables_up_to_the_batch_size_dense():
+    policy = resolve_table_policy(ROWS, expected_batch_size=1024)
+    assert policy.dense == ("small", "edge") and policy.sparse == ("above", "big")
+    assert "1024" in policy.rule and "expected batch size" in policy.rule
+
+
+def test_dense_max_rows_moves_the_boundary_and_overrides_win():
+    policy = resolve_table_policy(ROWS, expected_batch_size=1024, dense_max_rows=10,
+                                  overrides={"small": "sparse", "big": "dense"})
+    assert policy.dense == ("big",) and policy.sparse == ("small", "edge", "above")
+    assert "small = sparse" in policy.rule
+
+
+@pytest.mark.parametrize("default", ["dense", "sparse"])
+def test_a_fixed_default_applies_to_every_table(default):
+    policy = resolve_table_policy(ROWS, expected_batch_size=1024, default=default)
+    assert getattr(policy, default) == tuple(ROWS) and not getattr(policy, "sparse" if default == "dense" else "dense")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(overrides={"smal": "dense"}), r"privacy\.tables\.smal: no table named 'smal'"),
+    (dict(overrides={"small": "densely"}), r"privacy\.tables\.small must be one of"),
+    (dict(default="some"), r"privacy\.table_default must be one of"),
+    (dict(dense_max_rows=0), r"privacy\.dense_max_rows must be >= 1"),
+])
+def test_bad_policy_input_names_the_key(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_table_policy(ROWS, expected_batch_size=1024, **kwargs)
+
+
+@pytest.mark.parametrize("dense", [(), (0,), (1,), (0, 2), (3,), (0, 1, 2)])
+def test_sparse_vocabulary_maps_the_sparse_tables_rows_onto_one_id_space_and_back(dense):
+    rows = np.array([3, 5, 2, 4])
+    vocab = SparseVocabulary(rows, dense)
+    offsets = np.concatenate([[0], np.cumsum(rows)])
+    sparse_globals = np.array([offsets[t] + r for t in range(4) if t not in dense for r in range(rows[t])])
+    assert vocab.num_rows == sparse_globals.size
+    everything = np.arange(rows.sum())
+    keep, compact = vocab.to_compact(everything)
+    assert np.array_equal(everything[keep], sparse_globals)  # the sparse rows, in global order ...
+    assert np.array_equal(compact, np.arange(sparse_globals.size))  # ... numbered 0, 1, 2, ...
+    assert np.array_equal(vocab.to_global(compact), sparse_globals)
+
+
+def _config(tmp_path, body: str, *overrides: str):
+    path = tmp_path / "c.toml"
+    path.write_text(f'[data]\npath = "{tmp_path}"\n[train]\nmode = "sparse"\nselection = "threshold"\n'
+                    f'batch_size = 100\n{body}')
+    return load_config(str(path), list(overrides)).validate()
+
+
+def test_config_reads_the_tables_section_and_set_merges_into_it(tmp_path):
+    cfg = _config(tmp_path, '[privacy]\ntable_default = "auto"\ndense_max_rows = 50\n[privacy.tables]\na = "sparse"\n',
+                  "privacy.tables.b=dense")
+    assert cfg.privacy.tables == {"a": "sparse", "b": "dense"} and cfg.privacy.dense_max_rows == 50
+    assert json.loads(json.dumps(cfg.to_dict()))["privacy"]["tables"] == {"a": "sparse", "b": "dense"}
+
+
+@pytest.mark.parametrize("body,overrides,message", [
+    ('[privacy.tables]\na = "dens"\n', (), r"privacy\.tables\.a must be one of"),
+    ("", ("privacy.table_default=mixed",), r"privacy\.table_default must be one of"),
+    ("", ("privacy.dense_max_rows=0",), r"privacy\.dense_max_rows must be > 0 or \"auto\""),
+    ('[privacy]\ntables = 3\n', (), r"privacy\.tables must be a table"),
+])
+def test_bad_table_policy_config_names_the_key(tmp_path, body, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _config(tmp_path, body, *overrides)
+
+
+def test_plan_selects_over_the_sparse_tables_only_and_an_all_dense_sparse_run_is_planned_as_dpsgd(tmp_path):
+    tables = {"tiny": 10, "wide": 5000}
+    cfg = _config(tmp_path, '[privacy]\ngamma = 0.1\n')
+    plan, info, policy = plan_run(cfg, 10_000, tables)
+    assert policy.dense == ("tiny",) and info.table_policy["dense"] == ["tiny"]
+    assert plan.selection == "threshold" and info.k == 500  # gamma · 5000: the selectable rows
+    dense_cfg = _config(tmp_path, '[privacy]\ntable_default = "dense"\n')
+    plan, info, policy = plan_run(dense_cfg, 10_000, tables)
+    assert plan.selection == "none" and plan.selection_params is None and policy.sparse == ()
+    dpsgd_cfg = _config(tmp_path, "", "train.mode=dpsgd")
+    dpsgd_plan, dpsgd_info, dpsgd_policy = plan_run(dpsgd_cfg, 10_000, tables)
+    assert dpsgd_policy is None and dpsgd_plan.noise_multiplier == plan.noise_multiplier
+
+
+def test_a_run_reports_its_table_policy(tmp_path, capsys):
+    from trainer.cli import main
+
+    config = tmp_path / "ctr.toml"
+    config.write_text(f'[data]\npath = "{tmp_path / "ctr"}"\n')
+    code = main(["train", "--config", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress", "--set", "data.synth=ctr",
+                 "--set", "data.synth_examples=400", "--set", "data.synth_table_size=30",
+                 "--set", "train.mode=sparse", "--set", "train.selection=threshold", "--set", "train.batch_size=40",
+                 "--set", "train.steps=2", "--set", "cluster.backend=local", "--set", "privacy.dense_max_rows=30",
+                 "--set", "privacy.tables.t_1=sparse", "--set", "privacy.k=5"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    summary = json.loads(out)
+    policy = summary["table_policy"]
+    assert policy["sparse"] == ["t_1"] and "t_1" not in policy["dense"] and len(policy["dense"]) == 25
+    assert summary["rows_selected_mean"] >= 25 * 30  # every dense row is noised every step
+
+
+def test_auto_threshold_lets_the_false_positive_budget_of_noise_rows_pass(tmp_path):
+    """τ = σ_sel·C1·Φ̄⁻¹(m/p), m = false_positive_ratio · b · (features of sparse tables): the
+    expected number of pure-noise rows that pass is m, whatever k is."""
+    from scipy import stats
+
+    tables = {"tiny": 10, "wide": 50_000, "wider": 200_000}
+    features = {"f0": "tiny", "f1": "wide", "f2": "wide", "f3": "wider"}  # 3 features on sparse tables
+    cfg = _config(tmp_path, '[privacy]\nfalse_positive_ratio = 0.2\nk = 7\n')
+    plan, info, _ = plan_run(cfg, 10_000, tables, feature_tables=features)
+    sp = plan.selection_params
+    m, p = 0.2 * 100 * 3, 250_000
+    assert sp.threshold == pytest.approx(sp.noise_multiplier * sp.contribution_clip * stats.norm.isf(m / p))
+    assert p * stats.norm.sf(sp.threshold / (sp.noise_multiplier * sp.contribution_clip)) == pytest.approx(m)
+    assert "m/p" in info.threshold_rule
+    _, without = plan_run(cfg, 10_000, tables)[:2]  # no feature metadata: about k rows (the old rule)
+    assert "k/p" in without.threshold_rule
+    default = _config(tmp_path, '[privacy]\nk = 7\n')  # false_positive_ratio = "none" (default): k
+    plan, info, _ = plan_run(default, 10_000, tables, feature_tables=features)
+    sp = plan.selection_params
+    assert "k/p" in info.threshold_rule
+    assert sp.threshold == pytest.approx(sp.noise_multiplier * sp.contribution_clip * stats.norm.isf(7 / p))

@@ -1,0 +1,123 @@
+"""Per-table privacy policy of a sparse run: which tables are noised densely, which selected.
+
+A table is either
+  `dense`:  every row gets G + N(0, (σ·sensitivity)²) and is updated every step, exactly as
+            DP-SGD treats every table (and as every step treats the dense parameters);
+  `sparse`: its rows compete in the step's private row selection; only selected rows are
+            noised and written back.
+The policy is a function of public quantities only (table names and sizes, the expected batch
+size b, the config), never of the data, so it costs no privacy: a dense row is a row that is
+always selected, and the step's accounting is unchanged (docs/DESIGN.md §2). The selection
+then runs over the rows of the sparse tables alone (`SparseVocabulary`), so its false
+positives, k = gamma·vocabulary and its thresholds refer to those rows.
+
+Default rule (`privacy.table_default = "auto"`): a table is dense when it has at most
+`privacy.dense_max_rows` rows ("auto": b). At ≤ b rows dense noise costs at most one noisy row
+per expected example per step, and such a table's rows are the ones a batch touches most
+often, where thresholding only drops signal. Per-table overrides (`[privacy.tables]`,
+`name = "dense" | "sparse"`) take precedence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional
+
+import numpy as np
+
+POLICIES = ("dense", "sparse")
+DEFAULTS = ("auto", *POLICIES)
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePolicy:
+    """The resolved policy: table names per kind, in the layout's order, and the rule used."""
+
+    dense: tuple[str, ...]
+    sparse: tuple[str, ...]
+    rule: str
+
+    def dense_indices(self, table_names: tuple[str, ...] | list[str]) -> tuple[int, ...]:
+        return tuple(i for i, name in enumerate(table_names) if name in self.dense)
+
+    def to_dict(self) -> dict:
+        return {"dense": list(self.dense), "sparse": list(self.sparse), "rule": self.rule}
+
+
+def resolve_table_policy(table_rows: Mapping[str, int], *, expected_batch_size: float, default: str = "auto",
+                         dense_max_rows: Optional[int] = None, overrides: Optional[Mapping[str, str]] = None
+                         ) -> TablePolicy:
+    """The policy of every table in `table_rows` ({name: rows}, the layout's order).
+
+    `default`: "auto" (dense iff rows ≤ `dense_max_rows`, None meaning b), "dense" or
+    "sparse" for every table; `overrides`: {table name: "dense" | "sparse"}. Errors name the
+    config key (privacy.table_default, privacy.dense_max_rows, privacy.tables.<name>)."""
+    overrides = dict(overrides or {})
+    if default not in DEFAULTS:
+        raise ValueError(f"privacy.table_default must be one of {DEFAULTS}, got {default!r}")
+    if dense_max_rows is not None and dense_max_rows < 1:
+        raise ValueError(f"privacy.dense_max_rows must be >= 1 or \"auto\", got {dense_max_rows}")
+    unknown = sorted(set(overrides) - set(table_rows))
+    if unknown:
+        raise ValueError(f"privacy.tables.{unknown[0]}: no table named {unknown[0]!r}; "
+                         f"the data set's tables are {list(table_rows)}")
+    for name, kind in overrides.items():
+        if kind not in POLICIES:
+            raise ValueError(f"privacy.tables.{name} must be one of {POLICIES}, got {kind!r}")
+    limit = int(expected_batch_size) if dense_max_rows is None else int(dense_max_rows)
+    if default == "auto":
+        rule = (f"dense when rows <= {limit} (privacy.dense_max_rows"
+                + (" = auto: the expected batch size)" if dense_max_rows is None else ")"))
+    else:
+        rule = f"every table {default} (privacy.table_default)"
+    if overrides:
+        rule += "; overrides: " + ", ".join(f"{n} = {k}" for n, k in overrides.items())
+
+    def kind_of(name: str, rows: int) -> str:
+        if name in overrides:
+            return overrides[name]
+        if default == "auto":
+            return "dense" if rows <= limit else "sparse"
+        return default
+
+    kinds = {name: kind_of(name, int(rows)) for name, rows in table_rows.items()}
+    return TablePolicy(dense=tuple(n for n, k in kinds.items() if k == "dense"),
+                       sparse=tuple(n for n, k in kinds.items() if k == "sparse"), rule=rule)
+
+
+class SparseVocabulary:
+    """The rows of the sparse tables as one id space [0, num_rows) for the selectors.
+
+    Global id g = offset_t + r (tables concatenated in layout order); the compact id of a row
+    of a sparse table is its position among the sparse tables' rows, in the same order. With no
+    dense table the two id spaces coincide."""
+
+    def __init__(self, table_rows: np.ndarray, dense_tables: tuple[int, ...] | list[int]):
+        rows = np.asarray(table_rows, dtype=np.int64)
+        self.global_offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        self.is_sparse = np.ones(rows.size, dtype=bool)
+        self.is_sparse[list(dense_tables)] = False
+        sparse_rows = np.where(self.is_sparse, rows, 0)
+        self.compact_offsets = np.concatenate([[0], np.cumsum(sparse_rows)]).astype(np.int64)
+        self.num_rows = int(self.compact_offsets[-1])
+        self.identity = bool(self.is_sparse.all())
+
+    def table_of(self, global_ids: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.global_offsets, global_ids, side="right") - 1
+
+    def to_compact(self, global_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mask of the ids in sparse tables, their compact ids)."""
+        global_ids = np.asarray(global_ids, dtype=np.int64)
+        if self.identity:
+            return np.ones(global_ids.size, dtype=bool), global_ids
+        t = self.table_of(global_ids)
+        keep = self.is_sparse[t]
+        return keep, global_ids[keep] - self.global_offsets[t[keep]] + self.compact_offsets[t[keep]]
+
+    def to_global(self, compact_ids: np.ndarray) -> np.ndarray:
+        compact_ids = np.asarray(compact_ids, dtype=np.int64)
+        if self.identity:
+            return compact_ids
+        # side="right" over the compact offsets skips the empty ranges of dense tables.
+        t = np.searchsorted(self.compact_offsets, compact_ids, side="right") - 1
+        return compact_ids - self.compact_offsets[t] + self.global_offsets[t]
