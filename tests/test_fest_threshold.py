@@ -54,7 +54,7 @@ def test_select_refuses_to_run_before_the_one_time_selection():
 # Per-step audit, as tests/test_privacy_selectors.py §4 audits gaussian_threshold ("literal"):
 # D has one example touching only row 0 (count C1 = 1), D' has none; the fixed rows {5, 9} do
 # not contain row 0. Event {row 0 selected}, τ at the optimal point for ε, so the bound is tight.
-SIGMA, EPS, TRIALS = 1.0, 1.0, 20_000
+SIGMA, EPS, TRIALS = 1.0, 1.0, 8_000
 
 
 def _audit(selector_select, seed: int):
