@@ -141,3 +141,77 @@ def test_auto_threshold_lets_the_false_positive_budget_of_noise_rows_pass(tmp_pa
     sp = plan.selection_params
     assert "k/p" in info.threshold_rule
     assert sp.threshold == pytest.approx(sp.noise_multiplier * sp.contribution_clip * stats.norm.isf(7 / p))
+
+
+# ---- the dense-table noise: a statistical audit of what the shards release -----------------------
+# A dense table's rows are released as W − lr·(clip(G) + N(0, std²)) on *every* row, the noise
+# drawn on the shard (EmbeddingShard.apply_dense_noise_update, the DP-SGD stream) with the std the
+# Gaussian step returned (noisy_step(..., shard_noised=G)). Neighbours: in D every row of the
+# table carries one example's gradient s = S1/b on coordinate 0, in D' no row is touched. With
+# no S2 the rows are independent, so one release of an N-row table is N trials of the 1-D
+# Gaussian mechanism with μ = 1/σ; the event {released_r ≥ s·σ·x*(ε)} is optimal at ε.
+DENSE_SIGMA, DENSE_EPS, DENSE_ROWS = 1.0, 1.0, 100_000
+
+
+def _dense_release(touched: bool, seed: int, apply) -> np.ndarray:
+    import torch
+
+    from selection.noise import noisy_step
+    from trainer.layout import FeatureSpec, ShardLayout, TableSpec
+    from trainer.shard import EmbeddingShard
+
+    layout = ShardLayout((TableSpec("t", DENSE_ROWS, 4),), (FeatureSpec("f", "t", "sum"),), 1)
+    shard = EmbeddingShard(layout, 0, optimizer="sgd", lr=1.0, seed=0)
+    before = shard.weights(0).detach().clone()
+    ids = np.arange(DENSE_ROWS) if touched else np.empty(0, np.int64)
+    grads = torch.zeros((ids.size, 4), dtype=torch.float64)
+    grads[:, 0] = 1.0  # S1/b with S1 = 1, b = 1
+    step = noisy_step(torch.zeros((0, 4), dtype=torch.float64), {}, DENSE_SIGMA, 1.0, 1.0, None,
+                      torch.Generator().manual_seed(0), shard_noised=grads)
+    apply(shard, 0, seed, step.std, np.zeros(ids.size, np.int64), ids, step.shard_rows.numpy(), False, (0,))
+    return (before - shard.weights(0).detach())[:, 0].numpy()  # lr = 1: the released update
+
+
+def _audit_dense_table(apply):
+    from privacy_audit import EventCounts, epsilon_lower_bound, gaussian_delta, gaussian_optimal_threshold
+
+    mu = 1.0 / DENSE_SIGMA
+    t = DENSE_SIGMA * gaussian_optimal_threshold(DENSE_EPS, mu)
+    on_d = EventCounts(int(np.sum(_dense_release(True, 11, apply) >= t)), DENSE_ROWS)
+    on_dp = EventCounts(int(np.sum(_dense_release(False, 12, apply) >= t)), DENSE_ROWS)
+    return epsilon_lower_bound(on_d, on_dp, delta=gaussian_delta(DENSE_EPS, mu))
+
+
+def _real_apply(shard, *args):
+    shard.apply_dense_noise_update(*args)
+
+
+def _std_halved(shard, step, seed, std, *args):
+    shard.apply_dense_noise_update(step, seed, std / 2.0, *args)
+
+
+def _untouched_rows_skipped(shard, step, seed, std, table_idx, ids, rows, secure, tables):
+    """Broken: noise (and updates) only on the rows the batch touched."""
+    import torch
+
+    update = torch.from_numpy(rows) + torch.normal(0.0, std, size=rows.shape, generator=torch.Generator().manual_seed(seed))
+    shard.apply_rows(table_idx, ids, update.numpy())
+
+
+def test_dense_table_release_passes_the_audit():
+    result = _audit_dense_table(_real_apply)
+    assert result.eps_lb <= DENSE_EPS, str(result)
+    assert result.eps_lb > DENSE_EPS - 0.6, f"audit no longer near-tight: {result}"
+
+
+@pytest.mark.parametrize("broken", [_std_halved, _untouched_rows_skipped], ids=["std_halved", "untouched_skipped"])
+def test_dense_table_release_broken_is_caught(broken):
+    result = _audit_dense_table(broken)
+    assert result.eps_lb > DENSE_EPS, str(result)
+
+
+def test_engine_refuses_a_dense_table_index_that_does_not_exist():
+    from engine_fixtures import make_engine, tiny_ctr
+
+    with pytest.raises(ValueError, match=r"dense_tables \(5,\) must be table indices in \(0, 1\)"):
+        make_engine(tiny_ctr(n=8), mode="sparse", selection="threshold", dense_tables=(5,))
