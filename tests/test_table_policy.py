@@ -61,6 +61,13 @@ def test_sparse_vocabulary_maps_the_sparse_tables_rows_onto_one_id_space_and_bac
     assert np.array_equal(everything[keep], sparse_globals)  # the sparse rows, in global order ...
     assert np.array_equal(compact, np.arange(sparse_globals.size))  # ... numbered 0, 1, 2, ...
     assert np.array_equal(vocab.to_global(compact), sparse_globals)
+    # Jagged per-example rows keep their examples, lose the dense tables' rows, become compact.
+    offsets, ids = np.array([0, 3, 3, 6]), np.array([0, 4, 13, 9, 8, 2])
+    got_offsets, got_ids = vocab.restrict(offsets, ids)
+    want = [[int(np.flatnonzero(sparse_globals == g)[0]) for g in ids[lo:hi] if g in sparse_globals]
+            for lo, hi in zip(offsets[:-1], offsets[1:])]
+    assert np.array_equal(got_offsets, np.concatenate([[0], np.cumsum([len(w) for w in want])]))
+    assert got_ids.tolist() == [c for w in want for c in w]
 
 
 def _config(tmp_path, body: str, *overrides: str):

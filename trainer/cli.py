@@ -197,18 +197,17 @@ def _one_time_events(args) -> list:
         events += [(event, 1) for _, event in read_meta(args.dataset).privacy_events]
     source = _cli_source(args)
     chosen = _selector(args)
-    has_one_time = [get_selector(n) for n in selector_names()
-                    if type(get_selector(n)).one_time_event is not Selector.one_time_event]
+    with_one_time = [s for s in map(get_selector, selector_names()) if type(s).one_time_event is not Selector.one_time_event]
     # The run's own selector's one-time event. A run whose steps select nothing privately
     # (none, random) may be a free one-time selector's run (fest: random's steps) when that
     # one's arguments are given; a spending selector without one is charged nothing more.
-    if chosen is not None and chosen in has_one_time:
-        has_one_time = [chosen]
+    if chosen in with_one_time:
+        candidates = [chosen]
     elif chosen is None or not chosen.spends_per_step:
-        has_one_time = [sel for sel in has_one_time if not sel.spends_per_step]
+        candidates = [s for s in with_one_time if not s.spends_per_step]
     else:
-        has_one_time = []
-    for sel in has_one_time:
+        candidates = []
+    for sel in candidates:
         needed = tuple(sel.cli_fields())
         if all(source.get(dest) is not None for dest in sel.cli_fields().values()):
             event = sel.one_time_event(sel.params_from(source, "cli", require=needed))

@@ -174,9 +174,7 @@ class Engine:
             within = np.arange(vals.size) - np.repeat(off[:-1], counts)
             ids[cursor[example] + within] = vals + self.table_offsets[t]
             cursor += counts
-        keep, compact = self.sparse_vocabulary.to_compact(ids)  # only the sparse tables' rows compete
-        example_of = np.repeat(np.arange(n), np.diff(offsets))
-        offsets = np.concatenate([[0], np.cumsum(np.bincount(example_of[keep], minlength=n))]).astype(np.int64)
+        offsets, compact = self.sparse_vocabulary.restrict(offsets, ids)  # only the sparse tables' rows compete
         self.charge(event)  # before the selection is used
         sel = selector.one_time_select(offsets, compact, self.sparse_vocabulary.num_rows, p.selection_params,
                                        self.selection_rng)
@@ -365,16 +363,10 @@ class Engine:
             return None
         p, rng, vocab = self.private_plan, self.selection_rng, self.sparse_vocabulary
         keep, touched = vocab.to_compact(rows.global_ids)
-
-        def example_rows():
-            offsets, ids = self._example_global_rows(batch, B)
-            keep_ids, compact = vocab.to_compact(ids)
-            example = np.repeat(np.arange(B), np.diff(offsets))
-            return np.concatenate([[0], np.cumsum(np.bincount(example[keep_ids], minlength=B))]).astype(np.int64), compact
-
         context = SelectionContext(
             num_rows=vocab.num_rows, touched_ids=touched, row_norms=np.linalg.norm(rows.grads[keep], axis=1),
-            clip_norm=p.clip_norm, expected_batch_size=self.b, example_rows=example_rows, fixed_rows=self.fixed_rows)
+            clip_norm=p.clip_norm, expected_batch_size=self.b,
+            example_rows=lambda: vocab.restrict(*self._example_global_rows(batch, B)), fixed_rows=self.fixed_rows)
         sel = get_selector(p.selection).select(context, p.selection_params, rng)
         return Selection(vocab.to_global(sel.ids), sel.event)
 

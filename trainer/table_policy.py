@@ -114,6 +114,16 @@ class SparseVocabulary:
         keep = self.is_sparse[t]
         return keep, global_ids[keep] - self.global_offsets[t[keep]] + self.compact_offsets[t[keep]]
 
+    def restrict(self, offsets: np.ndarray, global_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Jagged per-example rows (offsets, global ids) → the same examples' rows in sparse
+        tables only, as (offsets, compact ids)."""
+        keep, compact = self.to_compact(global_ids)
+        if self.identity:
+            return np.asarray(offsets, dtype=np.int64), compact
+        example = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+        counts = np.bincount(example[keep], minlength=len(offsets) - 1)
+        return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), compact
+
     def to_global(self, compact_ids: np.ndarray) -> np.ndarray:
         compact_ids = np.asarray(compact_ids, dtype=np.int64)
         if self.identity:
