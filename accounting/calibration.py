@@ -263,14 +263,14 @@ def _paper_threshold(fE: float, k: int, delta_prime: float):
 #: Theorem 3 needs an (ε', δ')-DP selection: the paper calibration's own per-selector table (the
 #: registry's `from_budget` speaks zCDP, which Theorem 3 does not use). Other spending
 #: selectors are refused; free ones (random, fest) need no entry.
-_PAPER_SELECTION = {"em": _paper_em, "threshold": _paper_threshold, "fest-threshold": _paper_threshold}
+_PAPER_SELECTION = {"em": _paper_em, "em-count": _paper_em, "threshold": _paper_threshold, "fest-threshold": _paper_threshold}
 
 
 def _calibrate_paper(acc, target_epsilon, delta, q, steps, selection, fraction, k) -> Calibration:
     selector = _selector(selection)
     spends = selector is not None and selector.spends_per_step
     if spends and selection not in _PAPER_SELECTION:
-        raise UnsupportedEventError(f"paper calibration supports selection none, random, em, threshold; got {selection!r}")
+        raise UnsupportedEventError(f"paper calibration supports selection none, random, em, em-count, threshold, fest-threshold; got {selection!r}")
     f = fraction if spends else 0.0
     n_free = 1 if selector is None else 2  # Theorem 3 charges δ' to the noise and to the selection
     delta_prime = delta / (2.0 * steps * q * n_free)

@@ -401,13 +401,16 @@ def section_utility(doc, plots, out_dir) -> tuple[list, list]:
         settings = doc.get("settings", {}).get(dataset, {})
         lines += [f"**{dataset}** (`{settings.get('config', '')}`{(' ' + ' '.join('`' + o + '`' for o in settings.get('overrides', []))) if settings.get('overrides') else ''}); "
                   f"seeds {doc['seeds']}.", "",
-                  f"| mode | target ε | seeds | test {metric} median | min | max | steps | ε spent (rdp ledger) | ε by paper's Thm 3 |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  f"| mode | target ε | seeds | test {metric} median | min | max | steps | rows noised/step | dpsgd/sparse rows "
+                  "| ε spent (rdp ledger) | ε by paper's Thm 3 |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for p in pts:
             m = p["metrics"][metric]
+            noised = p.get("rows_noised_median") if p["mode"] != "nonprivate" else None
+            ratio = p.get("rows_noised_ratio") if p["mode"] == "sparse" else None
             lines.append(f"| {p['mode']}{'/' + p['selection'] if p['selection'] else ''} | {f(p['target_epsilon'])} | {p['seeds']} | "
-                         f"{m['median']:.4f} | {m['min']:.4f} | {m['max']:.4f} | {f(p['steps_median'])} | {f(p['epsilon_spent_median'])} | "
-                         f"{f(p['paper_epsilon_median'])} |")
+                         f"{m['median']:.4f} | {m['min']:.4f} | {m['max']:.4f} | {f(p['steps_median'])} | {f(noised)} | "
+                         f"{f(ratio) + '×' if ratio else ''} | {f(p['epsilon_spent_median'])} | {f(p['paper_epsilon_median'])} |")
         if metric == "auc" and pts[0].get("bayes_auc"):
             lines.append(f"\nBayes AUC of the planted model: {pts[0]['bayes_auc']:.4f}.")
         lines.append("")
@@ -421,6 +424,18 @@ def section_utility(doc, plots, out_dir) -> tuple[list, list]:
             detail = "; ".join(f"ε={f(float(e))}: {v['sparse']:.4f} vs {v['dpsgd']:.4f}" for e, v in c["per_epsilon"].items())
             goals.append((f"{dataset}: sparse/{sel} {'≥' if g['better'] == 'max' else '≤'} dpsgd test {g['metric']} at every ε",
                           detail, met(c["all"]), ""))
+        best = g.get("best_sparse_vs_dpsgd", {})
+        if best.get("per_epsilon"):
+            detail = "; ".join(f"ε={f(float(e))}: {v['selection']} {v['sparse']:.4f} vs {v['dpsgd']:.4f}"
+                               for e, v in best["per_epsilon"].items())
+            goals.append((f"{dataset}: best sparse within {best['tolerance']:g} of dpsgd test {g['metric']} at every ε",
+                          detail, met(best["all"]), ""))
+        em_random = g.get("em_beats_random", {})
+        if "per_epsilon" in em_random:  # results written before em-count existed
+            em_random = {"em": em_random}
+        for em, er in em_random.items():
+            detail = "; ".join(f"ε={f(float(e))}: {v['em']:.4f} vs {v['random']:.4f}" for e, v in er["per_epsilon"].items())
+            goals.append((f"{dataset}: sparse/{em} beats sparse/random at every ε", detail, met(er["all"]), ""))
         for sel, v in g.get("gap_to_nonprivate_at_eps8", {}).items():
             goals.append((f"{dataset}: sparse/{sel} at ε = 8 within 0.01 AUC of nonprivate ({g['nonprivate']:.4f})",
                           f"gap {v['gap']:+.4f}", met(v["met"]), ""))
@@ -429,21 +444,26 @@ def section_utility(doc, plots, out_dir) -> tuple[list, list]:
 
 def section_tuning(doc: dict, path: Path) -> list:
     metric, better = doc["metric"], doc["better"]
+    chosen_on = doc.get("chosen_on", "test")  # sweeps written before the validation split chose on test
+    key = f"{chosen_on}_metrics"
     fixed = " ".join(f"`{x}`" for x in doc.get("set", []))
-    lines = [f"**{doc['name']}** (`{doc['config']}`{' ' + fixed if fixed else ''}; `{_rel(path)}`, {doc.get('created', '')}):", "",
-             f"| point | test {metric} | other metrics | σ | rows selected/step |", "|---|---:|---|---:|---:|"]
-    ok = [r for r in doc["records"] if metric in (r.get("test_metrics") or {})]
-    ok.sort(key=lambda r: r["test_metrics"][metric], reverse=(better == "max"))
+    lines = [f"**{doc['name']}** (`{doc['config']}`{' ' + fixed if fixed else ''}; `{_rel(path)}`, {doc.get('created', '')}; "
+             f"best point chosen on the {chosen_on} split{' (optimistic)' if chosen_on == 'test' else ''}):", "",
+             f"| point | {chosen_on} {metric} | test {metric} | other test metrics | σ | rows selected/step |",
+             "|---|---:|---:|---|---:|---:|"]
+    ok = [r for r in doc["records"] if metric in (r.get(key) or {})]
+    ok.sort(key=lambda r: r[key][metric], reverse=(better == "max"))
     n_fixed = len(doc.get("set", []))
     for i, r in enumerate(ok):
         point = " ".join(r["overrides"][n_fixed:]) or "(config as is)"
-        others = ", ".join(f"{k} {v:.4f}" for k, v in r["test_metrics"].items() if k != metric)
+        test = r.get("test_metrics") or {}
+        others = ", ".join(f"{k} {v:.4f}" for k, v in test.items() if k != metric)
         mark = "**" if i == 0 else ""
-        lines.append(f"| {mark}{point}{mark} | {r['test_metrics'][metric]:.4f} | {others} | {f(r.get('noise_multiplier'))} | "
-                     f"{f(r.get('rows_selected_mean'))} |")
+        lines.append(f"| {mark}{point}{mark} | {r[key][metric]:.4f} | {'–' if test.get(metric) is None else f'{test[metric]:.4f}'} | {others} | "
+                     f"{f(r.get('noise_multiplier'))} | {f(r.get('rows_selected_mean'))} |")
     for r in doc["records"]:
         if "error" in r:
-            lines.append(f"| {' '.join(r['overrides'][n_fixed:])} | FAILED: {r['error'][:120]} | | | |")
+            lines.append(f"| {' '.join(r['overrides'][n_fixed:])} | FAILED: {r['error'][:120]} | | | | |")
     return lines + [""]
 
 

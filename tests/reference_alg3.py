@@ -134,8 +134,10 @@ class ReferenceAlg3:
                                                sp.max_rows_per_example, self.selection_rng).ids
 
     # ---- one step -------------------------------------------------------------------------------
-    def step(self, indices) -> dict:
+    def step(self, indices, lr_scale: float = 1.0) -> dict:
+        """One step on the examples `indices`, with learning rates lr·lr_scale and dense_lr·lr_scale."""
         indices = [int(i) for i in np.asarray(indices).reshape(-1)]
+        lr, dense_lr = self.lr * lr_scale, self.dense_lr * lr_scale
         private = self.mode != "nonprivate"
         p = self.plan
         per_example = [self.example_grad(i) for i in indices]
@@ -189,17 +191,17 @@ class ReferenceAlg3:
         with torch.no_grad():
             for r, row in zip(selected, noisy):
                 t, local = self._table_of(r)
-                self.tables[t][local] -= self.lr * row
+                self.tables[t][local] -= lr * row
             for t in self.dense_tables:  # every row of a dense table (dpsgd: of every table)
                 noise = row_block_normal(self.dpsgd_seed, "dpsgd", self.step_count, t, 0, self.table_rows[t], self.dim, std)
-                self.tables[t] -= self.lr * ((G[t] * scale).float() + noise)
+                self.tables[t] -= lr * ((G[t] * scale).float() + noise)
 
         with torch.no_grad():
             for n, param in self.model.named_parameters():
                 g = (G_dense[n] * scale).float()
                 if private:
                     g = g + torch.normal(0.0, std, size=tuple(g.shape), generator=self.noise_gen, dtype=torch.float32)
-                param -= self.dense_lr * g
+                param -= dense_lr * g
         self.step_count += 1
         rows_noised = selected.size + sum(self.table_rows[t] for t in self.dense_tables)
         return {"selected": selected, "rows_noised": rows_noised, "touched": touched, "norms": np.array(norms), "factors": np.array(factors),
@@ -231,6 +233,16 @@ class ReferenceAlg3:
             passed = selection.gaussian_threshold(rows, counts, V, sp.threshold, sp.noise_multiplier,
                                                   sp.contribution_clip, rng).ids
             return np.union1d(self.fixed_rows, passed) if p.selection == "fest-threshold" else passed
+        if p.selection in ("em-count", "noisy-max-count"):
+            # utility: how many of the batch's examples touch the row (sensitivity 1)
+            per_row: dict[int, int] = {}
+            for i in indices:
+                for r in {cand[r] for r in self.example_global_rows(i) if r in cand}:
+                    per_row[r] = per_row.get(r, 0) + 1
+            rows = np.array(sorted(per_row), dtype=np.int64)
+            counts = np.array([float(per_row[r]) for r in rows])
+            mechanism = selection.exponential_top_k if p.selection == "em-count" else selection.noisy_max_top_k
+            return mechanism(rows, counts, V, sp.k, sp.epsilon_per_draw, 1.0, rng).ids
         scores = np.array([min(float(torch.linalg.vector_norm(self._row(G, r))), sp.score_clip) for r in touched])
         sensitivity = min(p.clip_norm / self.b, sp.score_clip)
         touched = np.array([cand[r] for r in touched], dtype=np.int64)

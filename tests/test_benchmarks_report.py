@@ -176,11 +176,11 @@ def test_opacus_compare_smoke(tmp_path):
 
 def test_privacy_utility_smoke(tmp_path):
     doc, stdout = _bench("privacy_utility", ["--datasets", "cbow", "--eps", "8", "--seeds", "0", "--modes",
-                                             "sparse,dpsgd", "--selections", "em", "--steps", "3", "--examples", "1000",
+                                             "sparse,dpsgd", "--selections", "em,em-count,random", "--steps", "3", "--examples", "1000",
                                              "--backend", "local", "--runs-dir", str(tmp_path / "runs")], tmp_path)
     assert not [r for r in doc["records"] if "error" in r]
     modes = {(p["mode"], p["selection"]) for p in doc["points"]}
-    assert modes == {("sparse", "em"), ("dpsgd", None)}
+    assert modes == {("sparse", "em"), ("sparse", "em-count"), ("sparse", "random"), ("dpsgd", None)}
     rec = next(r for r in doc["records"] if r["mode"] == "sparse")
     assert rec["epsilon"] <= 8 + 1e-6 and "rdp" in rec["accountants"] and "paper" in rec["accountants"]
     assert "cbow: sparse/em <= dpsgd (loss) at every ε" in stdout
@@ -189,6 +189,18 @@ def test_privacy_utility_smoke(tmp_path):
     dpsgd = next(p for p in doc["points"] if p["mode"] == "dpsgd")
     assert dpsgd["rows_noised_median"] == 2000  # every row of the 2 × 1000-row tables
     assert sparse["rows_noised_ratio"] == pytest.approx(2000 / sparse["rows_noised_median"])
+    assert set(doc["goals"]["cbow"]["em_beats_random"]) == {"em-count", "em"}
+    assert "cbow: em-count beats random at every ε:" in stdout
+    sys.path.insert(0, str(BENCH))
+    import make_results
+
+    res = tmp_path / "res"
+    res.mkdir()
+    (res / "privacy_utility.json").write_text(json.dumps({**doc, "machine": _machine()}))
+    md = make_results.render(res, tmp_path / "docs").read_text()
+    assert "| cbow: sparse/em-count beats sparse/random at every ε |" in md
+    assert "| cbow: best sparse within 0 of dpsgd test loss at every ε |" in md
+    assert f"{make_results.f(sparse['rows_noised_ratio'])}×" in md
 
 
 def test_paper_fig1_smoke(tmp_path):
@@ -219,10 +231,13 @@ def test_tune_sweep_smoke_and_results_section(tmp_path):
     config.write_text(f'[data]\npath = "{tmp_path / "ctr"}"\n[train]\nsteps = 3\n')
     doc, stdout = _bench("tune", ["--config", str(config), "--name", "smoke", "--jobs", "1", "--runs-dir",
                                   str(tmp_path / "runs"), *_sets(TINY), "--grid", "train.lr=0.1,1"], tmp_path)
-    assert [r["overrides"][len(TINY):] for r in doc["records"]] == [["train.lr=0.1"], ["train.lr=1"]]
-    assert all("auc" in r["test_metrics"] for r in doc["records"]) and doc["metric"] == "auc"
-    assert doc["best"]["test_metrics"]["auc"] == max(r["test_metrics"]["auc"] for r in doc["records"])
-    assert "best (highest test auc)" in stdout
+    assert [r["overrides"][len(TINY):] for r in doc["records"]] == [["data.validation_fraction=0.1", "train.lr=0.1"],
+                                                                     ["data.validation_fraction=0.1", "train.lr=1"]]
+    assert all("auc" in r["test_metrics"] and "auc" in r["validation_metrics"] for r in doc["records"])
+    assert doc["metric"] == "auc" and doc["chosen_on"] == "validation"
+    # chosen on the validation split, not on the test split
+    assert doc["best"]["validation_metrics"]["auc"] == max(r["validation_metrics"]["auc"] for r in doc["records"])
+    assert "best (highest validation auc)" in stdout
     sys.path.insert(0, str(BENCH))
     import make_results
 
@@ -231,4 +246,5 @@ def test_tune_sweep_smoke_and_results_section(tmp_path):
     (res / "tuning" / "smoke.json").write_text(json.dumps(doc))
     md = make_results.render(res, tmp_path / "docs").read_text()
     assert "## 9. Hyperparameter tuning" in md and "**train.lr=" in md
-    assert f"{doc['best']['test_metrics']['auc']:.4f}" in md
+    assert "best point chosen on the validation split" in md
+    assert f"{doc['best']['validation_metrics']['auc']:.4f} | {doc['best']['test_metrics']['auc']:.4f}" in md

@@ -15,6 +15,7 @@ import pytest
 from scipy import stats
 
 from trainer.cli import main
+from trainer.data.dataset import hold_out
 from trainer.data import (DataError, PoissonSampler, auc, convert_criteo, convert_text,
                           ctr_id_probabilities, ctr_planted_probabilities, ctr_rank_to_id,
                           expected_auc, open_dataset, read_meta, synth_ctr, synth_text,
@@ -211,6 +212,22 @@ def test_split_is_deterministic_disjoint_and_seeded(small_ctr):
     assert len(full) == 600 and len(none) == 0 and none.take([]).size == 0
     with pytest.raises(ValueError):
         open_dataset(small_ctr, test_fraction=1.0)
+
+
+def test_validation_split_is_held_out_of_the_training_split_deterministically(small_ctr):
+    train, test = open_dataset(small_ctr, test_fraction=0.2, seed=5)
+    rest, valid = hold_out(train, 0.25, seed=5)
+    again, valid_again = hold_out(train, 0.25, seed=5)
+    assert np.array_equal(rest.rows, again.rows) and np.array_equal(valid.rows, valid_again.rows)
+    assert len(valid) == 120 and len(rest) == 360 and rest.name == "train" and valid.name == "validation"
+    assert len(np.intersect1d(rest.rows, valid.rows)) == 0 and len(np.intersect1d(valid.rows, test.rows)) == 0
+    assert np.array_equal(np.union1d(rest.rows, valid.rows), train.rows)
+    assert np.all(np.diff(valid.rows) > 0) and np.all(np.diff(rest.rows) > 0)
+    assert not np.array_equal(hold_out(train, 0.25, seed=6)[1].rows, valid.rows)
+    # a held-out example reads back the file row it refers to
+    assert np.array_equal(valid.take([0]).labels.numpy(), train.take([int(np.searchsorted(train.rows, valid.rows[0]))]).labels.numpy())
+    with pytest.raises(ValueError, match="validation fraction"):
+        hold_out(train, 1.0)
 
 
 # ---- planted truth -------------------------------------------------------------------------

@@ -42,6 +42,8 @@ CLIP = 0.5  # S1: binds for most examples (asserted)
 SELECTION_PLANS = {
     "em": dict(selection_epsilon=20.0),
     "noisy-max": dict(selection_epsilon=20.0),
+    "em-count": dict(selection_epsilon=4.0),
+    "noisy-max-count": dict(selection_epsilon=4.0),
     "svt": dict(selection_epsilon=20.0, threshold=0.01),
     "threshold": dict(threshold=1.0, selection_sigma=0.5),
     "random": {},
@@ -65,10 +67,10 @@ def plan_overrides(selection):
 
 def build(ds, batches, *, mode, selection="em", num_shards=1, second_clip=None, backend="local",
           optimizer="sgd", dense_optimizer="sgd", model="dlrm", target_epsilon=1e9, seed=SEED, overrides=None,
-          dense_tables=()):
+          dense_tables=(), lr=LR, dense_lr=DENSE_LR):
     return make_engine(ds, num_shards=num_shards, mode=mode, selection=selection, backend=backend,
                        optimizer=optimizer, dense_optimizer=dense_optimizer, q=Q, seed=seed, dim=DIM,
-                       second_clip=second_clip, lr=LR, dense_lr=DENSE_LR, model=model, init_std=INIT_STD,
+                       second_clip=second_clip, lr=lr, dense_lr=dense_lr, model=model, init_std=INIT_STD,
                        sampler=ListSampler(batches), target_epsilon=target_epsilon, dense_tables=dense_tables,
                        plan_overrides={**plan_overrides(selection), **(overrides or {})} if mode != "nonprivate" else None)
 
@@ -428,7 +430,7 @@ def test_dpsgd_step_changes_every_row(num_shards):
 
 # ---- 4b. per-table policy: dense tables beside selected ones --------------------------------------
 
-POLICY_SELECTORS = ["threshold", "em", "svt", "fest", "fest-threshold"]
+POLICY_SELECTORS = ["threshold", "em", "svt", "fest", "fest-threshold", "em-count", "noisy-max-count"]
 
 
 @pytest.mark.parametrize("num_shards", [1, 3])
@@ -464,6 +466,47 @@ def test_all_dense_sparse_engine_equals_dpsgd_exactly(selection):
         assert a.rows_selected == b.rows_selected == dpsgd.layout.vocabulary_size
     assert_params_equal(engine_params(dense), engine_params(dpsgd))
     assert dense.ledger.epsilon() == dpsgd.ledger.epsilon()
+
+
+# ---- 4c. learning-rate schedule: a per-step multiplier of lr and dense_lr ---------------------------
+
+LR_SCALES = [1.0, 0.5, 0.25, 0.75]
+
+
+@pytest.mark.parametrize("mode,selection,dense_tables", [("sparse", "threshold", (1,)), ("dpsgd", None, ()),
+                                                         ("nonprivate", None, ())])
+def test_engine_with_a_per_step_lr_scale_matches_reference(mode, selection, dense_tables):
+    """Selected rows, dense tables (every row) and dense parameters all move by lr · scale_t."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, len(LR_SCALES))
+    engine = build(ds, batches, mode=mode, selection=selection or "em", num_shards=2, second_clip=S2,
+                   dense_tables=dense_tables)
+    ref = reference_for(engine, ds, mode)
+    for idx, scale in zip(batches, LR_SCALES):
+        engine.lr_scale = scale
+        engine.step()
+        ref.step(idx, lr_scale=scale)
+    assert_params_close(engine_params(engine), ref.state())
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_lr_scale_half_equals_half_the_learning_rate_for_every_optimizer(optimizer):
+    """FBGEMM's fused SGD / row-wise Adagrad (set_learning_rate), lazy Adam and the dense
+    optimizer: scale 0.5 on every step is bit-identical to configuring lr/2 and dense_lr/2."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 3)
+    kw = dict(mode="sparse", selection="threshold", num_shards=2, second_clip=S2, optimizer=optimizer,
+              dense_optimizer=optimizer, dense_tables=(1,))
+    scaled = build(ds, batches, **kw)
+    halved = build(ds, batches, **kw, lr=LR / 2, dense_lr=DENSE_LR / 2)
+    for _ in batches:
+        scaled.lr_scale = 0.5
+        scaled.step(), halved.step()
+    assert_params_equal(engine_params(scaled), engine_params(halved))
+    full = build(ds, batches, **kw)
+    for _ in batches:
+        full.step()
+    assert not torch.equal(engine_params(full)[0]["t0"], engine_params(halved)[0]["t0"])
 
 
 def test_no_dense_table_is_the_unchanged_sparse_engine():

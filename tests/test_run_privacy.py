@@ -167,6 +167,16 @@ def test_default_outputs_carry_no_raw_training_statistics(capsys, tmp_path, ctr_
     assert on_disk["examples_per_sec"] > 0 and on_disk["expected_batch_size"] == pytest.approx(64.0)
 
 
+def test_validation_split_is_held_out_of_training_and_its_metrics_are_labelled(capsys, tmp_path, ctr_dir):
+    plain, _ = _train(capsys, ctr_dir, tmp_path / "plain")
+    summary, _ = _train(capsys, ctr_dir, tmp_path / "valid", "data.validation_fraction=0.25")
+    assert "validation_metrics" not in plain and "auc" in summary["validation_metrics"]
+    # the held-out examples are not training data: n, so the sampling rate b/n, changes with them
+    assert summary["sample_rate"] == pytest.approx(plain["sample_rate"] * 4 / 3, rel=0.01)
+    assert any("validation_metrics" in c for c in summary["privacy_caveats"])
+    assert not any("validation_metrics" in c for c in plain["privacy_caveats"])
+
+
 def test_debug_metrics_opt_in_writes_raw_values_and_voids_the_report_for_them(capsys, tmp_path, ctr_dir):
     run = tmp_path / "run"
     summary, err = _train(capsys, ctr_dir, run, "train.debug_metrics=true", progress=True)

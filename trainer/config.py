@@ -66,6 +66,9 @@ class DataConfig:
     synth_table_size: int = 10_000  # ctr: rows of every table; criteo: the hash size (tables of min(cardinality, it) rows)
     synth_vocab: int = 1_000
     test_fraction: float = 0.1
+    # Fraction of the training split held out as a validation split (never trained on; its
+    # metrics are `validation_metrics`, for tuning): benchmarks/tune.py sets it.
+    validation_fraction: float = 0.0
     seed: int = 0
 
     def validate(self) -> None:
@@ -76,6 +79,8 @@ class DataConfig:
             (not self.synth or self.synth in SYNTHETIC_DATASETS,
              f"data.synth must be empty or one of {sorted(SYNTHETIC_DATASETS)}, got {self.synth!r}"),
             (0 <= self.test_fraction < 1, f"data.test_fraction must be in [0, 1), got {self.test_fraction}"),
+            (0 <= self.validation_fraction < 1,
+             f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}"),
             (self.synth_examples >= 1, "data.synth_examples must be >= 1"),
             (self.seed >= 0, "data.seed must be >= 0"),
         ])
@@ -113,6 +118,9 @@ class TrainConfig:
     optimizer: str = "adam"  # embeddings: sgd | adagrad | adam ; dense: the same family
     lr: float = 0.01
     dense_lr: float = 0.001
+    # Multiplier of lr and dense_lr per step (trainer/lr_schedule.py): constant | linear | cosine.
+    # A function of the step and train.steps only: public, no privacy cost.
+    lr_schedule: str = "constant"
     seed: int = 0  # initialization only (public); sampling and noise are secret (privacy.reproducible)
     log_every: int = 10
     eval_every: int = 0  # > 0: log test-split metrics every N steps (held-out data, no privacy cost)
@@ -123,6 +131,7 @@ class TrainConfig:
     checkpoint_every: int = 100
 
     def validate(self) -> None:
+        from trainer.lr_schedule import LR_SCHEDULES
         from trainer.shard import OPTIMIZERS
 
         _require([
@@ -132,6 +141,8 @@ class TrainConfig:
             (self.steps >= 1, "train.steps must be >= 1"),
             (self.optimizer in OPTIMIZERS, f"train.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"),
             (self.lr > 0 and self.dense_lr > 0, "train.lr and train.dense_lr must be > 0"),
+            (self.lr_schedule in LR_SCHEDULES,
+             f"train.lr_schedule must be one of {sorted(LR_SCHEDULES)}, got {self.lr_schedule!r}"),
             (self.log_every >= 1, "train.log_every must be >= 1"),
             (self.eval_every >= 0, "train.eval_every must be >= 0"),
             (self.eval_batch_size >= 1, "train.eval_batch_size must be >= 1"),

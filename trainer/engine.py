@@ -104,6 +104,10 @@ class Engine:
         self.plan, self.ledger, self.target_epsilon = plan, ledger, target_epsilon
         self.ledger_path = ledger_path  # if set, the ledger is persisted before each release
         self.dense_optimizer = dense_optimizer
+        self._dense_base_lrs = [group["lr"] for group in dense_optimizer.param_groups]
+        # This step's learning rates are the configured ones times lr_scale (set by the run loop
+        # from train.lr_schedule: a function of the step count only, so public).
+        self.lr_scale = 1.0
         self.secure_mode = secure_mode
         # Secret by default (trainer/randomness.py): a caller that passes nothing gets fresh OS entropy.
         self.randomness = PrivacyRandomness.fresh() if randomness is None else randomness
@@ -326,6 +330,8 @@ class Engine:
     def _dense_update(self, grads: dict) -> None:
         for n, p in self.model.named_parameters():
             p.grad = grads[n].view_as(p).to(p.dtype)
+        for group, base in zip(self.dense_optimizer.param_groups, self._dense_base_lrs):
+            group["lr"] = base * self.lr_scale
         self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
 
@@ -339,7 +345,8 @@ class Engine:
         owner = self.layout.owner(part.tables, part.row_ids)
         self.shards.call("apply_dense_noise_update", [
             (self.step_count, self.dpsgd_noise_seed, std, part.tables[owner == s], part.row_ids[owner == s],
-             update[owner == s], self.secure_mode, self.dense_tables) for s in range(self.layout.num_shards)])
+             update[owner == s], self.secure_mode, self.dense_tables, self.lr_scale)
+            for s in range(self.layout.num_shards)])
 
     def _release_rows(self, selected: np.ndarray, update: torch.Tensor) -> None:
         """Send the update of the selected rows (global ids) to the shards that own them."""
@@ -349,7 +356,7 @@ class Engine:
         t = np.searchsorted(self.table_offsets, selected, side="right") - 1
         local_ids = selected - self.table_offsets[t]
         owner = self.layout.owner(t, local_ids)
-        self.shards.call("apply_rows", [(t[owner == s], local_ids[owner == s], values[owner == s])
+        self.shards.call("apply_rows", [(t[owner == s], local_ids[owner == s], values[owner == s], self.lr_scale)
                                         for s in range(self.layout.num_shards)])
 
     # ---- selection ------------------------------------------------------------------------------

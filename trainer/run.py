@@ -16,6 +16,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 from trainer.config import Config
 from trainer.engine import Engine, StepStats
+from trainer.lr_schedule import lr_multiplier
 from trainer.planning import PrivacyInfo
 
 
@@ -46,6 +47,7 @@ class Run:
     test_set: Any
     meta: Any  # trainer.data.DatasetMeta
     privacy: PrivacyInfo
+    validation_set: Any = None  # held out of the training data (data.validation_fraction > 0)
 
     def run(self, steps: int, callbacks: Sequence[StepCallback] = ()) -> LoopResult:
         """Step until `engine.step_count == steps`, the budget refuses a step, or a callback
@@ -54,6 +56,7 @@ class Run:
         start = time.perf_counter()
         taken, by_budget, by_callback = 0, False, False
         while engine.step_count < steps:
+            engine.lr_scale = lr_multiplier(self.config.train.lr_schedule, engine.step_count, self.config.train.steps)
             t0 = time.perf_counter()
             stats = engine.step()
             if stats is None:

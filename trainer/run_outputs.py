@@ -5,7 +5,9 @@ Every number a run shows by default is one of:
       batch size, rates derived from it;
   (b) the output of a mechanism charged to the ledger: rows selected per step is a function
       of the step's private selection (post-processing);
-  (c) computed on the held-out test split (`test_metrics`), assumed disjoint from training.
+  (c) computed on the held-out test split (`test_metrics`), assumed disjoint from training, or
+      on the validation split carved from the training data and never trained on
+      (`validation_metrics`, only with data.validation_fraction > 0).
 Raw training statistics — the batch loss, realized batch sizes, touched-row counts and the
 bytes moved (a function of both) — reveal membership directly (a loss that moves only when a
 target example is sampled) and are written only with `train.debug_metrics = true`; the
@@ -34,6 +36,9 @@ CAVEAT_TIMINGS = ("Wall-clock timings (examples_per_sec, step_time_ms_median, ph
                   "touched rows. examples_per_sec is computed from the expected batch size.")
 CAVEAT_TEST_SPLIT = ("test_metrics (and eval lines in metrics.jsonl) are computed on the held-out test split, "
                      "assumed not to be training data; they describe that split and are not covered by ε.")
+CAVEAT_VALIDATION_SPLIT = ("validation_metrics are computed on the validation split (data.validation_fraction of "
+                           "the training data, held out and never trained on); ε covers the remaining training "
+                           "examples only, and validation_metrics, like test_metrics, are not covered by ε.")
 CAVEAT_DEBUG = ("train.debug_metrics = true: metrics.jsonl, summary.json and the progress output carry raw, "
                 "un-noised training statistics (" + ", ".join(DEBUG_STEP_KEYS + DEBUG_SUMMARY_KEYS) + "). "
                 "The privacy report is VOID for those outputs: do not publish them.")
@@ -87,17 +92,18 @@ class RunRecorder:
         return out
 
     # ---- end of run ---------------------------------------------------------------------------------
-    def caveats(self, data_event_descriptions: list[str]) -> list[str]:
+    def caveats(self, data_event_descriptions: list[str], validation: bool = False) -> list[str]:
         out = [] if self.private else [CAVEAT_NONPRIVATE]
         if self.reproducible:
             out.append(self.randomness_note)
         if self.debug:
             out.append(CAVEAT_DEBUG)
-        out += [CAVEAT_N_PUBLIC, CAVEAT_TIMINGS, CAVEAT_TEST_SPLIT]
+        out += [CAVEAT_N_PUBLIC, CAVEAT_TIMINGS, CAVEAT_TEST_SPLIT] + ([CAVEAT_VALIDATION_SPLIT] if validation else [])
         out += [f"Charged before training (in the ledger): {d}" for d in data_event_descriptions]
         return out
 
-    def summary_fields(self, elapsed: float, shards, data_event_descriptions: list[str]) -> dict:
+    def summary_fields(self, elapsed: float, shards, data_event_descriptions: list[str],
+                       validation: bool = False) -> dict:
         steps = len(self.step_times)
         out = {
             "examples_per_sec": self.b * steps / elapsed if elapsed > 0 else 0.0,
@@ -108,7 +114,7 @@ class RunRecorder:
             "randomness": self.randomness_note,
             "reproducible": self.reproducible,
             "debug_metrics": self.debug,
-            "privacy_caveats": self.caveats(data_event_descriptions),
+            "privacy_caveats": self.caveats(data_event_descriptions, validation),
         }
         if self.debug:
             out.update({

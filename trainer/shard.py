@@ -43,6 +43,7 @@ class EmbeddingShard:
             raise ValueError(f"embedding optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         self.layout, self.shard_index, self.optimizer, self.lr = layout, shard_index, optimizer, lr
         self.adam_betas, self.eps = adam_betas, eps
+        self._current_lr = lr  # lr · the step's lr_scale (set_lr_scale)
         self.device, compute, location = _device()
         self.ranges = [layout.row_range(t, shard_index) for t in layout.tables]
         self.feature_table = np.array([layout.table_index(f.table) for f in layout.features])
@@ -151,8 +152,20 @@ class EmbeddingShard:
                            table=self.feature_table[inp.feature])
 
     # ---- updates --------------------------------------------------------------------------------
-    def apply_rows(self, table_idx: np.ndarray, global_ids: np.ndarray, rows: np.ndarray) -> None:
-        """Apply the optimizer to the given rows only (update direction = `rows`, a gradient)."""
+    def set_lr_scale(self, lr_scale: float) -> None:
+        """This step's learning rate is lr · lr_scale (trainer/lr_schedule.py)."""
+        lr = self.lr * float(lr_scale)
+        if lr != self._current_lr:
+            if self.optimizer in FUSED_OPTIMIZERS:
+                for tbe in self.tbes:
+                    tbe.set_learning_rate(lr)
+            self._current_lr = lr
+
+    def apply_rows(self, table_idx: np.ndarray, global_ids: np.ndarray, rows: np.ndarray,
+                   lr_scale: float = 1.0) -> None:
+        """Apply the optimizer to the given rows only (update direction = `rows`, a gradient),
+        with learning rate lr · lr_scale."""
+        self.set_lr_scale(lr_scale)
         rows = torch.from_numpy(np.array(rows, dtype=np.float32))  # copy: Ray hands read-only arrays
         for t in np.unique(table_idx):
             sel = np.flatnonzero(table_idx == t)
@@ -161,10 +174,11 @@ class EmbeddingShard:
         self._cache = {}
 
     def apply_dense_noise_update(self, step: int, noise_seed: int, std: float, table_idx, global_ids, rows,
-                                 secure: bool = False, tables=None) -> None:
+                                 secure: bool = False, tables=None, lr_scale: float = 1.0) -> None:
         """DP-SGD: every row of every table in `tables` (None: all) gets G + N(0, std²) (G = 0
         for untouched rows). The noise of row r depends only on (seed, step, table, r), not on
-        the sharding nor on which other tables are dense."""
+        the sharding nor on which other tables are dense. Learning rate lr · lr_scale."""
+        self.set_lr_scale(lr_scale)
         rows = np.asarray(rows, dtype=np.float32)
         for t, (start, end) in enumerate(self.ranges):
             if end <= start or (tables is not None and t not in tables):
@@ -199,7 +213,7 @@ class EmbeddingShard:
             st["m"][local], st["v"][local], st["t"][local] = m, v, steps
             bc1 = (1 - b1 ** steps.double()).float().unsqueeze(1)
             bc2 = (1 - b2 ** steps.double()).float().unsqueeze(1)
-            w[local] -= self.lr * (m / bc1) / ((v / bc2).sqrt() + self.eps)
+            w[local] -= self._current_lr * (m / bc1) / ((v / bc2).sqrt() + self.eps)
 
     # ---- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:

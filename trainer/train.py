@@ -115,6 +115,11 @@ def build_run(cfg: Config) -> Run:
 
         ensure_ray(cfg.cluster.address, needed_cpus=cfg.cluster.cpus_per_shard * cfg.cluster.num_shards)
     train_set, test_set = _ensure_dataset(cfg)
+    validation_set = None
+    if cfg.data.validation_fraction > 0:
+        from trainer.data.dataset import hold_out
+
+        train_set, validation_set = hold_out(train_set, cfg.data.validation_fraction, cfg.data.seed)
     meta = train_set.meta
     layout = _layout(meta, cfg)
     torch.manual_seed(cfg.train.seed)
@@ -135,7 +140,7 @@ def build_run(cfg: Config) -> Run:
                     dense_optimizer=_dense_optimizer(cfg, model), randomness=randomness,
                     secure_mode=cfg.privacy.secure_mode,
                     dense_tables=policy.dense_indices([t.name for t in layout.tables]) if policy else ())
-    return Run(cfg, engine, train_set, test_set, meta, info)
+    return Run(cfg, engine, train_set, test_set, meta, info, validation_set)
 
 
 def save_checkpoint(run_dir: Path, engine: Engine, cfg: Config) -> None:
@@ -279,7 +284,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tru
             "resumed": resume,
             "vocabulary_size": engine.layout.vocabulary_size,
             "backend": cfg.cluster.backend,
-            **recorder.summary_fields(result.elapsed_s, engine.shards, [d for d, _ in data_events]),
+            **({"validation_metrics": run.evaluate(run.validation_set)} if run.validation_set is not None else {}),
+            **recorder.summary_fields(result.elapsed_s, engine.shards, [d for d, _ in data_events],
+                                      validation=run.validation_set is not None),
         }
         atomic_write_json(run_dir / "summary.json", summary)
         return summary

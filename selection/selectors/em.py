@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 from accounting.events import ExponentialTopKDpEvent
 from selection.exponential import exponential_top_k
@@ -19,7 +20,7 @@ class EmParams:
 
 @register_selector("em")
 class ExponentialSelector(Selector):
-    Params = EmParams
+    Params: ClassVar[type] = EmParams  # em-count (a subclass) has its own fields
     event_class = ExponentialTopKDpEvent
     rho_per_eps2 = 1.0 / 8.0  # ρ = k·ε''²/8 (ε''-bounded range per draw)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 from accounting.events import NoisyMaxTopKDpEvent
 from selection.noisy_max import noisy_max_top_k
@@ -18,7 +19,7 @@ class NoisyMaxParams(EmParams):
 
 @register_selector("noisy-max")
 class NoisyMaxSelector(ExponentialSelector):
-    Params = NoisyMaxParams
+    Params: ClassVar[type] = NoisyMaxParams
     event_class = NoisyMaxTopKDpEvent
 
     def select(self, context, params, rng):

@@ -176,3 +176,20 @@ def open_dataset(path, *, test_fraction: float = 0.1, seed: int = 0,
     file = directory / DATA_FILE
     return (ParquetDataset(meta, columns, train_rows, file, "train"),
             ParquetDataset(meta, columns, test_rows, file, "test"))
+
+
+def hold_out(split: ParquetDataset, fraction: float, seed: int = 0,
+             name: str = "validation") -> tuple[ParquetDataset, ParquetDataset]:
+    """(rest, held out): ``floor(len(split) * fraction)`` of ``split``'s examples, chosen by a
+    permutation seeded from ``(seed, 1)`` (independent of ``open_dataset``'s test permutation),
+    form the held-out split; the rest keep the split's name. A validation split carved from the
+    training data this way is never trained on, so metrics on it are held-out metrics (the
+    guarantee then covers the remaining training examples only). Deterministic in
+    (len(split), fraction, seed); each part's rows stay sorted."""
+    if not (0.0 <= fraction < 1.0):
+        raise ValueError(f"validation fraction must be in [0, 1), got {fraction}")
+    n_held = int(np.floor(len(split) * fraction))
+    perm = np.random.default_rng([seed, 1]).permutation(len(split))
+    held_rows, rest_rows = split.rows[np.sort(perm[:n_held])], split.rows[np.sort(perm[n_held:])]
+    return (ParquetDataset(split.meta, split._cols, rest_rows, split.path, split.name),
+            ParquetDataset(split.meta, split._cols, held_rows, split.path, name))

@@ -1,0 +1,57 @@
+"""Learning-rate schedules (trainer/lr_schedule.py): the multipliers, the registry, the config
+key, and that the run loop gives the engine step t of T the schedule's multiplier. That the
+engine applies a multiplier exactly as the slow reference does (every optimizer, every write
+path): tests/test_engine.py §4c."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from trainer.config import ConfigError, load_config
+from trainer.lr_schedule import LR_SCHEDULES, lr_multiplier, register_lr_schedule
+from trainer.train import build_run
+
+from test_train_cli import TINY
+
+
+def test_multipliers_of_each_schedule():
+    assert [lr_multiplier("constant", t, 4) for t in range(4)] == [1.0] * 4
+    assert [lr_multiplier("linear", t, 4) for t in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    cos = [lr_multiplier("cosine", t, 4) for t in range(4)]
+    assert cos == pytest.approx([1.0, (1 + math.cos(math.pi / 4)) / 2, 0.5, (1 + math.cos(3 * math.pi / 4)) / 2])
+    # past the planned end (a resumed run given more steps) the last multiplier is kept, never 0 or negative
+    assert lr_multiplier("linear", 10, 4) == 0.25
+
+
+def test_registry_refuses_a_second_schedule_of_the_same_name_and_unknown_names():
+    with pytest.raises(ValueError, match="already registered"):
+        register_lr_schedule("linear")(lambda t, total: 1.0)
+    assert set(LR_SCHEDULES) >= {"constant", "linear", "cosine"}
+    with pytest.raises(ValueError, match="train.lr_schedule"):
+        lr_multiplier("step", 0, 4)
+
+
+def test_config_names_the_bad_schedule():
+    with pytest.raises(ConfigError, match="train.lr_schedule"):
+        load_config(None, ["data.path=x", "train.lr_schedule=exponential"]).validate()
+
+
+class _Scales:
+    def __init__(self):
+        self.scales = []
+
+    def on_step(self, engine, stats, seconds):
+        self.scales.append(engine.lr_scale)
+
+
+def test_run_loop_sets_each_step_s_multiplier(ctr_dir):
+    cfg = load_config(None, [f"data.path={ctr_dir}", *TINY, "train.steps=4", "train.lr_schedule=linear",
+                             "privacy.noise_multiplier=1.0", "privacy.selection_epsilon=0.05",
+                             "privacy.target_epsilon=1e9"]).validate()
+    with build_run(cfg) as run:
+        seen = _Scales()
+        run.run(2, [seen])
+        run.run(4, [seen])  # a second call continues the same schedule
+        assert seen.scales == [1.0, 0.75, 0.5, 0.25]
