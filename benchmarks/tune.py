@@ -72,6 +72,10 @@ def _run_point(job: tuple) -> dict:
     return record
 
 
+def _four(x) -> str:
+    return "–" if x is None else f"{x:.4f}"
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
@@ -116,8 +120,9 @@ def main(argv=None) -> dict:
     ok.sort(key=lambda r: r[key][metric], reverse=(better == "max"))
     print()
     print(format_table(["point", f"{chosen_on} {metric} (chosen on)", f"test {metric}", "ε", "σ", "rows selected"],
-                       [[" ".join(r["overrides"][len(fixed):]), r[key][metric], (r.get("test_metrics") or {}).get(metric),
-                         r.get("epsilon"), r.get("noise_multiplier"), r.get("rows_selected_mean")] for r in ok]))
+                       [[" ".join(r["overrides"][len(fixed):]), f"{r[key][metric]:.4f}",
+                         _four((r.get("test_metrics") or {}).get(metric)), r.get("epsilon"), r.get("noise_multiplier"),
+                         r.get("rows_selected_mean")] for r in ok]))
     best = ok[0] if ok else None
     if best:
         print(f"\nbest ({'highest' if better == 'max' else 'lowest'} {chosen_on} {metric}): {' '.join(best['overrides'])}")

@@ -48,10 +48,12 @@ from trainer.randomness import PrivacyRandomness
 
 class ReferenceAlg3:
     def __init__(self, ds, model: torch.nn.Module, *, mode: str, plan=None, expected_batch_size: float,
-                 lr: float, dense_lr: float, seed: int, dim: int, init_std: float, dense_tables=()):
+                 lr: float, dense_lr: float, seed: int, dim: int, init_std: float, dense_tables=(),
+                 ema_decay: float = 0.0):
         """`model` is copied (pass the engine's dense model before it takes a step, or an
         identically initialized one); `plan` is a trainer.engine.PrivacyPlan (None for
-        nonprivate)."""
+        nonprivate). `ema_decay` β > 0: also keep ema = β·ema + (1-β)·w of every row of every
+        table and every dense parameter after each step, the obvious dense way (`averaged_state`)."""
         if mode not in ("sparse", "dpsgd", "nonprivate"):
             raise ValueError(mode)
         self.ds, self.mode, self.plan = ds, mode, plan
@@ -71,6 +73,8 @@ class ReferenceAlg3:
         self.noise_gen = randomness.noise_generator()
         self.dpsgd_seed = randomness.dpsgd_noise_seed()
         self.step_count = 0
+        self.ema_decay = ema_decay
+        self.ema = self.state() if ema_decay > 0 else None
         self.fixed_rows: Optional[np.ndarray] = None
         all_tables = list(range(len(self.table_rows)))
         self.dense_tables = {"dpsgd": all_tables, "nonprivate": []}.get(mode, sorted(dense_tables))
@@ -203,6 +207,11 @@ class ReferenceAlg3:
                     g = g + torch.normal(0.0, std, size=tuple(g.shape), generator=self.noise_gen, dtype=torch.float32)
                 param -= dense_lr * g
         self.step_count += 1
+        if self.ema is not None:
+            beta = self.ema_decay
+            for part_ema, part_now in zip(self.ema, self.state()):
+                for name in part_ema:
+                    part_ema[name] = beta * part_ema[name] + (1 - beta) * part_now[name]
         rows_noised = selected.size + sum(self.table_rows[t] for t in self.dense_tables)
         return {"selected": selected, "rows_noised": rows_noised, "touched": touched, "norms": np.array(norms), "factors": np.array(factors),
                 "scale": scale, "std": std, "G": G, "losses": [loss for _, _, loss in per_example]}
@@ -256,6 +265,11 @@ class ReferenceAlg3:
         raise ValueError(f"unknown selection {p.selection!r}")
 
     # ---- read-out ---------------------------------------------------------------------------------
+    def averaged_state(self):
+        """Like `state()`, for the moving average of the iterates."""
+        assert self.ema is not None, "built without ema_decay"
+        return tuple({n: v.clone() for n, v in part.items()} for part in self.ema)
+
     def state(self) -> dict:
         """{table name: [V_t, D]} and {dense param name: tensor}, detached copies."""
         return ({n: w.detach().clone() for n, w in zip(self.table_names, self.tables)},

@@ -67,11 +67,12 @@ def plan_overrides(selection):
 
 def build(ds, batches, *, mode, selection="em", num_shards=1, second_clip=None, backend="local",
           optimizer="sgd", dense_optimizer="sgd", model="dlrm", target_epsilon=1e9, seed=SEED, overrides=None,
-          dense_tables=(), lr=LR, dense_lr=DENSE_LR):
+          dense_tables=(), lr=LR, dense_lr=DENSE_LR, ema_decay=0.0):
     return make_engine(ds, num_shards=num_shards, mode=mode, selection=selection, backend=backend,
                        optimizer=optimizer, dense_optimizer=dense_optimizer, q=Q, seed=seed, dim=DIM,
                        second_clip=second_clip, lr=lr, dense_lr=dense_lr, model=model, init_std=INIT_STD,
                        sampler=ListSampler(batches), target_epsilon=target_epsilon, dense_tables=dense_tables,
+                       ema_decay=ema_decay,
                        plan_overrides={**plan_overrides(selection), **(overrides or {})} if mode != "nonprivate" else None)
 
 
@@ -509,6 +510,81 @@ def test_lr_scale_half_equals_half_the_learning_rate_for_every_optimizer(optimiz
     assert not torch.equal(engine_params(full)[0]["t0"], engine_params(halved)[0]["t0"])
 
 
+# ---- 4d. parameter averaging: lazy per-row EMA on the shards vs the dense obvious one ------------
+
+EMA = 0.7
+
+
+def averaged_params(engine):
+    """Like engine_params, for the averaged tables and dense parameters."""
+    states = engine.shards.broadcast("state_dict")
+    tables = {t.name: torch.from_numpy(np.concatenate([s["averaged_weights"][i] for s in states]))
+              for i, t in enumerate(engine.layout.tables)}
+    return tables, {n: v.clone() for n, v in engine.dense_ema.items()}
+
+
+@pytest.mark.parametrize("mode,selection,dense_tables", [("sparse", "threshold", (1,)), ("sparse", "em", ()),
+                                                         ("dpsgd", None, ()), ("nonprivate", None, ())])
+def test_averaged_weights_match_the_dense_reference_average(mode, selection, dense_tables):
+    """Rows not written for several steps (unselected) catch up in one go, exactly: the shards'
+    lazy EMA equals the reference's EMA of every row after every step; the iterates themselves
+    are unchanged by averaging."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 5)
+    engine = build(ds, batches, mode=mode, selection=selection or "em", num_shards=3, second_clip=S2,
+                   dense_tables=dense_tables, ema_decay=EMA)
+    ref = ReferenceAlg3(ds, engine.model, mode=mode, plan=engine.plan, expected_batch_size=engine.b, lr=LR,
+                        dense_lr=DENSE_LR, seed=SEED, dim=DIM, init_std=INIT_STD, dense_tables=engine.dense_tables,
+                        ema_decay=EMA)
+    for idx, scale in zip(batches, [1.0, 0.5, 1.0, 0.25, 1.0]):
+        engine.lr_scale = scale
+        engine.step()
+        ref.step(idx, lr_scale=scale)
+    assert_params_close(engine_params(engine), ref.state())
+    assert_params_close(averaged_params(engine), ref.averaged_state())
+    # the average is not the last iterate (the test compares something)
+    assert not torch.allclose(averaged_params(engine)[0]["t0"], engine_params(engine)[0]["t0"])
+
+
+def test_averaged_evaluation_is_the_model_with_the_averaged_weights():
+    ds = dataset()
+    batches = batches_with_crafted(ds, 4)
+    engine = build(ds, batches, mode="sparse", selection="threshold", num_shards=2, second_clip=S2,
+                   dense_tables=(1,), ema_decay=EMA)
+    for _ in batches:
+        engine.step()
+    plain = build(ds, batches, mode="sparse", selection="threshold", num_shards=2, second_clip=S2, dense_tables=(1,))
+    states = engine.shards.broadcast("state_dict")
+    plain.shards.call("load_state_dict", [({"weights": s["averaged_weights"]},) for s in states])
+    plain.model.load_state_dict(engine.state_dict()["averaged_model"])
+    averaged = engine.evaluate(ds, 16)
+    assert averaged == pytest.approx(plain.evaluate(ds, 16), rel=1e-5)
+    assert averaged != pytest.approx(engine.evaluate(ds, 16, averaged=False), rel=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_resume_with_averaging_equals_uninterrupted(optimizer):
+    ds = dataset()
+    batches = poisson_batches(len(ds), Q, 13, 6)
+    kw = dict(mode="sparse", selection="threshold", num_shards=2, second_clip=S2, optimizer=optimizer,
+              dense_optimizer=optimizer, dense_tables=(1,), ema_decay=EMA)
+    straight = build(ds, batches, **kw)
+    for _ in range(3):
+        straight.step()
+    blob = _checkpoint_bytes(straight)
+    for _ in range(3):
+        straight.step()
+    resumed = build(ds, batches, **kw)
+    resumed.step()
+    _load(resumed, blob)
+    for _ in range(3):
+        resumed.step()
+    assert_params_equal(averaged_params(resumed), averaged_params(straight))
+    without = build(ds, batches, **{**kw, "ema_decay": 0.0})
+    with pytest.raises(ValueError, match="ema_decay"):
+        _load(build(ds, batches, **kw), _checkpoint_bytes(without))  # a checkpoint without the average
+
+
 def test_no_dense_table_is_the_unchanged_sparse_engine():
     """An explicit all-sparse policy (dense_tables=()) is today's sparse step, bit for bit."""
     ds = dataset()
@@ -551,7 +627,7 @@ def _load(engine, blob: bytes) -> None:
 
 def _optimizer_states(engine):
     states = engine.shards.broadcast("state_dict")
-    return [{k: v for k, v in s.items() if k != "weights"} for s in states]
+    return [{k: v for k, v in s.items() if k not in ("weights", "step")} for s in states]
 
 
 RESUME_CASES = [("sparse", "em", "sgd"), ("sparse", "em", "adam"), ("sparse", "em", "adagrad"),

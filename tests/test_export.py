@@ -43,6 +43,7 @@ def runs(tmp_path_factory):
     synth_ctr(ctr, num_examples=1200, table_sizes=101, seed=3)  # 101 rows over 3 shards: blocks 34, 34, 33
     dlrm = _run(tmp, "dlrm", ctr, "model.embedding_dim=4", "model.bottom_mlp=[8]", "model.top_mlp=[8]",
                 "train.batch_size=64", "train.steps=3", "train.optimizer=adagrad", "cluster.num_shards=3",
+                "train.ema_decay=0.8",  # the released model is the average of the iterates
                 "privacy.k=40", "privacy.noise_multiplier=1.0", "privacy.selection_epsilon=0.05",
                 # a reproducible debug run: its checkpoint holds generator states and its metrics raw statistics
                 "privacy.reproducible=true", "privacy.noise_seed=1234", "train.debug_metrics=true")
@@ -168,15 +169,23 @@ def test_weights_are_whole_tables_in_row_order(runs, exports):
         weights = torch.load(out_dir / "weights.pt", weights_only=True)
         state = torch.load(runs[name] / "checkpoint.pt", weights_only=False)["engine"]
         spec = json.loads((out_dir / "model.json").read_text())
+        # dlrm trained with train.ema_decay: the export is the average, not the last iterate
+        averaged = name == "dlrm"
+        assert spec["parameters"].startswith("exponential moving average") == averaged
+        key, model_key = ("averaged_weights", "averaged_model") if averaged else ("weights", "model")
+        moved: list = []
         for t, table in enumerate(spec["tables"]):
             # block bucketing: shard s holds a contiguous block, so concatenation is row order
-            full = np.concatenate([s["weights"][t] for s in state["shards"]])
+            full = np.concatenate([s[key][t] for s in state["shards"]])
             assert full.shape == (table["num_rows"], table["dim"])
             np.testing.assert_array_equal(weights[f"embeddings.{table['name']}"].numpy(), full)
+            last = np.concatenate([s["weights"][t] for s in state["shards"]])
+            moved.append(not np.allclose(full, last, rtol=0, atol=1e-6))
+        assert any(moved) == averaged  # the average is not the last iterate
         dense = {k[len("dense."):]: v for k, v in weights.items() if k.startswith("dense.")}
-        assert dense.keys() == {k for k, v in state["model"].items() if v.numel()}
+        assert dense.keys() == {k for k, v in state[model_key].items() if v.numel()}
         for k, v in dense.items():
-            torch.testing.assert_close(v, state["model"][k], rtol=0, atol=0)
+            torch.testing.assert_close(v, state[model_key][k], rtol=0, atol=0)
         assert set(weights) == {f"embeddings.{t['name']}" for t in spec["tables"]} | {f"dense.{k}" for k in dense}
     assert len(json.loads((exports["dlrm"][1] / "model.json").read_text())["tables"]) == 26
     assert dense == {}  # cbow has no dense parameters

@@ -121,6 +121,10 @@ class TrainConfig:
     # Multiplier of lr and dense_lr per step (trainer/lr_schedule.py): constant | linear | cosine.
     # A function of the step and train.steps only: public, no privacy cost.
     lr_schedule: str = "constant"
+    # > 0: evaluate, checkpoint and export the exponential moving average of the iterates
+    # (ema_t = β·ema_{t-1} + (1-β)·w_t over tables and dense parameters): post-processing, free
+    # in privacy. 0: the last iterate.
+    ema_decay: float = 0.0
     seed: int = 0  # initialization only (public); sampling and noise are secret (privacy.reproducible)
     log_every: int = 10
     eval_every: int = 0  # > 0: log test-split metrics every N steps (held-out data, no privacy cost)
@@ -141,6 +145,7 @@ class TrainConfig:
             (self.steps >= 1, "train.steps must be >= 1"),
             (self.optimizer in OPTIMIZERS, f"train.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"),
             (self.lr > 0 and self.dense_lr > 0, "train.lr and train.dense_lr must be > 0"),
+            (0 <= self.ema_decay < 1, f"train.ema_decay must be in [0, 1), got {self.ema_decay}"),
             (self.lr_schedule in LR_SCHEDULES,
              f"train.lr_schedule must be one of {sorted(LR_SCHEDULES)}, got {self.lr_schedule!r}"),
             (self.log_every >= 1, "train.log_every must be >= 1"),

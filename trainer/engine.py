@@ -95,9 +95,12 @@ class Engine:
                  expected_batch_size: float, sample_rate: float, plan: Optional[PrivacyPlan], ledger: Optional[PrivacyLedger],
                  target_epsilon: float, dense_optimizer: torch.optim.Optimizer,
                  randomness: Optional[PrivacyRandomness] = None, secure_mode: bool = False, ledger_path=None,
-                 dense_tables: tuple[int, ...] = ()):
+                 dense_tables: tuple[int, ...] = (), ema_decay: float = 0.0):
         """`dense_tables`: in `sparse` mode, the indices of the tables noised densely every step
-        (trainer/table_policy.py); `dpsgd` noises every table, `nonprivate` none."""
+        (trainer/table_policy.py); `dpsgd` noises every table, `nonprivate` none. `ema_decay`
+        β > 0: evaluate (and checkpoint for export) the exponential moving average of the
+        iterates, ema_t = β·ema_{t-1} + (1-β)·w_t — post-processing of the released iterates,
+        free in privacy. The shards must be built with the same β (they average the tables)."""
         self.model, self.layout, self.shards = model, layout, shards
         self.train_set, self.sampler = train_set, sampler
         self.mode, self.b, self.q = mode, float(expected_batch_size), float(sample_rate)
@@ -108,6 +111,11 @@ class Engine:
         # This step's learning rates are the configured ones times lr_scale (set by the run loop
         # from train.lr_schedule: a function of the step count only, so public).
         self.lr_scale = 1.0
+        if not 0.0 <= ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}")
+        self.ema_decay = float(ema_decay)
+        self.dense_ema: Optional[dict] = (
+            {n: p.detach().clone() for n, p in model.named_parameters()} if self.ema_decay > 0 else None)
         self.secure_mode = secure_mode
         # Secret by default (trainer/randomness.py): a caller that passes nothing gets fresh OS entropy.
         self.randomness = PrivacyRandomness.fresh() if randomness is None else randomness
@@ -334,6 +342,10 @@ class Engine:
             group["lr"] = base * self.lr_scale
         self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
+        if self.dense_ema is not None:
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    self.dense_ema[n].mul_(self.ema_decay).add_(p.detach(), alpha=1 - self.ema_decay)
 
     def _release_dense_tables(self, values: Optional[torch.Tensor], std: float, part: "RowSums") -> None:
         """Dense tables (every table in DP-SGD): the clipped touched rows plus the noise std —
@@ -356,8 +368,8 @@ class Engine:
         t = np.searchsorted(self.table_offsets, selected, side="right") - 1
         local_ids = selected - self.table_offsets[t]
         owner = self.layout.owner(t, local_ids)
-        self.shards.call("apply_rows", [(t[owner == s], local_ids[owner == s], values[owner == s], self.lr_scale)
-                                        for s in range(self.layout.num_shards)])
+        self.shards.call("apply_rows", [(t[owner == s], local_ids[owner == s], values[owner == s], self.lr_scale,
+                                         self.step_count + 1) for s in range(self.layout.num_shards)])
 
     # ---- selection ------------------------------------------------------------------------------
     def _select(self, rows: "RowSums", batch, B: int) -> Optional[Selection]:
@@ -392,11 +404,23 @@ class Engine:
 
     # ---- evaluation & state ------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, dataset, batch_size: int) -> dict:
+    def evaluate(self, dataset, batch_size: int, averaged: Optional[bool] = None) -> dict:
+        """The model's metrics on `dataset`: with `averaged` (default: when ema_decay > 0) the
+        averaged tables and dense parameters, else the last iterate."""
+        averaged = self.dense_ema is not None if averaged is None else averaged
+        if averaged and self.dense_ema is None:
+            raise ValueError("averaged evaluation needs ema_decay > 0")
+        dense_ema = self.dense_ema or {}
         outputs, labels = [], []
         for batch in dataset.iter_batches(batch_size):
-            pooled = self._lookup(batch, batch.size)
-            outputs.append(self.model(torch.from_numpy(pooled), batch.dense))
+            if averaged:
+                parts = route(self.layout, batch.sparse, batch.size)
+                pooled = np.sum(self.shards.call("lookup", [(p, batch.size, True) for p in parts]), axis=0)
+                outputs.append(torch.func.functional_call(self.model, dense_ema,
+                                                          (torch.from_numpy(pooled), batch.dense)))
+            else:
+                pooled = self._lookup(batch, batch.size)
+                outputs.append(self.model(torch.from_numpy(pooled), batch.dense))
             labels.append(batch.labels)
         if not outputs:
             return {}
@@ -415,6 +439,11 @@ class Engine:
             "fixed_rows": self.fixed_rows,
             "reproducible": self.randomness.reproducible,
         }
+        if self.dense_ema is not None:
+            # the released model: averaged dense parameters (the shards' states carry the
+            # averaged tables as "averaged_weights")
+            state["dense_ema"] = {n: v.clone() for n, v in self.dense_ema.items()}
+            state["averaged_model"] = {**copy.deepcopy(self.model.state_dict()), **state["dense_ema"]}
         if self.randomness.reproducible:
             state["rng"] = {
                 "sampler": self.sampler.state_dict(),
@@ -441,3 +470,8 @@ class Engine:
         if self.ledger is not None and state["ledger"] is not None:
             self.ledger.load_state_dict(state["ledger"])
         self.fixed_rows = state["fixed_rows"]
+        if self.dense_ema is not None:
+            if "dense_ema" not in state:
+                raise ValueError("the checkpoint has no averaged parameters but train.ema_decay > 0: "
+                                 "resume with the checkpoint's train.ema_decay")
+            self.dense_ema = {n: v.clone() for n, v in state["dense_ema"].items()}

@@ -94,13 +94,19 @@ def export_run(run_dir, out_dir) -> dict:
     meta = _read_dataset_meta(config)
     layout = _layout(meta, config)
 
-    tables = gather_tables(layout, engine_state["shards"])
-    dense_model = _dense_model(config, meta, engine_state["model"])
+    # With train.ema_decay > 0 the released model is the moving average of the iterates (what
+    # the run evaluated; post-processing of the released iterates), else the last iterate.
+    averaged = "averaged_model" in engine_state
+    tables = gather_tables(layout, engine_state["shards"], key="averaged_weights" if averaged else "weights")
+    dense_model = _dense_model(config, meta, engine_state["averaged_model" if averaged else "model"])
     weights = {f"embeddings.{name}": w for name, w in tables.items()}
     weights.update({f"dense.{k}": v.detach().cpu().contiguous().clone()
                     for k, v in dense_model.state_dict().items() if v.numel()})
     report = privacy_report(run_dir, summary, config, engine_state, meta)
     spec = model_spec(config, meta, layout, engine_state.get("step"))
+    ema_decay = config.get("train", {}).get("ema_decay", 0.0)
+    spec["parameters"] = (f"exponential moving average of the iterates, decay {ema_decay} (train.ema_decay)"
+                          if averaged else "the last iterate")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
@@ -129,9 +135,10 @@ def export_run(run_dir, out_dir) -> dict:
             "accountant": report["accountant"], "steps": report["steps"]}
 
 
-def gather_tables(layout, shard_states: list) -> dict:
+def gather_tables(layout, shard_states: list, key: str = "weights") -> dict:
     """{table name: full [num_rows, dim] float32 tensor}: each shard's block of every table
-    (shard s holds rows `layout.row_range(table, s)`) put back in global row order."""
+    (shard s holds rows `layout.row_range(table, s)`, its state's `key`: "weights" or
+    "averaged_weights") put back in global row order."""
     if len(shard_states) != layout.num_shards:
         raise ExportError(f"checkpoint has {len(shard_states)} shards, the layout {layout.num_shards}")
     out = {}
@@ -140,7 +147,7 @@ def gather_tables(layout, shard_states: list) -> dict:
         covered = 0
         for s, shard in enumerate(shard_states):
             start, end = layout.row_range(table, s)
-            block = torch.as_tensor(shard["weights"][t], dtype=torch.float32)
+            block = torch.as_tensor(shard[key][t], dtype=torch.float32)
             if tuple(block.shape) != (end - start, table.dim):
                 raise ExportError(f"checkpoint shard {s}, table {table.name!r}: shape {tuple(block.shape)}, "
                                   f"the layout expects rows [{start}, {end}) of dim {table.dim}")

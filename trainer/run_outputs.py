@@ -38,7 +38,8 @@ CAVEAT_TEST_SPLIT = ("test_metrics (and eval lines in metrics.jsonl) are compute
                      "assumed not to be training data; they describe that split and are not covered by ε.")
 CAVEAT_VALIDATION_SPLIT = ("validation_metrics are computed on the validation split (data.validation_fraction of "
                            "the training data, held out and never trained on); ε covers the remaining training "
-                           "examples only, and validation_metrics, like test_metrics, are not covered by ε.")
+                           "examples only, and validation_metrics, like test_metrics, are not covered by ε; "
+                           "hyperparameters chosen on them (benchmarks/tune.py) are not charged to ε either.")
 CAVEAT_DEBUG = ("train.debug_metrics = true: metrics.jsonl, summary.json and the progress output carry raw, "
                 "un-noised training statistics (" + ", ".join(DEBUG_STEP_KEYS + DEBUG_SUMMARY_KEYS) + "). "
                 "The privacy report is VOID for those outputs: do not publish them.")

@@ -13,6 +13,8 @@ Per-example row gradient (sum pooling with per-id weights w, mean pooling = w = 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -38,9 +40,14 @@ def _device() -> tuple[torch.device, ComputeDevice, EmbeddingLocation]:
 
 class EmbeddingShard:
     def __init__(self, layout: ShardLayout, shard_index: int, optimizer: str = "sgd", lr: float = 0.1,
-                 seed: int = 0, init_std: float = 0.01, adam_betas=(0.9, 0.999), eps: float = 1e-8):
+                 seed: int = 0, init_std: float = 0.01, adam_betas=(0.9, 0.999), eps: float = 1e-8,
+                 ema_decay: float = 0.0):
+        """`ema_decay` β > 0 keeps an exponential moving average of every row's iterates
+        (`averaged_weights`), updated lazily: only rows written in a step cost anything."""
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"embedding optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        if not 0.0 <= ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}")
         self.layout, self.shard_index, self.optimizer, self.lr = layout, shard_index, optimizer, lr
         self.adam_betas, self.eps = adam_betas, eps
         self._current_lr = lr  # lr · the step's lr_scale (set_lr_scale)
@@ -71,17 +78,30 @@ class EmbeddingShard:
                 for w in (tbe.split_embedding_weights()[0] for tbe in self.tbes)
             ]
         self._cache: dict = {}
+        # Parameter averaging (post-processing of the iterates). ema[t][r] is the EMA through
+        # step ema_through[t][r]; row r's weight has not changed since then, so the EMA through
+        # any later step T is β^n·ema + (1 - β^n)·w with n = T - ema_through (_ema_at).
+        self.ema_decay = float(ema_decay)
+        self.step = 0  # the step whose update is being applied (begin_update), then the last one applied
+        self.ema: Optional[list] = None
+        if self.ema_decay > 0:
+            self.ema = [self.weights(t).detach().clone() for t in range(len(self.tbes))]
+            self.ema_through = [torch.zeros(w.shape[0], dtype=torch.int64) for w in self.ema]
+        self._averaged_cache: Optional[tuple] = None
 
     # ---- forward ------------------------------------------------------------------------------
     def weights(self, t: int) -> torch.Tensor:
         start, end = self.ranges[t]
         return self.tbes[t].split_embedding_weights()[0][: end - start]
 
-    def lookup(self, inp: ShardInput, batch_size: int) -> np.ndarray:
-        """Partial pooled embeddings [B, F, D] from this shard's rows (zeros elsewhere)."""
+    def lookup(self, inp: ShardInput, batch_size: int, averaged: bool = False) -> np.ndarray:
+        """Partial pooled embeddings [B, F, D] from this shard's rows (zeros elsewhere); with
+        `averaged`, from the averaged weights (evaluation only: no gradient cache is kept)."""
         n_feat, dim = len(self.layout.features), self.layout.dim
         out = torch.zeros((batch_size, n_feat, dim), dtype=torch.float32)
-        self._cache = {"inp": inp, "batch_size": batch_size}
+        tables = self.averaged_weights() if averaged else None
+        if not averaged:
+            self._cache = {"inp": inp, "batch_size": batch_size}
         if batch_size == 0 or inp.example.size == 0:
             return out.numpy()
         # One sort groups ids by table, then by bag (feature, example) — feature-major like a KJT.
@@ -100,11 +120,14 @@ class EmbeddingShard:
             counts = np.bincount(bag, minlength=feats.size * batch_size)
             offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
             with torch.no_grad():
-                pooled = tbe(
-                    torch.from_numpy(inp.local_id[sel]).to(self.device),
-                    offsets.to(self.device),
-                    per_sample_weights=torch.from_numpy(inp.weight[sel]).to(self.device),
-                )
+                ids, weights = torch.from_numpy(inp.local_id[sel]), torch.from_numpy(inp.weight[sel])
+                if tables is None:
+                    pooled = tbe(ids.to(self.device), offsets.to(self.device),
+                                 per_sample_weights=weights.to(self.device))
+                else:  # the same weighted sum pooling over the averaged table
+                    pooled = torch.nn.functional.embedding_bag(ids, tables[t], offsets, mode="sum",
+                                                               per_sample_weights=weights.float(),
+                                                               include_last_offset=True)
             out.index_copy_(1, self.table_features_t[t], pooled.float().cpu().view(feats.size, batch_size, dim).transpose(0, 1))
         return out.numpy()
 
@@ -152,6 +175,13 @@ class EmbeddingShard:
                            table=self.feature_table[inp.feature])
 
     # ---- updates --------------------------------------------------------------------------------
+    def begin_update(self, step: int, lr_scale: float) -> None:
+        """The updates that follow are step `step`'s (1-based), at learning rate lr · lr_scale."""
+        if step is not None:
+            self.step = int(step)
+        self._averaged_cache = None
+        self.set_lr_scale(lr_scale)
+
     def set_lr_scale(self, lr_scale: float) -> None:
         """This step's learning rate is lr · lr_scale (trainer/lr_schedule.py)."""
         lr = self.lr * float(lr_scale)
@@ -162,10 +192,10 @@ class EmbeddingShard:
             self._current_lr = lr
 
     def apply_rows(self, table_idx: np.ndarray, global_ids: np.ndarray, rows: np.ndarray,
-                   lr_scale: float = 1.0) -> None:
+                   lr_scale: float = 1.0, step: Optional[int] = None) -> None:
         """Apply the optimizer to the given rows only (update direction = `rows`, a gradient),
-        with learning rate lr · lr_scale."""
-        self.set_lr_scale(lr_scale)
+        with learning rate lr · lr_scale, as step `step` (for the averaged weights)."""
+        self.begin_update(step, lr_scale)
         rows = torch.from_numpy(np.array(rows, dtype=np.float32))  # copy: Ray hands read-only arrays
         for t in np.unique(table_idx):
             sel = np.flatnonzero(table_idx == t)
@@ -177,8 +207,9 @@ class EmbeddingShard:
                                  secure: bool = False, tables=None, lr_scale: float = 1.0) -> None:
         """DP-SGD: every row of every table in `tables` (None: all) gets G + N(0, std²) (G = 0
         for untouched rows). The noise of row r depends only on (seed, step, table, r), not on
-        the sharding nor on which other tables are dense. Learning rate lr · lr_scale."""
-        self.set_lr_scale(lr_scale)
+        the sharding nor on which other tables are dense. Learning rate lr · lr_scale; `step` is
+        0-based (the engine's step count before the step), so this is step `step + 1`."""
+        self.begin_update(step + 1, lr_scale)
         rows = np.asarray(rows, dtype=np.float32)
         for t, (start, end) in enumerate(self.ranges):
             if end <= start or (tables is not None and t not in tables):
@@ -195,6 +226,38 @@ class EmbeddingShard:
     def _apply_table(self, t: int, local: torch.Tensor, update: torch.Tensor) -> None:
         if local.numel() == 0:
             return
+        if self.ema is not None:  # bring these rows' EMA through the previous step first
+            self._ema_catch_up(t, local, self.step - 1)
+        self._update_weights(t, local, update)
+        if self.ema is not None:
+            beta = self.ema_decay
+            with torch.no_grad():
+                self.ema[t][local] = beta * self.ema[t][local] + (1 - beta) * self.weights(t)[local]
+            self.ema_through[t][local] = self.step
+
+    def _ema_catch_up(self, t: int, local: torch.Tensor, through: int) -> None:
+        n = through - self.ema_through[t][local]
+        if bool((n < 0).any()):
+            raise RuntimeError(f"row of table {t} updated twice in step {self.step}: the average would be wrong")
+        factor = torch.pow(self.ema_decay, n.double()).float().unsqueeze(1)
+        with torch.no_grad():
+            self.ema[t][local] = factor * self.ema[t][local] + (1 - factor) * self.weights(t)[local]
+        self.ema_through[t][local] = through
+
+    def averaged_weights(self) -> list:
+        """Each table's EMA of its iterates through the last step applied (a new tensor per
+        table; the weights themselves when averaging is off)."""
+        if self.ema is None:
+            return [self.weights(t) for t in range(len(self.tbes))]
+        if self._averaged_cache is None or self._averaged_cache[0] != self.step:
+            out = []
+            for t, (ema, through) in enumerate(zip(self.ema, self.ema_through)):
+                factor = torch.pow(self.ema_decay, (self.step - through).double()).float().unsqueeze(1)
+                out.append(factor * ema + (1 - factor) * self.weights(t).detach())
+            self._averaged_cache = (self.step, out)
+        return self._averaged_cache[1]
+
+    def _update_weights(self, t: int, local: torch.Tensor, update: torch.Tensor) -> None:
         if self.optimizer in FUSED_OPTIMIZERS:
             # FBGEMM fuses the update into backward: look the rows up as bags of one and
             # back-propagate the update as the gradient of the pooled output.
@@ -225,6 +288,11 @@ class EmbeddingShard:
             ]
         if self.adam_state is not None:
             state["adam"] = [{k: v.numpy().copy() for k, v in st.items()} for st in self.adam_state]
+        state["step"] = self.step
+        if self.ema is not None:
+            state["ema"] = [e.numpy().copy() for e in self.ema]
+            state["ema_through"] = [e.numpy().copy() for e in self.ema_through]
+            state["averaged_weights"] = [w.numpy().copy() for w in self.averaged_weights()]
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -238,3 +306,13 @@ class EmbeddingShard:
                 for st, saved in zip(self.adam_state, state["adam"]):
                     for k in st:
                         st[k].copy_(torch.from_numpy(np.array(saved[k])))
+            self.step = int(state.get("step", 0))
+            if self.ema is not None:
+                if "ema" not in state:
+                    raise ValueError("the checkpoint has no averaged weights but train.ema_decay > 0: "
+                                     "resume with the checkpoint's train.ema_decay")
+                for e, saved in zip(self.ema, state["ema"]):
+                    e.copy_(torch.from_numpy(np.array(saved)))
+                for e, saved in zip(self.ema_through, state["ema_through"]):
+                    e.copy_(torch.from_numpy(np.array(saved)))
+            self._averaged_cache = None

@@ -86,7 +86,8 @@ def _layout(meta, cfg: Config) -> ShardLayout:
 def _shard_group(cfg: Config, layout: ShardLayout):
     from trainer.shard_group import InProcessShardGroup, RayShardGroup
 
-    kwargs = dict(optimizer=cfg.train.optimizer, lr=cfg.train.lr, seed=cfg.train.seed, init_std=cfg.model.init_std)
+    kwargs = dict(optimizer=cfg.train.optimizer, lr=cfg.train.lr, seed=cfg.train.seed, init_std=cfg.model.init_std,
+                  ema_decay=cfg.train.ema_decay)
     if cfg.cluster.backend == "local":
         return InProcessShardGroup(layout, **kwargs)
     return RayShardGroup(layout, cpus_per_shard=cfg.cluster.cpus_per_shard, gpus_per_shard=cfg.cluster.gpus_per_shard,
@@ -139,7 +140,8 @@ def build_run(cfg: Config) -> Run:
                     ledger=ledger, target_epsilon=cfg.privacy.target_epsilon,
                     dense_optimizer=_dense_optimizer(cfg, model), randomness=randomness,
                     secure_mode=cfg.privacy.secure_mode,
-                    dense_tables=policy.dense_indices([t.name for t in layout.tables]) if policy else ())
+                    dense_tables=policy.dense_indices([t.name for t in layout.tables]) if policy else (),
+                    ema_decay=cfg.train.ema_decay)
     return Run(cfg, engine, train_set, test_set, meta, info, validation_set)
 
 
