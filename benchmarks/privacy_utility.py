@@ -17,6 +17,14 @@ at ε = 8 within 0.01 AUC of nonprivate; CBOW: best sparse test loss <= dpsgd's 
 (EM on example counts) beats random at every ε (em, on min(‖G_r‖, S0), is reported beside it). Beside each sparse point: rows noised per step and the ratio
 dpsgd / sparse (dpsgd noises every row; sparse noises the selected rows plus its dense tables').
 
+Tuning protocol: when benchmarks/results/tuning/{dataset}_{mode}_eps{ε}.json exists (a
+benchmarks/tune.py sweep that chose its best point on a validation split carved from the
+training data), that point's values (e.g. train.lr, train.dense_lr) are used for the runs of
+that data set, mode and ε — for every sparse selector alike — and each record says which file
+(`tuned_from`); the runs themselves train on the whole training split and report on the test
+split. Tuning is not charged to ε (docs/THREAT_MODEL.md). `--tuning-dir ''` uses the configs as
+they are.
+
 Runs are kept under runs/bench/privacy_utility[/quick]/ and reused when their config is
 unchanged (an interrupted grid resumes; --fresh retrains). SVT and threshold selections use
 the config's privacy.threshold, or when that is "auto" the noise-only rule of
@@ -35,10 +43,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (announce_machine, DATA_DIR, REPO, default_selection_threshold, format_table, write_results)
+from _common import (announce_machine, DATA_DIR, REPO, RESULTS_DIR, default_selection_threshold, format_table,
+                     write_results)
 
 DATASETS = {"criteo_like": "configs/ctr_criteo_like.toml", "ctr": "configs/ctr.toml", "cbow": "configs/cbow.toml"}
 PRIMARY = {"criteo_like": ("auc", "max"), "ctr": ("auc", "max"), "cbow": ("loss", "min")}
@@ -55,15 +65,31 @@ def variant(config: str, mode: str) -> str:
     return str(v.relative_to(REPO)) if mode != "sparse" and v.exists() else config
 
 
+def tuned_overrides(dataset: str, mode: str, eps, tuning_dir: Path) -> tuple[list, Optional[str]]:
+    """The grid values of the best point (chosen on the validation split) of the sweep
+    `tuning_dir/{dataset}_{mode}_eps{ε}.json` (benchmarks/tune.py), and that file; none: ([], None).
+    A sparse sweep tunes the config's selector; its values are used for every selector."""
+    if eps is None:
+        return [], None
+    path = tuning_dir / f"{dataset}_{mode}_eps{eps:g}.json"
+    if not path.is_file():
+        return [], None
+    doc = json.loads(path.read_text())
+    if doc.get("chosen_on") != "validation" or not doc.get("best"):
+        return [], None  # only sweeps that chose on held-out training data, never on the test split
+    return list(doc["best"]["overrides"][len(doc["set"]):]), str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
+
+
 def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, overrides: list, root: Path,
-            fresh: bool, accountants: bool) -> dict:
+            fresh: bool, accountants: bool, tuning_dir: Optional[Path] = None) -> dict:
     from trainer.config import load_config
     from trainer.report import ledger_accounting
     from trainer.train import train
 
     name = mode + (f"-{selection}" if selection else "") + (f"-eps{eps:g}" if eps is not None else "") + f"-seed{seed}"
     run_dir = root / dataset / name
-    over = [*overrides, f"train.mode={mode}", f"train.seed={seed}"]
+    tuned, tuned_from = tuned_overrides(dataset, mode, eps, tuning_dir) if tuning_dir else ([], None)
+    over = [*tuned, *overrides, f"train.mode={mode}", f"train.seed={seed}"]  # --set wins over tuned values
     if selection:
         over.append(f"train.selection={selection}")
     if eps is not None:
@@ -75,7 +101,7 @@ def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, ove
         cfg.privacy.threshold = rule["threshold"]
     record = {"dataset": dataset, "mode": mode, "selection": selection, "target_epsilon": eps, "seed": seed,
               "run_dir": str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir),
-              "config": variant(config, mode), "threshold_rule": rule}
+              "config": variant(config, mode), "threshold_rule": rule, "tuned": tuned, "tuned_from": tuned_from}
     summary_path = run_dir / "summary.json"
     saved = run_dir / "config.json"
     t0 = time.perf_counter()
@@ -198,6 +224,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--fresh", action="store_true", help="retrain runs that already exist")
     parser.add_argument("--no-accountants", action="store_true", help="skip re-accounting ledgers")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of the coordinator (default: torch's)")
+    parser.add_argument("--tuning-dir", default=str(RESULTS_DIR / "tuning"),
+                        help="use each (data set, mode, ε)'s tuned values from DIR/{dataset}_{mode}_eps{ε}.json "
+                             "(benchmarks/tune.py, chosen on validation) when present; '' to use the configs as they are")
     parser.add_argument("--runs-dir", default=None)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -212,6 +241,8 @@ def main(argv=None) -> dict:
         import torch
 
         torch.set_num_threads(args.threads)
+    # Tuned values (chosen on validation splits) per (data set, mode, ε); never for --quick smoke grids.
+    tuning_dir = Path(args.tuning_dir) if args.tuning_dir and not quick else None
     machine = announce_machine()
     configs = {**DATASETS, "ctr": args.ctr_config, "cbow": args.cbow_config}
     records, settings = [], {}
@@ -233,15 +264,16 @@ def main(argv=None) -> dict:
         print(f"\n{dataset}: {config} {' '.join(over)}")
         for seed in seeds:
             if "nonprivate" in modes:
-                records.append(run_one(dataset, config, "nonprivate", None, None, seed, over, root, args.fresh, False))
+                records.append(run_one(dataset, config, "nonprivate", None, None, seed, over, root, args.fresh, False,
+                                       tuning_dir))
             for eps in eps_list:
                 if "dpsgd" in modes:
                     records.append(run_one(dataset, config, "dpsgd", None, eps, seed, over, root, args.fresh,
-                                           not args.no_accountants))
+                                           not args.no_accountants, tuning_dir))
                 if "sparse" in modes:
                     for sel in selections:
                         records.append(run_one(dataset, config, "sparse", sel, eps, seed, over, root, args.fresh,
-                                               not args.no_accountants))
+                                               not args.no_accountants, tuning_dir))
     points = aggregate(records)
     g = goals(points)
     print()

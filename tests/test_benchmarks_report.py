@@ -175,12 +175,21 @@ def test_opacus_compare_smoke(tmp_path):
 
 
 def test_privacy_utility_smoke(tmp_path):
+    (tmp_path / "tuning").mkdir()
+    (tmp_path / "tuning" / "cbow_sparse_eps8.json").write_text(json.dumps(
+        {"set": ["data.validation_fraction=0.1"], "chosen_on": "validation",
+         "best": {"overrides": ["data.validation_fraction=0.1", "train.lr=0.25"]}}))
     doc, stdout = _bench("privacy_utility", ["--datasets", "cbow", "--eps", "8", "--seeds", "0", "--modes",
                                              "sparse,dpsgd", "--selections", "em,em-count,random", "--steps", "3", "--examples", "1000",
-                                             "--backend", "local", "--runs-dir", str(tmp_path / "runs")], tmp_path)
+                                             "--backend", "local", "--runs-dir", str(tmp_path / "runs"),
+                                             "--tuning-dir", str(tmp_path / "tuning")], tmp_path)
     assert not [r for r in doc["records"] if "error" in r]
     modes = {(p["mode"], p["selection"]) for p in doc["points"]}
     assert modes == {("sparse", "em"), ("sparse", "em-count"), ("sparse", "random"), ("dpsgd", None)}
+    for r in doc["records"]:  # the sparse sweep's lr for every selector; no dpsgd sweep
+        assert r["tuned"] == (["train.lr=0.25"] if r["mode"] == "sparse" else [])
+        cfg = json.loads((REPO / r["run_dir"] / "config.json").read_text())  # run_dir: relative to REPO or absolute
+        assert (cfg["train"]["lr"] == 0.25) == (r["mode"] == "sparse")
     rec = next(r for r in doc["records"] if r["mode"] == "sparse")
     assert rec["epsilon"] <= 8 + 1e-6 and "rdp" in rec["accountants"] and "paper" in rec["accountants"]
     assert "cbow: sparse/em <= dpsgd (loss) at every ε" in stdout
@@ -201,6 +210,22 @@ def test_privacy_utility_smoke(tmp_path):
     assert "| cbow: sparse/em-count beats sparse/random at every ε |" in md
     assert "| cbow: best sparse within 0 of dpsgd test loss at every ε |" in md
     assert f"{make_results.f(sparse['rows_noised_ratio'])}×" in md
+
+
+def test_privacy_utility_uses_only_sweeps_chosen_on_validation(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import privacy_utility
+
+    sweep = {"set": ["cluster.backend=local", "data.validation_fraction=0.1"], "chosen_on": "validation",
+             "best": {"overrides": ["cluster.backend=local", "data.validation_fraction=0.1", "train.lr=0.5",
+                                    "train.dense_lr=2"]}}
+    (tmp_path / "cbow_sparse_eps8.json").write_text(json.dumps(sweep))
+    (tmp_path / "cbow_dpsgd_eps8.json").write_text(json.dumps({**sweep, "chosen_on": "test"}))
+    tuned, source = privacy_utility.tuned_overrides("cbow", "sparse", 8.0, tmp_path)
+    assert tuned == ["train.lr=0.5", "train.dense_lr=2"] and source.endswith("cbow_sparse_eps8.json")
+    assert privacy_utility.tuned_overrides("cbow", "dpsgd", 8.0, tmp_path) == ([], None)  # chosen on test: ignored
+    assert privacy_utility.tuned_overrides("cbow", "sparse", 1.0, tmp_path) == ([], None)
+    assert privacy_utility.tuned_overrides("cbow", "nonprivate", None, tmp_path) == ([], None)
 
 
 def test_paper_fig1_smoke(tmp_path):

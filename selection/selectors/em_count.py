@@ -12,12 +12,14 @@ realistic k (issue 10); here a row touched by c examples is ahead by c·ε''/2 n
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
 from selection.exponential import exponential_top_k
 from selection.fest import truncated_row_counts
 from selection.registry import param, register_selector
+from selection.result import Selection
 from selection.selectors.em import ExponentialSelector
 
 #: One example changes each row's count by at most this (add/remove-one).
@@ -37,11 +39,18 @@ def example_counts(context) -> tuple[np.ndarray, np.ndarray]:
     return truncated_row_counts(offsets, ids, context.num_rows, max(1, int(np.asarray(ids).size)))
 
 
-@register_selector("em-count")
-class ExponentialCountSelector(ExponentialSelector):
-    Params = EmCountParams
+class CountUtility:
+    """Selector mixin: `select` runs `count_mechanism` on the example counts, sensitivity 1."""
+
+    count_mechanism: Callable[..., Selection]
 
     def select(self, context, params, rng):
         rows, counts = example_counts(context)
-        return exponential_top_k(rows, counts, context.num_rows, params.k, params.epsilon_per_draw,
-                                 COUNT_SENSITIVITY, rng)
+        return self.count_mechanism(rows, counts, context.num_rows, params.k, params.epsilon_per_draw,
+                                    COUNT_SENSITIVITY, rng)
+
+
+@register_selector("em-count")
+class ExponentialCountSelector(CountUtility, ExponentialSelector):
+    Params = EmCountParams
+    count_mechanism = staticmethod(exponential_top_k)

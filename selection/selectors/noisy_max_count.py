@@ -11,7 +11,7 @@ import dataclasses
 
 from selection.noisy_max import noisy_max_top_k
 from selection.registry import register_selector
-from selection.selectors.em_count import COUNT_SENSITIVITY, EmCountParams, example_counts
+from selection.selectors.em_count import CountUtility, EmCountParams
 from selection.selectors.noisy_max import NoisyMaxSelector
 
 
@@ -21,10 +21,6 @@ class NoisyMaxCountParams(EmCountParams):
 
 
 @register_selector("noisy-max-count")
-class NoisyMaxCountSelector(NoisyMaxSelector):
+class NoisyMaxCountSelector(CountUtility, NoisyMaxSelector):
     Params = NoisyMaxCountParams
-
-    def select(self, context, params, rng):
-        rows, counts = example_counts(context)
-        return noisy_max_top_k(rows, counts, context.num_rows, params.k, params.epsilon_per_draw,
-                               COUNT_SENSITIVITY, rng)
+    count_mechanism = staticmethod(noisy_max_top_k)
