@@ -410,7 +410,7 @@ def section_utility(doc, plots, out_dir) -> tuple[list, list]:
             ratio = p.get("rows_noised_ratio") if p["mode"] == "sparse" else None
             lines.append(f"| {p['mode']}{'/' + p['selection'] if p['selection'] else ''} | {f(p['target_epsilon'])} | {p['seeds']} | "
                          f"{m['median']:.4f} | {m['min']:.4f} | {m['max']:.4f} | {f(p['steps_median'])} | {f(noised)} | "
-                         f"{f(ratio) + '×' if ratio else ''} | {f(p['epsilon_spent_median'])} | {f(p['paper_epsilon_median'])} |")
+                         f"{f(ratio) + '×' if ratio else '–'} | {f(p['epsilon_spent_median'])} | {f(p['paper_epsilon_median'])} |")
         if metric == "auc" and pts[0].get("bayes_auc"):
             lines.append(f"\nBayes AUC of the planted model: {pts[0]['bayes_auc']:.4f}.")
         lines.append("")

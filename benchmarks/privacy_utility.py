@@ -31,7 +31,7 @@ the config's privacy.threshold, or when that is "auto" the noise-only rule of
 _common.default_selection_threshold (pure-noise rows pass with probability k/p).
 
     python benchmarks/privacy_utility.py [--quick] [--datasets criteo_like,ctr,cbow] [--eps 1,3,8] [--seeds 0,1,2]
-        [--steps N] [--examples N] [--set section.key=value ...]
+        [--steps N] [--examples N] [--jobs 2] [--set section.key=value ...]
 """
 
 from __future__ import annotations
@@ -131,6 +131,25 @@ def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, ove
     return record
 
 
+def _run_job(job: tuple) -> dict:
+    """run_one in a spawned worker process: one torch thread."""
+    import os
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    return run_one(*job)
+
+
+def _prepare_data(config: str, overrides: list) -> None:
+    """Generate (or check) the data set of `config` before parallel runs read it."""
+    from trainer.config import load_config
+    from trainer.train import _ensure_dataset
+
+    _ensure_dataset(load_config(config, overrides))
+
+
 def aggregate(records: list) -> list:
     groups: dict = {}
     for r in records:
@@ -224,6 +243,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--fresh", action="store_true", help="retrain runs that already exist")
     parser.add_argument("--no-accountants", action="store_true", help="skip re-accounting ledgers")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of the coordinator (default: torch's)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at a time, each in its own process with one torch thread (on 2 cores, 2 jobs "
+                             "finish the grid sooner than 1 job with 2 threads: much of a step is single-threaded)")
     parser.add_argument("--tuning-dir", default=str(RESULTS_DIR / "tuning"),
                         help="use each (data set, mode, ε)'s tuned values from DIR/{dataset}_{mode}_eps{ε}.json "
                              "(benchmarks/tune.py, chosen on validation) when present; '' to use the configs as they are")
@@ -245,7 +267,8 @@ def main(argv=None) -> dict:
     tuning_dir = Path(args.tuning_dir) if args.tuning_dir and not quick else None
     machine = announce_machine()
     configs = {**DATASETS, "ctr": args.ctr_config, "cbow": args.cbow_config}
-    records, settings = [], {}
+    jobs: list = []
+    settings: dict = {}
     for dataset in [d for d in args.datasets.split(",") if d]:
         config = configs[dataset]
         over = list(QUICK[dataset]) if quick else []
@@ -262,18 +285,26 @@ def main(argv=None) -> dict:
         over += args.set
         settings[dataset] = {"config": config, "overrides": over}
         print(f"\n{dataset}: {config} {' '.join(over)}")
+        if args.jobs > 1:
+            _prepare_data(config, over)  # parallel runs must not generate the same data set twice
         for seed in seeds:
             if "nonprivate" in modes:
-                records.append(run_one(dataset, config, "nonprivate", None, None, seed, over, root, args.fresh, False,
-                                       tuning_dir))
+                jobs.append((dataset, config, "nonprivate", None, None, seed, over, root, args.fresh, False, tuning_dir))
             for eps in eps_list:
                 if "dpsgd" in modes:
-                    records.append(run_one(dataset, config, "dpsgd", None, eps, seed, over, root, args.fresh,
-                                           not args.no_accountants, tuning_dir))
+                    jobs.append((dataset, config, "dpsgd", None, eps, seed, over, root, args.fresh,
+                                 not args.no_accountants, tuning_dir))
                 if "sparse" in modes:
                     for sel in selections:
-                        records.append(run_one(dataset, config, "sparse", sel, eps, seed, over, root, args.fresh,
-                                               not args.no_accountants, tuning_dir))
+                        jobs.append((dataset, config, "sparse", sel, eps, seed, over, root, args.fresh,
+                                     not args.no_accountants, tuning_dir))
+    if args.jobs > 1:
+        from multiprocessing import get_context
+
+        with get_context("spawn").Pool(args.jobs) as pool:
+            records = pool.map(_run_job, jobs, chunksize=1)
+    else:
+        records = [run_one(*job) for job in jobs]
     points = aggregate(records)
     g = goals(points)
     print()

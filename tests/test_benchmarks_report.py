@@ -182,7 +182,7 @@ def test_privacy_utility_smoke(tmp_path):
     doc, stdout = _bench("privacy_utility", ["--datasets", "cbow", "--eps", "8", "--seeds", "0", "--modes",
                                              "sparse,dpsgd", "--selections", "em,em-count,random", "--steps", "3", "--examples", "1000",
                                              "--backend", "local", "--runs-dir", str(tmp_path / "runs"),
-                                             "--tuning-dir", str(tmp_path / "tuning")], tmp_path)
+                                             "--tuning-dir", str(tmp_path / "tuning"), "--jobs", "2"], tmp_path)
     assert not [r for r in doc["records"] if "error" in r]
     modes = {(p["mode"], p["selection"]) for p in doc["points"]}
     assert modes == {("sparse", "em"), ("sparse", "em-count"), ("sparse", "random"), ("dpsgd", None)}

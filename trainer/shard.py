@@ -86,7 +86,7 @@ class EmbeddingShard:
         self.ema: Optional[list] = None
         if self.ema_decay > 0:
             self.ema = [self.weights(t).detach().clone() for t in range(len(self.tbes))]
-            self.ema_through = [torch.zeros(w.shape[0], dtype=torch.int64) for w in self.ema]
+            self.ema_through = [torch.zeros(w.shape[0], dtype=torch.int64, device=w.device) for w in self.ema]
         self._averaged_cache: Optional[tuple] = None
 
     # ---- forward ------------------------------------------------------------------------------
@@ -125,8 +125,9 @@ class EmbeddingShard:
                     pooled = tbe(ids.to(self.device), offsets.to(self.device),
                                  per_sample_weights=weights.to(self.device))
                 else:  # the same weighted sum pooling over the averaged table
-                    pooled = torch.nn.functional.embedding_bag(ids, tables[t], offsets, mode="sum",
-                                                               per_sample_weights=weights.float(),
+                    dev = tables[t].device
+                    pooled = torch.nn.functional.embedding_bag(ids.to(dev), tables[t], offsets.to(dev), mode="sum",
+                                                               per_sample_weights=weights.float().to(dev),
                                                                include_last_offset=True)
             out.index_copy_(1, self.table_features_t[t], pooled.float().cpu().view(feats.size, batch_size, dim).transpose(0, 1))
         return out.numpy()
@@ -290,9 +291,9 @@ class EmbeddingShard:
             state["adam"] = [{k: v.numpy().copy() for k, v in st.items()} for st in self.adam_state]
         state["step"] = self.step
         if self.ema is not None:
-            state["ema"] = [e.numpy().copy() for e in self.ema]
-            state["ema_through"] = [e.numpy().copy() for e in self.ema_through]
-            state["averaged_weights"] = [w.numpy().copy() for w in self.averaged_weights()]
+            state["ema"] = [e.detach().cpu().numpy().copy() for e in self.ema]
+            state["ema_through"] = [e.cpu().numpy().copy() for e in self.ema_through]
+            state["averaged_weights"] = [w.detach().cpu().numpy().copy() for w in self.averaged_weights()]
         return state
 
     def load_state_dict(self, state: dict) -> None:
