@@ -414,6 +414,12 @@ def section_utility(doc, plots, out_dir) -> tuple[list, list]:
         if metric == "auc" and pts[0].get("bayes_auc"):
             lines.append(f"\nBayes AUC of the planted model: {pts[0]['bayes_auc']:.4f}.")
         lines.append("")
+    tuned = sorted({(r["dataset"], r["mode"], r["target_epsilon"], " ".join(r["tuned"]), r["tuned_from"])
+                    for r in doc.get("records", []) if r.get("tuned_from")}, key=str)
+    if tuned:
+        lines.append("Tuned values (each sweep chose on a validation split carved from the training data; the "
+                     "runs above train on the whole training split; tuning is not charged to ε):")
+        lines += [f"- {d} {m} ε = {f(e)}: `{o}` (`{src}`)" for d, m, e, o, src in tuned] + [""]
     fails = [r for r in doc.get("records", []) if "error" in r]
     for r in fails:
         lines.append(f"- FAILED: {r['dataset']} {r['mode']}/{r.get('selection')} ε={r.get('target_epsilon')} seed {r['seed']}: {r['error'][:160]}")

@@ -208,6 +208,7 @@ def test_privacy_utility_smoke(tmp_path):
     (res / "privacy_utility.json").write_text(json.dumps({**doc, "machine": _machine()}))
     md = make_results.render(res, tmp_path / "docs").read_text()
     assert "| cbow: sparse/em-count beats sparse/random at every ε |" in md
+    assert "- cbow sparse ε = 8: `train.lr=0.25`" in md  # the tuned values and their sweep are stated
     assert "| cbow: best sparse within 0 of dpsgd test loss at every ε |" in md
     assert f"{make_results.f(sparse['rows_noised_ratio'])}×" in md
 
