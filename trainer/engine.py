@@ -265,10 +265,11 @@ class Engine:
                          int(rows.global_ids.size), int(selected.size) + self.dense_table_rows, eps, clock.phases)
 
     # ---- the phases of one step ---------------------------------------------------------------------
-    def _lookup(self, batch, B: int, example_ids=None) -> np.ndarray:
-        """Pooled embeddings [B, F, D]: the shards' partial pools for their rows, summed."""
+    def _lookup(self, batch, B: int, example_ids=None, averaged: bool = False) -> np.ndarray:
+        """Pooled embeddings [B, F, D]: the shards' partial pools for their rows, summed (from
+        the averaged tables with `averaged`)."""
         parts = route(self.layout, batch.sparse, B, example_ids=example_ids)
-        return np.sum(self.shards.call("lookup", [(p, B) for p in parts]), axis=0)
+        return np.sum(self.shards.call("lookup", [(p, B, True) if averaged else (p, B) for p in parts]), axis=0)
 
     def _dense_forward_backward(self, pooled: np.ndarray, batch, B: int):
         """Per-example losses, pooled-output gradients [B, F, D] (float32 numpy) and dense grads."""
@@ -410,17 +411,11 @@ class Engine:
         averaged = self.dense_ema is not None if averaged is None else averaged
         if averaged and self.dense_ema is None:
             raise ValueError("averaged evaluation needs ema_decay > 0")
-        dense_ema = self.dense_ema or {}
+        dense_params = (self.dense_ema if averaged else None) or dict(self.model.named_parameters())
         outputs, labels = [], []
         for batch in dataset.iter_batches(batch_size):
-            if averaged:
-                parts = route(self.layout, batch.sparse, batch.size)
-                pooled = np.sum(self.shards.call("lookup", [(p, batch.size, True) for p in parts]), axis=0)
-                outputs.append(torch.func.functional_call(self.model, dense_ema,
-                                                          (torch.from_numpy(pooled), batch.dense)))
-            else:
-                pooled = self._lookup(batch, batch.size)
-                outputs.append(self.model(torch.from_numpy(pooled), batch.dense))
+            pooled = torch.from_numpy(self._lookup(batch, batch.size, averaged=averaged))
+            outputs.append(torch.func.functional_call(self.model, dense_params, (pooled, batch.dense)))
             labels.append(batch.labels)
         if not outputs:
             return {}
@@ -440,10 +435,10 @@ class Engine:
             "reproducible": self.randomness.reproducible,
         }
         if self.dense_ema is not None:
-            # the released model: averaged dense parameters (the shards' states carry the
-            # averaged tables as "averaged_weights")
-            state["dense_ema"] = {n: v.clone() for n, v in self.dense_ema.items()}
-            state["averaged_model"] = {**copy.deepcopy(self.model.state_dict()), **state["dense_ema"]}
+            # the released model, with the averaged dense parameters (the shards' states carry
+            # the averaged tables as "averaged_weights"); also all a resume needs of the average
+            state["averaged_model"] = {**copy.deepcopy(self.model.state_dict()),
+                                       **{n: v.clone() for n, v in self.dense_ema.items()}}
         if self.randomness.reproducible:
             state["rng"] = {
                 "sampler": self.sampler.state_dict(),
@@ -471,7 +466,7 @@ class Engine:
             self.ledger.load_state_dict(state["ledger"])
         self.fixed_rows = state["fixed_rows"]
         if self.dense_ema is not None:
-            if "dense_ema" not in state:
+            if "averaged_model" not in state:
                 raise ValueError("the checkpoint has no averaged parameters but train.ema_decay > 0: "
                                  "resume with the checkpoint's train.ema_decay")
-            self.dense_ema = {n: v.clone() for n, v in state["dense_ema"].items()}
+            self.dense_ema = {n: state["averaged_model"][n].clone() for n in self.dense_ema}

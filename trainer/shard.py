@@ -50,7 +50,7 @@ class EmbeddingShard:
             raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}")
         self.layout, self.shard_index, self.optimizer, self.lr = layout, shard_index, optimizer, lr
         self.adam_betas, self.eps = adam_betas, eps
-        self._current_lr = lr  # lr · the step's lr_scale (set_lr_scale)
+        self._current_lr = lr  # lr · the step's lr_scale (begin_update)
         self.device, compute, location = _device()
         self.ranges = [layout.row_range(t, shard_index) for t in layout.tables]
         self.feature_table = np.array([layout.table_index(f.table) for f in layout.features])
@@ -80,14 +80,14 @@ class EmbeddingShard:
         self._cache: dict = {}
         # Parameter averaging (post-processing of the iterates). ema[t][r] is the EMA through
         # step ema_through[t][r]; row r's weight has not changed since then, so the EMA through
-        # any later step T is β^n·ema + (1 - β^n)·w with n = T - ema_through (_ema_at).
+        # any later step T is β^n·ema + (1 - β^n)·w with n = T - ema_through (_ema_catch_up).
         self.ema_decay = float(ema_decay)
         self.step = 0  # the step whose update is being applied (begin_update), then the last one applied
         self.ema: Optional[list] = None
         if self.ema_decay > 0:
             self.ema = [self.weights(t).detach().clone() for t in range(len(self.tbes))]
             self.ema_through = [torch.zeros(w.shape[0], dtype=torch.int64, device=w.device) for w in self.ema]
-        self._averaged_cache: Optional[tuple] = None
+        self._ema_current_at: Optional[int] = 0  # every row's EMA is through this step (None: not known)
 
     # ---- forward ------------------------------------------------------------------------------
     def weights(self, t: int) -> torch.Tensor:
@@ -176,15 +176,14 @@ class EmbeddingShard:
                            table=self.feature_table[inp.feature])
 
     # ---- updates --------------------------------------------------------------------------------
-    def begin_update(self, step: int, lr_scale: float) -> None:
-        """The updates that follow are step `step`'s (1-based), at learning rate lr · lr_scale."""
+    def begin_update(self, step: Optional[int], lr_scale: float) -> None:
+        """The updates that follow are step `step`'s (1-based; needed when averaging), at
+        learning rate lr · lr_scale (trainer/lr_schedule.py)."""
         if step is not None:
             self.step = int(step)
-        self._averaged_cache = None
-        self.set_lr_scale(lr_scale)
-
-    def set_lr_scale(self, lr_scale: float) -> None:
-        """This step's learning rate is lr · lr_scale (trainer/lr_schedule.py)."""
+        elif self.ema is not None:
+            raise ValueError("with ema_decay > 0 every update must say its step")
+        self._ema_current_at = None
         lr = self.lr * float(lr_scale)
         if lr != self._current_lr:
             if self.optimizer in FUSED_OPTIMIZERS:
@@ -227,36 +226,33 @@ class EmbeddingShard:
     def _apply_table(self, t: int, local: torch.Tensor, update: torch.Tensor) -> None:
         if local.numel() == 0:
             return
-        if self.ema is not None:  # bring these rows' EMA through the previous step first
+        if self.ema is not None:  # the old weight held through the previous step
             self._ema_catch_up(t, local, self.step - 1)
         self._update_weights(t, local, update)
-        if self.ema is not None:
-            beta = self.ema_decay
-            with torch.no_grad():
-                self.ema[t][local] = beta * self.ema[t][local] + (1 - beta) * self.weights(t)[local]
-            self.ema_through[t][local] = self.step
+        if self.ema is not None:  # and the new one at this step
+            self._ema_catch_up(t, local, self.step)
 
-    def _ema_catch_up(self, t: int, local: torch.Tensor, through: int) -> None:
+    def _ema_catch_up(self, t: int, local, through: int) -> None:
+        """Bring the EMA of rows `local` (indices or a slice) of table t through step `through`,
+        their weights having been constant since each row's ema_through: β^n·ema + (1-β^n)·w."""
         n = through - self.ema_through[t][local]
         if bool((n < 0).any()):
             raise RuntimeError(f"row of table {t} updated twice in step {self.step}: the average would be wrong")
-        factor = torch.pow(self.ema_decay, n.double()).float().unsqueeze(1)
+        factor = torch.pow(self.ema_decay, n.double()).float().unsqueeze(-1)
         with torch.no_grad():
             self.ema[t][local] = factor * self.ema[t][local] + (1 - factor) * self.weights(t)[local]
         self.ema_through[t][local] = through
 
     def averaged_weights(self) -> list:
-        """Each table's EMA of its iterates through the last step applied (a new tensor per
-        table; the weights themselves when averaging is off)."""
+        """Each table's EMA of its iterates through the last step applied (every row brought up
+        to date in place, once per step); the weights themselves when averaging is off."""
         if self.ema is None:
             return [self.weights(t) for t in range(len(self.tbes))]
-        if self._averaged_cache is None or self._averaged_cache[0] != self.step:
-            out = []
-            for t, (ema, through) in enumerate(zip(self.ema, self.ema_through)):
-                factor = torch.pow(self.ema_decay, (self.step - through).double()).float().unsqueeze(1)
-                out.append(factor * ema + (1 - factor) * self.weights(t).detach())
-            self._averaged_cache = (self.step, out)
-        return self._averaged_cache[1]
+        if self._ema_current_at != self.step:
+            for t in range(len(self.tbes)):
+                self._ema_catch_up(t, slice(None), self.step)
+            self._ema_current_at = self.step
+        return self.ema
 
     def _update_weights(self, t: int, local: torch.Tensor, update: torch.Tensor) -> None:
         if self.optimizer in FUSED_OPTIMIZERS:
@@ -290,9 +286,7 @@ class EmbeddingShard:
         if self.adam_state is not None:
             state["adam"] = [{k: v.numpy().copy() for k, v in st.items()} for st in self.adam_state]
         state["step"] = self.step
-        if self.ema is not None:
-            state["ema"] = [e.detach().cpu().numpy().copy() for e in self.ema]
-            state["ema_through"] = [e.cpu().numpy().copy() for e in self.ema_through]
+        if self.ema is not None:  # through `step` for every row: the whole averaging state
             state["averaged_weights"] = [w.detach().cpu().numpy().copy() for w in self.averaged_weights()]
         return state
 
@@ -309,11 +303,10 @@ class EmbeddingShard:
                         st[k].copy_(torch.from_numpy(np.array(saved[k])))
             self.step = int(state.get("step", 0))
             if self.ema is not None:
-                if "ema" not in state:
+                if "averaged_weights" not in state:
                     raise ValueError("the checkpoint has no averaged weights but train.ema_decay > 0: "
                                      "resume with the checkpoint's train.ema_decay")
-                for e, saved in zip(self.ema, state["ema"]):
+                for e, through, saved in zip(self.ema, self.ema_through, state["averaged_weights"]):
                     e.copy_(torch.from_numpy(np.array(saved)))
-                for e, saved in zip(self.ema_through, state["ema_through"]):
-                    e.copy_(torch.from_numpy(np.array(saved)))
-            self._averaged_cache = None
+                    through.fill_(self.step)
+                self._ema_current_at = self.step
