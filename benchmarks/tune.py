@@ -88,6 +88,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--runs-dir", default=None, help="default runs/bench/tune/NAME")
     parser.add_argument("--out", help="results file (default benchmarks/results/tuning/NAME.json)")
     args = parser.parse_args(argv)
+    if not 0 <= args.validation_fraction < 1:
+        parser.error(f"--validation-fraction must be in [0, 1), got {args.validation_fraction}")
     started = time.time()
     axes = []
     for item in args.grid:
@@ -98,8 +100,6 @@ def main(argv=None) -> dict:
     points = [list(p) for p in itertools.product(*axes)] if axes else [[]]
     machine = announce_machine()
     root = Path(args.runs_dir) if args.runs_dir else REPO / "runs" / "bench" / "tune" / args.name
-    if not 0 <= args.validation_fraction < 1:
-        parser.error(f"--validation-fraction must be in [0, 1), got {args.validation_fraction}")
     fixed = [*args.set, f"data.validation_fraction={args.validation_fraction}"]
     chosen_on = "validation" if args.validation_fraction > 0 else "test"
     jobs = [(args.config, [*fixed, *p], str(root / f"p{i:03d}")) for i, p in enumerate(points)]

@@ -230,6 +230,15 @@ def test_privacy_utility_uses_only_sweeps_chosen_on_validation(tmp_path):
     assert privacy_utility.tuned_overrides("cbow", "nonprivate", None, tmp_path) == ([], None)
 
 
+def test_tune_refuses_a_validation_fraction_outside_0_1(capsys):
+    sys.path.insert(0, str(BENCH))
+    import tune
+
+    with pytest.raises(SystemExit):
+        tune.main(["--config", "configs/ctr.toml", "--name", "x", "--validation-fraction", "1.5"])
+    assert "--validation-fraction must be in [0, 1), got 1.5" in capsys.readouterr().err
+
+
 def test_paper_fig1_smoke(tmp_path):
     doc, _ = _bench("paper_fig1", ["--runs", "sparse em,nonprivate", "--steps", "5", "--examples", "2000",
                                    "--eval-examples", "200", "--points", "2"], tmp_path)

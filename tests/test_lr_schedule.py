@@ -1,5 +1,6 @@
 """Learning-rate schedules (trainer/lr_schedule.py): the multipliers, the registry, the config
-key, and that the run loop gives the engine step t of T the schedule's multiplier. That the
+key, and that the run loop gives the engine step t of T the schedule's multiplier; the training
+practice settings' bad values (schedule, averaging, validation split). That the
 engine applies a multiplier exactly as the slow reference does (every optimizer, every write
 path): tests/test_engine.py §4c."""
 
@@ -33,9 +34,29 @@ def test_registry_refuses_a_second_schedule_of_the_same_name_and_unknown_names()
         lr_multiplier("step", 0, 4)
 
 
-def test_config_names_the_bad_schedule():
-    with pytest.raises(ConfigError, match="train.lr_schedule"):
-        load_config(None, ["data.path=x", "train.lr_schedule=exponential"]).validate()
+@pytest.mark.parametrize("setting,message", [
+    ("train.lr_schedule=exponential", r"train.lr_schedule must be one of \['constant', 'cosine', 'linear'\]"),
+    ("train.ema_decay=1.0", r"train.ema_decay must be in \[0, 1\), got 1.0"),
+    ("train.ema_decay=-0.1", r"train.ema_decay must be in \[0, 1\), got -0.1"),
+    ("data.validation_fraction=1.0", r"data.validation_fraction must be in \[0, 1\), got 1.0"),
+])
+def test_config_names_the_bad_training_practice_setting(setting, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["data.path=x", setting]).validate()
+
+
+def test_an_averaging_shard_refuses_an_update_that_does_not_say_its_step():
+    """The lazy average needs each write's step; without it the average would silently be wrong."""
+    import numpy as np
+
+    from trainer.layout import FeatureSpec, ShardLayout, TableSpec
+    from trainer.shard import EmbeddingShard
+
+    layout = ShardLayout((TableSpec("t", 8, 4),), (FeatureSpec("f", "t", "sum"),), 1)
+    shard = EmbeddingShard(layout, 0, optimizer="sgd", lr=1.0, ema_decay=0.9)
+    with pytest.raises(ValueError, match="every update must say its step"):
+        shard.apply_rows(np.array([0]), np.array([0]), np.zeros((1, shard.layout.dim)))
+    shard.apply_rows(np.array([0]), np.array([0]), np.zeros((1, shard.layout.dim)), 1.0, 1)  # with a step: fine
 
 
 class _Scales:
