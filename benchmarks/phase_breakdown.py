@@ -29,9 +29,10 @@ from _common import (announce_machine, ensure_config_dataset, format_table, quic
 PHASE_LABELS = {
     "sample": "sample + read batch",
     "lookup": "lookup (shards)",
-    "dense_forward_backward": "dense fwd/bwd (per-example)",
-    "norms": "per-example norms",
+    "dense_forward_backward": "dense fwd/bwd + dense norms (pass 1)",
+    "norms": "per-example norms (shards) + clip factors",
     "row_sums": "clipped row sums",
+    "dense_clipped_sum": "dense clipped sum (pass 2)",
     "selection": "selection",
     "clip_and_noise": "S2 clip + noise",
     "ledger": "ledger record",

@@ -316,10 +316,10 @@ def _engine_norm_pass(engine, indices):
     B = len(indices)
     parts = route(engine.layout, batch.sparse, B)
     pooled = np.sum(engine.shards.call("lookup", [(p, B) for p in parts]), axis=0)
-    _, g_pooled, g_params = engine.per_example_dense(torch.from_numpy(pooled), batch.dense, batch.labels)
-    g_pooled = g_pooled.detach().numpy().astype(np.float32)
+    dense = engine.dense_gradients(torch.from_numpy(pooled), batch.dense, batch.labels)
+    g_pooled = dense.pooled_grads.numpy().astype(np.float32)
     emb_sq = np.sum(engine.shards.broadcast("example_sq_norms", g_pooled), axis=0)
-    dense_sq = sum(g.flatten(1).double().pow(2).sum(1).numpy() for g in g_params.values())
+    dense_sq = dense.sq_norms.numpy()
     return emb_sq, dense_sq, parts, g_pooled
 
 

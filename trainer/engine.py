@@ -2,8 +2,8 @@
 
 Privacy assumption: add/remove-one neighbouring datasets, Poisson sampling at rate q = b/n,
 sums normalized by the expected batch size b (docs/DESIGN.md §1). One step (docs/DESIGN.md §2):
-  sample → route ids → shards: partial pooled embeddings → coordinator: dense forward and
-  per-example gradients (torch.func) → shards: per-example partial squared norms over unique
+  sample → route ids → shards: partial pooled embeddings → coordinator: dense forward/backward
+  (per-example dense-gradient norms by ghost norms, trainer/dense_grads.py) → shards: per-example partial squared norms over unique
   rows → clip factors min(1, S1/‖g_j‖) over embeddings + dense → shards: clipped row sums →
   selection over the whole vocabulary → S2 clip → Gaussian noise on selected rows and dense
   params → ledger.record(event) → release: (ids, noisy rows) of selected rows to the shards,
@@ -24,7 +24,6 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from torch.func import functional_call, grad_and_value, vmap
 
 from accounting import PrivacyLedger
 from accounting import events as ev
@@ -32,6 +31,7 @@ from accounting.calibration import sampled_step_event, step_event
 from selection import NoisyStep, noisy_step
 from selection.registry import SelectionContext, Selector, get_selector, is_selector
 from selection.result import Selection
+from trainer.dense_grads import DenseGradients, dense_gradients
 from trainer.layout import ShardLayout, route
 from trainer.models import DenseModel
 from trainer.randomness import PrivacyRandomness
@@ -95,13 +95,14 @@ class Engine:
                  expected_batch_size: float, sample_rate: float, plan: Optional[PrivacyPlan], ledger: Optional[PrivacyLedger],
                  target_epsilon: float, dense_optimizer: torch.optim.Optimizer,
                  randomness: Optional[PrivacyRandomness] = None, secure_mode: bool = False, ledger_path=None,
-                 dense_tables: tuple[int, ...] = (), ema_decay: float = 0.0):
+                 dense_tables: tuple[int, ...] = (), ema_decay: float = 0.0, dense_grad_method: str = "auto"):
         """`dense_tables`: in `sparse` mode, the indices of the tables noised densely every step
         (trainer/table_policy.py); `dpsgd` noises every table, `nonprivate` none. `ema_decay`
         β > 0: evaluate (and checkpoint for export) the exponential moving average of the
         iterates, ema_t = β·ema_{t-1} + (1-β)·w_t — post-processing of the released iterates,
         free in privacy. The shards must be built with the same β (they average the tables)."""
         self.model, self.layout, self.shards = model, layout, shards
+        self.dense_grad_method = dense_grad_method  # trainer/dense_grads.py: auto, ghost or per_example
         self.train_set, self.sampler = train_set, sampler
         self.mode, self.b, self.q = mode, float(expected_batch_size), float(sample_rate)
         self.plan, self.ledger, self.target_epsilon = plan, ledger, target_epsilon
@@ -209,18 +210,10 @@ class Engine:
             return False
         return self.ledger.would_exceed(self._event, self.target_epsilon)
 
-    def per_example_dense(self, pooled: torch.Tensor, dense: torch.Tensor, labels: torch.Tensor):
-        """Per-example losses, pooled-output gradients [B,F,D] and dense-parameter gradients."""
-        params = {k: v.detach() for k, v in self.model.named_parameters()}
-        buffers = {k: v.detach() for k, v in self.model.named_buffers()}
-
-        def loss_one(params, pooled_j, dense_j, label_j):
-            out = functional_call(self.model, (params, buffers), (pooled_j.unsqueeze(0), dense_j.unsqueeze(0)))
-            return self.model.loss(out, label_j.unsqueeze(0)).sum()
-
-        (g_params, g_pooled), losses = vmap(grad_and_value(loss_one, argnums=(0, 1)), in_dims=(None, 0, 0, 0))(
-            params, pooled, dense, labels)
-        return losses, g_pooled, g_params
+    def dense_gradients(self, pooled: torch.Tensor, dense: torch.Tensor, labels: torch.Tensor) -> DenseGradients:
+        """Pass 1 of the dense part (trainer/dense_grads.py): per-example losses, pooled-output
+        gradients [B,F,D] and squared dense-gradient norms; `clipped_sum(factors)` is pass 2."""
+        return dense_gradients(self.model, pooled, dense, labels, self.dense_grad_method)
 
     def step(self) -> Optional[StepStats]:
         """One step of docs/DESIGN.md §2; None (and nothing spent) if it would exceed the target ε.
@@ -235,14 +228,14 @@ class Engine:
         clock.mark("sample")
         pooled = self._lookup(batch, B, idx)
         clock.mark("lookup")
-        losses, g_pooled, g_params = self._dense_forward_backward(pooled, batch, B)
+        losses, g_pooled, dense = self._dense_forward_backward(pooled, batch, B)
         clock.mark("dense_forward_backward")
-        factors = self._clip_factors(g_pooled, g_params, B)
+        factors = self._clip_factors(g_pooled, dense, B)
         clock.mark("norms")
         rows = self._row_sums(factors)
-        dense_grads = {n: torch.tensordot(torch.from_numpy(factors).to(g.dtype), g, dims=1).double() / self.b
-                       for n, g in g_params.items()}
         clock.mark("row_sums")
+        dense_grads = self._dense_clipped_sum(dense, factors)
+        clock.mark("dense_clipped_sum")
         dense_part = rows.subset(np.isin(rows.tables, self.dense_tables))
         selection = self._select(rows, batch, B)
         selected, delta_rows = self._restrict_to_selection(rows, selection)
@@ -272,25 +265,29 @@ class Engine:
         return np.sum(self.shards.call("lookup", [(p, B, True) if averaged else (p, B) for p in parts]), axis=0)
 
     def _dense_forward_backward(self, pooled: np.ndarray, batch, B: int):
-        """Per-example losses, pooled-output gradients [B, F, D] (float32 numpy) and dense grads."""
-        if B:
-            losses, g_pooled, g_params = self.per_example_dense(torch.from_numpy(pooled), batch.dense, batch.labels)
-        else:
-            losses = torch.zeros(0)
-            g_pooled = torch.zeros((0, len(self.layout.features), self.layout.dim))
-            g_params = {n: torch.zeros((0, *p.shape)) for n, p in self.model.named_parameters()}
-        return losses, g_pooled.detach().numpy().astype(np.float32), g_params
+        """Per-example losses, pooled-output gradients [B, F, D] (float32 numpy) and the dense
+        part's pass 1 (None for an empty batch)."""
+        if not B:
+            return torch.zeros(0), np.zeros((0, len(self.layout.features), self.layout.dim), np.float32), None
+        dense = self.dense_gradients(torch.from_numpy(pooled), batch.dense, batch.labels)
+        return dense.losses, dense.pooled_grads.numpy().astype(np.float32), dense
 
-    def _clip_factors(self, g_pooled: np.ndarray, g_params: dict, B: int) -> np.ndarray:
+    def _clip_factors(self, g_pooled: np.ndarray, dense: Optional[DenseGradients], B: int) -> np.ndarray:
         """min(1, S1/‖g_j‖) over each example's whole gradient: embedding rows (ghost norms on the
         shards, unique rows) + dense parameters. Non-private: 1 (the shards keep the pooled grads)."""
         if self.mode == "nonprivate":
             self.shards.broadcast("set_pooled_grad", g_pooled)
             return np.ones(B)
         sq = np.sum(self.shards.broadcast("example_sq_norms", g_pooled), axis=0)
-        sq = sq + sum(torch.linalg.vector_norm(g.reshape(B, -1), dim=1).double().pow(2).numpy()
-                      for g in g_params.values() if g.numel())
+        if dense is not None:
+            sq = sq + dense.sq_norms.numpy()
         return np.minimum(1.0, self.private_plan.clip_norm / np.maximum(np.sqrt(sq), 1e-30))
+
+    def _dense_clipped_sum(self, dense: Optional[DenseGradients], factors: np.ndarray) -> dict:
+        """Σ_j c_j ∇_θ ℓ_j / b for every dense parameter (float64); zeros for an empty batch."""
+        if dense is None:
+            return {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in self.model.named_parameters()}
+        return {n: g / self.b for n, g in dense.clipped_sum(torch.from_numpy(factors)).items()}
 
     def _row_sums(self, factors: np.ndarray) -> "RowSums":
         """G restricted to the touched rows: Σ_j clipped row gradients / b, from every shard."""
