@@ -1,7 +1,8 @@
 """One embedding shard: local compute over the rows it owns (no Ray here).
 
-Storage is FBGEMM's table-batched embedding (one TBE per table, one feature each: a table's
-features are looked up together as bags). The shard computes partial pooled embeddings,
+Storage is one FBGEMM table-batched embedding (TBE) per shard holding all of the shard's
+tables: one TBE call looks up every feature's bags, and one forward+backward writes every
+updated row (the optimizer is fused into the backward). The shard computes partial pooled embeddings,
 per-example partial squared gradient norms over the *unique* rows of each example (an id
 repeated in a bag, or used by several features of one table, contributes the *sum* of its
 gradients — the per-example gradient of that row), clipped per-row gradient sums, and applies
@@ -53,84 +54,90 @@ class EmbeddingShard:
         self._current_lr = lr  # lr · the step's lr_scale (begin_update)
         self.device, compute, location = _device()
         self.ranges = [layout.row_range(t, shard_index) for t in layout.tables]
-        self.feature_table = np.array([layout.table_index(f.table) for f in layout.features])
-        self.table_features = [np.flatnonzero(self.feature_table == t) for t in range(len(layout.tables))]
-        self.table_features_t = [torch.from_numpy(f) for f in self.table_features]
-        self.feature_slot = np.zeros(len(layout.features), dtype=np.int64)  # position within its table
-        for feats in self.table_features:
-            self.feature_slot[feats] = np.arange(feats.size)
-        self.max_rows = max(max(end - start for start, end in self.ranges), 1)
-        self.tbes = []
-        for t, (table, (start, end)) in enumerate(zip(layout.tables, self.ranges)):
-            tbe = SplitTableBatchedEmbeddingBagsCodegen(
-                embedding_specs=[(max(end - start, 1), table.dim, location, compute)],
-                optimizer=FUSED_OPTIMIZERS.get(optimizer, EmbOptimType.EXACT_SGD),
-                learning_rate=lr, eps=eps, pooling_mode=PoolingMode.SUM, feature_table_map=[0],
-            )
-            with torch.no_grad():
-                init = row_block_normal(seed, "init", 0, t, start, end, table.dim, init_std)
-                tbe.split_embedding_weights()[0][: end - start].copy_(init)
-            self.tbes.append(tbe)
+        self.starts = np.array([start for start, _ in self.ranges], dtype=np.int64)
+        num_tables, dim = len(layout.tables), layout.dim
+        self.feature_table = np.array([layout.table_index(f.table) for f in layout.features], dtype=np.int64)
+        # One TBE holds every table of the shard. Its "features" (channels) are the layout's
+        # features plus one channel for each table no feature uses (so every table can be
+        # written), ordered by table: FBGEMM's CPU row-wise Adagrad needs a table's channels
+        # adjacent. Feature f is channel feature_channel[f]; a write-back sends table t's rows
+        # through channel update_channel[t].
+        unused = [t for t in range(num_tables) if t not in set(self.feature_table.tolist())]
+        owner = np.concatenate([self.feature_table, np.array(unused, dtype=np.int64)])
+        by_table = np.argsort(owner, kind="stable")  # channel c holds feature (or unused table) by_table[c]
+        self.channel_table = owner[by_table]
+        self.num_channels = self.channel_table.size
+        self.feature_channel = np.argsort(by_table)[: self.feature_table.size]
+        self.feature_channel_t = torch.from_numpy(self.feature_channel)
+        self.update_channel = np.searchsorted(self.channel_table, np.arange(num_tables)).astype(np.int64)
+        rows = [max(end - start, 1) for start, end in self.ranges]  # a table with no rows here keeps one unused
+        self.row_base = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)  # flat index of row 0
+        self.max_rows = max(rows)
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(r, dim, location, compute) for r in rows],
+            optimizer=FUSED_OPTIMIZERS.get(optimizer, EmbOptimType.EXACT_SGD),
+            learning_rate=lr, eps=eps, pooling_mode=PoolingMode.SUM, feature_table_map=self.channel_table.tolist(),
+        )
+        # Every table's rows as one [R, D] tensor (the TBE's own storage, tables back to back).
+        self.flat = (self.tbe.weights_dev if compute == ComputeDevice.CUDA else self.tbe.weights_host).view(-1, dim)
+        split = self.tbe.split_embedding_weights()
+        if any(w.data_ptr() != self.flat[base].data_ptr() for w, base in zip(split, self.row_base)):
+            raise RuntimeError("FBGEMM's TBE does not store its tables back to back; trainer/shard.py needs updating")
+        with torch.no_grad():
+            for t, (table, (start, end)) in enumerate(zip(layout.tables, self.ranges)):
+                self.weights(t).copy_(row_block_normal(seed, "init", 0, t, start, end, dim, init_std))
         self.adam_state = None
-        if optimizer == "adam":
-            self.adam_state = [
-                {"m": torch.zeros_like(w), "v": torch.zeros_like(w), "t": torch.zeros(w.shape[0], dtype=torch.int64)}
-                for w in (tbe.split_embedding_weights()[0] for tbe in self.tbes)
-            ]
+        if optimizer == "adam":  # flat like the weights
+            self.adam_state = {"m": torch.zeros_like(self.flat), "v": torch.zeros_like(self.flat),
+                               "t": torch.zeros(self.flat.shape[0], dtype=torch.int64)}
         self._cache: dict = {}
-        # Parameter averaging (post-processing of the iterates). ema[t][r] is the EMA through
-        # step ema_through[t][r]; row r's weight has not changed since then, so the EMA through
-        # any later step T is β^n·ema + (1 - β^n)·w with n = T - ema_through (_ema_catch_up).
+        # Parameter averaging (post-processing of the iterates). ema[r] is the EMA through step
+        # ema_through[r]; row r's weight has not changed since then, so the EMA through any
+        # later step T is β^n·ema + (1 - β^n)·w with n = T - ema_through (_ema_catch_up).
         self.ema_decay = float(ema_decay)
         self.step = 0  # the step whose update is being applied (begin_update), then the last one applied
-        self.ema: Optional[list] = None
+        self.ema: Optional[torch.Tensor] = None
         if self.ema_decay > 0:
-            self.ema = [self.weights(t).detach().clone() for t in range(len(self.tbes))]
-            self.ema_through = [torch.zeros(w.shape[0], dtype=torch.int64, device=w.device) for w in self.ema]
+            self.ema = self.flat.detach().clone()
+            self.ema_through = torch.zeros(self.flat.shape[0], dtype=torch.int64, device=self.flat.device)
         self._ema_current_at: Optional[int] = 0  # every row's EMA is through this step (None: not known)
 
     # ---- forward ------------------------------------------------------------------------------
     def weights(self, t: int) -> torch.Tensor:
+        """Table t's rows on this shard (a view of the TBE's storage)."""
         start, end = self.ranges[t]
-        return self.tbes[t].split_embedding_weights()[0][: end - start]
+        return self.flat[self.row_base[t]: self.row_base[t] + end - start]
 
     def lookup(self, inp: ShardInput, batch_size: int, averaged: bool = False) -> np.ndarray:
         """Partial pooled embeddings [B, F, D] from this shard's rows (zeros elsewhere); with
-        `averaged`, from the averaged weights (evaluation only: no gradient cache is kept)."""
+        `averaged`, from the averaged weights (evaluation only: no gradient cache is kept).
+        One TBE call over every feature's bags (feature-major, like a KJT)."""
         n_feat, dim = len(self.layout.features), self.layout.dim
-        out = torch.zeros((batch_size, n_feat, dim), dtype=torch.float32)
-        tables = self.averaged_weights() if averaged else None
         if not averaged:
             self._cache = {"inp": inp, "batch_size": batch_size}
         if batch_size == 0 or inp.example.size == 0:
-            return out.numpy()
-        # One sort groups ids by table, then by bag (feature, example) — feature-major like a KJT.
-        table = self.feature_table[inp.feature]
-        order = np.lexsort((inp.example, inp.feature, table))
-        table_sorted = table[order]
-        bounds = np.searchsorted(table_sorted, np.arange(len(self.tbes) + 1))
-        for t, tbe in enumerate(self.tbes):
-            lo, hi = bounds[t], bounds[t + 1]
-            if lo == hi:
-                continue
-            feats = self.table_features[t]
-            sel = order[lo:hi]
-            slot = self.feature_slot[inp.feature[sel]]
-            bag = slot * batch_size + inp.example[sel]
-            counts = np.bincount(bag, minlength=feats.size * batch_size)
-            offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
-            with torch.no_grad():
-                ids, weights = torch.from_numpy(inp.local_id[sel]), torch.from_numpy(inp.weight[sel])
-                if tables is None:
-                    pooled = tbe(ids.to(self.device), offsets.to(self.device),
-                                 per_sample_weights=weights.to(self.device))
-                else:  # the same weighted sum pooling over the averaged table
-                    dev = tables[t].device
-                    pooled = torch.nn.functional.embedding_bag(ids.to(dev), tables[t], offsets.to(dev), mode="sum",
-                                                               per_sample_weights=weights.float().to(dev),
-                                                               include_last_offset=True)
-            out.index_copy_(1, self.table_features_t[t], pooled.float().cpu().view(feats.size, batch_size, dim).transpose(0, 1))
-        return out.numpy()
+            return np.zeros((batch_size, n_feat, dim), dtype=np.float32)
+        channel = self.feature_channel[inp.feature]
+        order = np.lexsort((inp.example, channel))  # stable: a bag keeps its ids' order
+        bag = channel[order] * batch_size + inp.example[order]
+        n_bags = self.num_channels * batch_size
+        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(np.bincount(bag, minlength=n_bags))]))
+        weights = torch.from_numpy(inp.weight[order])
+        with torch.no_grad():
+            if not averaged:
+                ids = torch.from_numpy(inp.local_id[order])
+                pooled = self.tbe(ids.to(self.device), offsets.to(self.device),
+                                  per_sample_weights=weights.to(self.device))  # [B, channels·D]
+                out = pooled.view(batch_size, self.num_channels, dim).index_select(1, self.feature_channel_t.to(pooled.device))
+            else:  # the same weighted sum pooling over the averaged rows
+                table = self.averaged_weights_flat()
+                flat_ids = torch.from_numpy(self.row_base[self.feature_table[inp.feature[order]]] + inp.local_id[order])
+                pooled = torch.nn.functional.embedding_bag(
+                    flat_ids.to(table.device), table, offsets.to(table.device), mode="sum",
+                    per_sample_weights=weights.float().to(table.device), include_last_offset=True)  # [channels·B, D]
+                out = pooled.view(self.num_channels, batch_size, dim).index_select(
+                    0, self.feature_channel_t.to(pooled.device)).transpose(0, 1)
+        return out.float().cpu().contiguous().numpy()
 
     # ---- per-example gradients ----------------------------------------------------------------
     def example_sq_norms(self, pooled_grad: np.ndarray) -> np.ndarray:
@@ -140,7 +147,7 @@ class EmbeddingShard:
         contrib = torch.from_numpy(inp.weight).unsqueeze(1) * grad[inp.example, inp.feature]  # [nnz, D]
         table = self.feature_table[inp.feature]
         # Group by (example, table, row): repeated ids add up before the norm is taken.
-        n_tables = len(self.tbes)
+        n_tables = len(self.ranges)
         key = (inp.example * n_tables + table) * self.max_rows + inp.local_id
         uniq, group = np.unique(key, return_inverse=True)
         group = torch.from_numpy(group.astype(np.int64).reshape(-1))
@@ -187,8 +194,7 @@ class EmbeddingShard:
         lr = self.lr * float(lr_scale)
         if lr != self._current_lr:
             if self.optimizer in FUSED_OPTIMIZERS:
-                for tbe in self.tbes:
-                    tbe.set_learning_rate(lr)
+                self.tbe.set_learning_rate(lr)
             self._current_lr = lr
 
     def apply_rows(self, table_idx: np.ndarray, global_ids: np.ndarray, rows: np.ndarray,
@@ -196,11 +202,9 @@ class EmbeddingShard:
         """Apply the optimizer to the given rows only (update direction = `rows`, a gradient),
         with learning rate lr · lr_scale, as step `step` (for the averaged weights)."""
         self.begin_update(step, lr_scale)
-        rows = torch.from_numpy(np.array(rows, dtype=np.float32))  # copy: Ray hands read-only arrays
-        for t in np.unique(table_idx):
-            sel = np.flatnonzero(table_idx == t)
-            local = torch.from_numpy(global_ids[sel] - self.ranges[t][0])
-            self._apply_table(int(t), local, rows[sel])
+        table_idx = np.asarray(table_idx, dtype=np.int64)
+        local = np.asarray(global_ids, dtype=np.int64) - self.starts[table_idx]
+        self._apply(table_idx, local, torch.from_numpy(np.array(rows, dtype=np.float32)))  # copy: Ray arrays are read-only
         self._cache = {}
 
     def apply_dense_noise_update(self, step: int, noise_seed: int, std: float, table_idx, global_ids, rows,
@@ -208,105 +212,141 @@ class EmbeddingShard:
         """DP-SGD: every row of every table in `tables` (None: all) gets G + N(0, std²) (G = 0
         for untouched rows). The noise of row r depends only on (seed, step, table, r), not on
         the sharding nor on which other tables are dense. Learning rate lr · lr_scale; `step` is
-        0-based (the engine's step count before the step), so this is step `step + 1`."""
+        0-based (the engine's step count before the step), so this is step `step + 1`.
+        Rows [c·K, (c+1)·K) of every dense table go in one fused update (K = UPDATE_CHUNK)."""
         self.begin_update(step + 1, lr_scale)
+        table_idx, global_ids = np.asarray(table_idx, dtype=np.int64), np.asarray(global_ids, dtype=np.int64)
         rows = np.asarray(rows, dtype=np.float32)
-        for t, (start, end) in enumerate(self.ranges):
-            if end <= start or (tables is not None and t not in tables):
-                continue
-            sel = np.flatnonzero(table_idx == t)
-            for lo in range(start, end, UPDATE_CHUNK):
-                hi = min(end, lo + UPDATE_CHUNK)
+        dense = [t for t, (start, end) in enumerate(self.ranges) if end > start and (tables is None or t in tables)]
+        longest = max((self.ranges[t][1] - self.ranges[t][0] for t in dense), default=0)
+        for lo_local in range(0, longest, UPDATE_CHUNK):
+            parts_t, parts_local, parts_update = [], [], []
+            for t in dense:
+                start, end = self.ranges[t]
+                lo, hi = start + lo_local, min(end, start + lo_local + UPDATE_CHUNK)
+                if lo >= hi:
+                    continue
                 update = row_block_normal(noise_seed, "dpsgd", step, t, lo, hi, self.layout.dim, std, secure)
-                in_chunk = sel[(global_ids[sel] >= lo) & (global_ids[sel] < hi)]
-                update[torch.from_numpy(global_ids[in_chunk] - lo)] += torch.from_numpy(rows[in_chunk])
-                self._apply_table(t, torch.arange(lo - start, hi - start), update)
+                hit = np.flatnonzero((table_idx == t) & (global_ids >= lo) & (global_ids < hi))
+                update[torch.from_numpy(global_ids[hit] - lo)] += torch.from_numpy(rows[hit])
+                parts_t.append(np.full(hi - lo, t, dtype=np.int64))
+                parts_local.append(np.arange(lo - start, hi - start, dtype=np.int64))
+                parts_update.append(update)
+            if parts_t:
+                self._apply(np.concatenate(parts_t), np.concatenate(parts_local), torch.cat(parts_update))
         self._cache = {}
 
-    def _apply_table(self, t: int, local: torch.Tensor, update: torch.Tensor) -> None:
-        if local.numel() == 0:
+    def _apply(self, tables: np.ndarray, local: np.ndarray, update: torch.Tensor) -> None:
+        """Update rows (tables[i], local[i]) — each at most once — by update[i], every table at once."""
+        if local.size == 0:
             return
+        flat_ids = torch.from_numpy(self.row_base[tables] + local).to(self.flat.device)
         if self.ema is not None:  # the old weight held through the previous step
-            self._ema_catch_up(t, local, self.step - 1)
-        self._update_weights(t, local, update)
+            self._ema_catch_up(flat_ids, self.step - 1)
+        self._update_weights(tables, local, flat_ids, update)
         if self.ema is not None:  # and the new one at this step
-            self._ema_catch_up(t, local, self.step)
+            self._ema_catch_up(flat_ids, self.step)
 
-    def _ema_catch_up(self, t: int, local, through: int) -> None:
-        """Bring the EMA of rows `local` (indices or a slice) of table t through step `through`,
-        their weights having been constant since each row's ema_through: β^n·ema + (1-β^n)·w."""
-        n = through - self.ema_through[t][local]
+    def _ema_catch_up(self, flat_ids, through: int) -> None:
+        """Bring the EMA of rows `flat_ids` (indices or a slice) through step `through`, their
+        weights having been constant since each row's ema_through: β^n·ema + (1-β^n)·w."""
+        assert self.ema is not None
+        n = through - self.ema_through[flat_ids]
         if bool((n < 0).any()):
-            raise RuntimeError(f"row of table {t} updated twice in step {self.step}: the average would be wrong")
+            raise RuntimeError(f"a row updated twice in step {self.step}: the average would be wrong")
         factor = torch.pow(self.ema_decay, n.double()).float().unsqueeze(-1)
         with torch.no_grad():
-            self.ema[t][local] = factor * self.ema[t][local] + (1 - factor) * self.weights(t)[local]
-        self.ema_through[t][local] = through
+            self.ema[flat_ids] = factor * self.ema[flat_ids] + (1 - factor) * self.flat[flat_ids]
+        self.ema_through[flat_ids] = through
 
-    def averaged_weights(self) -> list:
-        """Each table's EMA of its iterates through the last step applied (every row brought up
-        to date in place, once per step); the weights themselves when averaging is off."""
+    def averaged_weights_flat(self) -> torch.Tensor:
+        """Every row's EMA of its iterates through the last step applied ([R, D], brought up to
+        date in place once per step); the weights themselves when averaging is off."""
         if self.ema is None:
-            return [self.weights(t) for t in range(len(self.tbes))]
+            return self.flat
         if self._ema_current_at != self.step:
-            for t in range(len(self.tbes)):
-                self._ema_catch_up(t, slice(None), self.step)
+            self._ema_catch_up(slice(None), self.step)
             self._ema_current_at = self.step
         return self.ema
 
-    def _update_weights(self, t: int, local: torch.Tensor, update: torch.Tensor) -> None:
+    def averaged_weights(self) -> list:
+        """`averaged_weights_flat` as one view per table."""
+        flat = self.averaged_weights_flat()
+        return [flat[base: base + end - start] for base, (start, end) in zip(self.row_base, self.ranges)]
+
+    def _update_weights(self, tables: np.ndarray, local: np.ndarray, flat_ids: torch.Tensor,
+                        update: torch.Tensor) -> None:
         if self.optimizer in FUSED_OPTIMIZERS:
-            # FBGEMM fuses the update into backward: look the rows up as bags of one and
-            # back-propagate the update as the gradient of the pooled output.
-            tbe = self.tbes[t]
-            offsets = torch.arange(local.numel() + 1, dtype=torch.int64, device=self.device)
-            out = tbe(local.to(self.device), offsets)
-            out.backward(update.to(out.device, out.dtype))
+            # FBGEMM fuses the update into backward: look the rows up as bags of one — table t's
+            # rows in channel update_channel[t], every table in one call — and back-propagate
+            # the update as the gradient of the pooled output.
+            channel = self.update_channel[tables]
+            order = np.argsort(channel, kind="stable")
+            channel = channel[order]
+            first = np.searchsorted(channel, channel)  # each channel's first position in `order`
+            position = np.arange(channel.size) - first  # the bag within its channel
+            width = int(position.max()) + 1
+            sizes = np.zeros(self.num_channels * width, dtype=np.int64)
+            sizes[channel * width + position] = 1
+            offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(sizes)])).to(self.device)
+            out = self.tbe(torch.from_numpy(local[order]).to(self.device), offsets)  # [width, channels·D]
+            grad = torch.zeros((width, self.num_channels, self.layout.dim), dtype=out.dtype, device=out.device)
+            grad[torch.from_numpy(position), torch.from_numpy(channel)] = update[torch.from_numpy(order)].to(
+                out.device, out.dtype)
+            out.backward(grad.view(width, -1))
             return
         # Lazy Adam: moments and the step count advance only for the rows updated.
-        w, st = self.weights(t), self.adam_state[t]
-        b1, b2 = self.adam_betas
+        assert self.adam_state is not None
+        st, b1, b2 = self.adam_state, *self.adam_betas
+        update = update.to(self.flat.device)
         with torch.no_grad():
-            m = st["m"][local].mul_(b1).add_(update, alpha=1 - b1)
-            v = st["v"][local].mul_(b2).addcmul_(update, update, value=1 - b2)
-            steps = st["t"][local] + 1
-            st["m"][local], st["v"][local], st["t"][local] = m, v, steps
+            m = st["m"][flat_ids].mul_(b1).add_(update, alpha=1 - b1)
+            v = st["v"][flat_ids].mul_(b2).addcmul_(update, update, value=1 - b2)
+            steps = st["t"][flat_ids] + 1
+            st["m"][flat_ids], st["v"][flat_ids], st["t"][flat_ids] = m, v, steps
             bc1 = (1 - b1 ** steps.double()).float().unsqueeze(1)
             bc2 = (1 - b2 ** steps.double()).float().unsqueeze(1)
-            w[local] -= self._current_lr * (m / bc1) / ((v / bc2).sqrt() + self.eps)
+            self.flat[flat_ids] -= self._current_lr * (m / bc1) / ((v / bc2).sqrt() + self.eps)
 
     # ---- state --------------------------------------------------------------------------------
+    def _per_table(self, flat: torch.Tensor) -> list:
+        """Copies of a flat per-row tensor's rows, one array per table (the checkpoint format)."""
+        return [flat[base: base + end - start].detach().cpu().numpy().copy()
+                for base, (start, end) in zip(self.row_base, self.ranges)]
+
+    def _load_per_table(self, flat: torch.Tensor, saved: list) -> None:
+        for base, (start, end), s in zip(self.row_base, self.ranges, saved):
+            flat[base: base + end - start].copy_(torch.from_numpy(np.array(s)))
+
+    def _adagrad_state(self) -> torch.Tensor:
+        """EXACT_ROWWISE_ADAGRAD's per-row accumulator, every table back to back."""
+        return self.tbe.momentum1_dev if self.flat.is_cuda else self.tbe.momentum1_host
+
     def state_dict(self) -> dict:
-        state = {"weights": [self.weights(t).detach().cpu().numpy().copy() for t in range(len(self.tbes))]}
+        state = {"weights": self._per_table(self.flat)}
         if self.optimizer == "adagrad":
-            state["adagrad"] = [
-                tbe.split_optimizer_states()[0][0][: end - start].detach().cpu().numpy().copy()
-                for tbe, (start, end) in zip(self.tbes, self.ranges)
-            ]
+            state["adagrad"] = self._per_table(self._adagrad_state())
         if self.adam_state is not None:
-            state["adam"] = [{k: v.numpy().copy() for k, v in st.items()} for st in self.adam_state]
+            state["adam"] = [dict(zip(self.adam_state, vals))
+                             for vals in zip(*(self._per_table(v) for v in self.adam_state.values()))]
         state["step"] = self.step
         if self.ema is not None:  # through `step` for every row: the whole averaging state
-            state["averaged_weights"] = [w.detach().cpu().numpy().copy() for w in self.averaged_weights()]
+            state["averaged_weights"] = self._per_table(self.averaged_weights_flat())
         return state
 
     def load_state_dict(self, state: dict) -> None:
         with torch.no_grad():
-            for t, w in enumerate(state["weights"]):
-                self.weights(t).copy_(torch.from_numpy(np.array(w)))
+            self._load_per_table(self.flat, state["weights"])
             if self.optimizer == "adagrad":
-                for tbe, (start, end), s in zip(self.tbes, self.ranges, state["adagrad"]):
-                    tbe.split_optimizer_states()[0][0][: end - start].copy_(torch.from_numpy(np.array(s)))
+                self._load_per_table(self._adagrad_state(), state["adagrad"])
             if self.adam_state is not None:
-                for st, saved in zip(self.adam_state, state["adam"]):
-                    for k in st:
-                        st[k].copy_(torch.from_numpy(np.array(saved[k])))
+                for k, v in self.adam_state.items():
+                    self._load_per_table(v, [saved[k] for saved in state["adam"]])
             self.step = int(state.get("step", 0))
             if self.ema is not None:
                 if "averaged_weights" not in state:
                     raise ValueError("the checkpoint has no averaged weights but train.ema_decay > 0: "
                                      "resume with the checkpoint's train.ema_decay")
-                for e, through, saved in zip(self.ema, self.ema_through, state["averaged_weights"]):
-                    e.copy_(torch.from_numpy(np.array(saved)))
-                    through.fill_(self.step)
+                self._load_per_table(self.ema, state["averaged_weights"])
+                self.ema_through.fill_(self.step)
                 self._ema_current_at = self.step

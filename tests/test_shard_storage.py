@@ -1,0 +1,159 @@
+"""The shard's fused storage (one TBE holding every table) against a slow obvious reference.
+
+The reference keeps each table as a plain array and does, row by row, what a lookup and the
+three embedding optimizers mean: weighted sum pooling per (example, feature) bag; SGD
+w -= lr·g; FBGEMM's row-wise Adagrad (accumulator += mean(g²) over the row, then
+w -= lr·g/(√acc + eps)); lazy Adam on the written rows. The layout has what a per-table loop
+would handle separately and a fused call must not mix up: two features sharing one table,
+mean and sum pooling, repeated ids in a bag, tables of different sizes, a table no feature
+uses (written only by dense noise), and two shards with uneven row ranges."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import trainer.shard as shard_module
+from trainer.layout import FeatureSpec, ShardInput, ShardLayout, TableSpec, row_block_normal
+from trainer.shard import EmbeddingShard
+
+D = 4
+LAYOUT = ShardLayout(
+    tables=(TableSpec("a", 7, D), TableSpec("b", 5, D), TableSpec("unused", 3, D), TableSpec("c", 2, D)),
+    features=(FeatureSpec("fa", "a", "sum"), FeatureSpec("fb", "b", "mean"), FeatureSpec("fa2", "a", "mean"),
+              FeatureSpec("fc", "c", "sum")),
+    num_shards=2,
+)
+
+
+def shard_input(rng, shard, batch_size=5, nnz=30) -> ShardInput:
+    feature = rng.integers(0, len(LAYOUT.features), nnz)
+    table = np.array([LAYOUT.table_index(LAYOUT.features[f].table) for f in feature])
+    ranges = [LAYOUT.row_range(t, shard) for t in LAYOUT.tables]
+    keep = np.array([ranges[t][1] > ranges[t][0] for t in table])
+    feature, table = feature[keep], table[keep]
+    local = np.array([rng.integers(0, ranges[t][1] - ranges[t][0]) for t in table], dtype=np.int64)
+    example = rng.integers(0, batch_size, feature.size)
+    n = feature[1::4].size  # repeats: the same id in the same bag
+    feature[1::4], local[1::4], example[1::4] = feature[::4][:n], local[::4][:n], example[::4][:n]
+    weight = rng.uniform(0.2, 1.5, feature.size).astype(np.float32)
+    return ShardInput(example.astype(np.int64), feature.astype(np.int64), local, weight)
+
+
+def reference_lookup(tables, inp, batch_size):
+    out = np.zeros((batch_size, len(LAYOUT.features), D))
+    for j, f, r, w in zip(inp.example, inp.feature, inp.local_id, inp.weight):
+        out[j, f] += w * tables[LAYOUT.table_index(LAYOUT.features[f].table)][r]
+    return out
+
+
+class ReferenceOptimizer:
+    def __init__(self, tables, kind, lr, eps=1e-8, betas=(0.9, 0.999)):
+        self.w = [t.astype(np.float64).copy() for t in tables]
+        self.kind, self.lr, self.eps, self.betas = kind, lr, eps, betas
+        self.acc = [np.zeros(len(t)) for t in tables]
+        self.m = [np.zeros_like(t) for t in self.w]
+        self.v = [np.zeros_like(t) for t in self.w]
+        self.t = [np.zeros(len(t), dtype=int) for t in tables]
+
+    def update(self, t, r, g):
+        g = np.asarray(g, dtype=np.float64)
+        if self.kind == "sgd":
+            self.w[t][r] -= self.lr * g
+        elif self.kind == "adagrad":
+            self.acc[t][r] += np.mean(g ** 2)
+            self.w[t][r] -= self.lr * g / (np.sqrt(self.acc[t][r]) + self.eps)
+        else:
+            b1, b2 = self.betas
+            self.t[t][r] += 1
+            self.m[t][r] = b1 * self.m[t][r] + (1 - b1) * g
+            self.v[t][r] = b2 * self.v[t][r] + (1 - b2) * g * g
+            mh, vh = self.m[t][r] / (1 - b1 ** self.t[t][r]), self.v[t][r] / (1 - b2 ** self.t[t][r])
+            self.w[t][r] -= self.lr * mh / (np.sqrt(vh) + self.eps)
+
+
+def tables_of(shard):
+    return [shard.weights(t).detach().numpy().astype(np.float64).copy() for t in range(len(LAYOUT.tables))]
+
+
+@pytest.mark.parametrize("shard_index", [0, 1])
+def test_one_fused_lookup_equals_the_bag_by_bag_reference(shard_index):
+    shard = EmbeddingShard(LAYOUT, shard_index, seed=3, init_std=0.5)
+    inp = shard_input(np.random.default_rng(shard_index), shard_index)
+    assert inp.example.size > 10 and np.unique(inp.feature).size == len(LAYOUT.features)
+    got = shard.lookup(inp, 5)
+    np.testing.assert_allclose(got, reference_lookup(tables_of(shard), inp, 5), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(shard.lookup(inp, 5, averaged=True), got, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_one_fused_write_back_equals_row_by_row_updates(optimizer):
+    """Rows of every table in one call, three steps (so Adagrad's and Adam's states carry)."""
+    rng = np.random.default_rng(0)
+    shard = EmbeddingShard(LAYOUT, 0, optimizer=optimizer, lr=0.3, seed=1, init_std=0.5)
+    ref = ReferenceOptimizer(tables_of(shard), optimizer, lr=0.3)
+    for step in range(1, 4):
+        tables, ids = [], []
+        for t, (start, end) in enumerate(shard.ranges):
+            rows = rng.choice(np.arange(start, end), size=rng.integers(1, end - start + 1), replace=False)
+            tables += [t] * rows.size
+            ids += rows.tolist()
+        update = rng.normal(size=(len(ids), D)).astype(np.float32)
+        shard.apply_rows(np.array(tables), np.array(ids), update, step=step)
+        for t, r, g in zip(tables, ids, update):
+            ref.update(t, r - shard.ranges[t][0], g)
+        for t in range(len(LAYOUT.tables)):
+            np.testing.assert_allclose(shard.weights(t).detach().numpy(), ref.w[t], rtol=1e-5, atol=1e-6, err_msg=f"table {t}")
+
+
+def test_rows_not_written_do_not_move():
+    shard = EmbeddingShard(LAYOUT, 1, optimizer="adagrad", lr=0.3, seed=1, init_std=0.5)
+    before = tables_of(shard)
+    shard.apply_rows(np.array([0, 3]), np.array([shard.ranges[0][0] + 1, shard.ranges[3][0]]),
+                     np.ones((2, D), np.float32), step=1)
+    after = tables_of(shard)
+    changed = [(t, r) for t in range(4) for r in range(len(after[t])) if not np.array_equal(after[t][r], before[t][r])]
+    assert changed == [(0, 1), (3, 0)]
+
+
+def test_dense_noise_update_in_small_chunks_equals_one_chunk_and_reaches_the_unused_table(monkeypatch):
+    """Rows [cK, (c+1)K) of every dense table per fused call: the result does not depend on K,
+    every row of the requested tables moves by its own noise, and a table no feature uses is
+    written through its own channel."""
+    def run(chunk):
+        monkeypatch.setattr(shard_module, "UPDATE_CHUNK", chunk)
+        shard = EmbeddingShard(LAYOUT, 0, lr=1.0, seed=1, init_std=0.5)
+        before = tables_of(shard)
+        touched_t, touched_id = np.array([0, 2]), np.array([shard.ranges[0][0] + 2, shard.ranges[2][0]])
+        shard.apply_dense_noise_update(0, 99, 0.1, touched_t, touched_id, np.full((2, D), 5.0, np.float32),
+                                       tables=(0, 2, 3))
+        return shard, before, tables_of(shard)
+
+    shard, before, one = run(1 << 16)
+    _, _, small = run(2)
+    for t in range(4):
+        np.testing.assert_array_equal(small[t], one[t])
+    for t in (0, 2, 3):
+        start, end = shard.ranges[t]
+        noise = row_block_normal(99, "dpsgd", 0, t, start, end, D, 0.1).numpy().astype(np.float64)
+        grad = noise.copy()
+        if t == 0:
+            grad[2] += 5.0
+        if t == 2:
+            grad[0] += 5.0
+        np.testing.assert_allclose(one[t], before[t] - grad, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(one[1], before[1])  # table b is not dense here
+
+
+def test_state_dict_round_trip_keeps_per_table_format_and_optimizer_state():
+    a = EmbeddingShard(LAYOUT, 0, optimizer="adagrad", lr=0.3, seed=1, ema_decay=0.5)
+    a.apply_rows(np.array([0, 1]), np.array([a.ranges[0][0], a.ranges[1][0]]), np.ones((2, D), np.float32), step=1)
+    state = a.state_dict()
+    assert [w.shape[0] for w in state["weights"]] == [end - start for start, end in a.ranges]
+    b = EmbeddingShard(LAYOUT, 0, optimizer="adagrad", lr=0.3, seed=2, ema_decay=0.5)
+    b.load_state_dict(state)
+    for x in (a, b):
+        x.apply_rows(np.array([0]), np.array([x.ranges[0][0]]), np.ones((1, D), np.float32), step=2)
+    for k in ("weights", "adagrad", "averaged_weights"):
+        for u, v in zip(a.state_dict()[k], b.state_dict()[k]):
+            np.testing.assert_array_equal(u, v)
