@@ -16,7 +16,10 @@ import torch
 
 from selection.noise import gaussian_noise
 
-ROW_BLOCK = 8192  # rows per counter-based random block
+# Rows per counter-based random block. A shard draws whole blocks, so a table of r rows costs
+# at least min(r, ROW_BLOCK) draws per shard: small enough for the small tables a per-table
+# policy makes dense (≤ b rows), large enough that seeding a generator per block is noise.
+ROW_BLOCK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
