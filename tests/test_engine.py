@@ -184,28 +184,25 @@ def test_engine_matches_reference_cbow(mode, selection):
 
 
 def _wrong_norms_mutant(group_by):
-    """Replace the shards' per-example norms by a wrongly grouped recomputation (see
-    `_grouped_sq_norms`), using only the engine's public seams: `route` and the group's
-    `broadcast`."""
+    """Replace the per-example embedding norms by a wrongly grouped recomputation (see
+    `_grouped_sq_norms`), using only the engine's seams: `route` and `_embedding_sq_norms`
+    (whose real call still runs, so the shards cache what the row sums need)."""
     def install(mp, engine):
         import trainer.engine as engine_mod
 
         seen = {}
-        real_route, real_broadcast = engine_mod.route, engine.shards.broadcast
+        real_route, real_norms = engine_mod.route, engine._embedding_sq_norms
 
         def spy_route(layout, kjt, batch_size, example_ids=None):
             seen["parts"], seen["B"] = real_route(layout, kjt, batch_size, example_ids), batch_size
             return seen["parts"]
 
-        def broadcast(method, *args):
-            out = real_broadcast(method, *args)
-            if method == "example_sq_norms":
-                wrong = _grouped_sq_norms(engine, seen["parts"], args[0], seen["B"], group_by)
-                out = [wrong] + [np.zeros_like(wrong) for _ in out[1:]]
-            return out
+        def wrong_norms(g_pooled, B):
+            real_norms(g_pooled, B)
+            return _grouped_sq_norms(engine, seen["parts"], g_pooled, B, group_by)
 
         mp.setattr(engine_mod, "route", spy_route)
-        mp.setattr(engine.shards, "broadcast", broadcast)
+        mp.setattr(engine, "_embedding_sq_norms", wrong_norms)
     return install
 
 
@@ -315,10 +312,10 @@ def _engine_norm_pass(engine, indices):
     batch = engine.train_set.take(indices)
     B = len(indices)
     parts = route(engine.layout, batch.sparse, B)
-    pooled = np.sum(engine.shards.call("lookup", [(p, B) for p in parts]), axis=0)
+    pooled = engine._lookup(batch, B)
     dense = engine.dense_gradients(torch.from_numpy(pooled), batch.dense, batch.labels)
     g_pooled = dense.pooled_grads.numpy().astype(np.float32)
-    emb_sq = np.sum(engine.shards.broadcast("example_sq_norms", g_pooled), axis=0)
+    emb_sq = engine._embedding_sq_norms(g_pooled, B)
     dense_sq = dense.sq_norms.numpy()
     return emb_sq, dense_sq, parts, g_pooled
 
@@ -370,6 +367,40 @@ def test_example_sq_norms_match_autograd(num_shards):
         assert abs(wrong[j] - want_emb[j]) > 1e-2 * want_emb[j], group_by
         with pytest.raises(AssertionError):
             np.testing.assert_allclose(wrong, emb_sq, rtol=1e-5, atol=1e-12)
+
+
+# ---- 3b. shard-local traffic ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["sparse", "nonprivate"])
+def test_each_shard_is_sent_and_returns_only_its_own_bags_and_examples(mode):
+    """Per shard and call, the payload is its own work: partial pools and pooled-output
+    gradients for the bags it holds ids of (bags × D floats), clip factors and norms for its
+    examples — never the batch's whole B × F × D pooled tensor."""
+    from trainer.shard_group import _nbytes
+
+    ds = dataset()
+    batches = batches_with_crafted(ds, 1)
+    engine = build(ds, batches, mode=mode, selection="em", num_shards=3)
+    seen: dict = {}
+    real_call = engine.shards._call
+
+    def spy(method, per_shard_args):
+        results = real_call(method, per_shard_args)
+        seen[method] = ([_nbytes(list(a)) for a in per_shard_args], [_nbytes(r) for r in results])
+        return results
+
+    engine.shards._call = spy
+    assert engine.step() is not None
+    B, F, D = int(batches[0].size), len(engine.layout.features), engine.layout.dim
+    bags = [b.example.size for b in engine._bags]
+    examples = [b.examples.size for b in engine._bags]
+    assert seen["lookup"][1] == [n * D * 4 for n in bags]
+    norms = "example_sq_norms" if mode == "sparse" else "set_pooled_grad"
+    assert seen[norms][0] == [n * D * 4 for n in bags]
+    if mode == "sparse":
+        assert seen["example_sq_norms"][1] == [e * 8 for e in examples]
+    assert seen["clipped_row_sums"][0] == [e * 8 for e in examples]
+    assert max(bags) < B * F and min(bags) > 0  # the batch really is split: less than B × F each
 
 
 # ---- 4. which rows move -------------------------------------------------------------------------

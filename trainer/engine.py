@@ -136,6 +136,7 @@ class Engine:
         # A step selects privately only when some table is sparse (no sparse table: DP-SGD).
         self.selects = mode == "sparse" and self.sparse_vocabulary.num_rows > 0
         self.fixed_rows: Optional[np.ndarray] = None  # DP-FEST's one-time selection (compact sparse ids)
+        self._bags: list = []  # this step's ShardBags per shard (set by the training lookup)
         self._event = self._step_event()
 
     @property
@@ -259,10 +260,18 @@ class Engine:
 
     # ---- the phases of one step ---------------------------------------------------------------------
     def _lookup(self, batch, B: int, example_ids=None, averaged: bool = False) -> np.ndarray:
-        """Pooled embeddings [B, F, D]: the shards' partial pools for their rows, summed (from
-        the averaged tables with `averaged`)."""
+        """Pooled embeddings [B, F, D]: each shard's partial pools of the bags it holds ids of,
+        summed (from the averaged tables with `averaged`). A training lookup keeps the step's
+        bags: the later shard calls send each shard only its own bags' and examples' values."""
         parts = route(self.layout, batch.sparse, B, example_ids=example_ids)
-        return np.sum(self.shards.call("lookup", [(p, B, True) if averaged else (p, B) for p in parts]), axis=0)
+        bags = [p.bags(B) for p in parts]
+        if not averaged:
+            self._bags = bags
+        values = self.shards.call("lookup", [(p, B, True) if averaged else (p, B) for p in parts])
+        pooled = np.zeros((B, len(self.layout.features), self.layout.dim), dtype=np.float32)
+        for bag, v in zip(bags, values):
+            pooled[bag.example, bag.feature] += v  # a shard's bags are distinct
+        return pooled
 
     def _dense_forward_backward(self, pooled: np.ndarray, batch, B: int):
         """Per-example losses, pooled-output gradients [B, F, D] (float32 numpy) and the dense
@@ -276,12 +285,21 @@ class Engine:
         """min(1, S1/‖g_j‖) over each example's whole gradient: embedding rows (ghost norms on the
         shards, unique rows) + dense parameters. Non-private: 1 (the shards keep the pooled grads)."""
         if self.mode == "nonprivate":
-            self.shards.broadcast("set_pooled_grad", g_pooled)
+            self.shards.call("set_pooled_grad", [(g_pooled[b.example, b.feature],) for b in self._bags])
             return np.ones(B)
-        sq = np.sum(self.shards.broadcast("example_sq_norms", g_pooled), axis=0)
+        sq = self._embedding_sq_norms(g_pooled, B)
         if dense is not None:
             sq = sq + dense.sq_norms.numpy()
         return np.minimum(1.0, self.private_plan.clip_norm / np.maximum(np.sqrt(sq), 1e-30))
+
+    def _embedding_sq_norms(self, g_pooled: np.ndarray, B: int) -> np.ndarray:
+        """Per-example squared norms of the embedding-row gradients [B]: each shard gets the
+        pooled-output gradients of its own bags and returns its examples' partial norms."""
+        parts = self.shards.call("example_sq_norms", [(g_pooled[b.example, b.feature],) for b in self._bags])
+        sq = np.zeros(B)
+        for bag, part in zip(self._bags, parts):
+            sq[bag.examples] += part
+        return sq
 
     def _dense_clipped_sum(self, dense: Optional[DenseGradients], factors: np.ndarray) -> dict:
         """Σ_j c_j ∇_θ ℓ_j / b for every dense parameter (float64); zeros for an empty batch."""
@@ -291,7 +309,7 @@ class Engine:
 
     def _row_sums(self, factors: np.ndarray) -> "RowSums":
         """G restricted to the touched rows: Σ_j clipped row gradients / b, from every shard."""
-        sums = self.shards.broadcast("clipped_row_sums", factors)
+        sums = self.shards.call("clipped_row_sums", [(factors[b.examples],) for b in self._bags])
         tables = np.concatenate([s[0] for s in sums])
         row_ids = np.concatenate([s[1] for s in sums])
         grads = np.concatenate([s[2] for s in sums]).astype(np.float64) / self.b

@@ -104,6 +104,27 @@ class ShardInput:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.example, self.feature, self.local_id, self.weight))
 
+    def bags(self, batch_size: int) -> "ShardBags":
+        """The distinct (example, feature) bags this shard holds ids of, feature-major. The
+        coordinator and the shard both derive them from the routed ids, so per-bag arrays
+        (partial pooled embeddings, pooled-output gradients) travel without their indices."""
+        key = self.feature * batch_size + self.example
+        uniq, id_bag = np.unique(key, return_inverse=True)
+        examples, id_example = np.unique(self.example, return_inverse=True)
+        return ShardBags(uniq % batch_size, uniq // batch_size, id_bag.reshape(-1), examples, id_example.reshape(-1))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardBags:
+    """`ShardInput.bags`: bag b is (example[b], feature[b]); id i lies in bag id_bag[i]; the
+    shard's distinct examples (sorted), id i's example being examples[id_example[i]]."""
+
+    example: np.ndarray
+    feature: np.ndarray
+    id_bag: np.ndarray
+    examples: np.ndarray
+    id_example: np.ndarray
+
 
 def route(layout: ShardLayout, kjt, batch_size: int, example_ids=None) -> list[ShardInput]:
     """Split a batch's ids (KeyedJaggedTensor with keys == layout features) by owning shard.

@@ -109,78 +109,86 @@ class EmbeddingShard:
         return self.flat[self.row_base[t]: self.row_base[t] + end - start]
 
     def lookup(self, inp: ShardInput, batch_size: int, averaged: bool = False) -> np.ndarray:
-        """Partial pooled embeddings [B, F, D] from this shard's rows (zeros elsewhere); with
-        `averaged`, from the averaged weights (evaluation only: no gradient cache is kept).
-        One TBE call over every feature's bags (feature-major, like a KJT)."""
-        n_feat, dim = len(self.layout.features), self.layout.dim
+        """Partial pooled embeddings of this shard's bags ([bags, D], in `inp.bags` order: only
+        what this shard holds travels back); with `averaged`, from the averaged weights
+        (evaluation only: no gradient cache is kept). One TBE call over every feature's bags
+        (feature-major, like a KJT)."""
+        dim = self.layout.dim
+        bags = inp.bags(batch_size)
         if not averaged:
-            self._cache = {"inp": inp, "batch_size": batch_size}
+            self._cache = {"inp": inp, "batch_size": batch_size, "bags": bags}
         if batch_size == 0 or inp.example.size == 0:
-            return np.zeros((batch_size, n_feat, dim), dtype=np.float32)
+            return np.zeros((0, dim), dtype=np.float32)
         channel = self.feature_channel[inp.feature]
         order = np.lexsort((inp.example, channel))  # stable: a bag keeps its ids' order
         bag = channel[order] * batch_size + inp.example[order]
         n_bags = self.num_channels * batch_size
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(np.bincount(bag, minlength=n_bags))]))
         weights = torch.from_numpy(inp.weight[order])
+        wanted = torch.from_numpy(self.feature_channel[bags.feature] * batch_size + bags.example)
         with torch.no_grad():
             if not averaged:
                 ids = torch.from_numpy(inp.local_id[order])
                 pooled = self.tbe(ids.to(self.device), offsets.to(self.device),
                                   per_sample_weights=weights.to(self.device))  # [B, channels·D]
-                out = pooled.view(batch_size, self.num_channels, dim).index_select(1, self.feature_channel_t.to(pooled.device))
+                pooled = pooled.view(batch_size, self.num_channels, dim).transpose(0, 1).reshape(-1, dim)
             else:  # the same weighted sum pooling over the averaged rows
                 table = self.averaged_weights_flat()
                 flat_ids = torch.from_numpy(self.row_base[self.feature_table[inp.feature[order]]] + inp.local_id[order])
                 pooled = torch.nn.functional.embedding_bag(
                     flat_ids.to(table.device), table, offsets.to(table.device), mode="sum",
                     per_sample_weights=weights.float().to(table.device), include_last_offset=True)  # [channels·B, D]
-                out = pooled.view(self.num_channels, batch_size, dim).index_select(
-                    0, self.feature_channel_t.to(pooled.device)).transpose(0, 1)
-        return out.float().cpu().contiguous().numpy()
+            out = pooled.index_select(0, wanted.to(pooled.device))
+        return out.float().cpu().numpy()
 
     # ---- per-example gradients ----------------------------------------------------------------
-    def example_sq_norms(self, pooled_grad: np.ndarray) -> np.ndarray:
-        """Per-example squared ℓ2 norms of this shard's part of each example's row gradients."""
-        inp, batch_size = self._cache["inp"], self._cache["batch_size"]
-        grad = torch.from_numpy(np.asarray(pooled_grad, dtype=np.float32))
-        contrib = torch.from_numpy(inp.weight).unsqueeze(1) * grad[inp.example, inp.feature]  # [nnz, D]
-        table = self.feature_table[inp.feature]
+    def _contributions(self, bag_grads: np.ndarray) -> torch.Tensor:
+        """Each id's w_i · ∂L_j/∂pooled_{j,f} [nnz, D] from the pooled-output gradients of this
+        shard's bags ([bags, D], `inp.bags` order) and cache them for the row sums."""
+        inp, bags = self._cache["inp"], self._cache["bags"]
+        grad = torch.from_numpy(np.asarray(bag_grads, dtype=np.float32).reshape(-1, self.layout.dim))
+        contrib = torch.from_numpy(inp.weight).unsqueeze(1) * grad[torch.from_numpy(bags.id_bag)]
+        self._cache.update(contrib=contrib, table=self.feature_table[inp.feature])
+        return contrib
+
+    def example_sq_norms(self, bag_grads: np.ndarray) -> np.ndarray:
+        """Per-example squared ℓ2 norms of this shard's part of each example's row gradients,
+        for this shard's examples (`inp.bags(B).examples` order); `bag_grads` as in `lookup`."""
+        inp, bags = self._cache["inp"], self._cache["bags"]
+        contrib = self._contributions(bag_grads)
+        table = self._cache["table"]
         # Group by (example, table, row): repeated ids add up before the norm is taken.
         n_tables = len(self.ranges)
-        key = (inp.example * n_tables + table) * self.max_rows + inp.local_id
+        key = (bags.id_example * n_tables + table) * self.max_rows + inp.local_id
         uniq, group = np.unique(key, return_inverse=True)
         group = torch.from_numpy(group.astype(np.int64).reshape(-1))
         sums = torch.zeros((uniq.size, contrib.shape[1]), dtype=torch.float64).index_add_(0, group, contrib.double())
-        sq = torch.zeros(batch_size, dtype=torch.float64).index_add_(
+        sq = torch.zeros(bags.examples.size, dtype=torch.float64).index_add_(
             0, torch.from_numpy(uniq // (n_tables * self.max_rows)), sums.pow(2).sum(1))
-        self._cache.update(contrib=contrib, table=table)
         return sq.numpy()
 
     def clipped_row_sums(self, factors: np.ndarray):
-        """Σ_j factor_j · ∂L_j/∂E[t, r] over the batch, for every touched (t, r) of this shard.
+        """Σ_j factor_j · ∂L_j/∂E[t, r] over the batch, for every touched (t, r) of this shard;
+        `factors` for this shard's examples (`inp.bags(B).examples` order).
 
         Returns (table index [m], global row id [m], sums [m, D] float32)."""
         inp = self._cache["inp"]
         if "contrib" not in self._cache:  # nonprivate mode skips the norm pass
             raise RuntimeError("clipped_row_sums needs example_sq_norms (or set_pooled_grad) first")
-        contrib, table = self._cache["contrib"], self._cache["table"]
-        scaled = contrib.double() * torch.from_numpy(np.asarray(factors, dtype=np.float64))[inp.example].unsqueeze(1)
+        contrib, table, bags = self._cache["contrib"], self._cache["table"], self._cache["bags"]
         if inp.example.size == 0:
             return np.empty(0, np.int64), np.empty(0, np.int64), np.empty((0, self.layout.dim), np.float32)
+        per_id = torch.from_numpy(np.asarray(factors, dtype=np.float64))[torch.from_numpy(bags.id_example)]
+        scaled = contrib.double() * per_id.unsqueeze(1)
         uniq, group = np.unique(table * self.max_rows + inp.local_id, return_inverse=True)
         group = torch.from_numpy(group.astype(np.int64).reshape(-1))
         sums = torch.zeros((uniq.size, scaled.shape[1]), dtype=torch.float64).index_add_(0, group, scaled)
         tables, local = uniq // self.max_rows, uniq % self.max_rows
-        starts = np.array([start for start, _ in self.ranges], dtype=np.int64)
-        return tables, local + starts[tables], sums.float().numpy()
+        return tables, local + self.starts[tables], sums.float().numpy()
 
-    def set_pooled_grad(self, pooled_grad: np.ndarray) -> None:
+    def set_pooled_grad(self, bag_grads: np.ndarray) -> None:
         """Cache per-id contributions without computing norms (nonprivate mode)."""
-        inp = self._cache["inp"]
-        grad = torch.from_numpy(np.asarray(pooled_grad, dtype=np.float32))
-        self._cache.update(contrib=torch.from_numpy(inp.weight).unsqueeze(1) * grad[inp.example, inp.feature],
-                           table=self.feature_table[inp.feature])
+        self._contributions(bag_grads)
 
     # ---- updates --------------------------------------------------------------------------------
     def begin_update(self, step: Optional[int], lr_scale: float) -> None:
