@@ -30,6 +30,7 @@ from engine_fixtures import (
 from reference_alg3 import ReferenceAlg3
 from selection import exponential_top_k
 from trainer.layout import route
+from trainer.shard_group import ShardLostError
 
 SEED = 3
 LR, DENSE_LR, DIM, INIT_STD = 0.1, 0.05, 4, 0.3
@@ -303,6 +304,57 @@ def test_ray_matches_in_process(ray_cluster, num_shards, mode):
     local, remote = results["local"], results["ray"]
     assert_params_equal(remote[0], local[0])
     assert remote[1:] == local[1:]
+
+
+@pytest.mark.parametrize("kill_at,checkpoint_at", [(2, None), (4, 2)])
+def test_a_killed_shard_actor_is_replaced_and_the_run_equals_an_uninterrupted_one(ray_cluster, kill_at, checkpoint_at):
+    """A shard actor killed between steps (before any checkpoint, or after one) is replaced by
+    replaying the released updates: parameters bit-identical to an uninterrupted run, the same
+    ledger (no step charged twice, none missing), one restart reported."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 6)
+    kw = dict(mode="sparse", selection="threshold", num_shards=2, second_clip=S2, optimizer="adagrad",
+              dense_tables=(1,), ema_decay=0.5)
+    runs = {}
+    for kill in (False, True):
+        engine = build(ds, batches, backend="ray", **kw)
+        try:
+            for step in range(1, len(batches) + 1):
+                if step - 1 == checkpoint_at:
+                    engine.state_dict()  # what a checkpoint does: the group's snapshot
+                if kill and step - 1 == kill_at:
+                    ray_cluster.kill(engine.shards.actors[1], no_restart=True)
+                assert engine.step() is not None
+            runs[kill] = (engine_params(engine), averaged_params(engine), engine.ledger.state_dict(),
+                          engine.ledger.steps, engine.shards.restarts)
+        finally:
+            engine.shards.shutdown()
+    assert_params_equal(runs[True][0], runs[False][0])
+    assert_params_equal(runs[True][1], runs[False][1])
+    assert runs[True][2] == runs[False][2]
+    assert runs[True][3] == runs[False][3] == len(batches)
+    assert (runs[False][4], runs[True][4]) == (0, 1)
+
+
+def test_a_shard_that_dies_again_while_being_restored_stops_the_run_naming_shard_and_step(ray_cluster):
+    ds = dataset()
+    batches = batches_with_crafted(ds, 3)
+    engine = build(ds, batches, mode="sparse", selection="em", num_shards=2, backend="ray")
+    try:
+        engine.step()
+        make_actor = engine.shards._make_actor
+
+        def dies_at_once(s):
+            actor = make_actor(s)
+            ray_cluster.kill(actor, no_restart=True)
+            return actor
+
+        engine.shards._make_actor = dies_at_once
+        ray_cluster.kill(engine.shards.actors[0], no_restart=True)
+        with pytest.raises(ShardLostError, match=r"step 2: shard 0 \(Ray actor\) died during 'lookup' and again"):
+            engine.step()
+    finally:
+        engine.shards.shutdown()
 
 
 # ---- 3. per-example norms -----------------------------------------------------------------------

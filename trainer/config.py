@@ -229,6 +229,10 @@ class ClusterConfig:
     gpus_per_shard: float = 0.0
     address: str = ""  # Ray address; empty: RAY_ADDRESS (set under `ray job submit`) or embedded local Ray
     placement_strategy: str = "SPREAD"  # Ray placement group strategy for the shard actors
+    # A shard actor that dies is replaced and brought back to its state by replaying what was
+    # released since the last checkpoint (trainer/shard_group.py), up to this many attempts
+    # per failure; 0: a death stops the run.
+    max_actor_restarts: int = 1
 
     def validate(self) -> None:
         _require([
@@ -236,6 +240,7 @@ class ClusterConfig:
             (self.num_shards >= 1, "cluster.num_shards must be >= 1"),
             (self.cpus_per_shard > 0, "cluster.cpus_per_shard must be > 0"),
             (self.gpus_per_shard >= 0, "cluster.gpus_per_shard must be >= 0"),
+            (self.max_actor_restarts >= 0, "cluster.max_actor_restarts must be >= 0"),
             (self.placement_strategy in PLACEMENT_STRATEGIES,
              f"cluster.placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {self.placement_strategy!r}"),
         ])

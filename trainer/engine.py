@@ -33,6 +33,7 @@ from selection.registry import SelectionContext, Selector, get_selector, is_sele
 from selection.result import Selection
 from trainer.dense_grads import DenseGradients, dense_gradients
 from trainer.layout import ShardLayout, route
+from trainer.shard_group import ShardLostError
 from trainer.models import DenseModel
 from trainer.randomness import PrivacyRandomness
 from trainer.table_policy import SparseVocabulary
@@ -221,6 +222,12 @@ class Engine:
 
         The ledger records the event composed from what the selector and the noise step
         *returned*; it must equal the event budgeted in advance (`step_event`)."""
+        try:
+            return self._step()
+        except ShardLostError as err:
+            raise ShardLostError(f"step {self.step_count + 1}: {err}") from err
+
+    def _step(self) -> Optional[StepStats]:
         if self.would_exceed_budget():
             return None
         clock = PhaseClock()

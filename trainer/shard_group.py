@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -141,11 +141,30 @@ def check_placement(nodes: list, bundle: dict, num_shards: int, strategy: str = 
             f"the Ray cluster cannot place the shards ({strategy}): needs {what} (alive nodes: {sizes}); {advice}")
 
 
+class ShardLostError(RuntimeError):
+    """A shard actor died again while being restored (or restarts are off)."""
+
+
+# Shard methods that change a shard's state for good (the others fill its per-step cache).
+MUTATING = frozenset({"apply_rows", "apply_dense_noise_update", "load_state_dict"})
+
+
 class RayShardGroup(ShardGroup):
-    """Shards as Ray actors, `cpus_per_shard` CPUs (and `gpus_per_shard` GPUs) each."""
+    """Shards as Ray actors, `cpus_per_shard` CPUs (and `gpus_per_shard` GPUs) each.
+
+    A lost actor is replaced without touching the others and without re-running any private
+    step: the group keeps each shard's state from the last `state_dict` call (the checkpoint's)
+    and every state-changing call since then, with its exact arguments — the *released*
+    updates of the steps since the checkpoint (noisy rows; DP-SGD's noise seed, std and clipped
+    rows) — plus the current step's cache-filling calls. A replacement loads that state, replays
+    those calls (post-processing of what was already released and charged: nothing new is
+    computed from the data, so nothing is charged again) and then answers the call that failed.
+    The restored shard equals the lost one exactly, so the run continues as if uninterrupted.
+    Up to `max_restarts` attempts per failure; another death during them raises ShardLostError
+    naming the shard and the call. `max_restarts = 0`: no log is kept and a death raises."""
 
     def __init__(self, layout: ShardLayout, cpus_per_shard: float = 1.0, gpus_per_shard: float = 0.0,
-                 placement_strategy: str = "SPREAD", **shard_kwargs):
+                 placement_strategy: str = "SPREAD", max_restarts: int = 1, **shard_kwargs):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -165,18 +184,77 @@ class RayShardGroup(ShardGroup):
                 f"{PLACEMENT_TIMEOUT_S:g} s although the cluster's nodes are large enough: other jobs hold the "
                 f"resources (free now: {free.get('CPU', 0):g} CPUs, {free.get('GPU', 0):g} GPUs)")
         actor_cls = ray.remote(EmbeddingShard)
-        self.actors = [
-            actor_cls.options(
+
+        def make_actor(s: int):
+            return actor_cls.options(
                 num_cpus=cpus_per_shard, num_gpus=gpus_per_shard or 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=s),
             ).remote(layout, s, **shard_kwargs)
-            for s in range(layout.num_shards)
-        ]
+
+        if max_restarts < 0:
+            raise ValueError(f"cluster.max_actor_restarts must be >= 0, got {max_restarts}")
+        self._make_actor = make_actor
+        self.actors = [make_actor(s) for s in range(layout.num_shards)]
+        self.max_restarts = int(max_restarts)
+        self.restarts = 0  # actors replaced so far
+        self._snapshot: Optional[list] = None  # each shard's state at the last state_dict call
+        self._log: list[tuple[str, Sequence[tuple]]] = []  # calls since then (see the class docstring)
         self._ray = ray
 
     def _call(self, method, per_shard_args):
+        from ray.exceptions import RayActorError
+
         refs = [getattr(actor, method).remote(*args) for actor, args in zip(self.actors, per_shard_args)]
-        return self._ray.get(refs)
+        results: list = [None] * len(refs)
+        lost: list[tuple[int, Exception]] = []
+        for s, ref in enumerate(refs):
+            try:
+                results[s] = self._ray.get(ref)
+            except RayActorError as died:  # the actor died; an exception raised by the method propagates
+                lost.append((s, died))
+        for s, cause in lost:
+            results[s] = self._replace(s, method, per_shard_args[s], cause)
+        self._remember(method, per_shard_args, results)
+        return results
+
+    def _remember(self, method: str, per_shard_args: Sequence[tuple], results: list) -> None:
+        if not self.max_restarts:
+            return
+        if method == "state_dict":
+            self._snapshot, self._log = results, []
+        elif method in MUTATING:  # the previous step's cache-filling calls are no longer needed
+            self._log = [entry for entry in self._log if entry[0] in MUTATING]
+            self._log.append((method, per_shard_args))
+        else:
+            self._log.append((method, per_shard_args))
+
+    def _replace(self, s: int, method: str, args: tuple, err: Exception):
+        """A new actor for shard s, brought to the lost one's state, answering `method(*args)`."""
+        from ray.exceptions import RayActorError
+
+        last: Exception = err
+        for _ in range(self.max_restarts):
+            try:
+                self._ray.kill(self.actors[s])  # type: ignore[arg-type]
+            except Exception:  # already gone
+                pass
+            actor = self._make_actor(s)
+            self.actors[s] = actor
+            try:
+                if self._snapshot is not None:
+                    self._ray.get(actor.load_state_dict.remote(self._snapshot[s]))
+                for logged, per_shard in self._log:
+                    self._ray.get(getattr(actor, logged).remote(*per_shard[s]))
+                result = self._ray.get(getattr(actor, method).remote(*args))
+            except RayActorError as again:
+                last = again
+                continue
+            self.restarts += 1
+            return result
+        raise ShardLostError(
+            f"shard {s} (Ray actor) died during {method!r}"
+            + (f" and again while being restored ({self.max_restarts} restart(s) tried)" if self.max_restarts
+               else " (cluster.max_actor_restarts = 0)") + f": {last}")
 
     def shutdown(self) -> None:
         for actor in self.actors:

@@ -91,7 +91,8 @@ def _shard_group(cfg: Config, layout: ShardLayout):
     if cfg.cluster.backend == "local":
         return InProcessShardGroup(layout, **kwargs)
     return RayShardGroup(layout, cpus_per_shard=cfg.cluster.cpus_per_shard, gpus_per_shard=cfg.cluster.gpus_per_shard,
-                         placement_strategy=cfg.cluster.placement_strategy, **kwargs)
+                         placement_strategy=cfg.cluster.placement_strategy,
+                         max_restarts=cfg.cluster.max_actor_restarts, **kwargs)
 
 
 def _dense_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
@@ -157,7 +158,7 @@ def save_checkpoint(run_dir: Path, engine: Engine, cfg: Config) -> None:
 _RESUME_FREE_KEYS = {("train", "steps"), ("train", "log_every"), ("train", "eval_every"), ("train", "checkpoint_every"),
                      ("train", "eval_batch_size"), ("train", "debug_metrics"), ("cluster", "address"),
                      ("cluster", "backend"), ("cluster", "cpus_per_shard"), ("cluster", "gpus_per_shard"),
-                     ("cluster", "placement_strategy"), ("run_dir", None)}
+                     ("cluster", "placement_strategy"), ("cluster", "max_actor_restarts"), ("run_dir", None)}
 
 
 def _check_replay_is_identical(saved: dict, cfg: Config) -> None:
@@ -284,6 +285,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tru
             "sample_rate": info.sample_rate,
             "stopped_by_budget": result.stopped_by_budget,
             "resumed": resume,
+            "actor_restarts": getattr(run.engine.shards, "restarts", 0),
             "vocabulary_size": engine.layout.vocabulary_size,
             "backend": cfg.cluster.backend,
             **({"validation_metrics": run.evaluate(run.validation_set)} if run.validation_set is not None else {}),
