@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import REPO, fmt_bytes, machine_line  # noqa: E402
 
-NAMES = ("table_scaling", "opacus_compare", "privacy_overhead", "communication", "phase_breakdown",
+NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "privacy_overhead", "communication", "phase_breakdown",
          "privacy_utility", "paper_fig1")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
@@ -265,6 +265,50 @@ def section_opacus(doc, plots, out_dir) -> tuple[list, list]:
         goals.append((f"widedp dpsgd within a small factor of Opacus at V = {e10(max(doc['vocabs']))}",
                       f"{f(r)}× Opacus's throughput" + (" (extrapolated Opacus step)" if top.get("extrapolated") else ""),
                       unproven(0.2 <= r) if top.get("extrapolated") else met(0.2 <= r), why))
+    return lines, goals
+
+
+def section_dlrm(doc) -> tuple[list, list]:
+    """benchmarks/dlrm_compare.py: step time per system and size, × floor, Opacus / system, goals."""
+    lines, goals = [], []
+    sizes, summ = doc["rows"], doc.get("summary", {})
+    ratios = summ.get("ratios", {})
+    labels = doc.get("labels", {})
+    lines += [f"`{doc['config']}` (DLRM: {doc['tables']} tables × rows below, dim {doc['dim']}, bottom MLP {doc['bottom_mlp']}, "
+              f"top MLP {doc['top_mlp']}, interaction {doc['interaction']}), expected batch {doc['batch']} (Poisson), "
+              f"σ {doc['sigma']}, S1 {doc['clip']}, SGD lr {doc['lr']} (dense {doc['dense_lr']}), {f(doc['examples'])} "
+              f"examples (same train split for every system); widedp sparse uses `{doc['selection']}` selection "
+              f"(k = {doc['k']}), {doc['num_shards']} shards. Opacus {doc['machine'].get('versions', {}).get('opacus', '')}: "
+              "`nn.Embedding` per table, `make_private` with Poisson sampling, ghost clipping. Median ms per step; "
+              "× floor = system / plain PyTorch; Opacus / system = how many times faster than Opacus ghost.", "",
+              "| system | " + " | ".join(f"{doc['tables']} × {r:,} ms | × floor | Opacus / system" for r in sizes) + " |",
+              "|---|" + "---:|---:|---:|" * len(sizes)]
+    systems = []
+    for r in doc["results"]:
+        if r["system"] not in systems:
+            systems.append(r["system"])
+    by = {(r["system"], r["rows"]): r for r in doc["results"]}
+    for s in systems:
+        cells = []
+        for rows in sizes:
+            e, r = ratios.get(str(rows), {}).get(s), by.get((s, rows), {})
+            if e:
+                cells += [f(e["step_ms"]), f"{f(e['x_floor'])}×" if e.get("x_floor") else "–",
+                          f"{f(e['opacus_over'])}×" if e.get("opacus_over") else "–"]
+            else:
+                why = r.get("skipped") or (f"FAILED: {r['error'][:60]}" if r.get("error") else "not run")
+                cells += [why, "–", "–"]
+        lines.append(f"| {labels.get(s, s)} | " + " | ".join(cells) + " |")
+    lines += ["", "| system | rows | examples/s | peak RSS (worker) | peak RSS (process tree) |", "|---|---:|---:|---:|---:|"]
+    for r in doc["results"]:
+        if r.get("step_ms_median"):
+            lines.append(f"| {r['system']} | {r['tables']} × {r['rows']:,} | {f(r.get('examples_per_sec'))} | "
+                         f"{fmt_bytes(r.get('ru_maxrss_bytes'))} | {fmt_bytes(r.get('peak_tree_rss_bytes'))} |")
+    for g in summ.get("goals", []):
+        measured = "; ".join(f"{doc['tables']} × {int(rows):,}: " + ("not measured" if p["value"] is None else f"{f(p['value'])}×")
+                             + f" (goal {g['op']} {p['target']:g}×)" for rows, p in g["per_size"].items())
+        goals.append((g["goal"], f"{g['unit']}: {measured}", "not measured at every size" if g["met"] is None
+                      else met(g["met"]), ""))
     return lines, goals
 
 
@@ -568,6 +612,7 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          ["step_time_vs_rows"]),
         ("opacus_compare", "2. Against Opacus DP-SGD (CBOW)", lambda d: section_opacus(d, plots, plot_dir),
          ["throughput_vs_opacus"]),
+        ("dlrm_compare", "2b. DLRM-style CTR step: plain PyTorch, Opacus, widedp", section_dlrm, []),
         ("privacy_overhead", "3. Privacy overhead (sparse vs non-private)", section_overhead, []),
         ("communication", "4. Communication", lambda d: section_communication(d, plots, plot_dir), ["write_back_bytes"]),
         ("phase_breakdown", "5. Where the time of a sparse step goes", lambda d: section_phases(d, plots, plot_dir),

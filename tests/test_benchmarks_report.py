@@ -284,3 +284,74 @@ def test_tune_sweep_smoke_and_results_section(tmp_path):
     assert "## 9. Hyperparameter tuning" in md and "**train.lr=" in md
     assert "best point chosen on the validation split" in md
     assert f"{doc['best']['validation_metrics']['auc']:.4f} | {doc['best']['test_metrics']['auc']:.4f}" in md
+
+
+def test_dlrm_compare_smoke_and_results_section(tmp_path, monkeypatch):
+    # one torch thread per worker: on a busy 2-core machine OpenMP spin-waiting makes tiny steps ~100x slower
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    systems = ["pytorch-nonprivate", "opacus-ghost", "widedp-sparse-inprocess"]
+    doc, stdout = _bench("dlrm_compare", ["--quick", "--rows", "500", "--systems", ",".join(systems), "--steps", "2",
+                                          "--warmup", "1"], tmp_path)
+    assert doc["benchmark"] == "dlrm_compare" and doc["quick"] is True
+    assert doc["rows"] == [500] and doc["tables"] == 26 and doc["batch"] == 64 and doc["systems"] == systems
+    assert (doc["dim"], doc["bottom_mlp"], doc["top_mlp"], doc["interaction"]) == (16, [64], [64], "cat")
+    by = {r["system"]: r for r in doc["results"]}
+    assert set(by) == set(systems)
+    for s in systems:
+        assert "error" not in by[s], by[s]
+        assert by[s]["rows"] == 500 and by[s]["step_ms_median"] > 0 and by[s]["steps_timed"] >= 1
+        assert by[s]["peak_tree_rss_bytes"] > 0
+    assert by["opacus-ghost"]["table_rows"] == [500] * 26
+    assert by["widedp-sparse-inprocess"]["mode"] == "sparse" and by["widedp-sparse-inprocess"]["backend"] == "local"
+    ratios = doc["summary"]["ratios"]["500"]
+    assert set(ratios) == set(systems)
+    assert ratios["pytorch-nonprivate"]["x_floor"] == 1.0 and ratios["opacus-ghost"]["opacus_over"] == 1.0
+    goals = {g["goal"]: g for g in doc["summary"]["goals"]}
+    assert len(goals) == 4
+    ray = next(g for t, g in goals.items() if t.startswith("Ray sparse step"))
+    assert ray["met"] is None and ray["per_size"]["500"]["value"] is None  # Ray was not run
+    assert "goals (measured in this run):" in stdout and "× floor" in stdout
+    sys.path.insert(0, str(BENCH))
+    import make_results
+
+    res = tmp_path / "res"
+    res.mkdir()
+    (res / "dlrm_compare.json").write_text(json.dumps(doc))
+    md = make_results.render(res, tmp_path / "docs").read_text()
+    assert "## 2b. DLRM-style CTR step" in md and "| 26 × 500 ms | × floor | Opacus / system |" in md
+    assert f"| {make_results.f(ratios['widedp-sparse-inprocess']['step_ms'])} |" in md
+    assert "| Ray sparse step ≤ 1.3× the in-process sparse step at every size |" in md
+
+
+def test_dlrm_compare_goals_from_step_times():
+    sys.path.insert(0, str(BENCH))
+    import dlrm_compare as dc
+
+    sizes = [20000, 262144]
+
+    def times(floor, opacus, sparse, ray, dpsgd):
+        out = {}
+        for rows in sizes:
+            for system, ms in (("pytorch-nonprivate", floor), ("opacus-ghost", opacus), ("widedp-sparse-inprocess", sparse),
+                               ("widedp-sparse-ray", ray), ("widedp-dpsgd", dpsgd)):
+                out[(system, rows)] = ms[rows] if isinstance(ms, dict) else ms
+        return out
+
+    fast = dc.evaluate_goals(times(10.0, {20000: 100.0, 262144: 2000.0}, 20.0, 25.0, 90.0), sizes)
+    assert [g["met"] for g in fast] == [True, True, True, True]
+    assert fast[1]["per_size"][262144] == {"value": 100.0, "target": 50.0, "met": True}
+    slow = dc.evaluate_goals(times(10.0, {20000: 100.0, 262144: 2000.0}, 40.0, 60.0, 2500.0), sizes)
+    assert [g["met"] for g in slow] == [False, False, False, False]
+    # each size is judged against its own target: 6x >= 5x at 20k, 40x < 50x at 262k
+    mixed = dc.evaluate_goals(times(10.0, {20000: 60.0, 262144: 400.0}, 10.0, 12.0, 50.0), sizes)
+    assert mixed[1]["per_size"][20000]["met"] is True and mixed[1]["per_size"][262144]["met"] is False
+    assert mixed[1]["met"] is False
+    assert mixed[2]["per_size"][20000]["met"] is True and mixed[2]["per_size"][262144]["met"] is True
+    # a missing measurement is "not measured", unless a measured size already missed
+    partial = {k: v for k, v in times(10.0, 1000.0, 20.0, 25.0, 90.0).items() if k[0] != "widedp-sparse-ray"}
+    assert dc.evaluate_goals(partial, sizes)[3]["met"] is None
+    partial[("widedp-sparse-ray", 20000)] = 100.0
+    assert dc.evaluate_goals(partial, sizes)[3]["met"] is False
+    # quick sizes: 5x at the smallest, 50x at the largest
+    assert dc.speedup_goal(500, [500, 2000]) == 5.0 and dc.speedup_goal(2000, [500, 2000]) == 50.0
+    assert ": missed — " in dc.goal_line(slow[0]) and ": met — " in dc.goal_line(fast[0])

@@ -1,0 +1,472 @@
+"""One training step of the DLRM-style CTR model: plain PyTorch (the floor), Opacus ghost
+clipping (the peer) and widedp (sparse on in-process shards and on Ray, dpsgd, nonprivate).
+
+The model is configs/ctr.toml's (trainer/models/dlrm.py: 13 dense features, 26 categorical
+tables, embedding dim 16, bottom MLP [64], top MLP [64], interaction "cat"; expected batch
+1024, Poisson sampling), on the project's planted-truth CTR data (`data.synth = "ctr"`, the
+config's generator, 26 tables of `--rows` rows each). Every system reads the same train split:
+
+  pytorch-nonprivate       the floor: one `nn.EmbeddingBag(mode="sum", sparse=True)` per table,
+                           the same dense module (trainer.models.dlrm.DLRM), SGD with sparse
+                           embedding gradients, no privacy; Poisson-sampled batches.
+  opacus-ghost             the peer: what an Opacus user writes — one `nn.Embedding` per table
+                           (each looked up once per forward, as ghost clipping requires), the same
+                           dense module, `nn.BCEWithLogitsLoss` (a criterion with `reduction`),
+                           `PrivacyEngine.make_private(..., poisson_sampling=True,
+                           grad_sample_mode="ghost")`: per-example norms without per-example
+                           gradients, then a dense gradient of every table noised and applied.
+  widedp-sparse-inprocess  the config's selection (train.selection), shards in-process.
+  widedp-sparse-ray        the same on Ray shard actors (cluster.num_shards of the config).
+  widedp-dpsgd             noise on every row, in-process shards.
+  widedp-nonprivate        in-process shards.
+
+Same σ (--sigma), S1 (privacy.clip_norm), learning rates (train.lr for the embeddings,
+train.dense_lr for the dense part; plain SGD) and expected batch for every private system.
+Both PyTorch systems fetch a batch with one gather per tensor (the dataset's `__getitems__`),
+so neither pays a per-example Python loop that widedp does not; Opacus's own DPDataLoader
+(UniformWithReplacementSampler) draws its batches, the floor an equivalent Poisson sampler.
+
+Conventions of benchmarks/opacus_compare.py: every (system, size) in a fresh worker process,
+warm-up then timed steps until --steps or --max-seconds, median ms/step, peak memory (the
+worker's peak RSS and the peak summed RSS of its process tree — Ray's daemons and actors
+included); a configuration whose estimated memory does not fit is skipped. The table gives,
+per system and size, ms/step, "× floor" (system / plain PyTorch) and "Opacus / system"
+(Opacus ghost / system: how many times faster than the peer), all measured in this run, and
+the goals evaluated on these numbers (`evaluate_goals`, a pure function):
+
+  - in-process widedp sparse ≤ 3× the floor at every size;
+  - in-process widedp sparse ≥ 5× faster than Opacus ghost at 26 × 20,000 rows and ≥ 50× at
+    26 × 262,144 (other sizes, e.g. --quick: 5× at the smallest, 50× at the largest);
+  - widedp dpsgd not slower than Opacus ghost at every size;
+  - the Ray sparse step ≤ 1.3× the in-process sparse step at every size.
+
+On a machine busy with other work, torch's OpenMP threads spin-wait for descheduled peers and
+small steps slow down by up to 100× (measured: the floor's 26 × 500-row step 5 ms with one
+thread, ~500 ms with two on a 2-core machine at load 4); time on an idle machine, or set
+OMP_NUM_THREADS (every worker inherits it; the results file records torch's thread count).
+
+    python benchmarks/dlrm_compare.py [--quick] [--rows 20000,262144] [--systems ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (DATA_DIR, announce_machine, ensure_config_dataset, fmt_bytes,  # noqa: E402
+                     format_table, mem_info, run_worker, time_engine, timing_overrides, worker_entry,
+                     write_results)
+from opacus_compare import _timed  # noqa: E402  (the same warm-up / timed-steps loop)
+
+SYSTEMS = ("pytorch-nonprivate", "opacus-ghost", "widedp-sparse-inprocess", "widedp-sparse-ray", "widedp-dpsgd",
+           "widedp-nonprivate")
+LABELS = {
+    "pytorch-nonprivate": "plain PyTorch, EmbeddingBag(sparse=True) + SGD, non-private (the floor)",
+    "opacus-ghost": "Opacus ghost clipping DP-SGD (the peer)",
+    "widedp-sparse-inprocess": "widedp sparse, in-process shards",
+    "widedp-sparse-ray": "widedp sparse, Ray shards",
+    "widedp-dpsgd": "widedp dpsgd, in-process",
+    "widedp-nonprivate": "widedp nonprivate, in-process",
+}
+WIDEDP = {"widedp-sparse-inprocess": ("sparse", "local"), "widedp-sparse-ray": ("sparse", "ray"),
+          "widedp-dpsgd": ("dpsgd", "local"), "widedp-nonprivate": ("nonprivate", "local")}
+FLOOR, PEER = "pytorch-nonprivate", "opacus-ghost"
+#: Goal: in-process sparse at least this many times faster than Opacus ghost, per rows per table.
+SPEEDUP_GOALS = {20000: 5.0, 262144: 50.0}
+FLOOR_GOAL = 3.0
+RAY_GOAL = 1.3
+
+
+# ---- the PyTorch / Opacus user's DLRM ---------------------------------------------------------------
+
+def _torch_model(table_rows: list[int], spec: dict, bag: bool):
+    import torch
+    from torch import nn
+
+    from trainer.models.dlrm import DLRM
+
+    dim = spec["dim"]
+
+    class TorchDLRM(nn.Module):
+        """One embedding per categorical feature (one id each) + the project's dense DLRM part."""
+
+        def __init__(self):
+            super().__init__()
+            if bag:
+                self.tables = nn.ModuleList(nn.EmbeddingBag(r, dim, mode="sum", sparse=True) for r in table_rows)
+            else:
+                self.tables = nn.ModuleList(nn.Embedding(r, dim) for r in table_rows)
+            with torch.no_grad():
+                for t in self.tables:
+                    t.weight.normal_(0.0, spec["init_std"])
+            self.dense = DLRM(features=[f"f{i}" for i in range(len(table_rows))], embedding_dim=dim,
+                              num_dense=spec["num_dense"], bottom_mlp=spec["bottom_mlp"], top_mlp=spec["top_mlp"],
+                              interaction=spec["interaction"])
+
+        def forward(self, ids, dense):  # ids [B, F] (one id per feature), dense [B, 13]
+            if bag:
+                pooled = [t(ids[:, f:f + 1]) for f, t in enumerate(self.tables)]  # bags of one id
+            else:
+                pooled = [t(ids[:, f]) for f, t in enumerate(self.tables)]
+            return self.dense(torch.stack(pooled, dim=1), dense)
+
+    return TorchDLRM()
+
+
+class _BatchedTensors:
+    """Map-style dataset over aligned tensors; `__getitems__` gathers a whole batch at once
+    (torch's DataLoader calls it instead of one `__getitem__` per example)."""
+
+    def __init__(self, *tensors):
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, i):
+        return tuple(t[i] for t in self.tensors)
+
+    def __getitems__(self, indices):
+        import torch
+
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        return tuple(t[idx] for t in self.tensors)
+
+
+def _as_batch(batch):
+    return batch  # already collated by `__getitems__`
+
+
+class _PoissonBatches:
+    """Poisson sampling for the floor: each example in a batch independently with rate q
+    (what Opacus's UniformWithReplacementSampler does)."""
+
+    def __init__(self, n: int, q: float, seed: int):
+        import torch
+
+        self.n, self.q = n, q
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return max(1, round(1 / self.q))
+
+    def __iter__(self):
+        import torch
+
+        for _ in range(len(self)):
+            yield torch.nonzero(torch.rand(self.n, generator=self.gen) < self.q).reshape(-1).tolist()
+
+
+def _ctr_tensors(data_path: str, test_fraction: float, seed: int):
+    """The train split as [N, F] ids, [N, 13] dense features, [N] labels, and the table sizes."""
+    import numpy as np
+
+    from trainer.data import open_dataset
+
+    train, _ = open_dataset(data_path, test_fraction=test_fraction, seed=seed)
+    batch = train.take(np.arange(len(train)))
+    meta, n = train.meta, len(train)
+    kjt = batch.sparse
+    if not bool((kjt.lengths() == 1).all()):
+        raise ValueError(f"{data_path}: the DLRM comparison needs one id per categorical feature")
+    ids = kjt.values().reshape(len(meta.features), n).T.contiguous()  # key-major -> [N, F]
+    rows = [int(meta.table_sizes[meta.feature_tables[f]]) for f in meta.features]
+    return ids, batch.dense, batch.labels, rows
+
+
+def torch_worker(spec: dict) -> dict:
+    """Time the plain PyTorch floor or Opacus ghost clipping on the same train split."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    system = spec["system"]
+    ids, dense, labels, rows = _ctr_tensors(spec["data"], spec["test_fraction"], spec["seed"])
+    spec = dict(spec, num_dense=int(dense.shape[1]))
+    torch.manual_seed(spec["seed"])
+    t0 = time.perf_counter()
+    model = _torch_model(rows, spec, bag=(system == FLOOR))
+    groups = [{"params": list(model.tables.parameters()), "lr": spec["lr"]},
+              {"params": list(model.dense.parameters()), "lr": spec["dense_lr"]}]
+    optimizer = torch.optim.SGD(groups, lr=spec["lr"])
+    criterion = nn.BCEWithLogitsLoss(reduction="mean")
+    n = len(labels)
+    dataset: Any = _BatchedTensors(ids, dense, labels)
+    loader: Any
+    if system == FLOOR:
+        loader = DataLoader(dataset, batch_sampler=_PoissonBatches(n, spec["batch"] / n, spec["seed"]),
+                            collate_fn=_as_batch)
+    elif system == PEER:
+        from opacus import PrivacyEngine
+
+        engine = PrivacyEngine(accountant="rdp")
+        loader = DataLoader(dataset, batch_size=spec["batch"], collate_fn=_as_batch)
+        model, optimizer, criterion, loader = engine.make_private(
+            module=model, optimizer=optimizer, criterion=criterion, data_loader=loader,
+            noise_multiplier=spec["sigma"], max_grad_norm=spec["clip"], poisson_sampling=True,
+            grad_sample_mode="ghost")
+    else:
+        raise ValueError(f"unknown system {system!r}")
+    build_s = time.perf_counter() - t0
+
+    def batches():
+        while True:
+            yield from loader
+
+    it = batches()
+
+    def step():
+        x, d, y = next(it)
+        optimizer.zero_grad(set_to_none=True)
+        loss = criterion(model(x, d), y)
+        loss.backward()
+        optimizer.step()
+        return int(x.shape[0])
+
+    return _timed(step, spec, build_s, extra={"train_examples": n, "table_rows": rows,
+                                              "expected_batch": spec["batch"] if system == FLOOR
+                                              else n / len(loader)})
+
+
+def worker(spec: dict) -> dict:
+    if spec["system"].startswith("widedp"):
+        return time_engine(spec)
+    return torch_worker(spec)
+
+
+# ---- goals and ratios (pure: from step times only) --------------------------------------------------
+
+def speedup_goal(rows: int, sizes: list[int]) -> Optional[float]:
+    """The issue's speed-up goal over Opacus at `rows` per table: 5× at 20,000, 50× at 262,144;
+    at other sizes (--quick, --rows), 5× at the smallest measured size and 50× at the largest."""
+    if rows in SPEEDUP_GOALS:
+        return SPEEDUP_GOALS[rows]
+    if rows == max(sizes) and len(sizes) > 1:
+        return SPEEDUP_GOALS[262144]
+    if rows == min(sizes):
+        return SPEEDUP_GOALS[20000]
+    return None
+
+
+def evaluate_goals(step_ms: dict, sizes: list[int]) -> list[dict]:
+    """The goals on measured median step times `step_ms[(system, rows)]` (ms).
+
+    Each goal: {"goal", "per_size": {rows: {"value", "target", "met"}}, "met"} where `met` is
+    True when every size met it, False when a measured size missed it, None when some size
+    lacks a measurement (and none missed)."""
+    def ms(system, rows):
+        v = step_ms.get((system, rows))
+        return v if v is not None and v > 0 else None
+
+    specs = [
+        ("in-process widedp sparse ≤ 3× the floor (plain PyTorch) at every size", "≤",
+         lambda r: (ms("widedp-sparse-inprocess", r), ms(FLOOR, r)), lambda r: FLOOR_GOAL, "× floor"),
+        ("in-process widedp sparse ≥ 5× faster than Opacus ghost at 26 × 20,000 and ≥ 50× at 26 × 262,144", "≥",
+         lambda r: (ms(PEER, r), ms("widedp-sparse-inprocess", r)), lambda r: speedup_goal(r, sizes), "Opacus / sparse"),
+        ("widedp dpsgd not slower than Opacus ghost at every size", "≥",
+         lambda r: (ms(PEER, r), ms("widedp-dpsgd", r)), lambda r: 1.0, "Opacus / dpsgd"),
+        ("Ray sparse step ≤ 1.3× the in-process sparse step at every size", "≤",
+         lambda r: (ms("widedp-sparse-ray", r), ms("widedp-sparse-inprocess", r)), lambda r: RAY_GOAL,
+         "Ray / in-process"),
+    ]
+    goals = []
+    for text, op, pair, target, unit in specs:
+        per, missing = {}, False
+        for rows in sizes:
+            t = target(rows)
+            if t is None:
+                continue
+            a, b = pair(rows)
+            if a is None or b is None:
+                missing = True
+                per[rows] = {"value": None, "target": t, "met": None}
+                continue
+            v = a / b
+            per[rows] = {"value": v, "target": t, "met": v <= t if op == "≤" else v >= t}
+        flags = [p["met"] for p in per.values() if p["met"] is not None]
+        met = False if (False in flags) else (None if missing or not flags else True)
+        goals.append({"goal": text, "op": op, "unit": unit, "per_size": per, "met": met})
+    return goals
+
+
+def goal_line(g: dict) -> str:
+    status = {True: "met", False: "missed", None: "not measured at every size"}[g["met"]]
+    parts = [f"26 × {int(rows):,}: " + ("not measured" if p["value"] is None else f"{p['value']:,.2f}×")
+             + f" (goal {g['op']} {p['target']:g}×)" for rows, p in g["per_size"].items()]
+    return f"{g['goal']}: {status} — {g['unit']} " + "; ".join(parts)
+
+
+def summarize(results: list, sizes: list[int]) -> dict:
+    step_ms = {(r["system"], r["rows"]): r["step_ms_median"] for r in results if r.get("step_ms_median")}
+    ratios = {}
+    for rows in sizes:
+        floor, peer = step_ms.get((FLOOR, rows)), step_ms.get((PEER, rows))
+        entry = {}
+        for s in SYSTEMS:
+            t = step_ms.get((s, rows))
+            if t is None:
+                continue
+            entry[s] = {"step_ms": t, "x_floor": t / floor if floor else None, "opacus_over": peer / t if peer else None}
+        ratios[str(rows)] = entry
+    goals = evaluate_goals(step_ms, sizes)
+    return {"ratios": ratios, "goals": goals, "lines": [goal_line(g) for g in goals]}
+
+
+# ---- driver -------------------------------------------------------------------------------------------
+
+def memory_estimate(system: str, rows: int, tables: int, dim: int) -> float:
+    table = tables * rows * dim * 4
+    if system == PEER:
+        return table * 5.0 + 1.0e9  # weights, dense grads, summed grads, noise, temporaries
+    if system == FLOOR:
+        return table * 1.5 + 1.0e9  # weights + sparse grads
+    return table * 1.3 + 3e9  # widedp: the tables (+ Ray)
+
+
+def _dataset(config: str, rows: int, examples: int, seed: int, extra: list[str]) -> tuple[str, list[str]]:
+    """The config's planted-truth CTR set with `rows` per table (generated once, cached)."""
+    path = DATA_DIR / f"dlrm_ctr_t{rows}_n{examples}_s{seed}"
+    over = [f"data.path={path}", "data.synth=ctr", f"data.synth_table_size={rows}", f"data.synth_examples={examples}",
+            *extra]
+    return ensure_config_dataset(config, over), over
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="26 x 500 and 26 x 2000 rows, batch 64, few steps")
+    parser.add_argument("--config", default="configs/ctr.toml")
+    parser.add_argument("--rows", default=None, help="rows per table, comma list (default 20000,262144; quick 500,2000)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--batch", type=int, default=None, help="expected batch (default: the config's; quick 64)")
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--examples", type=int, default=None, help="default: the config's synth_examples (quick 5000)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20, quick 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="default 3 (quick 1)")
+    parser.add_argument("--max-seconds", type=float, default=None, help="per configuration (default 120, quick 20)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--out")
+    parser.add_argument("--recompute", metavar="FILE", help="re-derive ratios and goals of an existing results file")
+    args = parser.parse_args(argv)
+    if args.recompute:
+        return recompute(Path(args.recompute))
+    started = time.time()
+    quick = args.quick
+    sizes = [int(float(v)) for v in (args.rows or ("500,2000" if quick else "20000,262144")).split(",")]
+    steps = args.steps or (3 if quick else 20)
+    warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
+    max_seconds = args.max_seconds or (20.0 if quick else 120.0)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    machine = announce_machine()
+    from trainer.config import load_config
+
+    cfg = load_config(args.config, args.set)
+    batch = args.batch or (64 if quick else cfg.train.batch_size)
+    examples = args.examples or (5000 if quick else cfg.data.synth_examples)
+    m = cfg.model
+    common = {"dim": m.embedding_dim, "bottom_mlp": list(m.bottom_mlp), "top_mlp": list(m.top_mlp),
+              "interaction": m.interaction, "init_std": m.init_std, "batch": batch, "sigma": args.sigma,
+              "clip": cfg.privacy.clip_norm, "lr": cfg.train.lr, "dense_lr": cfg.train.dense_lr,
+              "test_fraction": cfg.data.test_fraction, "seed": cfg.data.seed}
+    print(f"DLRM ({args.config}): 26 tables × {', '.join(f'{r:,}' for r in sizes)} rows, dim {m.embedding_dim}, "
+          f"bottom {list(m.bottom_mlp)}, top {list(m.top_mlp)}, interaction {m.interaction}; expected batch {batch} "
+          f"(Poisson), σ {args.sigma}, S1 {common['clip']}, SGD lr {common['lr']} (dense {common['dense_lr']}), "
+          f"widedp sparse/{cfg.train.selection} k {cfg.privacy.k}, {cfg.cluster.num_shards} shards; {examples:,} examples\n")
+    results = []
+    for rows in sizes:
+        data, data_over = _dataset(args.config, rows, examples, cfg.data.seed, args.set)
+        for system in systems:
+            row: dict = {"system": system, "rows": rows, "tables": 26}
+            need, avail = memory_estimate(system, rows, 26, m.embedding_dim), mem_info().get("MemAvailable")
+            if avail and need > 0.85 * avail:
+                row["skipped"] = f"needs ~{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
+                results.append(row)
+                print(f"26×{rows:,} {system}: skipped ({row['skipped']})")
+                continue
+            spec = dict(common, system=system, data=str(data), steps=steps, warmup=warmup, max_seconds=max_seconds)
+            if system in WIDEDP:
+                mode, backend = WIDEDP[system]
+                extra = [*data_over, f"train.batch_size={batch}", "train.optimizer=sgd"]
+                over = timing_overrides(mode, cfg.train.selection, backend, extra)
+                over = [o for o in over if not o.startswith("privacy.noise_multiplier")] + [
+                    f"privacy.noise_multiplier={args.sigma}"]
+                spec.update(config=args.config, overrides=over, min_steps=1)
+            r = run_worker(__file__, spec, timeout=3 * 3600)
+            row.update(r)
+            results.append(row)
+            if "error" in r:
+                print(f"26×{rows:,} {system}: FAILED: {r['error']}")
+            else:
+                print(f"26×{rows:,} {system:>24}: {r['step_ms_median']:10.1f} ms/step  {r['examples_per_sec']:9.1f} ex/s  "
+                      f"peak {fmt_bytes(r.get('ru_maxrss_bytes'))} (tree {fmt_bytes(r.get('peak_tree_rss_bytes'))})"
+                      f"{'  [1 step]' if r.get('steps_timed') == 1 else ''}")
+    summary = summarize(results, sizes)
+    print_tables(results, summary, sizes)
+    payload = {"config": args.config, "rows": sizes, "tables": 26, **common, "examples": examples, "steps": steps,
+               "warmup": warmup, "max_seconds": max_seconds, "selection": cfg.train.selection, "k": cfg.privacy.k,
+               "num_shards": cfg.cluster.num_shards, "systems": systems, "labels": LABELS, "results": results,
+               "summary": summary}
+    write_results("dlrm_compare", payload, quick=quick, machine=machine, out=args.out, started=started)
+    return payload
+
+
+def _note(r) -> str:
+    if r.get("skipped"):
+        return "skipped: " + r["skipped"][:70]
+    if r.get("error"):
+        return "FAILED: " + r["error"][:70]
+    if r.get("steps_timed") == 1:
+        return "1 timed step"
+    return ""
+
+
+def print_tables(results: list, summary: dict, sizes: list[int]) -> None:
+    ratios = summary["ratios"]
+
+    def x(v):
+        return None if v is None else f"{v:,.2f}×"
+
+    print("\n" + format_table(
+        ["rows", "system", "step ms", "× floor", "Opacus / system", "examples/s", "peak RSS", "peak tree RSS", "note"],
+        [[f"26 × {r['rows']:,}", r["system"], r.get("step_ms_median"),
+          x(ratios.get(str(r["rows"]), {}).get(r["system"], {}).get("x_floor")),
+          x(ratios.get(str(r["rows"]), {}).get(r["system"], {}).get("opacus_over")), r.get("examples_per_sec"),
+          fmt_bytes(r.get("ru_maxrss_bytes")), fmt_bytes(r.get("peak_tree_rss_bytes")), _note(r)] for r in results]))
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in results)]
+    headers = ["system"] + [h for rows in sizes for h in (f"26×{rows:,} ms", "× floor", "Opacus/sys")]
+    body = []
+    for s in systems:
+        line: list = [s]
+        for rows in sizes:
+            e = ratios.get(str(rows), {}).get(s, {})
+            line += [e.get("step_ms"), x(e.get("x_floor")), x(e.get("opacus_over"))]
+        body.append(line)
+    print("\n" + format_table(headers, body))
+    print("\ngoals (measured in this run):")
+    for text in summary["lines"]:
+        print("  " + text)
+
+
+def recompute(path: Path) -> dict:
+    """Ratios and goals again from the measured rows of a results file (no timing)."""
+    import json
+
+    doc = json.loads(path.read_text())
+    doc["summary"] = summarize(doc["results"], doc["rows"])
+    doc["recomputed"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    print_tables(doc["results"], doc["summary"], doc["rows"])
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"rewrote {path}")
+    return doc
+
+
+if __name__ == "__main__":
+    worker_entry(worker)
+    main()
