@@ -464,6 +464,33 @@ def timing_overrides(mode: str, selection: str = "em", backend: Optional[str] = 
     return out + list(extra)
 
 
+def widedp_timing_spec(config: str, mode: str, selection: str, backend: Optional[str], extra: Sequence[str],
+                       sigma: float) -> dict:
+    """The worker spec entries of a widedp system in a speed comparison: the timing overrides of
+    `mode` with σ forced to the peer's (so both systems noise alike)."""
+    over = [o for o in timing_overrides(mode, selection, backend, extra) if not o.startswith("privacy.noise_multiplier")]
+    return {"config": config, "overrides": [*over, f"privacy.noise_multiplier={sigma}"], "min_steps": 1}
+
+
+def run_timed_system(script: str | Path, row: dict, spec: dict, need_bytes: float, label: str) -> dict:
+    """One (system, size) of a speed comparison: skipped when its estimated memory `need_bytes`
+    exceeds 85% of what is available, else timed in a fresh worker (`run_worker`); prints one
+    line (`label`: the size) and returns `row` with the result merged in."""
+    system, avail = row["system"], mem_info().get("MemAvailable")
+    if avail and need_bytes > 0.85 * avail:
+        row["skipped"] = f"needs ~{need_bytes / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
+        print(f"{label} {system}: skipped ({row['skipped']})")
+        return row
+    row.update(run_worker(script, spec, timeout=3 * 3600))
+    if "error" in row:
+        print(f"{label} {system}: FAILED: {row['error']}")
+    else:
+        print(f"{label} {system:>24}: {row['step_ms_median']:10.1f} ms/step  {row['examples_per_sec']:9.1f} ex/s  "
+              f"peak {fmt_bytes(row.get('ru_maxrss_bytes'))} (tree {fmt_bytes(row.get('peak_tree_rss_bytes'))})"
+              f"{'  [1 step]' if row.get('single_step_only') or row.get('steps_timed') == 1 else ''}")
+    return row
+
+
 def cpu_note(machine: dict) -> str:
     la = machine.get("load_average_start", [0])[0]
     cores = machine.get("logical_cores") or 1

@@ -58,10 +58,9 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (DATA_DIR, announce_machine, ensure_config_dataset, fmt_bytes,  # noqa: E402
-                     format_table, mem_info, run_worker, time_engine, timing_overrides, worker_entry,
-                     write_results)
-from opacus_compare import _timed  # noqa: E402  (the same warm-up / timed-steps loop)
+from _common import (DATA_DIR, announce_machine, ensure_config_dataset, fmt_bytes, format_table,  # noqa: E402
+                     run_timed_system, time_engine, widedp_timing_spec, worker_entry, write_results)
+from opacus_compare import _timed, torch_step  # noqa: E402  (the same training step and timing loop)
 
 SYSTEMS = ("pytorch-nonprivate", "opacus-ghost", "widedp-sparse-inprocess", "widedp-sparse-ray", "widedp-dpsgd",
            "widedp-nonprivate")
@@ -214,23 +213,9 @@ def torch_worker(spec: dict) -> dict:
         raise ValueError(f"unknown system {system!r}")
     build_s = time.perf_counter() - t0
 
-    def batches():
-        while True:
-            yield from loader
-
-    it = batches()
-
-    def step():
-        x, d, y = next(it)
-        optimizer.zero_grad(set_to_none=True)
-        loss = criterion(model(x, d), y)
-        loss.backward()
-        optimizer.step()
-        return int(x.shape[0])
-
-    return _timed(step, spec, build_s, extra={"train_examples": n, "table_rows": rows,
-                                              "expected_batch": spec["batch"] if system == FLOOR
-                                              else n / len(loader)})
+    expected_batch = spec["batch"] if system == FLOOR else n / len(loader)
+    return _timed(torch_step(model, optimizer, criterion, loader), spec, build_s,
+                  extra={"train_examples": n, "table_rows": rows, "expected_batch": expected_batch})
 
 
 def worker(spec: dict) -> dict:
@@ -384,29 +369,13 @@ def main(argv=None) -> dict:
         data, data_over = _dataset(args.config, rows, examples, cfg.data.seed, args.set)
         for system in systems:
             row: dict = {"system": system, "rows": rows, "tables": 26}
-            need, avail = memory_estimate(system, rows, 26, m.embedding_dim), mem_info().get("MemAvailable")
-            if avail and need > 0.85 * avail:
-                row["skipped"] = f"needs ~{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
-                results.append(row)
-                print(f"26×{rows:,} {system}: skipped ({row['skipped']})")
-                continue
             spec = dict(common, system=system, data=str(data), steps=steps, warmup=warmup, max_seconds=max_seconds)
             if system in WIDEDP:
                 mode, backend = WIDEDP[system]
                 extra = [*data_over, f"train.batch_size={batch}", "train.optimizer=sgd"]
-                over = timing_overrides(mode, cfg.train.selection, backend, extra)
-                over = [o for o in over if not o.startswith("privacy.noise_multiplier")] + [
-                    f"privacy.noise_multiplier={args.sigma}"]
-                spec.update(config=args.config, overrides=over, min_steps=1)
-            r = run_worker(__file__, spec, timeout=3 * 3600)
-            row.update(r)
-            results.append(row)
-            if "error" in r:
-                print(f"26×{rows:,} {system}: FAILED: {r['error']}")
-            else:
-                print(f"26×{rows:,} {system:>24}: {r['step_ms_median']:10.1f} ms/step  {r['examples_per_sec']:9.1f} ex/s  "
-                      f"peak {fmt_bytes(r.get('ru_maxrss_bytes'))} (tree {fmt_bytes(r.get('peak_tree_rss_bytes'))})"
-                      f"{'  [1 step]' if r.get('steps_timed') == 1 else ''}")
+                spec.update(widedp_timing_spec(args.config, mode, cfg.train.selection, backend, extra, args.sigma))
+            results.append(run_timed_system(__file__, row, spec, memory_estimate(system, rows, 26, m.embedding_dim),
+                                            f"26×{rows:,}"))
     summary = summarize(results, sizes)
     print_tables(results, summary, sizes)
     payload = {"config": args.config, "rows": sizes, "tables": 26, **common, "examples": examples, "steps": steps,

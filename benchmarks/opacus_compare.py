@@ -32,8 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (announce_machine, fmt_bytes, format_table, mem_info,  # noqa: E402
-                     run_worker, text_dataset, time_engine, timing_overrides, worker_entry, write_results)
+from _common import (announce_machine, fmt_bytes, format_table, run_timed_system, text_dataset, time_engine,  # noqa: E402
+                     widedp_timing_spec, worker_entry, write_results)
 
 SYSTEMS = ("opacus-ghost", "opacus-hooks", "pytorch-nonprivate", "widedp-sparse", "widedp-sparse-inprocess",
            "widedp-dpsgd", "widedp-nonprivate")
@@ -136,6 +136,13 @@ def torch_worker(spec: dict) -> dict:
             model, optimizer, loader = engine.make_private(grad_sample_mode="hooks", **kwargs)
     build_s = time.perf_counter() - t0
 
+    return _timed(torch_step(model, optimizer, criterion, loader), spec, build_s,
+                  extra={"vocab": vocab, "train_examples": n})
+
+
+def torch_step(model, optimizer, criterion, loader):
+    """One plain PyTorch / Opacus training step per call over `loader` (cycled); batches are
+    (*model inputs, labels). Returns the step function; it returns the batch's size."""
     def batches():
         while True:
             yield from loader
@@ -143,14 +150,13 @@ def torch_worker(spec: dict) -> dict:
     it = batches()
 
     def step():
-        c, m, o, y = next(it)
+        *inputs, labels = next(it)
         optimizer.zero_grad(set_to_none=True)
-        loss = criterion(model(c, m, o), y)
-        loss.backward()
+        criterion(model(*inputs), labels).backward()
         optimizer.step()
-        return int(c.shape[0])
+        return int(inputs[0].shape[0])
 
-    return _timed(step, spec, build_s, extra={"vocab": vocab, "train_examples": n})
+    return step
 
 
 def _timed(step, spec, build_s, extra) -> dict:
@@ -239,12 +245,6 @@ def main(argv=None) -> dict:
                 row["skipped"] = f"hooks mode materializes B x V x D per-example gradients; run only up to V = {hooks_max:.0e}"
                 results.append(row)
                 continue
-            need, avail = memory_estimate(system, vocab, args.dim, batch), mem_info().get("MemAvailable")
-            if avail and need > 0.85 * avail:
-                row["skipped"] = f"needs ~{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
-                results.append(row)
-                print(f"V={vocab:.0e} {system}: skipped ({row['skipped']})")
-                continue
             spec = dict(common, system=system, data=str(data), steps=steps, warmup=warmup, max_seconds=max_seconds)
             if system.startswith("widedp"):
                 mode = {"widedp-sparse": "sparse", "widedp-sparse-inprocess": "sparse", "widedp-dpsgd": "dpsgd",
@@ -252,19 +252,9 @@ def main(argv=None) -> dict:
                 backend = "local" if system.endswith("inprocess") else None
                 extra = [f"data.path={data}", "data.synth=", f"model.embedding_dim={args.dim}", f"train.batch_size={batch}",
                          "train.optimizer=sgd", *args.set]
-                over = timing_overrides(mode, cfg.train.selection, backend, extra)
-                over = [o for o in over if not o.startswith("privacy.noise_multiplier")] + [
-                    f"privacy.noise_multiplier={args.sigma}"]
-                spec.update(config=args.config, overrides=over, min_steps=1)
-            r = run_worker(__file__, spec, timeout=3 * 3600)
-            row.update(r)
-            results.append(row)
-            if "error" in r:
-                print(f"V={vocab:.0e} {system}: FAILED: {r['error']}")
-            else:
-                print(f"V={vocab:.0e} {system:>24}: {r['step_ms_median']:10.1f} ms/step  {r['examples_per_sec']:9.1f} ex/s  "
-                      f"peak {fmt_bytes(r.get('ru_maxrss_bytes'))} (tree {fmt_bytes(r.get('peak_tree_rss_bytes'))})"
-                      f"{'  [1 step]' if r.get('single_step_only') or r.get('steps_timed') == 1 else ''}")
+                spec.update(widedp_timing_spec(args.config, mode, cfg.train.selection, backend, extra, args.sigma))
+            results.append(run_timed_system(__file__, row, spec, memory_estimate(system, vocab, args.dim, batch),
+                                            f"V={vocab:.0e}"))
     extrapolate(results)
     summary = summarize(results, vocabs)
     print("\n" + format_table(
