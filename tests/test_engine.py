@@ -336,6 +336,13 @@ def test_a_killed_shard_actor_is_replaced_and_the_run_equals_an_uninterrupted_on
     assert (runs[False][4], runs[True][4]) == (0, 1)
 
 
+def test_a_negative_restart_bound_is_refused_naming_the_key():
+    from trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"cluster.max_actor_restarts must be >= 0"):
+        load_config(None, ["data.path=x", "cluster.max_actor_restarts=-1"]).validate()
+
+
 def test_a_shard_that_dies_again_while_being_restored_stops_the_run_naming_shard_and_step(ray_cluster):
     ds = dataset()
     batches = batches_with_crafted(ds, 3)
