@@ -2,12 +2,12 @@
 
 Privacy assumption: add/remove-one neighbouring datasets, Poisson sampling at rate q = b/n,
 sums normalized by the expected batch size b (docs/DESIGN.md §1). One step (docs/DESIGN.md §2):
-  sample → route ids → shards: partial pooled embeddings → coordinator: dense forward/backward
-  (per-example dense-gradient norms by ghost norms, trainer/dense_grads.py) → shards: per-example partial squared norms over unique
-  rows → clip factors min(1, S1/‖g_j‖) over embeddings + dense → shards: clipped row sums →
-  selection over the whole vocabulary → S2 clip → Gaussian noise on selected rows and dense
-  params → ledger.record(event) → release: (ids, noisy rows) of selected rows to the shards,
-  dense optimizer step.
+  sample → route ids → shards: partial pooled embeddings of their bags → coordinator: dense
+  forward/backward (dense per-example norms by ghost norms, trainer/dense_grads.py) → shards:
+  per-example partial squared norms over unique rows → clip factors min(1, S1/‖g_j‖) over
+  embeddings + dense → shards: clipped row sums → selection over the whole vocabulary → S2 clip
+  → Gaussian noise on selected rows and dense params → ledger.record(event) → release: (ids,
+  noisy rows) of selected rows to the shards, dense optimizer step.
 Modes: `nonprivate` (no clip/noise, touched rows updated), `dpsgd` (every row and dense param
 noised), `sparse` (the above with a selector). In `sparse` mode a public per-table policy
 (trainer/table_policy.py) may make some tables dense: their rows are noised and updated every
@@ -33,9 +33,9 @@ from selection.registry import SelectionContext, Selector, get_selector, is_sele
 from selection.result import Selection
 from trainer.dense_grads import DenseGradients, dense_gradients
 from trainer.layout import ShardLayout, route
-from trainer.shard_group import ShardLostError
 from trainer.models import DenseModel
 from trainer.randomness import PrivacyRandomness
+from trainer.shard_group import ShardLostError
 from trainer.table_policy import SparseVocabulary
 
 
