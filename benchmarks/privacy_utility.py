@@ -26,8 +26,9 @@ split. Tuning is not charged to ε (docs/THREAT_MODEL.md). `--tuning-dir ''` use
 they are.
 
 Runs are kept under runs/bench/privacy_utility[/quick]/ and reused when their config is
-unchanged (an interrupted grid resumes; --fresh retrains). SVT and threshold selections use
-the config's privacy.threshold, or when that is "auto" the noise-only rule of
+unchanged up to keys of placement, logging and recovery (an interrupted grid resumes; --fresh
+retrains). SVT and threshold selections use the config's privacy.threshold, or when that is
+"auto" the noise-only rule of
 _common.default_selection_threshold (pure-noise rows pass with probability k/p).
 
     python benchmarks/privacy_utility.py [--quick] [--datasets criteo_like,ctr,cbow] [--eps 1,3,8] [--seeds 0,1,2]
@@ -84,7 +85,7 @@ def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, ove
             fresh: bool, accountants: bool, tuning_dir: Optional[Path] = None) -> dict:
     from trainer.config import load_config
     from trainer.report import ledger_accounting
-    from trainer.train import train
+    from trainer.train import changed_computation_keys, train
 
     name = mode + (f"-{selection}" if selection else "") + (f"-eps{eps:g}" if eps is not None else "") + f"-seed{seed}"
     run_dir = root / dataset / name
@@ -105,8 +106,10 @@ def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, ove
     summary_path = run_dir / "summary.json"
     saved = run_dir / "config.json"
     t0 = time.perf_counter()
+    # Reused when the saved config computes the same run (keys of placement, logging and
+    # recovery may differ: trainer/train.py:changed_computation_keys).
     if (not fresh and summary_path.exists() and saved.exists()
-            and json.loads(saved.read_text()) == json.loads(json.dumps(cfg.to_dict()))):
+            and not changed_computation_keys(json.loads(saved.read_text()), json.loads(json.dumps(cfg.to_dict())))):
         summary = json.loads(summary_path.read_text())
         record["reused"] = True
     else:

@@ -150,3 +150,22 @@ def test_privacy_info_is_typed_and_complete(ctr_dir):
 def test_every_shipped_config_loads_and_validates(path):
     """A config a user copies must at least parse and pass validation (keys, kinds, registries)."""
     load_config(str(path)).validate()
+
+
+def test_changed_computation_keys_ignores_placement_logging_and_recovery_but_nothing_else():
+    """What a benchmark may reuse a saved run for: the same computation, placed or logged
+    differently. A key the saved config lacks (written before the key existed) counts as changed
+    unless it is one of those."""
+    from trainer.train import changed_computation_keys
+
+    base = load_config("configs/quickstart.toml", []).to_dict()
+    moved = load_config("configs/quickstart.toml", ["cluster.backend=local", "cluster.max_actor_restarts=3",
+                                                     "train.log_every=7"]).to_dict()
+    assert changed_computation_keys(base, moved) == []
+    older = json.loads(json.dumps(base))
+    del older["cluster"]["max_actor_restarts"]
+    assert changed_computation_keys(older, base) == []
+    del older["train"]["lr"]
+    assert changed_computation_keys(older, base) == ["train.lr"]
+    other = load_config("configs/quickstart.toml", ["train.steps=9", "privacy.k=3"]).to_dict()
+    assert changed_computation_keys(base, other) == ["train.steps", "privacy.k"]

@@ -154,27 +154,38 @@ def save_checkpoint(run_dir: Path, engine: Engine, cfg: Config) -> None:
     atomic_write_bytes(run_dir / "checkpoint.pt", buf.getvalue())
 
 
+# Keys that do not change what a run's steps compute (placement, logging, recovery).
+_COMPUTATION_FREE_KEYS = {("train", "log_every"), ("train", "eval_every"), ("train", "checkpoint_every"),
+                          ("train", "eval_batch_size"), ("train", "debug_metrics"), ("cluster", "address"),
+                          ("cluster", "backend"), ("cluster", "cpus_per_shard"), ("cluster", "gpus_per_shard"),
+                          ("cluster", "placement_strategy"), ("cluster", "max_actor_restarts"), ("run_dir", None)}
 # Keys a resume may change without changing what the replayed steps compute.
-_RESUME_FREE_KEYS = {("train", "steps"), ("train", "log_every"), ("train", "eval_every"), ("train", "checkpoint_every"),
-                     ("train", "eval_batch_size"), ("train", "debug_metrics"), ("cluster", "address"),
-                     ("cluster", "backend"), ("cluster", "cpus_per_shard"), ("cluster", "gpus_per_shard"),
-                     ("cluster", "placement_strategy"), ("cluster", "max_actor_restarts"), ("run_dir", None)}
+_RESUME_FREE_KEYS = _COMPUTATION_FREE_KEYS | {("train", "steps")}
+
+
+def changed_computation_keys(saved: dict, now: dict, free: frozenset | set = frozenset(_COMPUTATION_FREE_KEYS)) -> list[str]:
+    """The config keys ("section.key") whose value in `now` differs from `saved` (two
+    `Config.to_dict()`s), ignoring the keys in `free`; a key `saved` lacks counts as changed."""
+    changed = []
+    for section, values in now.items():
+        if not isinstance(values, dict):
+            if (section, None) not in free and saved.get(section) != values:
+                changed.append(section)
+            continue
+        for key, value in values.items():
+            if (section, key) not in free and saved.get(section, {}).get(key, _MISSING) != value:
+                changed.append(f"{section}.{key}")
+    return changed
+
+
+_MISSING = object()
 
 
 def _check_replay_is_identical(saved: dict, cfg: Config) -> None:
     """A reproducible resume reuses the checkpoint's generator states, which is allowed only when
     the replay computes what was released (docs/DESIGN.md §1: never the same noise on different
     values): refuse a resume that changes anything the steps compute."""
-    now = cfg.to_dict()
-    changed = []
-    for section, values in now.items():
-        if not isinstance(values, dict):
-            if (section, None) not in _RESUME_FREE_KEYS and saved.get(section) != values:
-                changed.append(section)
-            continue
-        for key, value in values.items():
-            if (section, key) not in _RESUME_FREE_KEYS and saved.get(section, {}).get(key) != value:
-                changed.append(f"{section}.{key}")
+    changed = changed_computation_keys(saved, cfg.to_dict(), _RESUME_FREE_KEYS)
     if changed:
         raise ValueError(f"--resume in reproducible mode would replay the checkpoint's noise on different values: "
                          f"{', '.join(changed)} changed; resume without those changes, or unset privacy.reproducible "
