@@ -221,28 +221,43 @@ class EmbeddingShard:
         for untouched rows). The noise of row r depends only on (seed, step, table, r), not on
         the sharding nor on which other tables are dense. Learning rate lr · lr_scale; `step` is
         0-based (the engine's step count before the step), so this is step `step + 1`.
-        Rows [c·K, (c+1)·K) of every dense table go in one fused update (K = UPDATE_CHUNK)."""
+        Rows [c·K, (c+1)·K) of a dense table are one contiguous slice of the flat storage,
+        updated in place (K = UPDATE_CHUNK): no lookup, no backward (`_apply_range`)."""
         self.begin_update(step + 1, lr_scale)
         table_idx, global_ids = np.asarray(table_idx, dtype=np.int64), np.asarray(global_ids, dtype=np.int64)
         rows = np.asarray(rows, dtype=np.float32)
-        dense = [t for t, (start, end) in enumerate(self.ranges) if end > start and (tables is None or t in tables)]
-        longest = max((self.ranges[t][1] - self.ranges[t][0] for t in dense), default=0)
-        for lo_local in range(0, longest, UPDATE_CHUNK):
-            parts_t, parts_local, parts_update = [], [], []
-            for t in dense:
-                start, end = self.ranges[t]
-                lo, hi = start + lo_local, min(end, start + lo_local + UPDATE_CHUNK)
-                if lo >= hi:
-                    continue
+        for t, (start, end) in enumerate(self.ranges):
+            if end <= start or (tables is not None and t not in tables):
+                continue
+            in_table = table_idx == t
+            for lo in range(start, end, UPDATE_CHUNK):
+                hi = min(end, lo + UPDATE_CHUNK)
                 update = row_block_normal(noise_seed, "dpsgd", step, t, lo, hi, self.layout.dim, std, secure)
-                hit = np.flatnonzero((table_idx == t) & (global_ids >= lo) & (global_ids < hi))
-                update[torch.from_numpy(global_ids[hit] - lo)] += torch.from_numpy(rows[hit])
-                parts_t.append(np.full(hi - lo, t, dtype=np.int64))
-                parts_local.append(np.arange(lo - start, hi - start, dtype=np.int64))
-                parts_update.append(update)
-            if parts_t:
-                self._apply(np.concatenate(parts_t), np.concatenate(parts_local), torch.cat(parts_update))
+                hit = np.flatnonzero(in_table & (global_ids >= lo) & (global_ids < hi))
+                if hit.size:
+                    update[torch.from_numpy(global_ids[hit] - lo)] += torch.from_numpy(rows[hit])
+                self._apply_range(t, lo - start, hi - start, update)
         self._cache = {}
+
+    def _apply_range(self, t: int, lo: int, hi: int, update: torch.Tensor) -> None:
+        """Update every row [lo, hi) (local ids) of table t by update [hi - lo, D]: the same
+        optimizer as `_apply` (the formulas tests/test_shard_storage.py pins against FBGEMM),
+        in place on a contiguous slice of the flat storage."""
+        rows = slice(int(self.row_base[t]) + lo, int(self.row_base[t]) + hi)
+        if self.ema is not None:
+            self._ema_catch_up(rows, self.step - 1)
+        update = update.to(self.flat.device, torch.float32)
+        with torch.no_grad():
+            if self.optimizer == "sgd":
+                self.flat[rows] -= self._current_lr * update
+            elif self.optimizer == "adagrad":  # EXACT_ROWWISE_ADAGRAD: acc += mean(g²); w -= lr·g/(√acc + eps)
+                acc = self._adagrad_state()[rows]
+                acc += update.pow(2).mean(1)
+                self.flat[rows] -= self._current_lr * update / (acc.sqrt() + self.eps).unsqueeze(1)
+            else:
+                self._update_weights(np.empty(0, np.int64), np.empty(0, np.int64), rows, update)
+        if self.ema is not None:
+            self._ema_catch_up(rows, self.step)
 
     def _apply(self, tables: np.ndarray, local: np.ndarray, update: torch.Tensor) -> None:
         """Update rows (tables[i], local[i]) — each at most once — by update[i], every table at once."""
