@@ -123,6 +123,24 @@ class Selector:
     def check_budget_inputs(self, inputs: BudgetInputs) -> None:
         """Raise ValueError if calibration lacks an input `from_budget` needs."""
 
+    #: Selection on the shards (docs/DESIGN.md §2.2): the per-row statistic each shard computes
+    #: over its own rows for `shard_select` — "counts": contribution counts, every example
+    #: weighted by `selection.threshold.contribution_weights` over *all* its rows. None: the
+    #: selector runs on the coordinator over the whole vocabulary (`select`).
+    shard_statistic: ClassVar[Optional[str]] = None
+
+    def shard_select(self, touched: np.ndarray, scores: np.ndarray, num_rows: int, params: Any,
+                     rng: np.random.Generator) -> Any:
+        """One shard's part of the step's selection over its own rows, as local ids [0, num_rows)
+        (`touched`: sorted unique local ids with a nonzero statistic, `scores` aligned)."""
+        raise NotImplementedError(f"selection {self.name!r} does not run on the shards")
+
+    def merge(self, parts: list, params: Any, fixed_rows: Optional[np.ndarray]) -> Selection:
+        """The step's selection from the shards' parts (mapped to global ids, disjoint): the
+        same output distribution as `select` over the whole vocabulary, and the same event.
+        `fixed_rows`: global ids of rows fixed once before training (FEST), or None."""
+        raise NotImplementedError(f"selection {self.name!r} does not run on the shards")
+
     def one_time_event(self, params: Any) -> Optional[DpEvent]:
         """The event of a selection made once before training (charged before it is used)."""
         return None

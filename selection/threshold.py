@@ -36,11 +36,29 @@ def contribution_counts(offsets, ids, clip_norm: float, num_rows: int | None = N
         bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
         raise ValueError(f"ids contains row {bad} outside [0, num_rows={num_rows})")
     example = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))
+    return weighted_row_counts(example, ids, contribution_weights(offsets, ids, clip_norm))
+
+
+def contribution_weights(offsets, ids, clip_norm: float) -> np.ndarray:
+    """min(1, C1/√n_j) per example (n_j = example j's number of distinct rows, jagged input as
+    in `contribution_counts`): the weight of each of its distinct rows in the counts. Where rows
+    are counted apart from the examples (on the shards that own them), each must be given the
+    weight computed from *all* of the example's rows, or the ℓ2 bound C1 does not hold."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    ids = np.asarray(ids, dtype=np.int64)
+    example = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))
     pairs = np.unique(np.stack([example, ids]), axis=1)  # distinct (example, row) pairs
     distinct_per_example = np.bincount(pairs[0], minlength=offsets.size - 1)
-    weight = np.minimum(1.0, clip_norm / np.sqrt(np.maximum(distinct_per_example, 1)))
+    return np.minimum(1.0, clip_norm / np.sqrt(np.maximum(distinct_per_example, 1)))
+
+
+def weighted_row_counts(example, ids, weights) -> tuple[np.ndarray, np.ndarray]:
+    """(unique rows, Σ_j weights[j] over the distinct (example j, row) pairs among (example[i],
+    ids[i])): the counts of `contribution_counts` for whichever rows are given."""
+    pairs = np.unique(np.stack([np.asarray(example, dtype=np.int64), np.asarray(ids, dtype=np.int64)]), axis=1)
     rows, inverse = np.unique(pairs[1], return_inverse=True)
-    counts = np.bincount(inverse, weights=weight[pairs[0]], minlength=rows.size).astype(np.float64)
+    counts = np.bincount(inverse.reshape(-1), weights=np.asarray(weights, dtype=np.float64)[pairs[0]],
+                         minlength=rows.size).astype(np.float64)
     return rows, counts
 
 
@@ -72,3 +90,13 @@ def gaussian_threshold(
     false_positives = sample_untouched(sparse.num_rows, sparse.ids, n_false_positives, rng)
     ids = np.sort(np.concatenate([sparse.ids[passed], false_positives]))
     return Selection(ids, GaussianDpEvent(noise_multiplier))
+
+
+def merge_disjoint(parts) -> np.ndarray:
+    """The sorted union of per-shard selections (global ids), which must be disjoint: each
+    shard selects among its own rows only."""
+    ids = np.sort(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts] or [np.empty(0, np.int64)]))
+    if ids.size > 1 and np.any(ids[1:] == ids[:-1]):
+        row = int(ids[1:][ids[1:] == ids[:-1]][0])
+        raise ValueError(f"row {row} was selected by more than one shard: the shards' rows must be disjoint")
+    return ids

@@ -218,7 +218,8 @@ def make_plan(selection, *, sigma=0.8, second_clip=None, k=5, overrides=None):
 def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="local", optimizer="sgd", q=0.25,
                 sigma=0.8, k=5, seed=0, dim=4, target_epsilon=1e9, second_clip=None, accountant="rdp",
                 lr=0.1, dense_lr=0.05, model="dlrm", sampler=None, dense_optimizer="sgd", init_std=0.3,
-                plan_overrides=None, dense_tables=(), ema_decay=0.0):
+                plan_overrides=None, dense_tables=(), ema_decay=0.0, num_trainers=1,
+                selection_on_shards=False):
     """An engine over `ds`. Extras (defaults keep the original behaviour): `sampler` replaces
     the Poisson `SimpleSampler(len(ds), q, seed + 7)` (e.g. a `ListSampler`);
     `dense_optimizer` is "sgd" | "adam" | "adagrad" (lr = dense_lr); `plan_overrides` replaces
@@ -246,4 +247,5 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
     return Engine(net, layout, shards, ds, SimpleSampler(len(ds), q, seed + 7) if sampler is None else sampler,
                   mode=mode, expected_batch_size=q * len(ds), sample_rate=q, plan=plan, ledger=ledger,
                   target_epsilon=target_epsilon, dense_optimizer=optimizers[dense_optimizer](dense_params, lr=dense_lr),
-                  randomness=PrivacyRandomness.from_seed(seed), dense_tables=dense_tables, ema_decay=ema_decay)
+                  randomness=PrivacyRandomness.from_seed(seed), dense_tables=dense_tables, ema_decay=ema_decay,
+                  num_trainers=num_trainers, selection_on_shards=selection_on_shards)

@@ -68,12 +68,12 @@ def plan_overrides(selection):
 
 def build(ds, batches, *, mode, selection="em", num_shards=1, second_clip=None, backend="local",
           optimizer="sgd", dense_optimizer="sgd", model="dlrm", target_epsilon=1e9, seed=SEED, overrides=None,
-          dense_tables=(), lr=LR, dense_lr=DENSE_LR, ema_decay=0.0):
+          dense_tables=(), lr=LR, dense_lr=DENSE_LR, ema_decay=0.0, num_trainers=1, selection_on_shards=False):
     return make_engine(ds, num_shards=num_shards, mode=mode, selection=selection, backend=backend,
                        optimizer=optimizer, dense_optimizer=dense_optimizer, q=Q, seed=seed, dim=DIM,
                        second_clip=second_clip, lr=lr, dense_lr=dense_lr, model=model, init_std=INIT_STD,
                        sampler=ListSampler(batches), target_epsilon=target_epsilon, dense_tables=dense_tables,
-                       ema_decay=ema_decay,
+                       ema_decay=ema_decay, num_trainers=num_trainers, selection_on_shards=selection_on_shards,
                        plan_overrides={**plan_overrides(selection), **(overrides or {})} if mode != "nonprivate" else None)
 
 
@@ -163,6 +163,120 @@ def test_engine_matches_reference(mode, selection, second_clip, num_shards):
     assert stats[-1].epsilon == pytest.approx(make_accountant("rdp").epsilon(history, engine.ledger.delta), rel=1e-9)
 
 
+DATA_PARALLEL_MODES = [("sparse", "threshold"), ("sparse", "em"), ("dpsgd", None), ("nonprivate", None)]
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3])
+@pytest.mark.parametrize("num_trainers", [1, 2, 3])
+@pytest.mark.parametrize("mode,selection", DATA_PARALLEL_MODES, ids=[f"{m}-{s}" if s else m for m, s in DATA_PARALLEL_MODES])
+def test_data_parallel_trainers_times_shards_match_the_reference(mode, selection, num_trainers, num_shards):
+    """N trainers (each its own partition's examples: lookup, dense part, clip factors) with
+    their clipped row sums reduced at the S shards are the same step as the one-process
+    reference, for N, S in {1, 2, 3}: same batches, same selection, same noise."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 4)
+    engine, ref, stats, infos = run_both(ds, batches, mode, selection=selection or "em", num_shards=num_shards,
+                                         num_trainers=num_trainers, second_clip=S2 if mode != "nonprivate" else None)
+    assert_params_close(engine_params(engine), ref.state())
+    for st, info, idx in zip(stats, infos, batches):
+        assert st.batch_size == idx.size and st.rows_touched == info["touched"].size
+        assert st.loss == pytest.approx(np.mean(info["losses"]), rel=1e-5)
+    # every trainer had examples in some step (the split is exercised, not trivially N = 1)
+    owners = np.searchsorted(engine.trainer_bounds, np.concatenate(batches), side="right") - 1
+    assert set(owners.tolist()) == set(range(num_trainers))
+
+
+def test_data_parallel_row_sums_are_reduced_at_the_shards_not_sent_per_trainer(monkeypatch):
+    """With N > 1 the coordinator fetches one reduced row-sum set per shard per step; the
+    trainers' parts stay at the shards (add_clipped_row_sums returns nothing)."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 2)
+    engine = build(ds, batches, mode="sparse", selection="threshold", num_shards=2, num_trainers=3)
+    calls = []
+    engine.shards.add_observer(calls.append)
+    engine.step()
+    by_method = {}
+    for c in calls:
+        by_method.setdefault(c.method, []).append(c)
+    assert len(by_method["add_clipped_row_sums"]) == 3 and all(c.bytes_from == 0 for c in by_method["add_clipped_row_sums"])
+    assert len(by_method["reduced_row_sums"]) == 1 and "clipped_row_sums" not in by_method
+
+
+def _shard_selection_reference(engine, idx):
+    """The selection on the shards, computed the obvious way from the whole batch: each
+    shard's contribution counts over its own sparse rows with every example weighted by all its
+    rows (`contribution_weights`), thresholded by the library with that shard's stream."""
+    from selection.threshold import contribution_weights, gaussian_threshold, weighted_row_counts
+
+    p, vocab, layout = engine.private_plan, engine.sparse_vocabulary, engine.layout
+    params = p.selection_params
+    offsets, compact = vocab.restrict(*engine._example_global_rows(engine.train_set.take(idx), idx.size))
+    weights = contribution_weights(offsets, compact, params.contribution_clip)
+    example = np.repeat(np.arange(idx.size), np.diff(offsets))
+    glob = vocab.to_global(compact)
+    table = np.searchsorted(engine.table_offsets, glob, side="right") - 1
+    owner = layout.owner(table, glob - engine.table_offsets[table])
+    parts = []
+    for s in range(layout.num_shards):
+        own_rows = np.array([engine.table_offsets[t] + r for t, spec in enumerate(layout.tables)
+                             if t not in engine.dense_tables for r in range(*layout.row_range(spec, s))], dtype=np.int64)
+        mine = owner == s
+        rows, counts = weighted_row_counts(example[mine], np.searchsorted(own_rows, glob[mine]), weights)
+        rng = np.random.default_rng(np.random.SeedSequence(engine.shard_selection_seed, spawn_key=(engine.step_count, s)))
+        if own_rows.size:
+            local = gaussian_threshold(rows, counts, own_rows.size, params.threshold, params.noise_multiplier,
+                                       params.contribution_clip, rng).ids
+            parts.append(own_rows[local])
+    ids = np.sort(np.concatenate(parts))
+    if engine.fixed_rows is not None:
+        ids = np.union1d(ids, vocab.to_global(engine.fixed_rows))
+    return ids
+
+
+@pytest.mark.parametrize("selection,dense_tables", [("threshold", ()), ("fest-threshold", ()), ("threshold", (2,))])
+@pytest.mark.parametrize("num_trainers,num_shards", [(1, 1), (1, 3), (2, 2), (3, 3)])
+def test_selection_on_the_shards_equals_per_shard_thresholding_of_the_whole_batch(selection, dense_tables, num_trainers,
+                                                                                   num_shards, monkeypatch):
+    """Each step's selection made on the shards (counts reduced over the trainers' examples,
+    each example weighted by all its rows) is what thresholding each shard's rows of the whole
+    batch with that shard's stream gives; the rest of the step is the reference path."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 4)
+    engine = build(ds, batches, mode="sparse", selection=selection, num_shards=num_shards, num_trainers=num_trainers,
+                   selection_on_shards=True, dense_tables=dense_tables)
+    if engine.needs_one_time_selection():
+        engine.prepare_fest(ds.feature_rows)
+    seen = []
+    real = engine._select_on_shards
+    monkeypatch.setattr(engine, "_select_on_shards", lambda batches: seen.append(real(batches)) or seen[-1])
+    for idx in batches:
+        want = _shard_selection_reference(engine, np.asarray(idx))
+        assert engine.step() is not None
+        assert np.array_equal(seen[-1].ids, want)
+    assert len(seen) == len(batches) and any(s.ids.size for s in seen)
+
+
+def test_selection_on_the_shards_is_a_function_of_the_batch_not_of_the_trainer_split():
+    """Same shards, same streams: 1 or 3 trainers select the same rows every step."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 4)
+    runs = []
+    for n in (1, 3):
+        engine = build(ds, batches, mode="sparse", selection="threshold", num_shards=2, num_trainers=n,
+                       selection_on_shards=True)
+        runs.append([engine.step().rows_selected for _ in batches])
+        runs.append(engine_params(engine))
+    assert runs[0] == runs[2]
+    assert_params_close(runs[1], runs[3])
+
+
+def test_num_trainers_must_be_a_positive_integer():
+    ds = dataset()
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="num_trainers"):
+            build(ds, [], mode="dpsgd", num_trainers=bad)
+
+
 @pytest.mark.parametrize("num_shards", [1, 2])
 def test_engine_matches_reference_nonprivate(num_shards):
     ds = dataset()
@@ -198,8 +312,8 @@ def _wrong_norms_mutant(group_by):
             seen["parts"], seen["B"] = real_route(layout, kjt, batch_size, example_ids), batch_size
             return seen["parts"]
 
-        def wrong_norms(g_pooled, B):
-            real_norms(g_pooled, B)
+        def wrong_norms(g_pooled, B, trainer=0):
+            real_norms(g_pooled, B, trainer)
             return _grouped_sq_norms(engine, seen["parts"], g_pooled, B, group_by)
 
         mp.setattr(engine_mod, "route", spy_route)
@@ -286,15 +400,19 @@ def ray_cluster():
         ray.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["sparse", "dpsgd"])
+RAY_CASES = [("sparse", "em", 1, False), ("sparse", "threshold", 2, True), ("dpsgd", None, 1, False)]
+
+
+@pytest.mark.parametrize("mode,selection,num_trainers,on_shards", RAY_CASES,
+                         ids=["em", "threshold-2trainers-selection-on-shards", "dpsgd"])
 @pytest.mark.parametrize("num_shards", [1, 2, 3])
-def test_ray_matches_in_process(ray_cluster, num_shards, mode):
+def test_ray_matches_in_process(ray_cluster, num_shards, mode, selection, num_trainers, on_shards):
     ds = dataset()
     batches = batches_with_crafted(ds, 4)
     results = {}
     for backend in ("local", "ray"):
-        engine = build(ds, batches, mode=mode, selection="em", num_shards=num_shards, second_clip=S2,
-                       backend=backend)
+        engine = build(ds, batches, mode=mode, selection=selection or "em", num_shards=num_shards, second_clip=S2,
+                       backend=backend, num_trainers=num_trainers, selection_on_shards=on_shards)
         try:
             stats = [engine.step() for _ in batches]
             results[backend] = (engine_params(engine), [(s.rows_touched, s.rows_selected, s.loss) for s in stats],
@@ -451,8 +569,8 @@ def test_each_shard_is_sent_and_returns_only_its_own_bags_and_examples(mode):
     engine.shards._call = spy
     assert engine.step() is not None
     B, F, D = int(batches[0].size), len(engine.layout.features), engine.layout.dim
-    bags = [b.example.size for b in engine._bags]
-    examples = [b.examples.size for b in engine._bags]
+    bags = [b.example.size for b in engine._bags[0]]
+    examples = [b.examples.size for b in engine._bags[0]]
     assert seen["lookup"][1] == [n * D * 4 for n in bags]
     norms = "example_sq_norms" if mode == "sparse" else "set_pooled_grad"
     assert seen[norms][0] == [n * D * 4 for n in bags]

@@ -42,6 +42,7 @@ from selection import (
     random_rows,
     truncated_row_counts,
 )
+from selection.threshold import contribution_weights, merge_disjoint, weighted_row_counts
 
 try:  # tests/ on sys.path (rootdir-relative "prepend" import mode, no tests/__init__.py)
     import reference_selectors as ref
@@ -590,6 +591,36 @@ def test_truncated_row_counts_equals_loop(examples, L):
     expected = ref.truncated_row_counts_loop(offsets, ids, L)
     assert rows.tolist() == sorted(expected)
     assert counts.tolist() == [expected[r] for r in sorted(expected)]
+
+
+@pytest.mark.parametrize("examples", [random_examples(5), random_examples(6, num_rows=9)])
+@pytest.mark.parametrize("num_parts", [2, 3])
+def test_counts_of_row_blocks_with_whole_example_weights_are_the_blocks_of_the_counts(examples, num_parts):
+    """What the shards compute: each block of rows counted apart, every example weighted by all
+    its rows (`contribution_weights`), gives exactly the loop's counts of those rows; weights
+    taken from the block's rows only (the mistake that breaks the ℓ2 bound) do not."""
+    offsets, ids = jagged(examples)
+    expected = ref.contribution_counts_loop(offsets, ids, 1.5)
+    weights = contribution_weights(offsets, ids, 1.5)
+    example = np.repeat(np.arange(len(examples)), np.diff(offsets))
+    block = np.asarray(ids) % num_parts
+    got, wrong = {}, {}
+    for b in range(num_parts):
+        mine = block == b
+        rows, counts = weighted_row_counts(example[mine], np.asarray(ids)[mine], weights)
+        got.update(zip(rows.tolist(), counts.tolist()))
+        keep = np.concatenate([[0], np.cumsum(np.bincount(example[mine], minlength=len(examples)))])
+        rows, counts = contribution_counts(keep, np.asarray(ids)[mine], 1.5)
+        wrong.update(zip(rows.tolist(), counts.tolist()))
+    assert sorted(got) == sorted(expected)
+    np.testing.assert_allclose([got[r] for r in sorted(expected)], [expected[r] for r in sorted(expected)], rtol=1e-12)
+    assert any(abs(wrong[r] - expected[r]) > 1e-9 for r in expected)
+
+
+def test_merging_shard_selections_refuses_a_row_two_shards_selected():
+    assert merge_disjoint([np.array([5, 1]), np.array([], dtype=np.int64), np.array([3])]).tolist() == [1, 3, 5]
+    with pytest.raises(ValueError, match="row 3 was selected by more than one shard"):
+        merge_disjoint([np.array([1, 3]), np.array([3])])
 
 
 def test_count_builders_reject_bad_input():

@@ -233,6 +233,15 @@ class ClusterConfig:
     # released since the last checkpoint (trainer/shard_group.py), up to this many attempts
     # per failure; 0: a death stops the run.
     max_actor_restarts: int = 1
+    # Data-parallel trainers (docs/DESIGN.md §2.2): trainer i owns the i-th of N contiguous
+    # example partitions; each does the lookup, dense part and clip factors of its examples and
+    # its clipped row sums are reduced at the shards. Today the N trainers run in the
+    # coordinator's process, one after another (the protocol, not yet the parallelism).
+    num_trainers: int = 1
+    # Selection on the shards (docs/DESIGN.md §2.2) for selectors that support it (threshold,
+    # fest-threshold): each shard thresholds its own rows with its own stream; the same output
+    # distribution as selecting over the whole vocabulary on the coordinator (false).
+    selection_on_shards: bool = True
 
     def validate(self) -> None:
         _require([
@@ -241,6 +250,7 @@ class ClusterConfig:
             (self.cpus_per_shard > 0, "cluster.cpus_per_shard must be > 0"),
             (self.gpus_per_shard >= 0, "cluster.gpus_per_shard must be >= 0"),
             (self.max_actor_restarts >= 0, "cluster.max_actor_restarts must be >= 0"),
+            (self.num_trainers >= 1, "cluster.num_trainers must be >= 1"),
             (self.placement_strategy in PLACEMENT_STRATEGIES,
              f"cluster.placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {self.placement_strategy!r}"),
         ])

@@ -31,6 +31,7 @@ from accounting.calibration import sampled_step_event, step_event
 from selection import NoisyStep, noisy_step
 from selection.registry import SelectionContext, Selector, get_selector, is_selector
 from selection.result import Selection
+from selection.threshold import contribution_weights
 from trainer.dense_grads import DenseGradients, dense_gradients
 from trainer.layout import ShardLayout, route
 from trainer.models import DenseModel
@@ -96,12 +97,21 @@ class Engine:
                  expected_batch_size: float, sample_rate: float, plan: Optional[PrivacyPlan], ledger: Optional[PrivacyLedger],
                  target_epsilon: float, dense_optimizer: torch.optim.Optimizer,
                  randomness: Optional[PrivacyRandomness] = None, secure_mode: bool = False, ledger_path=None,
-                 dense_tables: tuple[int, ...] = (), ema_decay: float = 0.0, dense_grad_method: str = "auto"):
+                 dense_tables: tuple[int, ...] = (), ema_decay: float = 0.0, dense_grad_method: str = "auto",
+                 num_trainers: int = 1, selection_on_shards: bool = False):
         """`dense_tables`: in `sparse` mode, the indices of the tables noised densely every step
         (trainer/table_policy.py); `dpsgd` noises every table, `nonprivate` none. `ema_decay`
         β > 0: evaluate (and checkpoint for export) the exponential moving average of the
         iterates, ema_t = β·ema_{t-1} + (1-β)·w_t — post-processing of the released iterates,
-        free in privacy. The shards must be built with the same β (they average the tables)."""
+        free in privacy. The shards must be built with the same β (they average the tables).
+        `num_trainers` N: the data-parallel split of docs/DESIGN.md §2.2, run in this process.
+        Trainer i owns examples [⌊i·n/N⌋, ⌊(i+1)·n/N⌋) and takes its part of each step's Poisson
+        sample (one sampler, so the union is the global sample exactly); it does the lookup,
+        the dense part and the clip factors of its own examples, its clipped row sums are
+        reduced at the shards that own the rows, and the dense clipped sums are added here.
+        `selection_on_shards`: a selector that can (`Selector.shard_statistic`) selects on the
+        shards, each over its own rows with its own stream, merged here (the same distribution
+        as the selection over the whole vocabulary here, which is the reference path)."""
         self.model, self.layout, self.shards = model, layout, shards
         self.dense_grad_method = dense_grad_method  # trainer/dense_grads.py: auto, ghost or per_example
         self.train_set, self.sampler = train_set, sampler
@@ -126,6 +136,8 @@ class Engine:
         self.selection_rng = self.randomness.selection_rng()
         self.noise_gen = self.randomness.noise_generator()
         self.dpsgd_noise_seed = self.randomness.dpsgd_noise_seed()
+        self.shard_selection_seed = self.randomness.shard_selection_seed()
+        self.selection_on_shards = bool(selection_on_shards)
         self.step_count = 0
         self.table_offsets = layout.table_offsets
         all_tables = tuple(range(len(layout.tables)))
@@ -137,7 +149,13 @@ class Engine:
         # A step selects privately only when some table is sparse (no sparse table: DP-SGD).
         self.selects = mode == "sparse" and self.sparse_vocabulary.num_rows > 0
         self.fixed_rows: Optional[np.ndarray] = None  # DP-FEST's one-time selection (compact sparse ids)
-        self._bags: list = []  # this step's ShardBags per shard (set by the training lookup)
+        if isinstance(num_trainers, bool) or not isinstance(num_trainers, int) or num_trainers < 1:
+            raise ValueError(f"num_trainers must be an integer >= 1, got {num_trainers!r}")
+        self.num_trainers = num_trainers
+        n = len(train_set)
+        self.trainer_bounds = np.array([(i * n) // num_trainers for i in range(num_trainers + 1)], dtype=np.int64)
+        self._row_sums_of_one: list = []  # one trainer: the shards' clipped row sums of this step
+        self._bags: dict[int, list] = {}  # this step's ShardBags per shard, per trainer (training lookups)
         self._event = self._step_event()
 
     @property
@@ -232,20 +250,19 @@ class Engine:
             return None
         clock = PhaseClock()
         idx = self.sampler.sample()
-        batch, B = self.train_set.take(idx), int(idx.size)
+        B = int(idx.size)
         clock.mark("sample")
-        pooled = self._lookup(batch, B, idx)
-        clock.mark("lookup")
-        losses, g_pooled, dense = self._dense_forward_backward(pooled, batch, B)
-        clock.mark("dense_forward_backward")
-        factors = self._clip_factors(g_pooled, dense, B)
-        clock.mark("norms")
-        rows = self._row_sums(factors)
+        losses, dense_grads, batches = [], None, []
+        for trainer, own in enumerate(self._trainer_samples(idx)):
+            part = self._trainer_part(trainer, own, clock)
+            losses.append(part[0])
+            batches.append(part[2])
+            dense_grads = part[1] if dense_grads is None else {n: dense_grads[n] + g for n, g in part[1].items()}
+        assert dense_grads is not None
+        rows = self._reduced_row_sums()
         clock.mark("row_sums")
-        dense_grads = self._dense_clipped_sum(dense, factors)
-        clock.mark("dense_clipped_sum")
         dense_part = rows.subset(np.isin(rows.tables, self.dense_tables))
-        selection = self._select(rows, batch, B)
+        selection = self._select(rows, batches)
         selected, delta_rows = self._restrict_to_selection(rows, selection)
         clock.mark("selection")
         noisy = self._clip_and_noise(delta_rows, dense_grads, torch.from_numpy(dense_part.grads))
@@ -262,19 +279,51 @@ class Engine:
         clock.mark("dense_update")
         self.step_count += 1
         eps = self.ledger.epsilon() if noisy is not None and self.ledger is not None else 0.0
-        return StepStats(self.step_count, B, float(losses.mean()) if B else float("nan"),
+        return StepStats(self.step_count, B, float(torch.cat(losses).mean()) if B else float("nan"),
                          int(rows.global_ids.size), int(selected.size) + self.dense_table_rows, eps, clock.phases)
 
     # ---- the phases of one step ---------------------------------------------------------------------
-    def _lookup(self, batch, B: int, example_ids=None, averaged: bool = False) -> np.ndarray:
+    def _trainer_samples(self, idx: np.ndarray) -> list[np.ndarray]:
+        """Each trainer's part of the step's sample (sorted dataset indices in its partition)."""
+        cut = np.searchsorted(idx, self.trainer_bounds)
+        return [idx[cut[i]: cut[i + 1]] for i in range(self.num_trainers)]
+
+    def _trainer_part(self, trainer: int, idx: np.ndarray, clock: PhaseClock):
+        """One trainer's share of a step, on its own examples: lookup, dense forward/backward,
+        clip factors, clipped row sums (left at the shards when N > 1) and the dense clipped
+        sum. Returns (per-example losses, dense clipped sum / b, (batch, B_i))."""
+        batch, B = self.train_set.take(idx), int(idx.size)
+        pooled = self._lookup(batch, B, idx, trainer=trainer)
+        clock.mark("lookup")
+        losses, g_pooled, dense = self._dense_forward_backward(pooled, batch, B)
+        clock.mark("dense_forward_backward")
+        factors = self._clip_factors(g_pooled, dense, B, trainer)
+        clock.mark("norms")
+        if self.num_trainers == 1:
+            self._row_sums_of_one = self.shards.call(
+                "clipped_row_sums", [(factors[b.examples],) for b in self._bags[trainer]])
+        else:
+            self.shards.call("add_clipped_row_sums", [(factors[b.examples], trainer) for b in self._bags[trainer]])
+        clock.mark("row_sums")
+        dense_grads = self._dense_clipped_sum(dense, factors)
+        clock.mark("dense_clipped_sum")
+        return losses, dense_grads, (batch, B)
+
+    def _as(self, trainer: int, *args) -> tuple:
+        """A shard call's arguments on behalf of `trainer` (its index last; one trainer: omitted,
+        the shards' default, so a one-trainer step sends what it always did)."""
+        return (*args, trainer) if self.num_trainers > 1 else args
+
+    def _lookup(self, batch, B: int, example_ids=None, averaged: bool = False, trainer: int = 0) -> np.ndarray:
         """Pooled embeddings [B, F, D]: each shard's partial pools of the bags it holds ids of,
         summed (from the averaged tables with `averaged`). A training lookup keeps the step's
-        bags: the later shard calls send each shard only its own bags' and examples' values."""
+        bags (per trainer): the later shard calls send each shard only its own bags' and
+        examples' values."""
         parts = route(self.layout, batch.sparse, B, example_ids=example_ids)
         bags = [p.bags(B) for p in parts]
         if not averaged:
-            self._bags = bags
-        values = self.shards.call("lookup", [(p, B, True) if averaged else (p, B) for p in parts])
+            self._bags[trainer] = bags
+        values = self.shards.call("lookup", [(p, B, True) if averaged else self._as(trainer, p, B, False) for p in parts])
         pooled = np.zeros((B, len(self.layout.features), self.layout.dim), dtype=np.float32)
         for bag, v in zip(bags, values):
             pooled[bag.example, bag.feature] += v  # a shard's bags are distinct
@@ -288,23 +337,24 @@ class Engine:
         dense = self.dense_gradients(torch.from_numpy(pooled), batch.dense, batch.labels)
         return dense.losses, dense.pooled_grads.numpy().astype(np.float32), dense
 
-    def _clip_factors(self, g_pooled: np.ndarray, dense: Optional[DenseGradients], B: int) -> np.ndarray:
+    def _clip_factors(self, g_pooled: np.ndarray, dense: Optional[DenseGradients], B: int, trainer: int = 0) -> np.ndarray:
         """min(1, S1/‖g_j‖) over each example's whole gradient: embedding rows (ghost norms on the
         shards, unique rows) + dense parameters. Non-private: 1 (the shards keep the pooled grads)."""
         if self.mode == "nonprivate":
-            self.shards.call("set_pooled_grad", [(g_pooled[b.example, b.feature],) for b in self._bags])
+            self.shards.call("set_pooled_grad", [self._as(trainer, g_pooled[b.example, b.feature]) for b in self._bags[trainer]])
             return np.ones(B)
-        sq = self._embedding_sq_norms(g_pooled, B)
+        sq = self._embedding_sq_norms(g_pooled, B, trainer)
         if dense is not None:
             sq = sq + dense.sq_norms.numpy()
         return np.minimum(1.0, self.private_plan.clip_norm / np.maximum(np.sqrt(sq), 1e-30))
 
-    def _embedding_sq_norms(self, g_pooled: np.ndarray, B: int) -> np.ndarray:
+    def _embedding_sq_norms(self, g_pooled: np.ndarray, B: int, trainer: int = 0) -> np.ndarray:
         """Per-example squared norms of the embedding-row gradients [B]: each shard gets the
         pooled-output gradients of its own bags and returns its examples' partial norms."""
-        parts = self.shards.call("example_sq_norms", [(g_pooled[b.example, b.feature],) for b in self._bags])
+        bags = self._bags[trainer]
+        parts = self.shards.call("example_sq_norms", [self._as(trainer, g_pooled[b.example, b.feature]) for b in bags])
         sq = np.zeros(B)
-        for bag, part in zip(self._bags, parts):
+        for bag, part in zip(bags, parts):
             sq[bag.examples] += part
         return sq
 
@@ -314,9 +364,13 @@ class Engine:
             return {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in self.model.named_parameters()}
         return {n: g / self.b for n, g in dense.clipped_sum(torch.from_numpy(factors)).items()}
 
-    def _row_sums(self, factors: np.ndarray) -> "RowSums":
-        """G restricted to the touched rows: Σ_j clipped row gradients / b, from every shard."""
-        sums = self.shards.call("clipped_row_sums", [(factors[b.examples],) for b in self._bags])
+    def _reduced_row_sums(self) -> "RowSums":
+        """G restricted to the touched rows: Σ_j clipped row gradients / b, from every shard
+        (with N > 1 trainers, each shard's sum over the trainers' parts it reduced)."""
+        if self.num_trainers == 1:
+            sums = self._row_sums_of_one
+        else:
+            sums = self.shards.call("reduced_row_sums", [() for _ in range(self.layout.num_shards)])
         tables = np.concatenate([s[0] for s in sums])
         row_ids = np.concatenate([s[1] for s in sums])
         grads = np.concatenate([s[2] for s in sums]).astype(np.float64) / self.b
@@ -395,7 +449,7 @@ class Engine:
                                          self.step_count + 1) for s in range(self.layout.num_shards)])
 
     # ---- selection ------------------------------------------------------------------------------
-    def _select(self, rows: "RowSums", batch, B: int) -> Optional[Selection]:
+    def _select(self, rows: "RowSums", batches: list) -> Optional[Selection]:
         """The step's selection over every row of the sparse tables (its global ids and the
         event the selector returned). Non-private: every touched row, no event; no sparse table
         (DP-SGD): None. The selector sees the sparse tables' rows as one compact id space."""
@@ -404,13 +458,43 @@ class Engine:
         if not self.selects:
             return None
         p, rng, vocab = self.private_plan, self.selection_rng, self.sparse_vocabulary
+        if self.selection_on_shards and get_selector(p.selection).shard_statistic == "counts":
+            return self._select_on_shards(batches)
         keep, touched = vocab.to_compact(rows.global_ids)
         context = SelectionContext(
             num_rows=vocab.num_rows, touched_ids=touched, row_norms=np.linalg.norm(rows.grads[keep], axis=1),
             clip_norm=p.clip_norm, expected_batch_size=self.b,
-            example_rows=lambda: vocab.restrict(*self._example_global_rows(batch, B)), fixed_rows=self.fixed_rows)
+            example_rows=lambda: vocab.restrict(*self._batch_global_rows(batches)), fixed_rows=self.fixed_rows)
         sel = get_selector(p.selection).select(context, p.selection_params, rng)
         return Selection(vocab.to_global(sel.ids), sel.event)
+
+    def _select_on_shards(self, batches: list) -> Selection:
+        """Each shard selects among its own rows of the sparse tables (`EmbeddingShard.select_rows`)
+        and the selector merges the parts. The coordinator sends each shard the contribution
+        weights of its own examples, computed here from all of each example's sparse rows."""
+        p, vocab = self.private_plan, self.sparse_vocabulary
+        selector = get_selector(p.selection)
+        clip = p.selection_params.contribution_clip
+        weights = []  # per trainer: each example's weight min(1, C1/√n_j), batch order
+        for batch, B in batches:
+            offsets, compact = vocab.restrict(*self._example_global_rows(batch, B))
+            weights.append(contribution_weights(offsets, compact, clip))
+        per_shard = []
+        for s in range(self.layout.num_shards):
+            own = {t: w[self._bags[t][s].examples] for t, w in enumerate(weights) if t in self._bags}
+            per_shard.append((p.selection, p.selection_params, self.dense_tables, own, self.shard_selection_seed,
+                              self.step_count))
+        parts = self.shards.call("select_rows", per_shard)
+        fixed = None if self.fixed_rows is None else vocab.to_global(self.fixed_rows)
+        sel = selector.merge(parts, p.selection_params, fixed)
+        return Selection(sel.ids, sel.event)
+
+    def _batch_global_rows(self, batches: list):
+        """`_example_global_rows` over the trainers' batches, in trainer order."""
+        parts = [self._example_global_rows(batch, B) for batch, B in batches]
+        shifts = np.cumsum([0] + [int(off[-1]) for off, _ in parts[:-1]])
+        offsets = np.concatenate([[0]] + [off[1:] + shift for (off, _), shift in zip(parts, shifts)])
+        return offsets.astype(np.int64), np.concatenate([ids for _, ids in parts])
 
     def _example_global_rows(self, batch, B):
         """(offsets, global row ids) per example across all features (for threshold counts)."""
@@ -467,6 +551,7 @@ class Engine:
                 "selection_rng": self.selection_rng.bit_generator.state,
                 "noise_gen": self.noise_gen.get_state(),
                 "dpsgd_noise_seed": self.dpsgd_noise_seed,
+                "shard_selection_seed": self.shard_selection_seed,
             }
         return state
 
@@ -484,6 +569,7 @@ class Engine:
             self.selection_rng.bit_generator.state = rng["selection_rng"]
             self.noise_gen.set_state(rng["noise_gen"])
             self.dpsgd_noise_seed = rng["dpsgd_noise_seed"]
+            self.shard_selection_seed = rng.get("shard_selection_seed", self.shard_selection_seed)
         if self.ledger is not None and state["ledger"] is not None:
             self.ledger.load_state_dict(state["ledger"])
         self.fixed_rows = state["fixed_rows"]

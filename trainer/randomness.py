@@ -9,8 +9,8 @@ fix initialization and data splits only (public choices).
 
 Derivation: the root is a 128-bit integer; each consumer gets an independent stream through
 `numpy.random.SeedSequence(root, spawn_key=(i,))`, i = 0 sampler, 1 selection, 2 gradient
-noise, 3 DP-SGD per-row noise. Distinct spawn keys give statistically independent streams,
-so no draw in one stream is a function of another.
+noise, 3 DP-SGD per-row noise, 4 selection on the shards. Distinct spawn keys give
+statistically independent streams, so no draw in one stream is a function of another.
 
 Reproducible mode (`privacy.reproducible = true`, root = `privacy.noise_seed`) exists for
 tests and debugging: the run's ε then holds only while that seed stays secret, and the
@@ -30,7 +30,7 @@ import secrets
 import numpy as np
 import torch
 
-_SAMPLER, _SELECTION, _NOISE, _DPSGD = range(4)
+_SAMPLER, _SELECTION, _NOISE, _DPSGD, _SHARD_SELECTION = range(5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +71,12 @@ class PrivacyRandomness:
     def dpsgd_noise_seed(self) -> int:
         """128-bit seed of DP-SGD's counter-based per-row noise (`layout.row_block_normal`)."""
         words = self._stream(_DPSGD).generate_state(2, np.uint64)
+        return int(words[0]) << 64 | int(words[1])
+
+    def shard_selection_seed(self) -> int:
+        """128-bit seed of the selection on the shards: shard s at step t draws from
+        SeedSequence(seed, spawn_key=(t, s)) (`EmbeddingShard.select_rows`)."""
+        words = self._stream(_SHARD_SELECTION).generate_state(2, np.uint64)
         return int(words[0]) << 64 | int(words[1])
 
     def describe(self) -> str:

@@ -90,7 +90,10 @@ class EmbeddingShard:
         if optimizer == "adam":  # flat like the weights
             self.adam_state = {"m": torch.zeros_like(self.flat), "v": torch.zeros_like(self.flat),
                                "t": torch.zeros(self.flat.shape[0], dtype=torch.int64)}
-        self._cache: dict = {}
+        # Per-trainer step state (trainer index -> this step's input, bags and per-id
+        # contributions): each data-parallel trainer talks to the shard about its own examples.
+        self._caches: dict[int, dict] = {}
+        self._row_sum_parts: list = []  # (keys, sums) of the trainers' clipped row sums this step
         # Parameter averaging (post-processing of the iterates). ema[r] is the EMA through step
         # ema_through[r]; row r's weight has not changed since then, so the EMA through any
         # later step T is β^n·ema + (1 - β^n)·w with n = T - ema_through (_ema_catch_up).
@@ -108,15 +111,16 @@ class EmbeddingShard:
         start, end = self.ranges[t]
         return self.flat[self.row_base[t]: self.row_base[t] + end - start]
 
-    def lookup(self, inp: ShardInput, batch_size: int, averaged: bool = False) -> np.ndarray:
+    def lookup(self, inp: ShardInput, batch_size: int, averaged: bool = False, trainer: int = 0) -> np.ndarray:
         """Partial pooled embeddings of this shard's bags ([bags, D], in `inp.bags` order: only
         what this shard holds travels back); with `averaged`, from the averaged weights
         (evaluation only: no gradient cache is kept). One TBE call over every feature's bags
-        (feature-major, like a KJT)."""
+        (feature-major, like a KJT). `trainer`: whose examples these are (data-parallel
+        trainers each keep their own step state here; example indices are the trainer's own)."""
         dim = self.layout.dim
         bags = inp.bags(batch_size)
         if not averaged:
-            self._cache = {"inp": inp, "batch_size": batch_size, "bags": bags}
+            self._caches[int(trainer)] = {"inp": inp, "batch_size": batch_size, "bags": bags}
         if batch_size == 0 or inp.example.size == 0:
             return np.zeros((0, dim), dtype=np.float32)
         channel = self.feature_channel[inp.feature]
@@ -142,21 +146,28 @@ class EmbeddingShard:
         return out.float().cpu().numpy()
 
     # ---- per-example gradients ----------------------------------------------------------------
-    def _contributions(self, bag_grads: np.ndarray) -> torch.Tensor:
+    def _cache(self, trainer: int) -> dict:
+        cache = self._caches.get(int(trainer))
+        if cache is None:
+            raise RuntimeError(f"trainer {trainer} has no lookup on shard {self.shard_index} this step")
+        return cache
+
+    def _contributions(self, bag_grads: np.ndarray, trainer: int) -> torch.Tensor:
         """Each id's w_i · ∂L_j/∂pooled_{j,f} [nnz, D] from the pooled-output gradients of this
         shard's bags ([bags, D], `inp.bags` order) and cache them for the row sums."""
-        inp, bags = self._cache["inp"], self._cache["bags"]
+        cache = self._cache(trainer)
+        inp, bags = cache["inp"], cache["bags"]
         grad = torch.from_numpy(np.asarray(bag_grads, dtype=np.float32).reshape(-1, self.layout.dim))
         contrib = torch.from_numpy(inp.weight).unsqueeze(1) * grad[torch.from_numpy(bags.id_bag)]
-        self._cache.update(contrib=contrib, table=self.feature_table[inp.feature])
+        cache.update(contrib=contrib, table=self.feature_table[inp.feature])
         return contrib
 
-    def example_sq_norms(self, bag_grads: np.ndarray) -> np.ndarray:
+    def example_sq_norms(self, bag_grads: np.ndarray, trainer: int = 0) -> np.ndarray:
         """Per-example squared ℓ2 norms of this shard's part of each example's row gradients,
         for this shard's examples (`inp.bags(B).examples` order); `bag_grads` as in `lookup`."""
-        inp, bags = self._cache["inp"], self._cache["bags"]
-        contrib = self._contributions(bag_grads)
-        table = self._cache["table"]
+        contrib = self._contributions(bag_grads, trainer)
+        cache = self._cache(trainer)
+        inp, bags, table = cache["inp"], cache["bags"], cache["table"]
         # Group by (example, table, row): repeated ids add up before the norm is taken.
         n_tables = len(self.ranges)
         key = (bags.id_example * n_tables + table) * self.max_rows + inp.local_id
@@ -167,28 +178,90 @@ class EmbeddingShard:
             0, torch.from_numpy(uniq // (n_tables * self.max_rows)), sums.pow(2).sum(1))
         return sq.numpy()
 
-    def clipped_row_sums(self, factors: np.ndarray):
-        """Σ_j factor_j · ∂L_j/∂E[t, r] over the batch, for every touched (t, r) of this shard;
-        `factors` for this shard's examples (`inp.bags(B).examples` order).
+    def clipped_row_sums(self, factors: np.ndarray, trainer: int = 0):
+        """Σ_j factor_j · ∂L_j/∂E[t, r] over the trainer's batch, for every touched (t, r) of
+        this shard; `factors` for this shard's examples (`inp.bags(B).examples` order).
 
         Returns (table index [m], global row id [m], sums [m, D] float32)."""
-        inp = self._cache["inp"]
-        if "contrib" not in self._cache:  # nonprivate mode skips the norm pass
+        keys, sums = self._clipped_row_sums64(factors, trainer)
+        return self._rows_of(keys, sums)
+
+    def add_clipped_row_sums(self, factors: np.ndarray, trainer: int) -> None:
+        """Data-parallel trainers: add trainer `trainer`'s clipped row sums (as in
+        `clipped_row_sums`) to this step's reduction here, where the rows live; nothing
+        travels back until `reduced_row_sums`."""
+        self._row_sum_parts.append(self._clipped_row_sums64(factors, trainer))
+
+    def reduced_row_sums(self):
+        """The sum over trainers of the clipped row sums added this step (float64 sums, then
+        float32 as `clipped_row_sums` returns), and the reduction is emptied."""
+        parts, self._row_sum_parts = self._row_sum_parts, []
+        if not parts:
+            return self._rows_of(np.empty(0, np.int64), torch.zeros((0, self.layout.dim), dtype=torch.float64))
+        uniq, group = np.unique(np.concatenate([k for k, _ in parts]), return_inverse=True)
+        sums = torch.zeros((uniq.size, self.layout.dim), dtype=torch.float64).index_add_(
+            0, torch.from_numpy(group.astype(np.int64).reshape(-1)), torch.cat([v for _, v in parts]))
+        return self._rows_of(uniq, sums)
+
+    def _clipped_row_sums64(self, factors: np.ndarray, trainer: int) -> tuple[np.ndarray, torch.Tensor]:
+        """(sorted row keys t·max_rows + local id, float64 sums) of the trainer's clipped rows."""
+        cache = self._cache(trainer)
+        if "contrib" not in cache:  # nonprivate mode skips the norm pass
             raise RuntimeError("clipped_row_sums needs example_sq_norms (or set_pooled_grad) first")
-        contrib, table, bags = self._cache["contrib"], self._cache["table"], self._cache["bags"]
+        inp, contrib, table, bags = cache["inp"], cache["contrib"], cache["table"], cache["bags"]
         if inp.example.size == 0:
-            return np.empty(0, np.int64), np.empty(0, np.int64), np.empty((0, self.layout.dim), np.float32)
+            return np.empty(0, np.int64), torch.zeros((0, self.layout.dim), dtype=torch.float64)
         per_id = torch.from_numpy(np.asarray(factors, dtype=np.float64))[torch.from_numpy(bags.id_example)]
         scaled = contrib.double() * per_id.unsqueeze(1)
         uniq, group = np.unique(table * self.max_rows + inp.local_id, return_inverse=True)
         group = torch.from_numpy(group.astype(np.int64).reshape(-1))
         sums = torch.zeros((uniq.size, scaled.shape[1]), dtype=torch.float64).index_add_(0, group, scaled)
-        tables, local = uniq // self.max_rows, uniq % self.max_rows
+        return uniq, sums
+
+    def _rows_of(self, keys: np.ndarray, sums: torch.Tensor):
+        tables, local = keys // self.max_rows, keys % self.max_rows
         return tables, local + self.starts[tables], sums.float().numpy()
 
-    def set_pooled_grad(self, bag_grads: np.ndarray) -> None:
+    def select_rows(self, selection: str, params, dense_tables, weights_by_trainer: dict, seed: int, step: int
+                    ) -> np.ndarray:
+        """This shard's part of the step's selection over its own rows of the sparse tables
+        (docs/DESIGN.md §2.2), as global ids: selector `selection`'s `shard_select` on the
+        contribution counts of these rows, Σ_j w_j over the distinct (example j, row) pairs of
+        each trainer's batch, with w_j given per trainer for this shard's examples (computed
+        from all of an example's rows: `selection.threshold.contribution_weights`). Randomness:
+        the stream (seed, step, shard) — its own per shard, so the parts are independent."""
+        from selection.registry import get_selector
+        from selection.threshold import weighted_row_counts
+
+        selector = get_selector(selection)
+        if selector.shard_statistic != "counts":
+            raise ValueError(f"selection {selection!r} does not run on the shards with contribution counts")
+        sparse = np.array([t for t in range(len(self.ranges)) if t not in set(dense_tables)], dtype=np.int64)
+        sizes = np.array([self.ranges[t][1] - self.ranges[t][0] for t in sparse], dtype=np.int64)
+        base = np.full(len(self.ranges), -1, dtype=np.int64)  # local id of table t's first row here
+        base[sparse] = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if sparse.size else []
+        num_rows = int(sizes.sum())
+        if num_rows == 0:
+            return np.empty(0, np.int64)
+        rows, counts = [], []
+        for trainer, weights in weights_by_trainer.items():
+            cache = self._cache(trainer)
+            inp, bags = cache["inp"], cache["bags"]
+            table = self.feature_table[inp.feature]
+            keep = base[table] >= 0
+            r, c = weighted_row_counts(bags.id_example[keep], base[table[keep]] + inp.local_id[keep], weights)
+            rows.append(r)
+            counts.append(c)
+        touched, inverse = np.unique(np.concatenate(rows or [np.empty(0, np.int64)]), return_inverse=True)
+        summed = np.bincount(inverse.reshape(-1), weights=np.concatenate(counts or [np.empty(0)]), minlength=touched.size)
+        rng = np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(int(step), self.shard_index)))
+        local = np.asarray(selector.shard_select(touched, summed, num_rows, params, rng), dtype=np.int64)
+        table_of = sparse[np.searchsorted(base[sparse], local, side="right") - 1]
+        return self.layout.table_offsets[table_of] + self.starts[table_of] + local - base[table_of]
+
+    def set_pooled_grad(self, bag_grads: np.ndarray, trainer: int = 0) -> None:
         """Cache per-id contributions without computing norms (nonprivate mode)."""
-        self._contributions(bag_grads)
+        self._contributions(bag_grads, trainer)
 
     # ---- updates --------------------------------------------------------------------------------
     def begin_update(self, step: Optional[int], lr_scale: float) -> None:
@@ -213,7 +286,7 @@ class EmbeddingShard:
         table_idx = np.asarray(table_idx, dtype=np.int64)
         local = np.asarray(global_ids, dtype=np.int64) - self.starts[table_idx]
         self._apply(table_idx, local, torch.from_numpy(np.array(rows, dtype=np.float32)))  # copy: Ray arrays are read-only
-        self._cache = {}
+        self._caches, self._row_sum_parts = {}, []
 
     def apply_dense_noise_update(self, step: int, noise_seed: int, std: float, table_idx, global_ids, rows,
                                  secure: bool = False, tables=None, lr_scale: float = 1.0) -> None:
@@ -237,7 +310,7 @@ class EmbeddingShard:
                 if hit.size:
                     update[torch.from_numpy(global_ids[hit] - lo)] += torch.from_numpy(rows[hit])
                 self._apply_range(t, lo - start, hi - start, update)
-        self._cache = {}
+        self._caches, self._row_sum_parts = {}, []
 
     def _apply_range(self, t: int, lo: int, hi: int, update: torch.Tensor) -> None:
         """Update every row [lo, hi) (local ids) of table t by update [hi - lo, D]: the same

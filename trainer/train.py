@@ -142,7 +142,8 @@ def build_run(cfg: Config) -> Run:
                     dense_optimizer=_dense_optimizer(cfg, model), randomness=randomness,
                     secure_mode=cfg.privacy.secure_mode,
                     dense_tables=policy.dense_indices([t.name for t in layout.tables]) if policy else (),
-                    ema_decay=cfg.train.ema_decay)
+                    ema_decay=cfg.train.ema_decay, num_trainers=cfg.cluster.num_trainers,
+                    selection_on_shards=cfg.cluster.selection_on_shards)
     return Run(cfg, engine, train_set, test_set, meta, info, validation_set)
 
 

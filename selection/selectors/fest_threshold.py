@@ -47,6 +47,12 @@ class FestThresholdSelector(ThresholdSelector):
         passed = super().select(context, params, rng)
         return Selection(np.union1d(context.fixed_rows, passed.ids), passed.event)
 
+    def merge(self, parts, params, fixed_rows):
+        if fixed_rows is None:
+            raise RuntimeError("fest-threshold: the one-time selection has not run (Engine.prepare_fest)")
+        passed = super().merge(parts, params, fixed_rows)
+        return Selection(np.union1d(fixed_rows, passed.ids), passed.event)
+
     def one_time_event(self, params):
         return GaussianDpEvent(params.fest_noise_multiplier)
 

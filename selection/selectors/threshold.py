@@ -7,7 +7,8 @@ import math
 
 from accounting.events import GaussianDpEvent
 from selection.registry import Selector, param, register_selector
-from selection.threshold import contribution_counts, gaussian_threshold
+from selection.result import Selection
+from selection.threshold import contribution_counts, gaussian_threshold, merge_disjoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,17 @@ class ThresholdSelector(Selector):
         count_ids, counts = contribution_counts(offsets, ids, params.contribution_clip, context.num_rows)
         return gaussian_threshold(count_ids, counts, context.num_rows, params.threshold, params.noise_multiplier,
                                   params.contribution_clip, rng)
+
+    # Every row passes or not independently of the others, so thresholding each shard's rows with
+    # its own stream and taking the union is the same mechanism (same output distribution).
+    shard_statistic = "counts"
+
+    def shard_select(self, touched, scores, num_rows, params, rng):
+        return gaussian_threshold(touched, scores, num_rows, params.threshold, params.noise_multiplier,
+                                  params.contribution_clip, rng).ids
+
+    def merge(self, parts, params, fixed_rows):
+        return Selection(merge_disjoint(parts), GaussianDpEvent(params.noise_multiplier))
 
     def from_budget(self, rho, inputs):
         return self.Params(noise_multiplier=1.0 / math.sqrt(2.0 * rho))  # ρ = 1/(2σ_sel²)
