@@ -468,28 +468,116 @@ def section_utility(doc, plots, out_dir) -> tuple[list, list]:
     for r in fails:
         lines.append(f"- FAILED: {r['dataset']} {r['mode']}/{r.get('selection')} ε={r.get('target_epsilon')} seed {r['seed']}: {r['error'][:160]}")
     for dataset, g in doc.get("goals", {}).items():
+        why = _UtilityReasons(doc, dataset, g["metric"], g["better"])
         for sel, c in g["sparse_vs_dpsgd"].items():
             if not c["per_epsilon"]:
                 continue
             detail = "; ".join(f"ε={f(float(e))}: {v['sparse']:.4f} vs {v['dpsgd']:.4f}" for e, v in c["per_epsilon"].items())
             goals.append((f"{dataset}: sparse/{sel} {'≥' if g['better'] == 'max' else '≤'} dpsgd test {g['metric']} at every ε",
-                          detail, met(c["all"]), ""))
+                          detail, met(c["all"]), why.versus_dpsgd(sel, c)))
         best = g.get("best_sparse_vs_dpsgd", {})
         if best.get("per_epsilon"):
             detail = "; ".join(f"ε={f(float(e))}: {v['selection']} {v['sparse']:.4f} vs {v['dpsgd']:.4f}"
                                for e, v in best["per_epsilon"].items())
             goals.append((f"{dataset}: best sparse within {best['tolerance']:g} of dpsgd test {g['metric']} at every ε",
-                          detail, met(best["all"]), ""))
+                          detail, met(best["all"]), why.best(best)))
         em_random = g.get("em_beats_random", {})
         if "per_epsilon" in em_random:  # results written before em-count existed
             em_random = {"em": em_random}
         for em, er in em_random.items():
             detail = "; ".join(f"ε={f(float(e))}: {v['em']:.4f} vs {v['random']:.4f}" for e, v in er["per_epsilon"].items())
-            goals.append((f"{dataset}: sparse/{em} beats sparse/random at every ε", detail, met(er["all"]), ""))
+            goals.append((f"{dataset}: sparse/{em} beats sparse/random at every ε", detail, met(er["all"]),
+                          why.em_random(em, er)))
         for sel, v in g.get("gap_to_nonprivate_at_eps8", {}).items():
             goals.append((f"{dataset}: sparse/{sel} at ε = 8 within 0.01 AUC of nonprivate ({g['nonprivate']:.4f})",
-                          f"gap {v['gap']:+.4f}", met(v["met"]), ""))
+                          f"gap {v['gap']:+.4f}", met(v["met"]), why.nonprivate_gap(sel, g["nonprivate"])))
     return lines, goals
+
+
+class _UtilityReasons:
+    """The measured reason beside each privacy-utility goal, from the grid's own numbers: seed
+    ranges (is a difference bigger than the spread?), rows noised, and for EM the per-draw ε
+    against what a row's count must reach to beat the untouched rows."""
+
+    def __init__(self, doc: dict, dataset: str, metric: str, better: str):
+        self.metric, self.better = metric, better
+        self.points = {(p["mode"], p["selection"], p["target_epsilon"]): p
+                       for p in doc["points"] if p["dataset"] == dataset and metric in p["metrics"]}
+        self.records = [r for r in doc.get("records", []) if r["dataset"] == dataset and "error" not in r]
+
+    def _range(self, mode, sel, eps):
+        m = self.points[(mode, sel, eps)]["metrics"][self.metric]
+        return m["min"], m["max"]
+
+    def _overlap(self, sel, eps) -> bool:
+        (a, b), (c, d) = self._range("sparse", sel, eps), self._range("dpsgd", None, eps)
+        return a <= d and c <= b
+
+    def _short(self, v: dict, tolerance: float = 0.0) -> float:
+        return (v["dpsgd"] - tolerance - v["sparse"]) if self.better == "max" else (v["sparse"] - v["dpsgd"] - tolerance)
+
+    def versus_dpsgd(self, sel: str, c: dict) -> str:
+        missed = [(float(e), v) for e, v in c["per_epsilon"].items() if not v["ok"]]
+        if not missed:
+            return ""
+        parts = [f"ε={f(e)}: short by {self._short(v):.4f} ({'within' if self._overlap(sel, e) else 'beyond'} the seed ranges)"
+                 for e, v in missed]
+        return "; ".join(parts)
+
+    def best(self, best: dict) -> str:
+        parts = []
+        for e, v in best["per_epsilon"].items():
+            e = float(e)
+            ratio = self.points[("sparse", v["selection"], e)].get("rows_noised_ratio")
+            rows = f"{f(ratio)}× fewer rows noised" if ratio else ""
+            if v["ok"]:
+                parts.append(f"ε={f(e)}: {rows}")
+            else:
+                (a, b), (c, d) = self._range("sparse", v["selection"], e), self._range("dpsgd", None, e)
+                parts.append(f"ε={f(e)}: short by {self._short(v, best['tolerance']):.4f} beyond the tolerance; seeds "
+                             f"{a:.4f}–{b:.4f} vs dpsgd {c:.4f}–{d:.4f}; {rows}")
+        return "; ".join(parts)
+
+    def em_random(self, em: str, er: dict) -> str:
+        parts = []
+        for e, v in er["per_epsilon"].items():
+            e = float(e)
+            (a, b), (c, d) = self._range("sparse", em, e), self._range("sparse", "random", e)
+            spread = "within" if a <= d and c <= b else "beyond"
+            parts.append(f"ε={f(e)}: {v['em'] - v['random']:+.4f} ({spread} the seed ranges)")
+        reason = "; ".join(parts)
+        runs = [r for r in self.records if r.get("selection") == em and r.get("selection_epsilon") and r.get("k")]
+        if em == "em-count" and runs:
+            import math
+            import statistics
+            by_eps = {}
+            for r in runs:
+                by_eps.setdefault(r["target_epsilon"], []).append(r)
+            from trainer.config import load_config
+
+            b = load_config(runs[0]["config"], []).train.batch_size
+            need, counts = [], []
+            for e, rs in sorted(by_eps.items()):
+                eps_draw = statistics.median(r["selection_epsilon"] for r in rs)
+                k, p = rs[0]["k"], rs[0]["vocabulary_size"]
+                # count utility, sensitivity 1: a row is favoured over an untouched one by e^{ε''·c/2}; it
+                # beats the p - k untouched rows' Gumbel maxima only when ε''·c/2 ≳ ln(p/k)
+                counts.append(2 * math.log(p / k) / eps_draw)
+                need.append(f"ε={f(e)}: ε'' = {eps_draw:.3g} per draw (k = {f(k)}), count ≳ {counts[-1]:,.0f}")
+            reason += (f"; a row needs about 2·ln(p/k)/ε'' of the b = {b:,} examples of a batch to stand out from the "
+                       "untouched rows: " + "; ".join(need))
+            if min(counts) > b:
+                reason += " — more than a batch holds, so EM's choice is close to uniform"
+            else:
+                reason += " — only rows in that many of the batch's examples are favoured; the rest are chosen about uniformly"
+        return reason
+
+    def nonprivate_gap(self, sel: str, nonprivate: float) -> str:
+        d = self.points.get(("dpsgd", None, 8))
+        if not d:
+            return ""
+        gap = nonprivate - d["metrics"][self.metric]["median"]
+        return f"dpsgd itself is {gap:.4f} behind nonprivate at ε = 8"
 
 
 def section_tuning(doc: dict, path: Path) -> list:
