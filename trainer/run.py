@@ -51,7 +51,9 @@ class Run:
 
     def run(self, steps: int, callbacks: Sequence[StepCallback] = ()) -> LoopResult:
         """Step until `engine.step_count == steps`, the budget refuses a step, or a callback
-        asks to stop; each callback's `on_step` sees every step in order."""
+        asks to stop; each callback's `on_step` sees every step in order. A plan with a one-time
+        selection (DP-FEST) that has not run yet runs it first (`prepare`)."""
+        self.prepare()
         engine = self.engine
         start = time.perf_counter()
         taken, by_budget, by_callback = 0, False, False
@@ -69,6 +71,13 @@ class Run:
                 by_callback = True
                 break
         return LoopResult(taken, by_budget, by_callback, time.perf_counter() - start)
+
+    def prepare(self) -> None:
+        """Charge and make the plan's one-time selection (DP-FEST's fixed rows) unless it has
+        already been made (a new `widedp train` run does it in its start-up, a resumed run
+        restores it from the checkpoint); nothing for other plans."""
+        if self.engine.needs_one_time_selection() and self.engine.fixed_rows is None:
+            self.engine.prepare_fest(self.train_set.feature_rows)
 
     def evaluate(self, split: Any = None) -> dict:
         """Metrics on `split` (default: the test split) with the config's eval batch size."""
