@@ -476,7 +476,8 @@ def test_a_shard_that_dies_again_while_being_restored_stops_the_run_naming_shard
 
         engine.shards._make_actor = dies_at_once
         ray_cluster.kill(engine.shards.actors[0], no_restart=True)
-        with pytest.raises(ShardLostError, match=r"step 2: shard 0 \(Ray actor\) died during 'lookup' and again"):
+        # ray.kill is asynchronous: the first call of the step to see the death may be a later one
+        with pytest.raises(ShardLostError, match=r"step 2: shard 0 \(Ray actor\) died during '\w+' and again"):
             engine.step()
     finally:
         engine.shards.shutdown()
