@@ -31,6 +31,8 @@ from reference_alg3 import ReferenceAlg3
 from selection import exponential_top_k
 from trainer.layout import route
 from trainer.shard_group import ShardLostError
+from trainer.trainer_group import RayTrainers
+from trainer.trainer_role import pooled_lookup
 
 SEED = 3
 LR, DENSE_LR, DIM, INIT_STD = 0.1, 0.05, 4, 0.3
@@ -68,13 +70,14 @@ def plan_overrides(selection):
 
 def build(ds, batches, *, mode, selection="em", num_shards=1, second_clip=None, backend="local",
           optimizer="sgd", dense_optimizer="sgd", model="dlrm", target_epsilon=1e9, seed=SEED, overrides=None,
-          dense_tables=(), lr=LR, dense_lr=DENSE_LR, ema_decay=0.0, num_trainers=1, selection_on_shards=False):
+          dense_tables=(), lr=LR, dense_lr=DENSE_LR, ema_decay=0.0, num_trainers=1, selection_on_shards=False,
+          trainer_actors=False):
     return make_engine(ds, num_shards=num_shards, mode=mode, selection=selection, backend=backend,
                        optimizer=optimizer, dense_optimizer=dense_optimizer, q=Q, seed=seed, dim=DIM,
                        second_clip=second_clip, lr=lr, dense_lr=dense_lr, model=model, init_std=INIT_STD,
                        sampler=ListSampler(batches), target_epsilon=target_epsilon, dense_tables=dense_tables,
                        ema_decay=ema_decay, num_trainers=num_trainers, selection_on_shards=selection_on_shards,
-                       plan_overrides={**plan_overrides(selection), **(overrides or {})} if mode != "nonprivate" else None)
+                       trainer_actors=trainer_actors, plan_overrides={**plan_overrides(selection), **(overrides or {})} if mode != "nonprivate" else None)
 
 
 def reference_for(engine, ds, mode):
@@ -248,7 +251,7 @@ def test_selection_on_the_shards_equals_per_shard_thresholding_of_the_whole_batc
         engine.prepare_fest(ds.feature_rows)
     seen = []
     real = engine._select_on_shards
-    monkeypatch.setattr(engine, "_select_on_shards", lambda batches: seen.append(real(batches)) or seen[-1])
+    monkeypatch.setattr(engine, "_select_on_shards", lambda: seen.append(real()) or seen[-1])
     for idx in batches:
         want = _shard_selection_reference(engine, np.asarray(idx))
         assert engine.step() is not None
@@ -303,21 +306,22 @@ def _wrong_norms_mutant(group_by):
     `_grouped_sq_norms`), using only the engine's seams: `route` and `_embedding_sq_norms`
     (whose real call still runs, so the shards cache what the row sums need)."""
     def install(mp, engine):
-        import trainer.engine as engine_mod
+        import trainer.trainer_role as role_mod
 
         seen = {}
-        real_route, real_norms = engine_mod.route, engine._embedding_sq_norms
+        role = engine.trainers.roles[0]
+        real_route, real_norms = role_mod.route, role.embedding_sq_norms
 
         def spy_route(layout, kjt, batch_size, example_ids=None):
             seen["parts"], seen["B"] = real_route(layout, kjt, batch_size, example_ids), batch_size
             return seen["parts"]
 
-        def wrong_norms(g_pooled, B, trainer=0):
-            real_norms(g_pooled, B, trainer)
+        def wrong_norms(g_pooled, B):
+            real_norms(g_pooled, B)
             return _grouped_sq_norms(engine, seen["parts"], g_pooled, B, group_by)
 
-        mp.setattr(engine_mod, "route", spy_route)
-        mp.setattr(engine, "_embedding_sq_norms", wrong_norms)
+        mp.setattr(role_mod, "route", spy_route)
+        mp.setattr(role, "embedding_sq_norms", wrong_norms)
     return install
 
 
@@ -394,6 +398,12 @@ def ray_cluster():
 
     started = not ray.is_initialized()
     if started:
+        import engine_fixtures
+        from ray import cloudpickle
+
+        # Trainer actors receive the tests' in-memory dataset: its classes travel by value
+        # (the workers cannot import tests/engine_fixtures.py).
+        cloudpickle.register_pickle_by_value(engine_fixtures)
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     if started:
@@ -422,6 +432,93 @@ def test_ray_matches_in_process(ray_cluster, num_shards, mode, selection, num_tr
     local, remote = results["local"], results["ray"]
     assert_params_equal(remote[0], local[0])
     assert remote[1:] == local[1:]
+
+
+# (N trainers as Ray actors, S shards, selection): threshold on the shards, em on the coordinator
+# (the count-free path); the in-process N x S grid is test_data_parallel_trainers_times_shards_...
+ACTOR_CASES = [(2, 3, "em"), (3, 2, "threshold")]
+
+
+def _in_process_run(ds, batches, **kw):
+    """The in-process engine's parameters, ledger and per-step numbers over `batches`."""
+    engine = build(ds, batches, backend="local", **kw)
+    stats = [engine.step() for _ in batches]
+    return (engine_params(engine), engine.ledger.state_dict(), engine.shard_traffic(),
+            [(s.batch_size, s.rows_touched, s.rows_selected, s.loss) for s in stats])
+
+
+@pytest.mark.parametrize("num_trainers,num_shards,selection", ACTOR_CASES,
+                         ids=[f"{n}trainers-{s}shards-{sel}" for n, s, sel in ACTOR_CASES])
+def test_trainer_actors_calling_shard_actors_equal_the_in_process_engine(ray_cluster, num_trainers, num_shards,
+                                                                        selection):
+    """N trainers as Ray actors (each its own partition: lookup, dense part, clip factors and
+    row sums sent straight to the shard actors) give the in-process engine's steps bit for
+    bit: same parameters, ledger, losses and rows; and the same bytes to and from the shards."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 3)
+    kw = dict(mode="sparse", selection=selection, num_shards=num_shards, second_clip=S2, num_trainers=num_trainers,
+              selection_on_shards=selection == "threshold")
+    want = _in_process_run(ds, batches, **kw)
+    engine = build(ds, batches, backend="ray", trainer_actors=True, **kw)
+    try:
+        assert isinstance(engine.trainers, RayTrainers)
+        stats = [engine.step() for _ in batches]
+        got = (engine_params(engine), engine.ledger.state_dict(), engine.shard_traffic(),
+               [(s.batch_size, s.rows_touched, s.rows_selected, s.loss) for s in stats])
+    finally:
+        engine.shutdown()
+    assert_params_equal(got[0], want[0])
+    assert got[1:] == want[1:]
+
+
+@pytest.mark.parametrize("victim", ["trainer", "shard"])
+def test_a_killed_trainer_or_shard_actor_is_restored_and_the_step_redone(ray_cluster, victim):
+    """With trainer actors, killing a trainer or a shard actor between steps: the next step
+    finds it dead (a trainer's call fails), every lost actor is restored (shards from the
+    released updates, trainers from the coordinator's dense parameters) and the step is
+    redone from its sample — parameters and ledger equal an uninterrupted run's, no step
+    charged twice or missing."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 4)
+    kw = dict(mode="sparse", selection="threshold", num_shards=2, second_clip=S2, optimizer="adagrad",
+              selection_on_shards=True, num_trainers=2)
+    want = _in_process_run(ds, batches, **kw)  # uninterrupted (equal to Ray's: the test above)
+    engine = build(ds, batches, backend="ray", trainer_actors=True, **kw)
+    try:
+        for step in range(1, len(batches) + 1):
+            if step == 3:
+                actors = engine.trainers.actors if victim == "trainer" else engine.shards.actors
+                ray_cluster.kill(actors[1], no_restart=True)
+            assert engine.step() is not None
+        got = (engine_params(engine), engine.ledger.state_dict(), engine.ledger.steps,
+               (engine.step_restarts, engine.trainers.restarts, engine.shards.restarts))
+    finally:
+        engine.shutdown()
+    assert_params_equal(got[0], want[0])
+    assert got[1] == want[1] and got[2] == len(batches)
+    assert got[3] == ((1, 1, 0) if victim == "trainer" else (1, 0, 1))
+
+
+def test_an_actor_lost_again_while_the_step_is_redone_stops_naming_the_step(ray_cluster):
+    ds = dataset()
+    batches = batches_with_crafted(ds, 3)
+    engine = build(ds, batches, mode="sparse", selection="em", num_shards=2, backend="ray", num_trainers=2,
+                   trainer_actors=True)
+    try:
+        engine.step()
+        make = engine.trainers._make
+
+        def dies_at_once(i):
+            actor = make(i)
+            ray_cluster.kill(actor, no_restart=True)
+            return actor
+
+        engine.trainers._make = dies_at_once
+        ray_cluster.kill(engine.trainers.actors[0], no_restart=True)
+        with pytest.raises(ShardLostError, match=r"died again while step 2 was redone"):
+            engine.step()
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("kill_at,checkpoint_at", [(2, None), (4, 2)])
@@ -490,10 +587,11 @@ def _engine_norm_pass(engine, indices):
     batch = engine.train_set.take(indices)
     B = len(indices)
     parts = route(engine.layout, batch.sparse, B)
-    pooled = engine._lookup(batch, B)
+    role = engine.trainers.roles[0]
+    pooled, role.bags = pooled_lookup(engine.layout, engine.shards, batch, B)
     dense = engine.dense_gradients(torch.from_numpy(pooled), batch.dense, batch.labels)
     g_pooled = dense.pooled_grads.numpy().astype(np.float32)
-    emb_sq = engine._embedding_sq_norms(g_pooled, B)
+    emb_sq = role.embedding_sq_norms(g_pooled, B)
     dense_sq = dense.sq_norms.numpy()
     return emb_sq, dense_sq, parts, g_pooled
 

@@ -221,6 +221,9 @@ class PrivacyConfig:
         return None if is_auto(value) else value
 
 
+TRAINER_PLACEMENTS = ("auto", "actors", "coordinator")
+
+
 @dataclasses.dataclass
 class ClusterConfig:
     backend: str = "ray"  # "ray" | "local" (in-process shards)
@@ -235,13 +238,24 @@ class ClusterConfig:
     max_actor_restarts: int = 1
     # Data-parallel trainers (docs/DESIGN.md §2.2): trainer i owns the i-th of N contiguous
     # example partitions; each does the lookup, dense part and clip factors of its examples and
-    # its clipped row sums are reduced at the shards. Today the N trainers run in the
-    # coordinator's process, one after another (the protocol, not yet the parallelism).
+    # its clipped row sums are reduced at the shards.
     num_trainers: int = 1
+    # Where the trainers run: "actors" (Ray actors calling the shard actors directly, in
+    # parallel; backend "ray" only), "coordinator" (in the coordinator's process, one after
+    # another), "auto": actors when backend = "ray" and num_trainers > 1.
+    trainer_placement: str = "auto"
+    cpus_per_trainer: float = 1.0
     # Selection on the shards (docs/DESIGN.md §2.2) for selectors that support it (threshold,
     # fest-threshold): each shard thresholds its own rows with its own stream; the same output
     # distribution as selecting over the whole vocabulary on the coordinator (false).
     selection_on_shards: bool = True
+
+    @property
+    def trainer_actors(self) -> bool:
+        """Whether the trainers run as Ray actors (`trainer_placement`, "auto" resolved)."""
+        if self.trainer_placement == "auto":
+            return self.backend == "ray" and self.num_trainers > 1
+        return self.trainer_placement == "actors"
 
     def validate(self) -> None:
         _require([
@@ -251,6 +265,11 @@ class ClusterConfig:
             (self.gpus_per_shard >= 0, "cluster.gpus_per_shard must be >= 0"),
             (self.max_actor_restarts >= 0, "cluster.max_actor_restarts must be >= 0"),
             (self.num_trainers >= 1, "cluster.num_trainers must be >= 1"),
+            (self.trainer_placement in TRAINER_PLACEMENTS,
+             f"cluster.trainer_placement must be one of {TRAINER_PLACEMENTS}, got {self.trainer_placement!r}"),
+            (self.trainer_placement != "actors" or self.backend == "ray",
+             'cluster.trainer_placement = "actors" needs cluster.backend = "ray"'),
+            (self.cpus_per_trainer > 0, "cluster.cpus_per_trainer must be > 0"),
             (self.placement_strategy in PLACEMENT_STRATEGIES,
              f"cluster.placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {self.placement_strategy!r}"),
         ])

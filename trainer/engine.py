@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -31,13 +30,14 @@ from accounting.calibration import sampled_step_event, step_event
 from selection import NoisyStep, noisy_step
 from selection.registry import SelectionContext, Selector, get_selector, is_selector
 from selection.result import Selection
-from selection.threshold import contribution_weights
 from trainer.dense_grads import DenseGradients, dense_gradients
-from trainer.layout import ShardLayout, route
+from trainer.layout import ShardLayout
 from trainer.models import DenseModel
 from trainer.randomness import PrivacyRandomness
-from trainer.shard_group import ShardLostError
+from trainer.shard_group import ShardLostError, StepInterrupted
 from trainer.table_policy import SparseVocabulary
+from trainer.trainer_group import InProcessTrainers, RayTrainers, TrainerGroup
+from trainer.trainer_role import PhaseClock, TrainerOptions, TrainerPart, TrainerRole, example_global_rows, pooled_lookup
 
 
 @dataclasses.dataclass
@@ -79,26 +79,14 @@ class RowSums:
         return RowSums(self.tables[mask], self.row_ids[mask], self.grads[mask], self.global_ids[mask])
 
 
-class PhaseClock:
-    """Wall time per named phase: `mark(name)` closes the phase that ran since the last mark."""
-
-    def __init__(self):
-        self.phases: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
-        self._last = now
-
-
 class Engine:
     def __init__(self, model: DenseModel, layout: ShardLayout, shards, train_set, sampler, *, mode: str,
                  expected_batch_size: float, sample_rate: float, plan: Optional[PrivacyPlan], ledger: Optional[PrivacyLedger],
                  target_epsilon: float, dense_optimizer: torch.optim.Optimizer,
                  randomness: Optional[PrivacyRandomness] = None, secure_mode: bool = False, ledger_path=None,
                  dense_tables: tuple[int, ...] = (), ema_decay: float = 0.0, dense_grad_method: str = "auto",
-                 num_trainers: int = 1, selection_on_shards: bool = False):
+                 num_trainers: int = 1, selection_on_shards: bool = False, trainer_actors: bool = False,
+                 cpus_per_trainer: float = 1.0):
         """`dense_tables`: in `sparse` mode, the indices of the tables noised densely every step
         (trainer/table_policy.py); `dpsgd` noises every table, `nonprivate` none. `ema_decay`
         β > 0: evaluate (and checkpoint for export) the exponential moving average of the
@@ -111,7 +99,10 @@ class Engine:
         reduced at the shards that own the rows, and the dense clipped sums are added here.
         `selection_on_shards`: a selector that can (`Selector.shard_statistic`) selects on the
         shards, each over its own rows with its own stream, merged here (the same distribution
-        as the selection over the whole vocabulary here, which is the reference path)."""
+        as the selection over the whole vocabulary here, which is the reference path).
+        `trainer_actors`: the N trainers run as Ray actors (trainer/trainer_group.py,
+        `cpus_per_trainer` CPUs each) that call the shard actors directly — the shards must be
+        a RayShardGroup; otherwise they run here, one after another."""
         self.model, self.layout, self.shards = model, layout, shards
         self.dense_grad_method = dense_grad_method  # trainer/dense_grads.py: auto, ghost or per_example
         self.train_set, self.sampler = train_set, sampler
@@ -154,9 +145,9 @@ class Engine:
         self.num_trainers = num_trainers
         n = len(train_set)
         self.trainer_bounds = np.array([(i * n) // num_trainers for i in range(num_trainers + 1)], dtype=np.int64)
-        self._row_sums_of_one: list = []  # one trainer: the shards' clipped row sums of this step
-        self._bags: dict[int, list] = {}  # this step's ShardBags per shard, per trainer (training lookups)
         self._event = self._step_event()
+        self.trainers = self._make_trainers(trainer_actors, cpus_per_trainer)
+        self.step_restarts = 0  # steps redone after a lost actor (trainer actors)
 
     @property
     def private_plan(self) -> PrivacyPlan:
@@ -252,17 +243,46 @@ class Engine:
         idx = self.sampler.sample()
         B = int(idx.size)
         clock.mark("sample")
-        losses, dense_grads, batches = [], None, []
-        for trainer, own in enumerate(self._trainer_samples(idx)):
-            part = self._trainer_part(trainer, own, clock)
-            losses.append(part[0])
-            batches.append(part[2])
-            dense_grads = part[1] if dense_grads is None else {n: dense_grads[n] + g for n, g in part[1].items()}
-        assert dense_grads is not None
-        rows = self._reduced_row_sums()
+        samples = self._trainer_samples(idx)
+        limit = getattr(self.shards, "max_restarts", 0)
+        attempts, lost = 0, None
+        while True:
+            try:
+                if lost is not None:
+                    self._recover(lost)
+                return self._step_from(samples, B, clock)
+            except StepInterrupted as interrupted:
+                # Nothing of this step was recorded or released (the ledger records after the
+                # selection and the noise): restore the lost actors and redo it from its sample.
+                attempts += 1
+                if attempts > limit:
+                    again = f"again while step {self.step_count + 1} was redone ({limit} restart(s) tried)" if lost \
+                        else f"in step {self.step_count + 1} (cluster.max_actor_restarts = 0)"
+                    raise ShardLostError(f"{interrupted}; an actor died {again}") from interrupted
+                lost = interrupted
+
+    def _recover(self, lost: StepInterrupted) -> None:
+        """Restore every lost shard and trainer actor, forget the step's partial state."""
+        step = self.step_count + 1
+        shards = self.shards.restore_lost(f"step {step}")
+        trainers = self.trainers.restore_lost() if isinstance(self.trainers, RayTrainers) else []
+        self.shards.broadcast("discard_step")
+        self.step_restarts += 1
+        print(f"step {step}: {lost}; restored shard(s) {shards or 'none'} and trainer(s) {trainers or 'none'}, "
+              "redoing the step", flush=True)
+
+    def _step_from(self, samples: list, B: int, clock: PhaseClock) -> StepStats:
+        dense_state = None
+        if self.trainers.needs_dense_state:
+            dense_state = {n: t.detach().clone() for n, t in self.model.state_dict().items()}
+        parts = self._trainer_parts(samples, dense_state, clock)
+        dense_grads = parts[0].dense_sum
+        for part in parts[1:]:
+            dense_grads = {n: dense_grads[n] + g for n, g in part.dense_sum.items()}
+        rows = self._reduced_row_sums(parts)
         clock.mark("row_sums")
         dense_part = rows.subset(np.isin(rows.tables, self.dense_tables))
-        selection = self._select(rows, batches)
+        selection = self._select(rows)
         selected, delta_rows = self._restrict_to_selection(rows, selection)
         clock.mark("selection")
         noisy = self._clip_and_noise(delta_rows, dense_grads, torch.from_numpy(dense_part.grads))
@@ -279,96 +299,67 @@ class Engine:
         clock.mark("dense_update")
         self.step_count += 1
         eps = self.ledger.epsilon() if noisy is not None and self.ledger is not None else 0.0
-        return StepStats(self.step_count, B, float(torch.cat(losses).mean()) if B else float("nan"),
+        losses = torch.cat([part.losses for part in parts])
+        return StepStats(self.step_count, B, float(losses.mean()) if B else float("nan"),
                          int(rows.global_ids.size), int(selected.size) + self.dense_table_rows, eps, clock.phases)
 
     # ---- the phases of one step ---------------------------------------------------------------------
+    def _make_trainers(self, actors: bool, cpus_per_trainer: float) -> TrainerGroup:
+        p = self.plan
+        selector = get_selector(p.selection) if p is not None and self.selects else None
+        counts_on_shards = self.selection_on_shards and selector is not None and selector.shard_statistic == "counts"
+        options = TrainerOptions(
+            mode=self.mode, clip_norm=p.clip_norm if p is not None and self.mode != "nonprivate" else None,
+            expected_batch_size=self.b, dense_grad_method=self.dense_grad_method, num_trainers=self.num_trainers,
+            reduce_at_shards=self.num_trainers > 1 or actors,
+            contribution_clip=p.selection_params.contribution_clip if counts_on_shards and p is not None else None,
+            dense_tables=self.dense_tables)
+        if actors:
+            if not hasattr(self.shards, "actors"):
+                raise ValueError("trainer actors need the shards on Ray (cluster.backend = \"ray\")")
+            self.shards.direct_callers = True
+            return RayTrainers(self.model, self.layout, self.train_set, self.shards, options,
+                               cpus_per_trainer=cpus_per_trainer)
+        return InProcessTrainers([TrainerRole(i, self.model, self.layout, self.train_set, self.shards, options)
+                                  for i in range(self.num_trainers)])
+
     def _trainer_samples(self, idx: np.ndarray) -> list[np.ndarray]:
         """Each trainer's part of the step's sample (sorted dataset indices in its partition)."""
         cut = np.searchsorted(idx, self.trainer_bounds)
         return [idx[cut[i]: cut[i + 1]] for i in range(self.num_trainers)]
 
-    def _trainer_part(self, trainer: int, idx: np.ndarray, clock: PhaseClock):
-        """One trainer's share of a step, on its own examples: lookup, dense forward/backward,
-        clip factors, clipped row sums (left at the shards when N > 1) and the dense clipped
-        sum. Returns (per-example losses, dense clipped sum / b, (batch, B_i))."""
-        batch, B = self.train_set.take(idx), int(idx.size)
-        pooled = self._lookup(batch, B, idx, trainer=trainer)
-        clock.mark("lookup")
-        losses, g_pooled, dense = self._dense_forward_backward(pooled, batch, B)
-        clock.mark("dense_forward_backward")
-        factors = self._clip_factors(g_pooled, dense, B, trainer)
-        clock.mark("norms")
-        if self.num_trainers == 1:
-            self._row_sums_of_one = self.shards.call(
-                "clipped_row_sums", [(factors[b.examples],) for b in self._bags[trainer]])
+    def _trainer_parts(self, samples: list, dense_state: Optional[dict], clock: PhaseClock) -> list[TrainerPart]:
+        """Every trainer's share of the step (trainer/trainer_role.py): lookup, dense
+        forward/backward, clip factors, clipped row sums (left at the shards when N > 1 or on
+        Ray) and the dense clipped sum. In-process the trainers' phases add up; on Ray they
+        overlap, so the slowest trainer's phases count and the rest of the wait is "trainers"."""
+        parts = self.trainers.parts(samples, dense_state)
+        if isinstance(self.trainers, InProcessTrainers):
+            for part in parts:
+                clock.absorb(part.phases)
         else:
-            self.shards.call("add_clipped_row_sums", [(factors[b.examples], trainer) for b in self._bags[trainer]])
-        clock.mark("row_sums")
-        dense_grads = self._dense_clipped_sum(dense, factors)
-        clock.mark("dense_clipped_sum")
-        return losses, dense_grads, (batch, B)
+            names = {n for part in parts for n in part.phases}
+            clock.absorb({n: max(part.phases.get(n, 0.0) for part in parts) for n in names})
+            clock.mark("trainers")
+        return parts
 
-    def _as(self, trainer: int, *args) -> tuple:
-        """A shard call's arguments on behalf of `trainer` (its index last; one trainer: omitted,
-        the shards' default, so a one-trainer step sends what it always did)."""
-        return (*args, trainer) if self.num_trainers > 1 else args
+    @property
+    def _bags(self) -> dict[int, list]:
+        """This step's ShardBags per shard, per in-process trainer (training lookups)."""
+        assert isinstance(self.trainers, InProcessTrainers)
+        return {role.index: role.bags for role in self.trainers.roles}
 
-    def _lookup(self, batch, B: int, example_ids=None, averaged: bool = False, trainer: int = 0) -> np.ndarray:
-        """Pooled embeddings [B, F, D]: each shard's partial pools of the bags it holds ids of,
-        summed (from the averaged tables with `averaged`). A training lookup keeps the step's
-        bags (per trainer): the later shard calls send each shard only its own bags' and
-        examples' values."""
-        parts = route(self.layout, batch.sparse, B, example_ids=example_ids)
-        bags = [p.bags(B) for p in parts]
-        if not averaged:
-            self._bags[trainer] = bags
-        values = self.shards.call("lookup", [(p, B, True) if averaged else self._as(trainer, p, B, False) for p in parts])
-        pooled = np.zeros((B, len(self.layout.features), self.layout.dim), dtype=np.float32)
-        for bag, v in zip(bags, values):
-            pooled[bag.example, bag.feature] += v  # a shard's bags are distinct
-        return pooled
+    def _lookup(self, batch, B: int, example_ids=None, averaged: bool = False) -> np.ndarray:
+        """Pooled embeddings [B, F, D] from the coordinator (evaluation; the training lookups
+        are the trainers')."""
+        return pooled_lookup(self.layout, self.shards, batch, B, example_ids, averaged)[0]
 
-    def _dense_forward_backward(self, pooled: np.ndarray, batch, B: int):
-        """Per-example losses, pooled-output gradients [B, F, D] (float32 numpy) and the dense
-        part's pass 1 (None for an empty batch)."""
-        if not B:
-            return torch.zeros(0), np.zeros((0, len(self.layout.features), self.layout.dim), np.float32), None
-        dense = self.dense_gradients(torch.from_numpy(pooled), batch.dense, batch.labels)
-        return dense.losses, dense.pooled_grads.numpy().astype(np.float32), dense
-
-    def _clip_factors(self, g_pooled: np.ndarray, dense: Optional[DenseGradients], B: int, trainer: int = 0) -> np.ndarray:
-        """min(1, S1/‖g_j‖) over each example's whole gradient: embedding rows (ghost norms on the
-        shards, unique rows) + dense parameters. Non-private: 1 (the shards keep the pooled grads)."""
-        if self.mode == "nonprivate":
-            self.shards.call("set_pooled_grad", [self._as(trainer, g_pooled[b.example, b.feature]) for b in self._bags[trainer]])
-            return np.ones(B)
-        sq = self._embedding_sq_norms(g_pooled, B, trainer)
-        if dense is not None:
-            sq = sq + dense.sq_norms.numpy()
-        return np.minimum(1.0, self.private_plan.clip_norm / np.maximum(np.sqrt(sq), 1e-30))
-
-    def _embedding_sq_norms(self, g_pooled: np.ndarray, B: int, trainer: int = 0) -> np.ndarray:
-        """Per-example squared norms of the embedding-row gradients [B]: each shard gets the
-        pooled-output gradients of its own bags and returns its examples' partial norms."""
-        bags = self._bags[trainer]
-        parts = self.shards.call("example_sq_norms", [self._as(trainer, g_pooled[b.example, b.feature]) for b in bags])
-        sq = np.zeros(B)
-        for bag, part in zip(bags, parts):
-            sq[bag.examples] += part
-        return sq
-
-    def _dense_clipped_sum(self, dense: Optional[DenseGradients], factors: np.ndarray) -> dict:
-        """Σ_j c_j ∇_θ ℓ_j / b for every dense parameter (float64); zeros for an empty batch."""
-        if dense is None:
-            return {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in self.model.named_parameters()}
-        return {n: g / self.b for n, g in dense.clipped_sum(torch.from_numpy(factors)).items()}
-
-    def _reduced_row_sums(self) -> "RowSums":
+    def _reduced_row_sums(self, parts: list[TrainerPart]) -> "RowSums":
         """G restricted to the touched rows: Σ_j clipped row gradients / b, from every shard
-        (with N > 1 trainers, each shard's sum over the trainers' parts it reduced)."""
-        if self.num_trainers == 1:
-            sums = self._row_sums_of_one
+        (with N > 1 trainers or trainers on Ray, each shard's sum over the trainers' parts it
+        reduced; else the shards' answer to the one trainer)."""
+        if parts[0].row_sums is not None:
+            sums = parts[0].row_sums
         else:
             sums = self.shards.call("reduced_row_sums", [() for _ in range(self.layout.num_shards)])
         tables = np.concatenate([s[0] for s in sums])
@@ -449,7 +440,7 @@ class Engine:
                                          self.step_count + 1) for s in range(self.layout.num_shards)])
 
     # ---- selection ------------------------------------------------------------------------------
-    def _select(self, rows: "RowSums", batches: list) -> Optional[Selection]:
+    def _select(self, rows: "RowSums") -> Optional[Selection]:
         """The step's selection over every row of the sparse tables (its global ids and the
         event the selector returned). Non-private: every touched row, no event; no sparse table
         (DP-SGD): None. The selector sees the sparse tables' rows as one compact id space."""
@@ -459,55 +450,51 @@ class Engine:
             return None
         p, rng, vocab = self.private_plan, self.selection_rng, self.sparse_vocabulary
         if self.selection_on_shards and get_selector(p.selection).shard_statistic == "counts":
-            return self._select_on_shards(batches)
+            return self._select_on_shards()
         keep, touched = vocab.to_compact(rows.global_ids)
         context = SelectionContext(
             num_rows=vocab.num_rows, touched_ids=touched, row_norms=np.linalg.norm(rows.grads[keep], axis=1),
             clip_norm=p.clip_norm, expected_batch_size=self.b,
-            example_rows=lambda: vocab.restrict(*self._batch_global_rows(batches)), fixed_rows=self.fixed_rows)
+            example_rows=lambda: vocab.restrict(*self._batch_global_rows()), fixed_rows=self.fixed_rows)
         sel = get_selector(p.selection).select(context, p.selection_params, rng)
         return Selection(vocab.to_global(sel.ids), sel.event)
 
-    def _select_on_shards(self, batches: list) -> Selection:
+    def _select_on_shards(self) -> Selection:
         """Each shard selects among its own rows of the sparse tables (`EmbeddingShard.select_rows`)
-        and the selector merges the parts. The coordinator sends each shard the contribution
-        weights of its own examples, computed here from all of each example's sparse rows."""
+        and the selector merges the parts. The trainers sent each shard the contribution
+        weights of their examples there, computed from all of each example's sparse rows."""
         p, vocab = self.private_plan, self.sparse_vocabulary
         selector = get_selector(p.selection)
-        clip = p.selection_params.contribution_clip
-        weights = []  # per trainer: each example's weight min(1, C1/√n_j), batch order
-        for batch, B in batches:
-            offsets, compact = vocab.restrict(*self._example_global_rows(batch, B))
-            weights.append(contribution_weights(offsets, compact, clip))
-        per_shard = []
-        for s in range(self.layout.num_shards):
-            own = {t: w[self._bags[t][s].examples] for t, w in enumerate(weights) if t in self._bags}
-            per_shard.append((p.selection, p.selection_params, self.dense_tables, own, self.shard_selection_seed,
-                              self.step_count))
-        parts = self.shards.call("select_rows", per_shard)
+        parts = self.shards.broadcast("select_rows", p.selection, p.selection_params, self.dense_tables,
+                                      self.shard_selection_seed, self.step_count)
         fixed = None if self.fixed_rows is None else vocab.to_global(self.fixed_rows)
         sel = selector.merge(parts, p.selection_params, fixed)
         return Selection(sel.ids, sel.event)
 
-    def _batch_global_rows(self, batches: list):
-        """`_example_global_rows` over the trainers' batches, in trainer order."""
-        parts = [self._example_global_rows(batch, B) for batch, B in batches]
+    def _batch_global_rows(self):
+        """(offsets, global row ids) per example over the trainers' batches, in trainer order."""
+        parts = self.trainers.example_rows()
         shifts = np.cumsum([0] + [int(off[-1]) for off, _ in parts[:-1]])
         offsets = np.concatenate([[0]] + [off[1:] + shift for (off, _), shift in zip(parts, shifts)])
         return offsets.astype(np.int64), np.concatenate([ids for _, ids in parts])
 
     def _example_global_rows(self, batch, B):
         """(offsets, global row ids) per example across all features (for threshold counts)."""
-        kjt = batch.sparse
-        values = kjt.values().numpy().astype(np.int64)
-        lengths = kjt.lengths().numpy().astype(np.int64).reshape(len(self.layout.features), B)
-        table_of = np.array([self.layout.table_index(f.table) for f in self.layout.features])
-        feature = np.repeat(np.repeat(np.arange(lengths.shape[0]), B), lengths.reshape(-1))
-        example = np.repeat(np.tile(np.arange(B), lengths.shape[0]), lengths.reshape(-1))
-        global_ids = values + self.table_offsets[table_of[feature]]
-        order = np.argsort(example, kind="stable")
-        counts = np.bincount(example, minlength=B)
-        return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), global_ids[order]
+        return example_global_rows(self.layout, batch, B)
+
+    def shard_traffic(self) -> tuple[int, int]:
+        """(bytes sent to, received from) the shards so far by the coordinator and the trainers
+        (payload arrays, as `ShardGroup` counts them)."""
+        to, back = self.shards.bytes_to_shards, self.shards.bytes_from_shards
+        if not isinstance(self.trainers, InProcessTrainers):  # in-process trainers use self.shards
+            for t, b in self.trainers.shard_bytes():
+                to, back = to + t, back + b
+        return int(to), int(back)
+
+    def shutdown(self) -> None:
+        """Stop the trainer and shard actors (nothing to do in-process)."""
+        self.trainers.shutdown()
+        self.shards.shutdown()
 
     # ---- evaluation & state ------------------------------------------------------------------------
     @torch.no_grad()

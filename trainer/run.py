@@ -84,7 +84,7 @@ class Run:
         return self.engine.evaluate(self.test_set if split is None else split, self.config.train.eval_batch_size)
 
     def close(self) -> None:
-        self.engine.shards.shutdown()
+        self.engine.shutdown()
 
     def __enter__(self) -> "Run":
         return self

@@ -178,19 +178,34 @@ class EmbeddingShard:
             0, torch.from_numpy(uniq // (n_tables * self.max_rows)), sums.pow(2).sum(1))
         return sq.numpy()
 
-    def clipped_row_sums(self, factors: np.ndarray, trainer: int = 0):
+    def clipped_row_sums(self, factors: np.ndarray, trainer: int = 0, selection_weights=None):
         """Σ_j factor_j · ∂L_j/∂E[t, r] over the trainer's batch, for every touched (t, r) of
         this shard; `factors` for this shard's examples (`inp.bags(B).examples` order).
+        `selection_weights`: the same examples' contribution weights, kept for `select_rows`.
 
         Returns (table index [m], global row id [m], sums [m, D] float32)."""
+        self._keep_selection_weights(selection_weights, trainer)
         keys, sums = self._clipped_row_sums64(factors, trainer)
         return self._rows_of(keys, sums)
 
-    def add_clipped_row_sums(self, factors: np.ndarray, trainer: int) -> None:
+    def add_clipped_row_sums(self, factors: np.ndarray, trainer: int, selection_weights=None) -> None:
         """Data-parallel trainers: add trainer `trainer`'s clipped row sums (as in
         `clipped_row_sums`) to this step's reduction here, where the rows live; nothing
         travels back until `reduced_row_sums`."""
+        self._keep_selection_weights(selection_weights, trainer)
         self._row_sum_parts.append(self._clipped_row_sums64(factors, trainer))
+
+    def _keep_selection_weights(self, weights, trainer: int) -> None:
+        if weights is not None:
+            self._cache(trainer)["selection_weights"] = np.asarray(weights, dtype=np.float64)
+
+    def discard_step(self) -> None:
+        """Forget this step's per-trainer state and partial reductions (the step is redone
+        after a lost actor was replaced)."""
+        self._caches, self._row_sum_parts = {}, []
+
+    def ping(self) -> int:
+        return self.shard_index
 
     def reduced_row_sums(self):
         """The sum over trainers of the clipped row sums added this step (float64 sums, then
@@ -222,14 +237,14 @@ class EmbeddingShard:
         tables, local = keys // self.max_rows, keys % self.max_rows
         return tables, local + self.starts[tables], sums.float().numpy()
 
-    def select_rows(self, selection: str, params, dense_tables, weights_by_trainer: dict, seed: int, step: int
-                    ) -> np.ndarray:
+    def select_rows(self, selection: str, params, dense_tables, seed: int, step: int) -> np.ndarray:
         """This shard's part of the step's selection over its own rows of the sparse tables
         (docs/DESIGN.md §2.2), as global ids: selector `selection`'s `shard_select` on the
         contribution counts of these rows, Σ_j w_j over the distinct (example j, row) pairs of
-        each trainer's batch, with w_j given per trainer for this shard's examples (computed
-        from all of an example's rows: `selection.threshold.contribution_weights`). Randomness:
-        the stream (seed, step, shard) — its own per shard, so the parts are independent."""
+        each trainer's batch, with w_j the weights each trainer sent with its clip factors for
+        this shard's examples (computed from all of an example's rows:
+        `selection.threshold.contribution_weights`). Randomness: the stream (seed, step,
+        shard) — its own per shard, so the parts are independent."""
         from selection.registry import get_selector
         from selection.threshold import weighted_row_counts
 
@@ -244,9 +259,11 @@ class EmbeddingShard:
         if num_rows == 0:
             return np.empty(0, np.int64)
         rows, counts = [], []
-        for trainer, weights in weights_by_trainer.items():
-            cache = self._cache(trainer)
-            inp, bags = cache["inp"], cache["bags"]
+        for trainer in sorted(self._caches):
+            cache = self._caches[trainer]
+            if "selection_weights" not in cache:
+                raise RuntimeError(f"trainer {trainer} sent shard {self.shard_index} no selection weights this step")
+            inp, bags, weights = cache["inp"], cache["bags"], cache["selection_weights"]
             table = self.feature_table[inp.feature]
             keep = base[table] >= 0
             r, c = weighted_row_counts(bags.id_example[keep], base[table[keep]] + inp.local_id[keep], weights)

@@ -145,6 +145,12 @@ class ShardLostError(RuntimeError):
     """A shard actor died again while being restored (or restarts are off)."""
 
 
+class StepInterrupted(RuntimeError):
+    """An actor died before the step was recorded, and the step's state held by others (the
+    trainers' calls to the shards) cannot be replayed: the lost actor has been restored to
+    the state after the last released step, and the step must be redone from its sample."""
+
+
 # Shard methods that change a shard's state for good (the others fill its per-step cache).
 MUTATING = frozenset({"apply_rows", "apply_dense_noise_update", "load_state_dict"})
 
@@ -199,6 +205,9 @@ class RayShardGroup(ShardGroup):
         self.restarts = 0  # actors replaced so far
         self._snapshot: Optional[list] = None  # each shard's state at the last state_dict call
         self._log: list[tuple[str, Sequence[tuple]]] = []  # calls since then (see the class docstring)
+        # True when trainer actors call the shards directly (trainer/trainer_group.py): a shard
+        # lost during a step's cache-filling call is restored and the step redone (StepInterrupted).
+        self.direct_callers = False
         self._ray = ray
 
     def _call(self, method, per_shard_args):
@@ -212,10 +221,59 @@ class RayShardGroup(ShardGroup):
                 results[s] = self._ray.get(ref)
             except RayActorError as died:  # the actor died; an exception raised by the method propagates
                 lost.append((s, died))
+        if lost and self.direct_callers and method not in MUTATING:
+            # This step's cache-filling calls came from the trainers, not through this group,
+            # so they are not in the log: restore the released state and redo the step.
+            for s, cause in lost:
+                self._restore(s, cause, method)
+            raise StepInterrupted(f"shard {lost[0][0]} (Ray actor) died during {method!r}; restored")
         for s, cause in lost:
             results[s] = self._replace(s, method, per_shard_args[s], cause)
         self._remember(method, per_shard_args, results)
         return results
+
+    def restore_lost(self, during: str = "the step") -> list[int]:
+        """Restore every shard actor that no longer answers to the state after the last
+        released step (checkpoint + the released updates since). Returns their indices."""
+        from ray.exceptions import RayActorError
+
+        dead = []
+        for s, actor in enumerate(self.actors):
+            try:
+                self._ray.get(actor.ping.remote())
+            except RayActorError as err:
+                dead.append(s)
+                self._restore(s, err, during)
+        return dead
+
+    def _restore(self, s: int, err: Exception, during: str) -> None:
+        """A new actor for shard s at the state after the last released step (no step cache)."""
+        from ray.exceptions import RayActorError
+
+        if not self.max_restarts:
+            raise ShardLostError(f"shard {s} (Ray actor) died during {during!r} (cluster.max_actor_restarts = 0): {err}")
+        last: Exception = err
+        for _ in range(self.max_restarts):
+            try:
+                self._ray.kill(self.actors[s])  # type: ignore[arg-type]
+            except Exception:  # already gone
+                pass
+            actor = self._make_actor(s)
+            self.actors[s] = actor
+            try:
+                if self._snapshot is not None:
+                    self._ray.get(actor.load_state_dict.remote(self._snapshot[s]))
+                for logged, per_shard in self._log:
+                    if logged in MUTATING:
+                        self._ray.get(getattr(actor, logged).remote(*per_shard[s]))
+                self._ray.get(actor.ping.remote())
+            except RayActorError as again:
+                last = again
+                continue
+            self.restarts += 1
+            return
+        raise ShardLostError(f"shard {s} (Ray actor) died during {during!r} and again while being restored "
+                             f"({self.max_restarts} restart(s) tried): {last}")
 
     def _remember(self, method: str, per_shard_args: Sequence[tuple], results: list) -> None:
         if not self.max_restarts:

@@ -115,7 +115,8 @@ def build_run(cfg: Config) -> Run:
     if cfg.cluster.backend == "ray":  # connection problems surface before any data work
         from trainer.ray_runtime import ensure_ray
 
-        ensure_ray(cfg.cluster.address, needed_cpus=cfg.cluster.cpus_per_shard * cfg.cluster.num_shards)
+        trainer_cpus = cfg.cluster.cpus_per_trainer * cfg.cluster.num_trainers if cfg.cluster.trainer_actors else 0.0
+        ensure_ray(cfg.cluster.address, needed_cpus=cfg.cluster.cpus_per_shard * cfg.cluster.num_shards + trainer_cpus)
     train_set, test_set = _ensure_dataset(cfg)
     validation_set = None
     if cfg.data.validation_fraction > 0:
@@ -143,7 +144,8 @@ def build_run(cfg: Config) -> Run:
                     secure_mode=cfg.privacy.secure_mode,
                     dense_tables=policy.dense_indices([t.name for t in layout.tables]) if policy else (),
                     ema_decay=cfg.train.ema_decay, num_trainers=cfg.cluster.num_trainers,
-                    selection_on_shards=cfg.cluster.selection_on_shards)
+                    selection_on_shards=cfg.cluster.selection_on_shards, trainer_actors=cfg.cluster.trainer_actors,
+                    cpus_per_trainer=cfg.cluster.cpus_per_trainer)
     return Run(cfg, engine, train_set, test_set, meta, info, validation_set)
 
 
@@ -159,7 +161,8 @@ def save_checkpoint(run_dir: Path, engine: Engine, cfg: Config) -> None:
 _COMPUTATION_FREE_KEYS = {("train", "log_every"), ("train", "eval_every"), ("train", "checkpoint_every"),
                           ("train", "eval_batch_size"), ("train", "debug_metrics"), ("cluster", "address"),
                           ("cluster", "backend"), ("cluster", "cpus_per_shard"), ("cluster", "gpus_per_shard"),
-                          ("cluster", "placement_strategy"), ("cluster", "max_actor_restarts"), ("run_dir", None)}
+                          ("cluster", "placement_strategy"), ("cluster", "max_actor_restarts"), ("cluster", "trainer_placement"),
+                          ("cluster", "cpus_per_trainer"), ("run_dir", None)}
 # Keys a resume may change without changing what the replayed steps compute.
 _RESUME_FREE_KEYS = _COMPUTATION_FREE_KEYS | {("train", "steps")}
 

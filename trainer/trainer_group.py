@@ -1,0 +1,202 @@
+"""Placement of the data-parallel trainers: in the coordinator's process or as Ray actors.
+
+Both run `trainer.trainer_role.TrainerRole.step_part` on the same inputs, so the placement
+changes where the work runs, never what it computes (tests/test_cluster.py checks N trainers
+on Ray against the in-process engine). On Ray each trainer actor holds a replica of the dense
+model (the coordinator sends the parameters after each dense update, with the next step's
+sample), reads only its own examples of the training set (one shared object in the object
+store), and calls the shard actors directly (`DirectShardGroup`): lookups, pooled-output
+gradients, clip factors and clipped row sums go from the trainer to the shards that own the
+rows and never through the coordinator.
+
+A lost actor (docs/DESIGN.md §1.8): `parts` raises `TrainerActorLost` when a trainer or a
+shard it was talking to died; the engine restores the dead actors (`restore_lost` here and
+`RayShardGroup.restore_lost`) and redoes the step from its sample — nothing of the step was
+recorded or released yet.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional, Sequence
+
+import numpy as np
+
+from trainer.shard_group import ShardGroup, StepInterrupted
+from trainer.trainer_role import TrainerOptions, TrainerPart, TrainerRole
+
+
+class TrainerActorLost(StepInterrupted):
+    """A trainer actor, or a shard actor a trainer was calling, died during the step."""
+
+
+class TrainerGroup:
+    """N trainers: `parts(samples, dense_state)` runs every trainer's share of a step."""
+
+    num_trainers: int
+
+    def parts(self, samples: Sequence[np.ndarray], dense_state: Optional[dict]) -> list[TrainerPart]:
+        raise NotImplementedError
+
+    def example_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        raise NotImplementedError
+
+    @property
+    def needs_dense_state(self) -> bool:
+        """Whether the trainers hold replicas that must be sent the dense parameters."""
+        return False
+
+    def shard_bytes(self) -> list[tuple[int, int]]:
+        """Per trainer: (bytes sent to, received from) the shards so far."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
+
+
+class InProcessTrainers(TrainerGroup):
+    """The trainers run one after another in the coordinator's process, sharing its model
+    and its shard group (the protocol, without the parallelism)."""
+
+    def __init__(self, roles: list[TrainerRole]):
+        self.roles = roles
+        self.num_trainers = len(roles)
+
+    def parts(self, samples, dense_state):
+        return [role.step_part(idx) for role, idx in zip(self.roles, samples)]
+
+    def example_rows(self):
+        return [role.example_rows() for role in self.roles]
+
+    def shard_bytes(self):
+        return [role.shard_bytes() for role in self.roles]
+
+
+class DirectShardGroup(ShardGroup):
+    """A trainer's own handles on the shard actors (no recovery here: a death raises, and the
+    coordinator restores the shard and redoes the step)."""
+
+    def __init__(self, layout, actors: list):
+        import ray
+
+        super().__init__(layout)
+        self.actors = list(actors)
+        self._ray = ray
+
+    def _call(self, method, per_shard_args):
+        refs = [getattr(actor, method).remote(*args) for actor, args in zip(self.actors, per_shard_args)]
+        return self._ray.get(refs)
+
+
+class _TrainerActor(TrainerRole):
+    """A `TrainerRole` that builds its `DirectShardGroup` from shard actor handles."""
+
+    def __init__(self, index, model, layout, train_set, shard_actors, options):
+        super().__init__(index, model, layout, train_set, DirectShardGroup(layout, shard_actors), options)
+
+    def set_shard_actors(self, shard_actors: list) -> None:
+        self.set_shards(DirectShardGroup(self.layout, shard_actors))
+
+
+def _is_actor_death(err: BaseException) -> bool:
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(err, RayActorError):
+        return True
+    return isinstance(err, RayTaskError) and isinstance(getattr(err, "cause", None), RayActorError)
+
+
+class RayTrainers(TrainerGroup):
+    """N trainer actors, `cpus_per_trainer` CPUs each, spread over the cluster's nodes."""
+
+    def __init__(self, model, layout, train_set, shards, options: TrainerOptions, *, cpus_per_trainer: float = 1.0):
+        import ray
+
+        self._ray = ray
+        self.layout, self.options, self.shards = layout, options, shards
+        self.num_trainers = options.num_trainers
+        self._model = model
+        self._data_ref = ray.put(train_set)  # one copy in the object store; each trainer takes its own rows
+        self._actor_cls = ray.remote(_TrainerActor).options(num_cpus=cpus_per_trainer, scheduling_strategy="SPREAD")
+        self.actors = [self._make(i) for i in range(self.num_trainers)]
+        self.restarts = 0
+        self._last_dense_state: Optional[dict] = None
+
+    def _make(self, i: int):
+        return self._actor_cls.remote(i, copy.deepcopy(self._model), self.layout, self._data_ref,
+                                      self.shards.actors, self.options)
+
+    @property
+    def needs_dense_state(self) -> bool:
+        return True
+
+    def parts(self, samples, dense_state):
+        if dense_state is not None:
+            self._last_dense_state = dense_state
+        refs = [actor.step_part.remote(idx, dense_state) for actor, idx in zip(self.actors, samples)]
+        return self._gather(refs, "step_part")
+
+    def example_rows(self):
+        return self._gather([actor.example_rows.remote() for actor in self.actors], "example_rows")
+
+    def shard_bytes(self):
+        return self._gather([actor.shard_bytes.remote() for actor in self.actors], "shard_bytes")
+
+    def _gather(self, refs: list, method: str) -> list:
+        """Every trainer's answer; an actor death (the trainer's own, or a shard's it was
+        calling) raises TrainerActorLost naming the trainer and what died."""
+        from ray.exceptions import RayActorError
+
+        results, lost = [], None
+        for i, ref in enumerate(refs):
+            try:
+                results.append(self._ray.get(ref))
+            except Exception as err:  # noqa: BLE001 — only actor deaths are turned into TrainerActorLost
+                if not _is_actor_death(err):
+                    raise
+                cause = getattr(err, "cause", None)
+                what = (f"a shard actor that trainer {i} was calling died during {method!r}"
+                        if isinstance(cause, RayActorError) and not isinstance(err, RayActorError)
+                        or "EmbeddingShard" in str(err).split("The actor is dead", 1)[0]
+                        else f"trainer {i} (Ray actor) died during {method!r}")
+                lost = lost or TrainerActorLost(what)
+                results.append(None)
+        if lost is not None:
+            raise lost
+        return results
+
+    def dead_trainers(self) -> list[int]:
+        """Indices of the trainer actors that no longer answer."""
+        from ray.exceptions import RayActorError
+
+        dead = []
+        for i, actor in enumerate(self.actors):
+            try:
+                self._ray.get(actor.ping.remote())
+            except RayActorError:
+                dead.append(i)
+        return dead
+
+    def restore_lost(self) -> list[int]:
+        """Replace every dead trainer actor by a new one holding the current dense parameters
+        and point every trainer at the shards' current actors. Returns the replaced indices."""
+        dead = self.dead_trainers()
+        for i in dead:
+            try:
+                self._ray.kill(self.actors[i])
+            except Exception:  # noqa: BLE001 — already gone
+                pass
+            self.actors[i] = self._make(i)
+            self.restarts += 1
+        self._gather([actor.set_shard_actors.remote(self.shards.actors) for actor in self.actors], "set_shard_actors")
+        return dead
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            try:
+                self._ray.kill(actor)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+__all__ = ["DirectShardGroup", "InProcessTrainers", "RayTrainers", "TrainerActorLost", "TrainerGroup"]

@@ -1,0 +1,229 @@
+"""The trainer role: one data-parallel trainer's share of a step (docs/DESIGN.md §2.2).
+
+Privacy assumption: none of its own. A trainer computes, for the examples of its partition that
+the step's Poisson sample holds, exactly what the one-process step computes for them: the
+lookup (at the shards), the dense forward/backward, the per-example clip factors
+min(1, S1/‖g_j‖) over the example's whole gradient (embedding rows from ghost norms on the
+shards + dense parameters), its clipped row sums (left at the shards that own the rows, or
+returned by them when it is the only trainer in this process) and its dense clipped sum
+Σ_j c_j ∇θ ℓ_j / b. Nothing it returns to the coordinator is released: the coordinator adds
+the trainers' parts, selects, noises and records the step (trainer/engine.py).
+
+Local compute here, placement elsewhere: `InProcessTrainers` and `RayTrainers`
+(trainer/trainer_group.py) run the same `TrainerRole.step_part`, so N trainers on Ray are the
+in-process step bit for bit. A trainer talks to the shards directly through a `ShardGroup`
+(in-process, or `DirectShardGroup` of Ray actor handles): its bytes are its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from selection.threshold import contribution_weights
+from trainer.dense_grads import DenseGradients, dense_gradients
+from trainer.layout import ShardLayout, route
+from trainer.table_policy import SparseVocabulary
+
+
+class PhaseClock:
+    """Wall time per named phase: `mark(name)` closes the phase that ran since the last mark."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def absorb(self, phases: dict) -> None:
+        """Add phases measured elsewhere (a trainer's) and restart the clock now."""
+        for name, seconds in phases.items():
+            self.phases[name] = self.phases.get(name, 0.0) + seconds
+        self._last = time.perf_counter()
+
+
+@dataclasses.dataclass
+class TrainerPart:
+    """What one trainer returns for a step: per-example losses [B_i], the dense clipped sum / b
+    (float64 per parameter), B_i, the clipped row sums when the shards returned them to this
+    trainer (one trainer in-process; else None: they stay at the shards), its phase times and
+    its CPU seconds for this part."""
+
+    losses: torch.Tensor
+    dense_sum: dict
+    batch_size: int
+    row_sums: Optional[list] = None
+    phases: dict = dataclasses.field(default_factory=dict)
+    cpu_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerOptions:
+    """What every trainer of a run knows (public configuration, no data)."""
+
+    mode: str
+    clip_norm: Optional[float]  # S1 (None: nonprivate)
+    expected_batch_size: float  # b
+    dense_grad_method: str = "auto"
+    num_trainers: int = 1
+    reduce_at_shards: bool = False  # leave the clipped row sums at the shards (N > 1 or trainers on Ray)
+    # Selection on the shards by contribution counts: C1 (the weights min(1, C1/√n_j) of each
+    # example, from all its sparse rows, travel to the shards with its clip factors); None: not needed.
+    contribution_clip: Optional[float] = None
+    dense_tables: tuple = ()
+
+
+def pooled_lookup(layout: ShardLayout, shards, batch, B: int, example_ids=None, averaged: bool = False,
+                  trainer_arg: tuple = ()) -> tuple[np.ndarray, list]:
+    """Pooled embeddings [B, F, D] and each shard's bags: each shard's partial pools of the bags
+    it holds ids of, summed (from the averaged tables with `averaged`). `trainer_arg`: (i,)
+    when the shards keep per-trainer state, else ()."""
+    parts = route(layout, batch.sparse, B, example_ids=example_ids)
+    bags = [p.bags(B) for p in parts]
+    values = shards.call("lookup", [(p, B, True) if averaged else (p, B, False, *trainer_arg) for p in parts])
+    pooled = np.zeros((B, len(layout.features), layout.dim), dtype=np.float32)
+    for bag, v in zip(bags, values):
+        pooled[bag.example, bag.feature] += v  # a shard's bags are distinct
+    return pooled, bags
+
+
+def example_global_rows(layout: ShardLayout, batch, B: int) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, global row ids) per example across all features (jagged, batch order)."""
+    kjt = batch.sparse
+    values = kjt.values().numpy().astype(np.int64)
+    lengths = kjt.lengths().numpy().astype(np.int64).reshape(len(layout.features), B)
+    table_of = np.array([layout.table_index(f.table) for f in layout.features])
+    feature = np.repeat(np.repeat(np.arange(lengths.shape[0]), B), lengths.reshape(-1))
+    example = np.repeat(np.tile(np.arange(B), lengths.shape[0]), lengths.reshape(-1))
+    global_ids = values + layout.table_offsets[table_of[feature]]
+    order = np.argsort(example, kind="stable")
+    counts = np.bincount(example, minlength=B)
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), global_ids[order]
+
+
+class TrainerRole:
+    """Trainer `index`: its examples are dataset indices [lo, hi) (`bounds`); `model` is its
+    replica of the dense model (the coordinator's own object in-process, a copy on Ray, kept
+    equal by `load_dense`); `shards` is how it calls the shards."""
+
+    def __init__(self, index: int, model, layout: ShardLayout, train_set, shards, options: TrainerOptions):
+        self.index, self.model, self.layout, self.train_set = int(index), model, layout, train_set
+        self.shards, self.options = shards, options
+        self.vocabulary = SparseVocabulary(np.array([t.num_rows for t in layout.tables]), tuple(options.dense_tables))
+        self.bags: list = []  # this step's bags per shard (training lookup)
+        self._batch: Optional[tuple] = None  # (batch, B) of this step
+
+    # ---- placement hooks ------------------------------------------------------------------------
+    def set_shards(self, shards) -> None:
+        """New shard handles (a lost shard was replaced)."""
+        self.shards = shards
+
+    def load_dense(self, state: dict) -> None:
+        """The coordinator's dense parameters after its update (Ray replicas only)."""
+        self.model.load_state_dict(state)
+
+    def ping(self) -> int:
+        return self.index
+
+    def shard_bytes(self) -> tuple[int, int]:
+        """(bytes sent to, received from) the shards by this trainer so far."""
+        return int(self.shards.bytes_to_shards), int(self.shards.bytes_from_shards)
+
+    def _as(self, *args) -> tuple:
+        """A shard call's arguments on behalf of this trainer (its index last; a lone
+        in-process trainer omits it, the shards' default)."""
+        return (*args, self.index) if self.options.num_trainers > 1 else args
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def step_part(self, idx: np.ndarray, dense_state: Optional[dict] = None) -> TrainerPart:
+        """This trainer's share of a step on its sampled examples `idx` (sorted dataset
+        indices of its partition). `dense_state`: the dense parameters to load first (Ray)."""
+        cpu = time.process_time()
+        if dense_state is not None:
+            self.load_dense(dense_state)
+        clock = PhaseClock()
+        o = self.options
+        idx = np.asarray(idx, dtype=np.int64)
+        batch, B = self.train_set.take(idx), int(idx.size)
+        self._batch = (batch, B)
+        pooled, self.bags = pooled_lookup(self.layout, self.shards, batch, B, example_ids=idx,
+                                          trainer_arg=(self.index,) if o.num_trainers > 1 else ())
+        clock.mark("lookup")
+        losses, g_pooled, dense = self._dense_forward_backward(pooled, batch, B)
+        clock.mark("dense_forward_backward")
+        factors = self._clip_factors(g_pooled, dense, B)
+        clock.mark("norms")
+        weights = self._selection_weights(batch, B)
+        clock.mark("selection_weights")
+        per_shard = [(factors[b.examples],) + (() if weights is None else (weights[b.examples],)) for b in self.bags]
+        row_sums = None
+        if o.reduce_at_shards:
+            self.shards.call("add_clipped_row_sums", [(f, self.index, *w) for f, *w in per_shard])
+        else:
+            row_sums = self.shards.call("clipped_row_sums", [(f, 0, *w) if w else (f,) for f, *w in per_shard])
+        clock.mark("row_sums")
+        dense_sum = self._dense_clipped_sum(dense, factors)
+        clock.mark("dense_clipped_sum")
+        return TrainerPart(losses.detach(), dense_sum, B, row_sums, clock.phases, time.process_time() - cpu)
+
+    def example_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, global row ids) per example of this step's batch (count-based selectors
+        on the coordinator ask for them)."""
+        if self._batch is None:
+            raise RuntimeError(f"trainer {self.index} has no batch this step")
+        return example_global_rows(self.layout, *self._batch)
+
+    def _dense_forward_backward(self, pooled: np.ndarray, batch, B: int):
+        """Per-example losses, pooled-output gradients [B, F, D] (float32 numpy) and the dense
+        part's pass 1 (None for an empty batch)."""
+        if not B:
+            return torch.zeros(0), np.zeros((0, len(self.layout.features), self.layout.dim), np.float32), None
+        dense = dense_gradients(self.model, torch.from_numpy(pooled), batch.dense, batch.labels,
+                                self.options.dense_grad_method)
+        return dense.losses, dense.pooled_grads.numpy().astype(np.float32), dense
+
+    def _clip_factors(self, g_pooled: np.ndarray, dense: Optional[DenseGradients], B: int) -> np.ndarray:
+        """min(1, S1/‖g_j‖) over each example's whole gradient: embedding rows (ghost norms on the
+        shards, unique rows) + dense parameters. Non-private: 1 (the shards keep the pooled grads)."""
+        if self.options.mode == "nonprivate":
+            self.shards.call("set_pooled_grad", [self._as(g_pooled[b.example, b.feature]) for b in self.bags])
+            return np.ones(B)
+        sq = self.embedding_sq_norms(g_pooled, B)
+        if dense is not None:
+            sq = sq + dense.sq_norms.numpy()
+        assert self.options.clip_norm is not None
+        return np.minimum(1.0, self.options.clip_norm / np.maximum(np.sqrt(sq), 1e-30))
+
+    def embedding_sq_norms(self, g_pooled: np.ndarray, B: int) -> np.ndarray:
+        """Per-example squared norms of the embedding-row gradients [B]: each shard gets the
+        pooled-output gradients of its own bags and returns its examples' partial norms."""
+        parts = self.shards.call("example_sq_norms", [self._as(g_pooled[b.example, b.feature]) for b in self.bags])
+        sq = np.zeros(B)
+        for bag, part in zip(self.bags, parts):
+            sq[bag.examples] += part
+        return sq
+
+    def _selection_weights(self, batch, B: int) -> Optional[np.ndarray]:
+        """Each example's contribution weight min(1, C1/√n_j) over all its sparse rows, when the
+        shards select by contribution counts (else None)."""
+        if self.options.contribution_clip is None:
+            return None
+        offsets, compact = self.vocabulary.restrict(*example_global_rows(self.layout, batch, B))
+        return contribution_weights(offsets, compact, self.options.contribution_clip)
+
+    def _dense_clipped_sum(self, dense: Optional[DenseGradients], factors: np.ndarray) -> dict:
+        """Σ_j c_j ∇_θ ℓ_j / b for every dense parameter (float64); zeros for an empty batch."""
+        b = self.options.expected_batch_size
+        if dense is None:
+            return {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in self.model.named_parameters()}
+        return {n: g / b for n, g in dense.clipped_sum(torch.from_numpy(factors)).items()}
+
+
+__all__ = ["PhaseClock", "TrainerOptions", "TrainerPart", "TrainerRole", "example_global_rows", "pooled_lookup"]
