@@ -5,6 +5,8 @@ p (untouched rows have score 0 and stay selectable) — and an explicit RNG, and
 `Selection` that unpacks as `(ids, event)`. The config/CLI names live in the selector registry
 (`selection.registry`: `get_selector(name)`, `selector_names()`), one class per selector in
 `selection/selectors/`.
+`gumbel_top_k_candidates` / `merge_top_k` (selection.partitioned): the exponential mechanism's
+top-k computed on the shards that own the rows and merged exactly.
 `gaussian_partition_selection` is the one-time key (vocabulary) selection over documents of
 hashable keys; it returns a `PartitionSelection` (keys, noisy counts, event) instead.
 """
@@ -14,6 +16,7 @@ from selection.fest import fest_top_k, truncated_row_counts
 from selection.noise import (NoisyStep, gaussian_noise, noisy_selected_rows, noisy_step,
                              secure_generator, step_sensitivity)
 from selection.noisy_max import noisy_max_top_k
+from selection.partitioned import ShardCandidates, gumbel_top_k_candidates, merge_top_k
 from selection.partition import (PartitionSelection, bounded_key_counts, gaussian_partition_selection,
                                  partition_selection_threshold)
 from selection.random_selection import random_rows
@@ -24,6 +27,7 @@ from selection.threshold import contribution_counts, gaussian_threshold
 __all__ = [
     "PartitionSelection",
     "Selection",
+    "ShardCandidates",
     "bounded_key_counts",
     "contribution_counts",
     "exponential_top_k",
@@ -33,7 +37,9 @@ __all__ = [
     "noisy_step",
     "gaussian_partition_selection",
     "gaussian_threshold",
+    "gumbel_top_k_candidates",
     "k_from_fraction",
+    "merge_top_k",
     "noisy_max_top_k",
     "noisy_selected_rows",
     "numeric_sparse",

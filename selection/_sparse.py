@@ -88,7 +88,8 @@ def complement_ids(ranks: np.ndarray, touched_sorted: np.ndarray) -> np.ndarray:
 
 
 def sample_untouched(num_rows: int, touched_sorted: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
-    """`count` distinct untouched row ids, uniformly at random (without replacement).
+    """`count` distinct untouched row ids, uniformly at random (without replacement), in
+    uniformly random order (a random ordered sample: any prefix is a uniform subset).
 
     O(count) expected for count ≪ num_rows (numpy's Floyd sampling), independent of num_rows.
     """
@@ -97,7 +98,7 @@ def sample_untouched(num_rows: int, touched_sorted: np.ndarray, count: int, rng:
         raise ValueError(f"cannot sample {count} untouched rows: only {available} exist")
     if count == 0:
         return np.empty(0, dtype=np.int64)
-    ranks = rng.choice(available, size=count, replace=False)
+    ranks = rng.choice(available, size=count, replace=False, shuffle=True)  # complement_ids keeps the order
     return complement_ids(ranks, touched_sorted)
 
 

@@ -4,7 +4,8 @@ Privacy assumption: add/remove-one neighbouring datasets. The caller supplies ut
 for the touched rows (untouched rows have utility 0) and `sensitivity` Δ, an upper bound on
 max_r |u_r(D) - u_r(D')| over neighbours. In Algorithm 3 the utility of row r is
 min(‖ĝ_r‖₂, S0) (the paper clips each coordinate's score to S0), so Δ = min(S1/b, S0).
-Emits `ExponentialTopKDpEvent(epsilon_per_draw, k)`.
+Emits `ExponentialTopKDpEvent(epsilon_per_draw, k)`. The sparse Gumbel top-k itself
+(`gumbel_top_k`) is shared with `selection.partitioned`, which computes it on the shards.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from accounting.events import ExponentialTopKDpEvent
 from selection._sparse import (
+    SparseScores,
     check_count,
     check_positive,
     check_sparse_input,
@@ -46,17 +48,39 @@ def exponential_top_k(
     """
     sparse = check_sparse_input(touched_ids, scores, num_rows)
     k = check_count("k", k, sparse.num_rows)
+    scale = exponential_scale(epsilon_per_draw, sensitivity)
+    ids, _ = gumbel_top_k(sparse, k, scale, rng)
+    return Selection(np.sort(ids), ExponentialTopKDpEvent(epsilon_per_draw=epsilon_per_draw, k=k))
+
+
+def exponential_scale(epsilon_per_draw: float, sensitivity: float) -> float:
+    """ε''/(2Δ): the factor on the utilities in the Gumbel top-k of the exponential mechanism
+    (each draw picks r with probability ∝ exp(ε''·u_r/(2Δ))). Validates both arguments."""
     epsilon_per_draw = check_positive("epsilon_per_draw", epsilon_per_draw)
     sensitivity = check_positive("sensitivity", sensitivity)
-    scale = epsilon_per_draw / (2.0 * sensitivity)
+    return epsilon_per_draw / (2.0 * sensitivity)
 
+
+def gumbel_top_k(sparse: SparseScores, k: int, scale: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, noisy values) of the k rows of [0, num_rows) with the largest scale·u_r + Gumbel_r
+    (untouched rows: u = 0), aligned, in no particular order; 1 <= k <= num_rows.
+
+    The touched rows' noisy values are drawn directly; of the untouched rows only the k largest
+    Gumbels can matter, sampled as order statistics (decreasing), and those among the top k are
+    a prefix of them. Their ids are a uniformly random ordered sample of distinct untouched rows,
+    assigned in that random order to the decreasing values: the untouched rows are exchangeable,
+    so the (id, value) pairs have the joint law of the dense computation (which row holds the
+    j-th largest untouched value is uniform over the rows not holding a larger one). Expected
+    cost O(m + k), independent of num_rows.
+    """
     touched_noisy = scale * sparse.scores + rng.gumbel(size=sparse.ids.size)
     n_untouched = sparse.num_rows - sparse.ids.size
     untouched_noisy = gumbel_from_log_uniform(top_log_uniforms(n_untouched, k, rng))
     touched_idx, n_from_untouched = top_k_merge(touched_noisy, untouched_noisy, k)
     chosen_untouched = sample_untouched(sparse.num_rows, sparse.ids, n_from_untouched, rng)
-    ids = np.sort(np.concatenate([sparse.ids[touched_idx], chosen_untouched]))
-    return Selection(ids, ExponentialTopKDpEvent(epsilon_per_draw=epsilon_per_draw, k=k))
+    ids = np.concatenate([sparse.ids[touched_idx], chosen_untouched])
+    noisy = np.concatenate([touched_noisy[touched_idx], untouched_noisy[:n_from_untouched]])
+    return ids, noisy
 
 
 def k_from_fraction(gamma: float, num_rows: int) -> int:

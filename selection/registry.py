@@ -35,8 +35,9 @@ Adding a selector is one new file plus its tests. The file defines:
            (only when `spends_per_step`; a selector with `spends_per_step = False` costs
            nothing per step and is never asked);
      and optionally `one_time_event` / `one_time_select` (a selection made once before
-     training, e.g. DP-FEST) and `auto_threshold` (a data-independent default for a
-     `threshold` field left at 0, which is what the trainer's
+     training, e.g. DP-FEST), `shard_statistic` / `shard_select` / `merge` (the selection
+     made on the shards that own the rows, docs/DESIGN.md §2.2) and `auto_threshold` (a
+     data-independent default for a `threshold` field left at 0, which is what the trainer's
      privacy.threshold = "auto" gives).
   The file goes in `selection/selectors/` (every module there is imported, so registered, when
   the registry is first read); a selector defined elsewhere registers when its module is imported.
@@ -89,7 +90,15 @@ class SelectionContext:
 
     def score_sensitivity(self, score_clip: float) -> tuple[np.ndarray, float]:
         """(utilities min(‖G_r‖, S0), their sensitivity min(S1/b, S0)) under add/remove-one."""
-        return np.minimum(self.row_norms, score_clip), min(self.clip_norm / self.expected_batch_size, score_clip)
+        return norm_utilities(self.row_norms, score_clip, self.clip_norm, self.expected_batch_size)
+
+
+def norm_utilities(row_norms, score_clip: float, clip_norm: float,
+                   expected_batch_size: float) -> tuple[np.ndarray, float]:
+    """(utilities min(‖G_r‖, S0), their sensitivity min(S1/b, S0)) under add/remove-one, from
+    the norms ‖G_r‖ of the clipped, b-normalized row sums (one example moves each by ≤ S1/b):
+    the one formula for the coordinator (`SelectionContext.score_sensitivity`) and the shards."""
+    return np.minimum(row_norms, score_clip), min(clip_norm / expected_batch_size, score_clip)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,15 +133,29 @@ class Selector:
         """Raise ValueError if calibration lacks an input `from_budget` needs."""
 
     #: Selection on the shards (docs/DESIGN.md §2.2): the per-row statistic each shard computes
-    #: over its own rows for `shard_select` — "counts": contribution counts, every example
-    #: weighted by `selection.threshold.contribution_weights` over *all* its rows. None: the
-    #: selector runs on the coordinator over the whole vocabulary (`select`).
+    #: over its own rows for `shard_select`. None: the selector runs on the coordinator over the
+    #: whole vocabulary (`select`). The statistics:
+    #:   "counts"          contribution counts: Σ_j w_j over the distinct (example j, row) pairs,
+    #:                     every example weighted by `selection.threshold.contribution_weights`
+    #:                     computed over *all* its rows (ℓ2 sensitivity C1; thresholding);
+    #:   "example_counts"  how many examples touch the row: unit weight per distinct
+    #:                     (example, row) pair — em-count's utility, sensitivity 1 per row;
+    #:   "norms"           ‖G_r‖₂ of the clipped, b-normalized row sums the shard holds (`em`'s
+    #:                     utility min(‖G_r‖, S0), sensitivity min(S1/b, S0): shard_select needs
+    #:                     `clip_norm` S1 and `expected_batch_size` b).
     shard_statistic: ClassVar[Optional[str]] = None
 
     def shard_select(self, touched: np.ndarray, scores: np.ndarray, num_rows: int, params: Any,
-                     rng: np.random.Generator) -> Any:
-        """One shard's part of the step's selection over its own rows, as local ids [0, num_rows)
-        (`touched`: sorted unique local ids with a nonzero statistic, `scores` aligned)."""
+                     rng: np.random.Generator, *, clip_norm: Optional[float] = None,
+                     expected_batch_size: Optional[float] = None) -> Any:
+        """One shard's part of the step's selection over its own rows [0, num_rows), in local ids
+        (`touched`: sorted unique local ids with a nonzero statistic, `scores` the statistic,
+        aligned; `rng`: the shard's own stream, independent of the other shards'). The part is
+        either an id array (thresholding: the rows that passed) or a
+        `selection.partitioned.ShardCandidates` (top-k: the shard's candidates with their noisy
+        values, internal to the run); the shard maps its local ids to global ids before `merge`
+        (`ShardCandidates.remap`). `clip_norm` S1 and `expected_batch_size` b: for selectors
+        whose sensitivity depends on them ("norms"); the others ignore them."""
         raise NotImplementedError(f"selection {self.name!r} does not run on the shards")
 
     def merge(self, parts: list, params: Any, fixed_rows: Optional[np.ndarray]) -> Selection:
@@ -262,4 +285,4 @@ def is_selector(name: str) -> bool:
 
 
 __all__ = ["BudgetInputs", "MissingParameter", "NO_SELECTION", "SelectionContext", "Selector", "get_selector",
-           "is_selector", "param", "register_selector", "selector_names", "unregister_selector"]
+           "is_selector", "norm_utilities", "param", "register_selector", "selector_names", "unregister_selector"]

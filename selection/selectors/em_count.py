@@ -6,7 +6,9 @@ repeat it), so one example moves every row's utility by at most 1: sensitivity �
 independent of S1, b and the gradient. `em`'s utility min(‖G_r‖, S0) has Δ = min(S1/b, S0),
 so a row's score advantage over an untouched row is worth a fraction of a nat per draw at
 realistic k (issue 10); here a row touched by c examples is ahead by c·ε''/2 nats. Same event
-(`ExponentialTopKDpEvent(ε'', k)`) and accounting as `em`: only the utility changes.
+(`ExponentialTopKDpEvent(ε'', k)`) and accounting as `em`: only the utility changes. On the
+shards as `em` (selection.partitioned), each shard counting its own rows' examples
+("example_counts"), sensitivity 1.
 """
 
 from __future__ import annotations
@@ -54,3 +56,10 @@ class CountUtility:
 class ExponentialCountSelector(CountUtility, ExponentialSelector):
     Params = EmCountParams
     count_mechanism = staticmethod(exponential_top_k)
+
+    # On the shards: `em`'s shard_select and merge on the example counts of the shard's rows
+    # (unit weight per distinct (example, row) pair, as `example_counts`), sensitivity 1.
+    shard_statistic = "example_counts"
+
+    def shard_utilities(self, scores, params, clip_norm=None, expected_batch_size=None):
+        return np.asarray(scores, dtype=np.float64), COUNT_SENSITIVITY

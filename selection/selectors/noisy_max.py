@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from accounting.events import NoisyMaxTopKDpEvent
 from selection.noisy_max import noisy_max_top_k
-from selection.registry import register_selector
+from selection.registry import Selector, register_selector
 from selection.selectors.em import EmParams, ExponentialSelector
 
 
@@ -21,6 +21,13 @@ class NoisyMaxParams(EmParams):
 class NoisyMaxSelector(ExponentialSelector):
     Params: ClassVar[type] = NoisyMaxParams
     event_class = NoisyMaxTopKDpEvent
+
+    # Not on the shards (unlike em, whose shard methods this class would otherwise inherit):
+    # Laplace peeling draws fresh noise over all remaining rows in each of its k rounds, so the
+    # shards would need k rounds of messages with the coordinator; it runs there (`select`).
+    shard_statistic = None
+    shard_select = Selector.shard_select
+    merge = Selector.merge
 
     def select(self, context, params, rng):
         scores, sensitivity = context.score_sensitivity(params.score_clip)

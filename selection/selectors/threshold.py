@@ -36,7 +36,8 @@ class ThresholdSelector(Selector):
     # its own stream and taking the union is the same mechanism (same output distribution).
     shard_statistic = "counts"
 
-    def shard_select(self, touched, scores, num_rows, params, rng):
+    def shard_select(self, touched, scores, num_rows, params, rng, *, clip_norm=None, expected_batch_size=None):
+        # clip_norm, expected_batch_size: not needed (the counts' sensitivity is C1, a parameter)
         return gaussian_threshold(touched, scores, num_rows, params.threshold, params.noise_multiplier,
                                   params.contribution_clip, rng).ids
 
