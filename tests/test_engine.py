@@ -29,6 +29,7 @@ from engine_fixtures import (
 )
 from reference_alg3 import ReferenceAlg3
 from selection import exponential_top_k
+from selection.registry import SelectionContext, get_selector
 from trainer.layout import route
 from trainer.shard_group import ShardLostError
 from trainer.trainer_group import RayTrainers
@@ -257,6 +258,67 @@ def test_selection_on_the_shards_equals_per_shard_thresholding_of_the_whole_batc
         assert engine.step() is not None
         assert np.array_equal(seen[-1].ids, want)
     assert len(seen) == len(batches) and any(s.ids.size for s in seen)
+
+
+def _top_k_on_shards_reference(engine, idx, rows):
+    """EM top-k on the shards the obvious way: each shard's statistic over its own sparse rows
+    (em: ‖G_r‖ of the step's row sums `rows`, as the coordinator holds them; em-count: how
+    many of the batch's examples touch the row), its candidates from the selector with that
+    shard's stream, the k best noisy values over all shards."""
+    from selection.partitioned import merge_top_k
+    from selection.selectors.em_count import example_counts
+
+    p, vocab, layout = engine.private_plan, engine.sparse_vocabulary, engine.layout
+    selector = get_selector(p.selection)
+    if p.selection == "em":
+        keep = np.isin(rows.global_ids, vocab.to_global(np.arange(vocab.num_rows)))
+        glob, stat = rows.global_ids[keep], np.linalg.norm(rows.grads[keep], axis=1)
+    else:
+        context = SelectionContext(num_rows=vocab.num_rows, touched_ids=np.empty(0, np.int64), row_norms=np.empty(0),
+                                   clip_norm=p.clip_norm, expected_batch_size=engine.b, example_rows=lambda: vocab.restrict(
+                                       *engine._example_global_rows(engine.train_set.take(idx), idx.size)))
+        compact, stat = example_counts(context)
+        glob = vocab.to_global(compact)
+    parts = []
+    for s in range(layout.num_shards):
+        own_rows = np.array([engine.table_offsets[t] + r for t, spec in enumerate(layout.tables)
+                             if t not in engine.dense_tables for r in range(*layout.row_range(spec, s))], dtype=np.int64)
+        if not own_rows.size:
+            continue
+        mine = np.isin(glob, own_rows)
+        local = np.searchsorted(own_rows, glob[mine])
+        order = np.argsort(local)
+        rng = np.random.default_rng(np.random.SeedSequence(engine.shard_selection_seed, spawn_key=(engine.step_count, s)))
+        part = selector.shard_select(local[order], stat[mine][order], own_rows.size, p.selection_params, rng,
+                                     clip_norm=p.clip_norm, expected_batch_size=engine.b)
+        parts.append(part.remap(own_rows[part.ids]))
+    return merge_top_k(parts, p.selection_params.k)
+
+
+@pytest.mark.parametrize("selection", ["em", "em-count"])
+@pytest.mark.parametrize("num_trainers,num_shards,dense_tables", [(1, 1, ()), (1, 3, (2,)), (2, 2, ()), (3, 3, ())])
+def test_top_k_on_the_shards_equals_per_shard_candidates_of_the_whole_batch_merged(selection, num_trainers, num_shards,
+                                                                                   dense_tables, monkeypatch):
+    """EM top-k selected on the shards (each shard's k best noisy rows, merged by noisy value)
+    is what the library gives from the whole batch's statistic split by owner, with the same
+    per-shard streams — for norms (em) and example counts (em-count), N trainers x S shards."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 3)
+    engine = build(ds, batches, mode="sparse", selection=selection, num_shards=num_shards, num_trainers=num_trainers,
+                   selection_on_shards=True, dense_tables=dense_tables)
+    seen, rows_seen = [], []
+    real_select, real_rows = engine._select_on_shards, engine._reduced_row_sums
+    monkeypatch.setattr(engine, "_select_on_shards", lambda: seen.append(real_select()) or seen[-1])
+    monkeypatch.setattr(engine, "_reduced_row_sums", lambda parts: rows_seen.append(real_rows(parts)) or rows_seen[-1])
+    for idx in batches:
+        step = engine.step_count
+        assert engine.step() is not None
+        engine.step_count = step  # the reference uses the stream of the step just taken
+        want = _top_k_on_shards_reference(engine, np.asarray(idx), rows_seen[-1])
+        engine.step_count = step + 1
+        assert np.array_equal(seen[-1].ids, want) and seen[-1].ids.size == engine.private_plan.selection_params.k
+        assert seen[-1].event == get_selector(selection).event(engine.private_plan.selection_params)
+    assert len(seen) == len(batches)
 
 
 def test_selection_on_the_shards_is_a_function_of_the_batch_not_of_the_trainer_split():

@@ -449,7 +449,7 @@ class Engine:
         if not self.selects:
             return None
         p, rng, vocab = self.private_plan, self.selection_rng, self.sparse_vocabulary
-        if self.selection_on_shards and get_selector(p.selection).shard_statistic == "counts":
+        if self.selection_on_shards and get_selector(p.selection).shard_statistic is not None:
             return self._select_on_shards()
         keep, touched = vocab.to_compact(rows.global_ids)
         context = SelectionContext(
@@ -460,13 +460,14 @@ class Engine:
         return Selection(vocab.to_global(sel.ids), sel.event)
 
     def _select_on_shards(self) -> Selection:
-        """Each shard selects among its own rows of the sparse tables (`EmbeddingShard.select_rows`)
-        and the selector merges the parts. The trainers sent each shard the contribution
-        weights of their examples there, computed from all of each example's sparse rows."""
+        """Each shard selects among its own rows of the sparse tables (`EmbeddingShard.select_rows`:
+        thresholding, or its top-k candidates) and the selector merges the parts (the union, or
+        the exact top-k of the candidates). For contribution counts the trainers sent each
+        shard the weights of their examples there, computed from all of each example's rows."""
         p, vocab = self.private_plan, self.sparse_vocabulary
         selector = get_selector(p.selection)
         parts = self.shards.broadcast("select_rows", p.selection, p.selection_params, self.dense_tables,
-                                      self.shard_selection_seed, self.step_count)
+                                      self.shard_selection_seed, self.step_count, p.clip_norm, self.b)
         fixed = None if self.fixed_rows is None else vocab.to_global(self.fixed_rows)
         sel = selector.merge(parts, p.selection_params, fixed)
         return Selection(sel.ids, sel.event)

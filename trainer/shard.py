@@ -94,6 +94,7 @@ class EmbeddingShard:
         # contributions): each data-parallel trainer talks to the shard about its own examples.
         self._caches: dict[int, dict] = {}
         self._row_sum_parts: list = []  # (keys, sums) of the trainers' clipped row sums this step
+        self._step_row_sums: Optional[tuple] = None  # this step's (keys, float64 sums), for selection by norms
         # Parameter averaging (post-processing of the iterates). ema[r] is the EMA through step
         # ema_through[r]; row r's weight has not changed since then, so the EMA through any
         # later step T is β^n·ema + (1 - β^n)·w with n = T - ema_through (_ema_catch_up).
@@ -185,7 +186,7 @@ class EmbeddingShard:
 
         Returns (table index [m], global row id [m], sums [m, D] float32)."""
         self._keep_selection_weights(selection_weights, trainer)
-        keys, sums = self._clipped_row_sums64(factors, trainer)
+        keys, sums = self._step_row_sums = self._clipped_row_sums64(factors, trainer)
         return self._rows_of(keys, sums)
 
     def add_clipped_row_sums(self, factors: np.ndarray, trainer: int, selection_weights=None) -> None:
@@ -202,7 +203,7 @@ class EmbeddingShard:
     def discard_step(self) -> None:
         """Forget this step's per-trainer state and partial reductions (the step is redone
         after a lost actor was replaced)."""
-        self._caches, self._row_sum_parts = {}, []
+        self._caches, self._row_sum_parts, self._step_row_sums = {}, [], None
 
     def ping(self) -> int:
         return self.shard_index
@@ -212,10 +213,12 @@ class EmbeddingShard:
         float32 as `clipped_row_sums` returns), and the reduction is emptied."""
         parts, self._row_sum_parts = self._row_sum_parts, []
         if not parts:
-            return self._rows_of(np.empty(0, np.int64), torch.zeros((0, self.layout.dim), dtype=torch.float64))
+            self._step_row_sums = (np.empty(0, np.int64), torch.zeros((0, self.layout.dim), dtype=torch.float64))
+            return self._rows_of(*self._step_row_sums)
         uniq, group = np.unique(np.concatenate([k for k, _ in parts]), return_inverse=True)
         sums = torch.zeros((uniq.size, self.layout.dim), dtype=torch.float64).index_add_(
             0, torch.from_numpy(group.astype(np.int64).reshape(-1)), torch.cat([v for _, v in parts]))
+        self._step_row_sums = (uniq, sums)
         return self._rows_of(uniq, sums)
 
     def _clipped_row_sums64(self, factors: np.ndarray, trainer: int) -> tuple[np.ndarray, torch.Tensor]:
@@ -237,20 +240,26 @@ class EmbeddingShard:
         tables, local = keys // self.max_rows, keys % self.max_rows
         return tables, local + self.starts[tables], sums.float().numpy()
 
-    def select_rows(self, selection: str, params, dense_tables, seed: int, step: int) -> np.ndarray:
+    def select_rows(self, selection: str, params, dense_tables, seed: int, step: int, clip_norm: Optional[float] = None,
+                    expected_batch_size: Optional[float] = None):
         """This shard's part of the step's selection over its own rows of the sparse tables
-        (docs/DESIGN.md §2.2), as global ids: selector `selection`'s `shard_select` on the
-        contribution counts of these rows, Σ_j w_j over the distinct (example j, row) pairs of
-        each trainer's batch, with w_j the weights each trainer sent with its clip factors for
-        this shard's examples (computed from all of an example's rows:
-        `selection.threshold.contribution_weights`). Randomness: the stream (seed, step,
-        shard) — its own per shard, so the parts are independent."""
+        (docs/DESIGN.md §2.2), in global ids: selector `selection`'s `shard_select` on the
+        statistic it declares (`Selector.shard_statistic`), over these rows:
+          "counts": Σ_j w_j over the distinct (example j, row) pairs of each trainer's batch,
+              w_j the weights each trainer sent with its clip factors for this shard's examples
+              (computed from all of an example's rows: `selection.threshold.contribution_weights`);
+          "example_counts": the same with w_j = 1 (how many examples touch the row);
+          "norms": ‖G_r‖₂ of this step's reduced clipped row sums / b (`expected_batch_size`),
+              as the coordinator sees them (float32 sums).
+        Returns global ids (thresholding) or `ShardCandidates` with global ids (top-k).
+        Randomness: the stream (seed, step, shard) — its own per shard, so the parts are independent."""
+        from selection.partitioned import ShardCandidates
         from selection.registry import get_selector
-        from selection.threshold import weighted_row_counts
 
         selector = get_selector(selection)
-        if selector.shard_statistic != "counts":
-            raise ValueError(f"selection {selection!r} does not run on the shards with contribution counts")
+        statistic = selector.shard_statistic
+        if statistic not in ("counts", "example_counts", "norms"):
+            raise ValueError(f"selection {selection!r} does not run on the shards (statistic {statistic!r})")
         sparse = np.array([t for t in range(len(self.ranges)) if t not in set(dense_tables)], dtype=np.int64)
         sizes = np.array([self.ranges[t][1] - self.ranges[t][0] for t in sparse], dtype=np.int64)
         base = np.full(len(self.ranges), -1, dtype=np.int64)  # local id of table t's first row here
@@ -258,12 +267,50 @@ class EmbeddingShard:
         num_rows = int(sizes.sum())
         if num_rows == 0:
             return np.empty(0, np.int64)
+        if statistic == "norms":
+            touched, summed = self._row_norms(base, expected_batch_size)
+        else:
+            touched, summed = self._row_counts(base, statistic == "counts")
+        rng = np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(int(step), self.shard_index)))
+        part = selector.shard_select(touched, summed, num_rows, params, rng, clip_norm=clip_norm,
+                                     expected_batch_size=expected_batch_size)
+
+        def to_global(local):
+            local = np.asarray(local, dtype=np.int64)
+            table_of = sparse[np.searchsorted(base[sparse], local, side="right") - 1]
+            return self.layout.table_offsets[table_of] + self.starts[table_of] + local - base[table_of]
+
+        return part.remap(to_global(part.ids)) if isinstance(part, ShardCandidates) else to_global(part)
+
+    def _row_norms(self, base: np.ndarray, expected_batch_size: Optional[float]) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted compact local ids, ‖sum / b‖₂) of this step's clipped row sums on the sparse tables."""
+        if self._step_row_sums is None:
+            raise RuntimeError(f"shard {self.shard_index} has no clipped row sums this step")
+        if not expected_batch_size:
+            raise ValueError("selection by row norms needs expected_batch_size")
+        keys, sums = self._step_row_sums
+        table, local = keys // self.max_rows, keys % self.max_rows
+        keep = base[table] >= 0
+        compact = base[table[keep]] + local[keep]
+        norms = np.linalg.norm(sums[torch.from_numpy(keep)].float().double().numpy() / float(expected_batch_size), axis=1)
+        order = np.argsort(compact, kind="stable")
+        return compact[order], norms[order]
+
+    def _row_counts(self, base: np.ndarray, weighted: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted compact local ids, Σ_j w_j over distinct (example j, row) pairs): contribution
+        counts (`weighted`: the trainers' weights) or example counts (w = 1)."""
+        from selection.threshold import weighted_row_counts
+
         rows, counts = [], []
         for trainer in sorted(self._caches):
             cache = self._caches[trainer]
-            if "selection_weights" not in cache:
+            inp, bags = cache["inp"], cache["bags"]
+            if not weighted:
+                weights = np.ones(bags.examples.size)
+            elif "selection_weights" in cache:
+                weights = cache["selection_weights"]
+            else:
                 raise RuntimeError(f"trainer {trainer} sent shard {self.shard_index} no selection weights this step")
-            inp, bags, weights = cache["inp"], cache["bags"], cache["selection_weights"]
             table = self.feature_table[inp.feature]
             keep = base[table] >= 0
             r, c = weighted_row_counts(bags.id_example[keep], base[table[keep]] + inp.local_id[keep], weights)
@@ -271,10 +318,7 @@ class EmbeddingShard:
             counts.append(c)
         touched, inverse = np.unique(np.concatenate(rows or [np.empty(0, np.int64)]), return_inverse=True)
         summed = np.bincount(inverse.reshape(-1), weights=np.concatenate(counts or [np.empty(0)]), minlength=touched.size)
-        rng = np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(int(step), self.shard_index)))
-        local = np.asarray(selector.shard_select(touched, summed, num_rows, params, rng), dtype=np.int64)
-        table_of = sparse[np.searchsorted(base[sparse], local, side="right") - 1]
-        return self.layout.table_offsets[table_of] + self.starts[table_of] + local - base[table_of]
+        return touched, summed
 
     def set_pooled_grad(self, bag_grads: np.ndarray, trainer: int = 0) -> None:
         """Cache per-id contributions without computing norms (nonprivate mode)."""
@@ -303,7 +347,7 @@ class EmbeddingShard:
         table_idx = np.asarray(table_idx, dtype=np.int64)
         local = np.asarray(global_ids, dtype=np.int64) - self.starts[table_idx]
         self._apply(table_idx, local, torch.from_numpy(np.array(rows, dtype=np.float32)))  # copy: Ray arrays are read-only
-        self._caches, self._row_sum_parts = {}, []
+        self._caches, self._row_sum_parts, self._step_row_sums = {}, [], None
 
     def apply_dense_noise_update(self, step: int, noise_seed: int, std: float, table_idx, global_ids, rows,
                                  secure: bool = False, tables=None, lr_scale: float = 1.0) -> None:
@@ -327,7 +371,7 @@ class EmbeddingShard:
                 if hit.size:
                     update[torch.from_numpy(global_ids[hit] - lo)] += torch.from_numpy(rows[hit])
                 self._apply_range(t, lo - start, hi - start, update)
-        self._caches, self._row_sum_parts = {}, []
+        self._caches, self._row_sum_parts, self._step_row_sums = {}, [], None
 
     def _apply_range(self, t: int, lo: int, hi: int, update: torch.Tensor) -> None:
         """Update every row [lo, hi) (local ids) of table t by update [hi - lo, D]: the same
