@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import REPO, fmt_bytes, machine_line  # noqa: E402
 
-NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "privacy_overhead", "communication", "phase_breakdown",
-         "privacy_utility", "paper_fig1")
+NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "privacy_overhead", "communication",
+         "phase_breakdown", "privacy_utility", "paper_fig1")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -309,6 +309,50 @@ def section_dlrm(doc) -> tuple[list, list]:
                              + f" (goal {g['op']} {p['target']:g}×)" for rows, p in g["per_size"].items())
         goals.append((g["goal"], f"{g['unit']}: {measured}", "not measured at every size" if g["met"] is None
                       else met(g["met"]), ""))
+    return lines, goals
+
+
+def section_trainers(doc) -> tuple[list, list]:
+    """benchmarks/trainer_scaling.py: N trainer actors on a loopback multi-node Ray cluster."""
+    lines, goals = [], []
+    ok = [r for r in doc["results"] if "error" not in r]
+    one = next((r for r in ok if r["label"] == "ray N=1"), None)
+    lines += [f"CTR model of `configs/ctr.toml` (26 tables, {doc['rows']:,} rows in all, D = 16, expected batch 1024), "
+              f"`{doc['selection']}` selection on the shards, {doc['shards']} shard actors, N trainer actors "
+              f"(`cluster.trainer_placement = \"actors\"`) on a loopback cluster of {doc['nodes']} Ray nodes "
+              "(`ray.cluster_utils.Cluster`: each node its own raylet and object store, all on this machine). "
+              "Per trainer: CPU time of its own process per step and bytes it exchanges with the shards per step "
+              "(the in-process row: the one process and all its shard traffic). On a 2-core machine the trainers "
+              "share two cores, so the scaling shows in work per trainer, not in wall clock.", "",
+              "| system | step ms | examples/s | vs N=1 | trainer CPU ms/step (mean / max) | CPU per trainer vs N=1 | "
+              "bytes per trainer per step | coordinator bytes per step | nodes with a trainer |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    ratios = {}
+    for r in ok:
+        cpu = [t["cpu_ms_per_step"] for t in r["trainers"]]
+        traffic = [t["bytes_to_shards_per_step"] + t["bytes_from_shards_per_step"] for t in r["trainers"]]
+        c = r["coordinator_bytes_per_step"]
+        cpu_ratio = (sum(cpu) / len(cpu)) / (sum(t["cpu_ms_per_step"] for t in one["trainers"]) / len(one["trainers"])) \
+            if one and r["label"].startswith("ray") else None
+        bytes_ratio = (sum(traffic) / len(traffic)) / sum(t["bytes_to_shards_per_step"] + t["bytes_from_shards_per_step"]
+                                                          for t in one["trainers"]) if one and r["label"].startswith("ray") else None
+        if r["label"].startswith("ray"):
+            ratios[r["num_trainers"]] = (cpu_ratio, bytes_ratio)
+        lines.append(f"| {r['label']} | {f(r['step_ms_median'])} | {f(r['examples_per_sec'])} | "
+                     f"{f(r['examples_per_sec'] / one['examples_per_sec']) + '×' if one else '–'} | "
+                     f"{f(sum(cpu) / len(cpu))} / {f(max(cpu))} | {f(cpu_ratio) if cpu_ratio else '–'} | "
+                     f"{fmt_bytes(sum(traffic) / len(traffic))} | {fmt_bytes(c['to'] + c['from'])} | "
+                     f"{len({t['node'] for t in r['trainers']})} |")
+    failed = [r for r in doc["results"] if "error" in r]
+    for r in failed:
+        lines.append(f"| {r['label']} | FAILED: {r['error'][:80]} | | | | | | | |")
+    measured = "; ".join(f"N = {n}: CPU per trainer {f(c)}× and bytes per trainer {f(b)}× N = 1's"
+                         for n, (c, b) in sorted(ratios.items()) if c is not None)
+    wanted = {1, 2, 4}
+    goals.append(("Throughput with N = 1, 2, 4 trainer actors on a loopback multi-node cluster, with per-trainer CPU "
+                  "time and bytes", measured or "not measured",
+                  "reported" if wanted <= set(ratios) else "not measured at every N",
+                  "2 cores: work per trainer, not wall clock (run trainer_scaling.py where a core per trainer exists)"))
     return lines, goals
 
 
@@ -720,6 +764,7 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
         ("opacus_compare", "2. Against Opacus DP-SGD (CBOW)", lambda d: section_opacus(d, plots, plot_dir),
          ["throughput_vs_opacus"]),
         ("dlrm_compare", "2b. DLRM-style CTR step: plain PyTorch, Opacus, widedp", section_dlrm, []),
+        ("trainer_scaling", "2c. Data-parallel trainer actors on a multi-node Ray cluster", section_trainers, []),
         ("privacy_overhead", "3. Privacy overhead (sparse vs non-private)", section_overhead, []),
         ("communication", "4. Communication", lambda d: section_communication(d, plots, plot_dir), ["write_back_bytes"]),
         ("phase_breakdown", "5. Where the time of a sparse step goes", lambda d: section_phases(d, plots, plot_dir),

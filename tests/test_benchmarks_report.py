@@ -355,3 +355,28 @@ def test_dlrm_compare_goals_from_step_times():
     # quick sizes: 5x at the smallest, 50x at the largest
     assert dc.speedup_goal(500, [500, 2000]) == 5.0 and dc.speedup_goal(2000, [500, 2000]) == 50.0
     assert ": missed — " in dc.goal_line(slow[0]) and ": met — " in dc.goal_line(fast[0])
+
+
+def test_trainer_scaling_section_reports_work_per_trainer_from_the_json(tmp_path):
+    """The RESULTS section of benchmarks/trainer_scaling.py: ratios per trainer against N = 1
+    computed from the JSON, and the goal 'reported' only when N = 1, 2 and 4 were measured."""
+    sys.path.insert(0, str(BENCH))
+    import make_results
+
+    def result(label, n, cpu, traffic, nodes):
+        return {"label": label, "num_trainers": n, "step_ms_median": 100.0, "examples_per_sec": 1000.0 * n,
+                "coordinator_bytes_per_step": {"to": 1000, "from": 2000},
+                "trainers": [{"trainer": i, "node": nodes[i % len(nodes)], "cpu_ms_per_step": cpu,
+                              "bytes_to_shards_per_step": traffic, "bytes_from_shards_per_step": 0} for i in range(n)]}
+
+    doc = {"benchmark": "trainer_scaling", "quick": False, "machine": _machine(), "rows": 520000, "shards": 2, "nodes": 3,
+           "selection": "threshold",
+           "results": [result("in-process", 1, 50.0, 4e6, ["a"]), result("ray N=1", 1, 40.0, 4e6, ["a"]),
+                       result("ray N=2", 2, 20.0, 2e6, ["a", "b"])]}
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "trainer_scaling.json").write_text(json.dumps(doc))
+    md = make_results.render(res, tmp_path / "docs").read_text()
+    assert "| ray N=2 | 100 | 2,000 | 2× | 20 / 20 | 0.5 |" in md
+    assert "N = 2: CPU per trainer 0.5× and bytes per trainer 0.5× N = 1's" in md
+    assert "not measured at every N" in md  # N = 4 is missing

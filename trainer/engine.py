@@ -64,6 +64,7 @@ class StepStats:
     rows_selected: int
     epsilon: float
     phases: dict = dataclasses.field(default_factory=dict)  # seconds per phase of this step
+    trainer_cpu_s: tuple = ()  # CPU seconds of each trainer's share of this step (its own process)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +302,8 @@ class Engine:
         eps = self.ledger.epsilon() if noisy is not None and self.ledger is not None else 0.0
         losses = torch.cat([part.losses for part in parts])
         return StepStats(self.step_count, B, float(losses.mean()) if B else float("nan"),
-                         int(rows.global_ids.size), int(selected.size) + self.dense_table_rows, eps, clock.phases)
+                         int(rows.global_ids.size), int(selected.size) + self.dense_table_rows, eps, clock.phases,
+                         tuple(part.cpu_seconds for part in parts))
 
     # ---- the phases of one step ---------------------------------------------------------------------
     def _make_trainers(self, actors: bool, cpus_per_trainer: float) -> TrainerGroup:

@@ -95,7 +95,16 @@ class _TrainerActor(TrainerRole):
         super().__init__(index, model, layout, train_set, DirectShardGroup(layout, shard_actors), options)
 
     def set_shard_actors(self, shard_actors: list) -> None:
+        """Point at the shards' current actors (the byte counters carry over)."""
+        counted = self.shards.bytes_to_shards, self.shards.bytes_from_shards
         self.set_shards(DirectShardGroup(self.layout, shard_actors))
+        self.shards.bytes_to_shards, self.shards.bytes_from_shards = counted
+
+    def node(self) -> str:
+        """The Ray node this trainer runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
 
 def _is_actor_death(err: BaseException) -> bool:
@@ -141,6 +150,10 @@ class RayTrainers(TrainerGroup):
 
     def shard_bytes(self):
         return self._gather([actor.shard_bytes.remote() for actor in self.actors], "shard_bytes")
+
+    def nodes(self) -> list[str]:
+        """The Ray node of each trainer."""
+        return self._gather([actor.node.remote() for actor in self.actors], "node")
 
     def _gather(self, refs: list, method: str) -> list:
         """Every trainer's answer; an actor death (the trainer's own, or a shard's it was
