@@ -561,6 +561,15 @@ def test_a_killed_trainer_or_shard_actor_is_restored_and_the_step_redone(ray_clu
     assert got[3] == ((1, 1, 0) if victim == "trainer" else (1, 0, 1))
 
 
+def _dead_on_arrival(ray_cluster, make):
+    """An actor factory whose every new actor is killed at once (a failure that repeats)."""
+    def make_dead(i):
+        actor = make(i)
+        ray_cluster.kill(actor, no_restart=True)
+        return actor
+    return make_dead
+
+
 def test_an_actor_lost_again_while_the_step_is_redone_stops_naming_the_step(ray_cluster):
     ds = dataset()
     batches = batches_with_crafted(ds, 3)
@@ -568,14 +577,7 @@ def test_an_actor_lost_again_while_the_step_is_redone_stops_naming_the_step(ray_
                    trainer_actors=True)
     try:
         engine.step()
-        make = engine.trainers._make
-
-        def dies_at_once(i):
-            actor = make(i)
-            ray_cluster.kill(actor, no_restart=True)
-            return actor
-
-        engine.trainers._make = dies_at_once
+        engine.trainers._make = _dead_on_arrival(ray_cluster, engine.trainers._make)
         ray_cluster.kill(engine.trainers.actors[0], no_restart=True)
         with pytest.raises(ShardLostError, match=r"died again while step 2 was redone"):
             engine.step()
@@ -626,14 +628,7 @@ def test_a_shard_that_dies_again_while_being_restored_stops_the_run_naming_shard
     engine = build(ds, batches, mode="sparse", selection="em", num_shards=2, backend="ray")
     try:
         engine.step()
-        make_actor = engine.shards._make_actor
-
-        def dies_at_once(s):
-            actor = make_actor(s)
-            ray_cluster.kill(actor, no_restart=True)
-            return actor
-
-        engine.shards._make_actor = dies_at_once
+        engine.shards._make_actor = _dead_on_arrival(ray_cluster, engine.shards._make_actor)
         ray_cluster.kill(engine.shards.actors[0], no_restart=True)
         # ray.kill is asynchronous: the first call of the step to see the death may be a later one
         with pytest.raises(ShardLostError, match=r"step 2: shard 0 \(Ray actor\) died during '\w+' and again"):

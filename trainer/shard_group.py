@@ -248,10 +248,14 @@ class RayShardGroup(ShardGroup):
 
     def _restore(self, s: int, err: Exception, during: str) -> None:
         """A new actor for shard s at the state after the last released step (no step cache)."""
+        self._rebuild(s, err, during, replay_step=False, method="ping", args=())
+
+    def _rebuild(self, s: int, err: Exception, during: str, *, replay_step: bool, method: str, args: tuple):
+        """A new actor for shard s: the snapshot, then the logged calls (the state-changing ones,
+        plus with `replay_step` the current step's cache-filling ones), then `method(*args)`,
+        whose answer is returned. Up to max_restarts attempts; then ShardLostError."""
         from ray.exceptions import RayActorError
 
-        if not self.max_restarts:
-            raise ShardLostError(f"shard {s} (Ray actor) died during {during!r} (cluster.max_actor_restarts = 0): {err}")
         last: Exception = err
         for _ in range(self.max_restarts):
             try:
@@ -264,16 +268,18 @@ class RayShardGroup(ShardGroup):
                 if self._snapshot is not None:
                     self._ray.get(actor.load_state_dict.remote(self._snapshot[s]))
                 for logged, per_shard in self._log:
-                    if logged in MUTATING:
+                    if replay_step or logged in MUTATING:
                         self._ray.get(getattr(actor, logged).remote(*per_shard[s]))
-                self._ray.get(actor.ping.remote())
+                result = self._ray.get(getattr(actor, method).remote(*args))
             except RayActorError as again:
                 last = again
                 continue
             self.restarts += 1
-            return
-        raise ShardLostError(f"shard {s} (Ray actor) died during {during!r} and again while being restored "
-                             f"({self.max_restarts} restart(s) tried): {last}")
+            return result
+        raise ShardLostError(
+            f"shard {s} (Ray actor) died during {during!r}"
+            + (f" and again while being restored ({self.max_restarts} restart(s) tried)" if self.max_restarts
+               else " (cluster.max_actor_restarts = 0)") + f": {last}")
 
     def _remember(self, method: str, per_shard_args: Sequence[tuple], results: list) -> None:
         if not self.max_restarts:
@@ -288,31 +294,7 @@ class RayShardGroup(ShardGroup):
 
     def _replace(self, s: int, method: str, args: tuple, err: Exception):
         """A new actor for shard s, brought to the lost one's state, answering `method(*args)`."""
-        from ray.exceptions import RayActorError
-
-        last: Exception = err
-        for _ in range(self.max_restarts):
-            try:
-                self._ray.kill(self.actors[s])  # type: ignore[arg-type]
-            except Exception:  # already gone
-                pass
-            actor = self._make_actor(s)
-            self.actors[s] = actor
-            try:
-                if self._snapshot is not None:
-                    self._ray.get(actor.load_state_dict.remote(self._snapshot[s]))
-                for logged, per_shard in self._log:
-                    self._ray.get(getattr(actor, logged).remote(*per_shard[s]))
-                result = self._ray.get(getattr(actor, method).remote(*args))
-            except RayActorError as again:
-                last = again
-                continue
-            self.restarts += 1
-            return result
-        raise ShardLostError(
-            f"shard {s} (Ray actor) died during {method!r}"
-            + (f" and again while being restored ({self.max_restarts} restart(s) tried)" if self.max_restarts
-               else " (cluster.max_actor_restarts = 0)") + f": {last}")
+        return self._rebuild(s, err, method, replay_step=True, method=method, args=args)
 
     def shutdown(self) -> None:
         for actor in self.actors:
