@@ -16,7 +16,7 @@ import numpy as np
 from scipy import special
 
 from accounting.events import GaussianDpEvent
-from selection._sparse import check_positive, check_sparse_input, sample_untouched
+from selection._sparse import check_positive, check_sparse_input, sample_untouched, unique_ints
 from selection.result import Selection
 
 
@@ -66,7 +66,7 @@ def _distinct_pairs(example: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, n
         return np.empty(0, np.int64), np.empty(0, np.int64)
     stride = int(ids.max()) + 1
     if ids.min() >= 0 and (int(example.max()) + 1) * stride < 2**62:
-        key = np.unique(example * stride + ids)
+        key = unique_ints(example * stride + ids)
         return key // stride, key % stride
     pairs = np.unique(np.stack([example, ids]), axis=1)
     return pairs[0], pairs[1]
@@ -78,8 +78,8 @@ def _weights_of(pair_example: np.ndarray, num_examples: int, clip_norm: float) -
 
 
 def _counts_of(pair_example: np.ndarray, pair_row: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    rows, inverse = np.unique(pair_row, return_inverse=True)
-    counts = np.bincount(inverse.reshape(-1), weights=weights[pair_example], minlength=rows.size).astype(np.float64)
+    rows, inverse = unique_ints(pair_row, return_inverse=True)
+    counts = np.bincount(inverse, weights=weights[pair_example], minlength=rows.size).astype(np.float64)
     return rows, counts
 
 

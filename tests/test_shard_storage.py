@@ -199,3 +199,18 @@ def test_state_dict_round_trip_keeps_per_table_format_and_optimizer_state():
     for k in ("weights", "adagrad", "averaged_weights"):
         for u, v in zip(a.state_dict()[k], b.state_dict()[k]):
             np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.parametrize("size,upper", [(0, 10), (1, 5), (1000, 50), (5000, 10**6), (20000, 30000)])
+def test_sort_and_marking_uniques_equal_numpy_unique(size, upper):
+    """`unique_ints` (one sort, or marking when `upper` is small) is a drop-in np.unique."""
+    from selection._sparse import unique_ints
+
+    values = np.random.default_rng(size).integers(0, upper, size)
+    expected, expected_inverse = np.unique(values, return_inverse=True)
+    for bound in (None, upper):
+        assert np.array_equal(unique_ints(values, upper=bound), expected)
+        distinct, inverse = unique_ints(values, return_inverse=True, upper=bound)
+        assert np.array_equal(distinct, expected) and distinct.dtype == expected.dtype
+        assert np.array_equal(inverse, expected_inverse.reshape(-1))
+        assert np.array_equal(distinct[inverse], values)

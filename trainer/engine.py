@@ -28,6 +28,7 @@ from accounting import PrivacyLedger
 from accounting import events as ev
 from accounting.calibration import sampled_step_event, step_event
 from selection import NoisyStep, noisy_step
+from selection._sparse import unique_ints
 from selection.registry import SelectionContext, Selector, get_selector, is_selector
 from selection.result import Selection
 from trainer.dense_grads import DenseGradients, dense_gradients
@@ -374,7 +375,7 @@ class Engine:
         dense): no rows. The rows of dense tables are not here (`dense_part` of the step)."""
         if selection is None:
             return np.empty(0, np.int64), torch.zeros((0, self.layout.dim), dtype=torch.float64)
-        selected = np.unique(selection.ids).astype(np.int64)
+        selected = unique_ints(np.asarray(selection.ids, dtype=np.int64))
         delta = np.zeros((selected.size, self.layout.dim))
         if selected.size:  # SVT / thresholding may legitimately select nothing
             pos = np.searchsorted(selected, rows.global_ids)
@@ -447,7 +448,7 @@ class Engine:
         event the selector returned). Non-private: every touched row, no event; no sparse table
         (DP-SGD): None. The selector sees the sparse tables' rows as one compact id space."""
         if self.mode == "nonprivate":
-            return Selection(np.unique(rows.global_ids), ev.NoOpDpEvent())
+            return Selection(unique_ints(rows.global_ids), ev.NoOpDpEvent())
         if not self.selects:
             return None
         p, rng, vocab = self.private_plan, self.selection_rng, self.sparse_vocabulary

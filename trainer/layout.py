@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from selection.noise import gaussian_noise
+from selection._sparse import unique_ints
 
 # Rows per counter-based random block. A shard draws whole blocks, so a table of r rows costs
 # at least min(r, ROW_BLOCK) draws per shard: small enough for the small tables a per-table
@@ -109,9 +110,10 @@ class ShardInput:
         coordinator and the shard both derive them from the routed ids, so per-bag arrays
         (partial pooled embeddings, pooled-output gradients) travel without their indices."""
         key = self.feature * batch_size + self.example
-        uniq, id_bag = np.unique(key, return_inverse=True)
-        examples, id_example = np.unique(self.example, return_inverse=True)
-        return ShardBags(uniq % batch_size, uniq // batch_size, id_bag.reshape(-1), examples, id_example.reshape(-1))
+        features = int(self.feature.max()) + 1 if self.feature.size else 0
+        uniq, id_bag = unique_ints(key, return_inverse=True, upper=features * batch_size)
+        examples, id_example = unique_ints(self.example, return_inverse=True, upper=batch_size)
+        return ShardBags(uniq % batch_size, uniq // batch_size, id_bag, examples, id_example)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
+from selection._sparse import unique_ints
 from trainer.layout import ShardInput, ShardLayout, row_block_normal
 
 FUSED_OPTIMIZERS = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
@@ -125,24 +126,27 @@ class EmbeddingShard:
         if batch_size == 0 or inp.example.size == 0:
             return np.zeros((0, dim), dtype=np.float32)
         channel = self.feature_channel[inp.feature]
-        order = np.lexsort((inp.example, channel))  # stable: a bag keeps its ids' order
-        bag = channel[order] * batch_size + inp.example[order]
+        bag_of_id = channel * batch_size + inp.example
+        order = np.argsort(bag_of_id, kind="stable")  # stable: a bag keeps its ids' order
+        bag = bag_of_id[order]
         n_bags = self.num_channels * batch_size
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(np.bincount(bag, minlength=n_bags))]))
         weights = torch.from_numpy(inp.weight[order])
-        wanted = torch.from_numpy(self.feature_channel[bags.feature] * batch_size + bags.example)
+        bag_channel = self.feature_channel[bags.feature]
         with torch.no_grad():
             if not averaged:
                 ids = torch.from_numpy(inp.local_id[order])
                 pooled = self.tbe(ids.to(self.device), offsets.to(self.device),
                                   per_sample_weights=weights.to(self.device))  # [B, channels·D]
-                pooled = pooled.view(batch_size, self.num_channels, dim).transpose(0, 1).reshape(-1, dim)
+                pooled = pooled.reshape(-1, dim)  # row example·channels + channel
+                wanted = torch.from_numpy(bags.example * self.num_channels + bag_channel)
             else:  # the same weighted sum pooling over the averaged rows
                 table = self.averaged_weights_flat()
                 flat_ids = torch.from_numpy(self.row_base[self.feature_table[inp.feature[order]]] + inp.local_id[order])
                 pooled = torch.nn.functional.embedding_bag(
                     flat_ids.to(table.device), table, offsets.to(table.device), mode="sum",
                     per_sample_weights=weights.float().to(table.device), include_last_offset=True)  # [channels·B, D]
+                wanted = torch.from_numpy(bag_channel * batch_size + bags.example)
             out = pooled.index_select(0, wanted.to(pooled.device))
         return out.float().cpu().numpy()
 
@@ -316,8 +320,8 @@ class EmbeddingShard:
             r, c = weighted_row_counts(bags.id_example[keep], base[table[keep]] + inp.local_id[keep], weights)
             rows.append(r)
             counts.append(c)
-        touched, inverse = np.unique(np.concatenate(rows or [np.empty(0, np.int64)]), return_inverse=True)
-        summed = np.bincount(inverse.reshape(-1), weights=np.concatenate(counts or [np.empty(0)]), minlength=touched.size)
+        touched, inverse = unique_ints(np.concatenate(rows or [np.empty(0, np.int64)]), return_inverse=True)
+        summed = np.bincount(inverse, weights=np.concatenate(counts or [np.empty(0)]), minlength=touched.size)
         return touched, summed
 
     def set_pooled_grad(self, bag_grads: np.ndarray, trainer: int = 0) -> None:

@@ -88,10 +88,18 @@ def pooled_lookup(layout: ShardLayout, shards, batch, B: int, example_ids=None, 
     parts = route(layout, batch.sparse, B, example_ids=example_ids)
     bags = [p.bags(B) for p in parts]
     values = shards.call("lookup", [(p, B, True) if averaged else (p, B, False, *trainer_arg) for p in parts])
-    pooled = np.zeros((B, len(layout.features), layout.dim), dtype=np.float32)
+    F = len(layout.features)
+    pooled = np.zeros((B, F, layout.dim), dtype=np.float32)
+    flat = pooled.reshape(B * F, layout.dim)
     for bag, v in zip(bags, values):
-        pooled[bag.example, bag.feature] += v  # a shard's bags are distinct
+        flat[bag.example * F + bag.feature] += v  # a shard's bags are distinct
     return pooled, bags
+
+
+def per_bag(g_pooled: np.ndarray, bags) -> np.ndarray:
+    """The rows of a [B, F, D] array at a shard's bags (`ShardBags` order), [bags, D]."""
+    B, F, D = g_pooled.shape
+    return g_pooled.reshape(B * F, D).take(bags.example * F + bags.feature, axis=0)
 
 
 def example_global_rows(layout: ShardLayout, batch, B: int) -> tuple[np.ndarray, np.ndarray]:
@@ -193,7 +201,7 @@ class TrainerRole:
         """min(1, S1/‖g_j‖) over each example's whole gradient: embedding rows (ghost norms on the
         shards, unique rows) + dense parameters. Non-private: 1 (the shards keep the pooled grads)."""
         if self.options.mode == "nonprivate":
-            self.shards.call("set_pooled_grad", [self._as(g_pooled[b.example, b.feature]) for b in self.bags])
+            self.shards.call("set_pooled_grad", [self._as(per_bag(g_pooled, b)) for b in self.bags])
             return np.ones(B)
         sq = self.embedding_sq_norms(g_pooled, B)
         if dense is not None:
@@ -204,7 +212,7 @@ class TrainerRole:
     def embedding_sq_norms(self, g_pooled: np.ndarray, B: int) -> np.ndarray:
         """Per-example squared norms of the embedding-row gradients [B]: each shard gets the
         pooled-output gradients of its own bags and returns its examples' partial norms."""
-        parts = self.shards.call("example_sq_norms", [self._as(g_pooled[b.example, b.feature]) for b in self.bags])
+        parts = self.shards.call("example_sq_norms", [self._as(per_bag(g_pooled, b)) for b in self.bags])
         sq = np.zeros(B)
         for bag, part in zip(self.bags, parts):
             sq[bag.examples] += part
