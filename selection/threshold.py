@@ -60,16 +60,16 @@ def weighted_row_counts(example, ids, weights) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _distinct_pairs(example: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct (example, row) pairs, sorted by example then row, as two arrays. One int64
-    key per pair (example·(max id + 1) + id) when it fits, which sorts far faster than pairs."""
+    """The distinct (example, row) pairs, sorted by row then example, as two arrays. One int64
+    key per pair (row·(max example + 1) + example) when it fits, which sorts far faster than pairs."""
     if ids.size == 0:
         return np.empty(0, np.int64), np.empty(0, np.int64)
-    stride = int(ids.max()) + 1
-    if ids.min() >= 0 and (int(example.max()) + 1) * stride < 2**62:
-        key = unique_ints(example * stride + ids)
-        return key // stride, key % stride
-    pairs = np.unique(np.stack([example, ids]), axis=1)
-    return pairs[0], pairs[1]
+    stride = int(example.max()) + 1
+    if ids.min() >= 0 and example.min() >= 0 and (int(ids.max()) + 1) * stride < 2**62:
+        key = unique_ints(ids * stride + example)
+        return key % stride, key // stride
+    pairs = np.unique(np.stack([ids, example]), axis=1)
+    return pairs[1], pairs[0]
 
 
 def _weights_of(pair_example: np.ndarray, num_examples: int, clip_norm: float) -> np.ndarray:
@@ -78,7 +78,11 @@ def _weights_of(pair_example: np.ndarray, num_examples: int, clip_norm: float) -
 
 
 def _counts_of(pair_example: np.ndarray, pair_row: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    rows, inverse = unique_ints(pair_row, return_inverse=True)
+    # pair_row is sorted (`_distinct_pairs`): each run of equal rows is one row's pairs.
+    first = np.empty(pair_row.size, dtype=bool)
+    first[:1] = True
+    np.not_equal(pair_row[1:], pair_row[:-1], out=first[1:])
+    rows, inverse = pair_row[first], np.cumsum(first) - 1
     counts = np.bincount(inverse, weights=weights[pair_example], minlength=rows.size).astype(np.float64)
     return rows, counts
 

@@ -105,10 +105,23 @@ class ShardInput:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.example, self.feature, self.local_id, self.weight))
 
+    def __getstate__(self) -> dict:  # the memo of `bags` does not travel
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     def bags(self, batch_size: int) -> "ShardBags":
         """The distinct (example, feature) bags this shard holds ids of, feature-major. The
         coordinator and the shard both derive them from the routed ids, so per-bag arrays
-        (partial pooled embeddings, pooled-output gradients) travel without their indices."""
+        (partial pooled embeddings, pooled-output gradients) travel without their indices.
+        Computed once per batch size (in-process, the trainer and the shard share the object)."""
+        memo = self.__dict__.setdefault("_bags_memo", {})
+        if batch_size not in memo:
+            memo[batch_size] = self._bags(batch_size)
+        return memo[batch_size]
+
+    def _bags(self, batch_size: int) -> "ShardBags":
         key = self.feature * batch_size + self.example
         features = int(self.feature.max()) + 1 if self.feature.size else 0
         uniq, id_bag = unique_ints(key, return_inverse=True, upper=features * batch_size)

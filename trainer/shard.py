@@ -320,6 +320,8 @@ class EmbeddingShard:
             r, c = weighted_row_counts(bags.id_example[keep], base[table[keep]] + inp.local_id[keep], weights)
             rows.append(r)
             counts.append(c)
+        if len(rows) == 1:  # one trainer: its rows are already distinct and sorted
+            return rows[0], counts[0]
         touched, inverse = unique_ints(np.concatenate(rows or [np.empty(0, np.int64)]), return_inverse=True)
         summed = np.bincount(inverse, weights=np.concatenate(counts or [np.empty(0)]), minlength=touched.size)
         return touched, summed
