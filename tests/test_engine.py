@@ -1202,3 +1202,36 @@ def test_a_selection_of_no_rows_is_a_legal_step():
     for name in tables_before:
         assert torch.equal(tables_before[name], tables_after[name]), name
     assert any(not torch.equal(dense_before[n], dense_after[n]) for n in dense_before)
+
+
+@pytest.mark.parametrize("dense_tables", [(), (1,)])
+def test_weights_of_one_id_bags_equal_the_contribution_weights_of_the_rows(dense_tables):
+    """The sort-free weights (one table per feature, ≤ 1 id per bag) are `contribution_weights`
+    over each example's rows in sparse tables; a shared table or a two-id bag gets None."""
+    from selection.threshold import contribution_weights
+    from trainer.layout import FeatureSpec, ShardLayout, TableSpec
+    from trainer.table_policy import SparseVocabulary
+    from trainer.trainer_role import weights_of_one_id_bags
+
+    layout = ShardLayout(tables=(TableSpec("a", 9, 4), TableSpec("b", 6, 4), TableSpec("c", 5, 4)),
+                         features=(FeatureSpec("fa", "a", "sum"), FeatureSpec("fb", "b", "sum"),
+                                   FeatureSpec("fc", "c", "mean")), num_shards=1)
+    rng = np.random.default_rng(5)
+    B = 40
+    lengths = rng.integers(0, 2, size=(3, B))
+    example = np.concatenate([np.flatnonzero(lengths[f]) for f in range(3)])
+    table = np.repeat(np.arange(3), lengths.sum(1))
+    global_ids = layout.table_offsets[table] + rng.integers(0, 5, example.size)
+    order = np.argsort(example, kind="stable")
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(example, minlength=B))])
+    vocab = SparseVocabulary(np.array([9, 6, 5]), dense_tables)
+    want = contribution_weights(*vocab.restrict(offsets, global_ids[order]), 0.8)
+    got = weights_of_one_id_bags(layout, lengths, dense_tables, 0.8)
+    assert got is not None and np.any(got < 1)
+    np.testing.assert_array_equal(got, want)
+    two_ids = lengths.copy()
+    two_ids[0, 0] = 2
+    assert weights_of_one_id_bags(layout, two_ids, dense_tables, 0.8) is None
+    shared = ShardLayout(tables=layout.tables[:2], features=(FeatureSpec("fa", "a", "sum"), FeatureSpec("fb", "b", "sum"),
+                                                             FeatureSpec("fb2", "b", "sum")), num_shards=1)
+    assert weights_of_one_id_bags(shared, lengths, dense_tables, 0.8) is None

@@ -151,8 +151,8 @@ def test_dense_noise_update_in_small_chunks_equals_one_chunk_and_reaches_the_unu
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
 def test_dense_noise_update_in_place_equals_row_by_row_updates(optimizer, monkeypatch):
-    """DP-SGD's every-row update (in place on contiguous slices, no TBE backward) is the same
-    optimizer as the fused write-back: three steps against the row-by-row reference, chunks of
+    """DP-SGD's every-row update (in place on contiguous slices) is the same optimizer as the
+    write-back of given rows: three steps against the row-by-row reference, chunks of
     2 rows so a table spans several slices, averaging on (the EMA sees every row each step)."""
     monkeypatch.setattr(shard_module, "UPDATE_CHUNK", 2)
     rng = np.random.default_rng(5)
@@ -214,3 +214,91 @@ def test_sort_and_marking_uniques_equal_numpy_unique(size, upper):
         assert np.array_equal(distinct, expected) and distinct.dtype == expected.dtype
         assert np.array_equal(inverse, expected_inverse.reshape(-1))
         assert np.array_equal(distinct[inverse], values)
+
+
+@pytest.mark.parametrize("one_id_per_bag", [True, False])
+def test_per_example_norms_without_grouping_equal_the_grouped_reference(one_id_per_bag):
+    """One table per feature and one id per bag (CTR): no (example, table, row) can repeat, so
+    the shard skips the grouping; its norms equal the grouped path's and a brute-force sum.
+    With repeated ids in a bag the grouping is required and taken."""
+    layout = ShardLayout(tables=(TableSpec("a", 9, D), TableSpec("b", 6, D)),
+                         features=(FeatureSpec("fa", "a", "sum"), FeatureSpec("fb", "b", "mean")), num_shards=1)
+    rng = np.random.default_rng(11)
+    B = 6
+    example = np.repeat(np.arange(B), 2)
+    feature = np.tile([0, 1], B)
+    local = np.where(feature == 0, rng.integers(0, 9, 2 * B), rng.integers(0, 6, 2 * B))
+    if not one_id_per_bag:  # example 0 reads its feature-a row twice: that row's gradient doubles
+        example, feature, local = np.append(example, 0), np.append(feature, 0), np.append(local, local[0])
+    inp = ShardInput(example.astype(np.int64), feature.astype(np.int64), local.astype(np.int64),
+                     np.ones(example.size, dtype=np.float32))
+    grads = rng.normal(size=(inp.bags(B).example.size, D)).astype(np.float32)
+    norms = {}
+    for unshared in (True, False):
+        shard = EmbeddingShard(layout, 0, seed=1)
+        assert shard.tables_unshared
+        shard.tables_unshared = unshared
+        shard.lookup(inp, B)
+        norms[unshared] = shard.example_sq_norms(grads, 0)
+    bags = inp.bags(B)
+    row_grad = {}
+    for i in range(example.size):  # brute force: Σ over distinct (example, table, row) of ‖Σ w·g‖²
+        key = (example[i], feature[i], local[i])
+        row_grad[key] = row_grad.get(key, 0) + grads[bags.id_bag[i]].astype(np.float64)
+    want = np.zeros(B)
+    for (j, _, _), g in row_grad.items():
+        want[j] += float(g @ g)
+    np.testing.assert_allclose(norms[False], want, rtol=1e-6)
+    # Without one id per bag the shortcut would give ‖g‖² + ‖g‖² for the repeated row, not ‖2g‖².
+    np.testing.assert_allclose(norms[True], want, rtol=1e-6)
+
+
+def test_an_id_outside_the_shards_rows_is_refused_naming_feature_and_table():
+    """The TBE runs without its own bounds check: the shard checks every id first."""
+    shard = EmbeddingShard(LAYOUT, 1, seed=3)
+    inp = shard_input(np.random.default_rng(0), 1)
+    assert shard.lookup(inp, 5).shape[1] == D
+    bad_local = inp.local_id.copy()
+    bad_local[3] = shard.feature_rows[inp.feature[3]]
+    with pytest.raises(ValueError, match=rf"feature '{LAYOUT.features[inp.feature[3]].name}' id {bad_local[3]} .*table"):
+        shard.lookup(ShardInput(inp.example, inp.feature, bad_local, inp.weight), 5)
+    too_small = int(inp.example.max())
+    with pytest.raises(ValueError, match=f"example index outside the batch of {too_small}"):
+        shard.lookup(inp, too_small)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_in_place_write_back_equals_fbgemms_own_fused_backward_update(optimizer):
+    """The shard updates rows in place; FBGEMM's TBE would fuse the same EXACT_SGD /
+    EXACT_ROWWISE_ADAGRAD update into the backward of a lookup of those rows as bags of one.
+    Three steps on every table, weights and Adagrad accumulators compared."""
+    import torch
+
+    shard = EmbeddingShard(LAYOUT, 0, optimizer=optimizer, lr=0.3, seed=1, init_std=0.5)
+    fbgemm = EmbeddingShard(LAYOUT, 0, optimizer=optimizer, lr=0.3, seed=1, init_std=0.5)
+    rng = np.random.default_rng(2)
+    for step in range(1, 4):
+        tables, ids = [], []
+        for t, (start, end) in enumerate(shard.ranges):
+            rows = rng.choice(np.arange(start, end), size=rng.integers(1, end - start + 1), replace=False)
+            tables += [t] * rows.size
+            ids += rows.tolist()
+        tables_a, ids_a = np.array(tables), np.array(ids)
+        update = rng.normal(size=(ids_a.size, D)).astype(np.float32)
+        shard.apply_rows(tables_a, ids_a, update, step=step)
+        # FBGEMM: rows as bags of one in the channel of their table, the update as the pooled gradient.
+        channel = fbgemm.update_channel[tables_a]
+        order = np.argsort(channel, kind="stable")
+        position = np.arange(order.size) - np.searchsorted(channel[order], channel[order])
+        width = int(position.max()) + 1
+        sizes = np.zeros(fbgemm.num_channels * width, dtype=np.int64)
+        sizes[channel[order] * width + position] = 1
+        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(sizes)]))
+        local = ids_a - fbgemm.starts[tables_a]
+        out = fbgemm.tbe(torch.from_numpy(local[order]), offsets)
+        grad = torch.zeros((width, fbgemm.num_channels, D))
+        grad[torch.from_numpy(position), torch.from_numpy(channel[order])] = torch.from_numpy(update[order])
+        out.backward(grad.view(width, -1))
+        np.testing.assert_allclose(shard.flat.detach().numpy(), fbgemm.flat.detach().numpy(), rtol=1e-6, atol=1e-7)
+        if optimizer == "adagrad":
+            np.testing.assert_allclose(shard._adagrad_state().detach().numpy(), fbgemm._adagrad_state().detach().numpy(), rtol=1e-6)

@@ -1,8 +1,9 @@
 """One embedding shard: local compute over the rows it owns (no Ray here).
 
 Storage is one FBGEMM table-batched embedding (TBE) per shard holding all of the shard's
-tables: one TBE call looks up every feature's bags, and one forward+backward writes every
-updated row (the optimizer is fused into the backward). The shard computes partial pooled embeddings,
+tables: one TBE call looks up every feature's bags; updates are applied in place to the TBE's
+storage, rows by index (the same SGD / row-wise Adagrad as FBGEMM's fused backward, pinned against
+it in tests/test_shard_storage.py, without its lookup and backward pass). The shard computes partial pooled embeddings,
 per-example partial squared gradient norms over the *unique* rows of each example (an id
 repeated in a bag, or used by several features of one table, contributes the *sum* of its
 gradients — the per-example gradient of that row), clipped per-row gradient sums, and applies
@@ -19,7 +20,7 @@ from typing import Optional
 import numpy as np
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
     EmbeddingLocation,
@@ -29,7 +30,9 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from selection._sparse import unique_ints
 from trainer.layout import ShardInput, ShardLayout, row_block_normal
 
-FUSED_OPTIMIZERS = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
+# The TBE keeps the optimizer state (Adagrad's row-wise accumulator) in its own storage; the
+# updates themselves are applied in place by `_update_weights` (no TBE backward).
+TBE_OPTIMIZER_STATE = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 UPDATE_CHUNK = 1 << 16
 
@@ -58,6 +61,8 @@ class EmbeddingShard:
         self.starts = np.array([start for start, _ in self.ranges], dtype=np.int64)
         num_tables, dim = len(layout.tables), layout.dim
         self.feature_table = np.array([layout.table_index(f.table) for f in layout.features], dtype=np.int64)
+        # Each feature reads its own table: ids of different bags never share a row.
+        self.tables_unshared = bool(np.unique(self.feature_table).size == self.feature_table.size)
         # One TBE holds every table of the shard. Its "features" (channels) are the layout's
         # features plus one channel for each table no feature uses (so every table can be
         # written), ordered by table: FBGEMM's CPU row-wise Adagrad needs a table's channels
@@ -76,9 +81,11 @@ class EmbeddingShard:
         self.max_rows = max(rows)
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
             embedding_specs=[(r, dim, location, compute) for r in rows],
-            optimizer=FUSED_OPTIMIZERS.get(optimizer, EmbOptimType.EXACT_SGD),
+            optimizer=TBE_OPTIMIZER_STATE.get(optimizer, EmbOptimType.EXACT_SGD),
             learning_rate=lr, eps=eps, pooling_mode=PoolingMode.SUM, feature_table_map=self.channel_table.tolist(),
+            bounds_check_mode=BoundsCheckMode.NONE,  # `lookup` checks the ids itself, before the TBE sees them
         )
+        self.feature_rows = np.array([self.ranges[t][1] - self.ranges[t][0] for t in self.feature_table], dtype=np.int64)
         # Every table's rows as one [R, D] tensor (the TBE's own storage, tables back to back).
         self.flat = (self.tbe.weights_dev if compute == ComputeDevice.CUDA else self.tbe.weights_host).view(-1, dim)
         split = self.tbe.split_embedding_weights()
@@ -120,6 +127,7 @@ class EmbeddingShard:
         (feature-major, like a KJT). `trainer`: whose examples these are (data-parallel
         trainers each keep their own step state here; example indices are the trainer's own)."""
         dim = self.layout.dim
+        self._check_ids(inp, batch_size)
         bags = inp.bags(batch_size)
         if not averaged:
             self._caches[int(trainer)] = {"inp": inp, "batch_size": batch_size, "bags": bags}
@@ -150,6 +158,20 @@ class EmbeddingShard:
             out = pooled.index_select(0, wanted.to(pooled.device))
         return out.float().cpu().numpy()
 
+    def _check_ids(self, inp: ShardInput, batch_size: int) -> None:
+        """ValueError naming the feature and id of any id outside this shard's rows of its
+        table (the TBE runs without its own bounds check), or an example outside the batch."""
+        if inp.example.size == 0:
+            return
+        bad = (inp.local_id < 0) | (inp.local_id >= self.feature_rows[inp.feature])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            feature = self.layout.features[int(inp.feature[i])]
+            raise ValueError(f"shard {self.shard_index}: feature {feature.name!r} id {int(inp.local_id[i])} (local) is "
+                             f"outside this shard's {int(self.feature_rows[inp.feature[i]])} rows of table {feature.table!r}")
+        if inp.example.min() < 0 or inp.example.max() >= batch_size:
+            raise ValueError(f"shard {self.shard_index}: example index outside the batch of {batch_size}")
+
     # ---- per-example gradients ----------------------------------------------------------------
     def _cache(self, trainer: int) -> dict:
         cache = self._caches.get(int(trainer))
@@ -173,6 +195,11 @@ class EmbeddingShard:
         contrib = self._contributions(bag_grads, trainer)
         cache = self._cache(trainer)
         inp, bags, table = cache["inp"], cache["bags"], cache["table"]
+        if self.tables_unshared and bags.example.size == inp.example.size:
+            # One id per bag and one table per feature: no (example, table, row) repeats, so
+            # each id's contribution is its own row gradient.
+            return torch.zeros(bags.examples.size, dtype=torch.float64).index_add_(
+                0, torch.from_numpy(bags.id_example), contrib.double().pow(2).sum(1)).numpy()
         # Group by (example, table, row): repeated ids add up before the norm is taken.
         n_tables = len(self.ranges)
         key = (bags.id_example * n_tables + table) * self.max_rows + inp.local_id
@@ -340,10 +367,7 @@ class EmbeddingShard:
             raise ValueError("with ema_decay > 0 every update must say its step")
         self._ema_current_at = None
         lr = self.lr * float(lr_scale)
-        if lr != self._current_lr:
-            if self.optimizer in FUSED_OPTIMIZERS:
-                self.tbe.set_learning_rate(lr)
-            self._current_lr = lr
+        self._current_lr = lr
 
     def apply_rows(self, table_idx: np.ndarray, global_ids: np.ndarray, rows: np.ndarray,
                    lr_scale: float = 1.0, step: Optional[int] = None) -> None:
@@ -386,16 +410,7 @@ class EmbeddingShard:
         rows = slice(int(self.row_base[t]) + lo, int(self.row_base[t]) + hi)
         if self.ema is not None:
             self._ema_catch_up(rows, self.step - 1)
-        update = update.to(self.flat.device, torch.float32)
-        with torch.no_grad():
-            if self.optimizer == "sgd":
-                self.flat[rows] -= self._current_lr * update
-            elif self.optimizer == "adagrad":  # EXACT_ROWWISE_ADAGRAD: acc += mean(g²); w -= lr·g/(√acc + eps)
-                acc = self._adagrad_state()[rows]
-                acc += update.pow(2).mean(1)
-                self.flat[rows] -= self._current_lr * update / (acc.sqrt() + self.eps).unsqueeze(1)
-            else:
-                self._update_weights(np.empty(0, np.int64), np.empty(0, np.int64), rows, update)
+        self._update_weights(rows, update)
         if self.ema is not None:
             self._ema_catch_up(rows, self.step)
 
@@ -406,7 +421,7 @@ class EmbeddingShard:
         flat_ids = torch.from_numpy(self.row_base[tables] + local).to(self.flat.device)
         if self.ema is not None:  # the old weight held through the previous step
             self._ema_catch_up(flat_ids, self.step - 1)
-        self._update_weights(tables, local, flat_ids, update)
+        self._update_weights(flat_ids, update)
         if self.ema is not None:  # and the new one at this step
             self._ema_catch_up(flat_ids, self.step)
 
@@ -437,39 +452,33 @@ class EmbeddingShard:
         flat = self.averaged_weights_flat()
         return [flat[base: base + end - start] for base, (start, end) in zip(self.row_base, self.ranges)]
 
-    def _update_weights(self, tables: np.ndarray, local: np.ndarray, flat_ids: torch.Tensor,
-                        update: torch.Tensor) -> None:
-        if self.optimizer in FUSED_OPTIMIZERS:
-            # FBGEMM fuses the update into backward: look the rows up as bags of one — table t's
-            # rows in channel update_channel[t], every table in one call — and back-propagate
-            # the update as the gradient of the pooled output.
-            channel = self.update_channel[tables]
-            order = np.argsort(channel, kind="stable")
-            channel = channel[order]
-            first = np.searchsorted(channel, channel)  # each channel's first position in `order`
-            position = np.arange(channel.size) - first  # the bag within its channel
-            width = int(position.max()) + 1
-            sizes = np.zeros(self.num_channels * width, dtype=np.int64)
-            sizes[channel * width + position] = 1
-            offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(sizes)])).to(self.device)
-            out = self.tbe(torch.from_numpy(local[order]).to(self.device), offsets)  # [width, channels·D]
-            grad = torch.zeros((width, self.num_channels, self.layout.dim), dtype=out.dtype, device=out.device)
-            grad[torch.from_numpy(position), torch.from_numpy(channel)] = update[torch.from_numpy(order)].to(
-                out.device, out.dtype)
-            out.backward(grad.view(width, -1))
-            return
-        # Lazy Adam: moments and the step count advance only for the rows updated.
-        assert self.adam_state is not None
-        st, b1, b2 = self.adam_state, *self.adam_betas
-        update = update.to(self.flat.device)
+    def _update_weights(self, rows, update: torch.Tensor) -> None:
+        """One optimizer step on rows `rows` of the flat storage (a slice, or distinct indices)
+        by `update` [rows, D] at the current learning rate, in place. SGD: w -= lr·g.
+        Adagrad is FBGEMM's EXACT_ROWWISE_ADAGRAD (its accumulator, in the TBE's own state):
+        acc += mean(g²); w -= lr·g/(√acc + eps). Adam is lazy: moments and the step count
+        advance only for the rows updated. (The TBE's fused backward would do the same for
+        SGD and Adagrad at the cost of a lookup and a backward pass over the rows.)"""
+        update = update.to(self.flat.device, torch.float32)
+        lr = self._current_lr
         with torch.no_grad():
-            m = st["m"][flat_ids].mul_(b1).add_(update, alpha=1 - b1)
-            v = st["v"][flat_ids].mul_(b2).addcmul_(update, update, value=1 - b2)
-            steps = st["t"][flat_ids] + 1
-            st["m"][flat_ids], st["v"][flat_ids], st["t"][flat_ids] = m, v, steps
-            bc1 = (1 - b1 ** steps.double()).float().unsqueeze(1)
-            bc2 = (1 - b2 ** steps.double()).float().unsqueeze(1)
-            self.flat[flat_ids] -= self._current_lr * (m / bc1) / ((v / bc2).sqrt() + self.eps)
+            if self.optimizer == "sgd":
+                self.flat[rows] -= lr * update
+            elif self.optimizer == "adagrad":
+                state = self._adagrad_state()
+                acc = state[rows] + update.pow(2).mean(1)
+                state[rows] = acc
+                self.flat[rows] -= lr * update / (acc.sqrt() + self.eps).unsqueeze(1)
+            else:
+                assert self.adam_state is not None
+                st, b1, b2 = self.adam_state, *self.adam_betas
+                m = st["m"][rows].mul_(b1).add_(update, alpha=1 - b1)
+                v = st["v"][rows].mul_(b2).addcmul_(update, update, value=1 - b2)
+                steps = st["t"][rows] + 1
+                st["m"][rows], st["v"][rows], st["t"][rows] = m, v, steps
+                bc1 = (1 - b1 ** steps.double()).float().unsqueeze(1)
+                bc2 = (1 - b2 ** steps.double()).float().unsqueeze(1)
+                self.flat[rows] -= lr * (m / bc1) / ((v / bc2).sqrt() + self.eps)
 
     # ---- state --------------------------------------------------------------------------------
     def _per_table(self, flat: torch.Tensor) -> list:

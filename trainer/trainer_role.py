@@ -116,6 +116,18 @@ def example_global_rows(layout: ShardLayout, batch, B: int) -> tuple[np.ndarray,
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), global_ids[order]
 
 
+def weights_of_one_id_bags(layout: ShardLayout, lengths: np.ndarray, dense_tables, clip_norm: float) -> Optional[np.ndarray]:
+    """`contribution_weights` min(1, C1/√n_j) without sorting, when no example can touch a row
+    twice: every feature reads its own table and every bag [F, B] (`lengths`) holds at most
+    one id, so n_j is example j's number of ids in sparse tables. None otherwise."""
+    table_of = np.array([layout.table_index(f.table) for f in layout.features], dtype=np.int64)
+    if np.unique(table_of).size != table_of.size or (lengths.size and lengths.max() > 1):
+        return None
+    sparse = ~np.isin(table_of, np.asarray(tuple(dense_tables), dtype=np.int64))
+    distinct_rows = lengths[sparse].sum(0)
+    return np.minimum(1.0, clip_norm / np.sqrt(np.maximum(distinct_rows, 1)))
+
+
 class TrainerRole:
     """Trainer `index`: its examples are dataset indices [lo, hi) (`bounds`); `model` is its
     replica of the dense model (the coordinator's own object in-process, a copy on Ray, kept
@@ -223,6 +235,10 @@ class TrainerRole:
         shards select by contribution counts (else None)."""
         if self.options.contribution_clip is None:
             return None
+        lengths = batch.sparse.lengths().numpy().reshape(len(self.layout.features), B)
+        fast = weights_of_one_id_bags(self.layout, lengths, self.options.dense_tables, self.options.contribution_clip)
+        if fast is not None:
+            return fast
         offsets, compact = self.vocabulary.restrict(*example_global_rows(self.layout, batch, B))
         return contribution_weights(offsets, compact, self.options.contribution_clip)
 
@@ -234,4 +250,5 @@ class TrainerRole:
         return {n: g / b for n, g in dense.clipped_sum(torch.from_numpy(factors)).items()}
 
 
-__all__ = ["PhaseClock", "TrainerOptions", "TrainerPart", "TrainerRole", "example_global_rows", "pooled_lookup"]
+__all__ = ["PhaseClock", "TrainerOptions", "TrainerPart", "TrainerRole", "example_global_rows", "pooled_lookup",
+           "weights_of_one_id_bags"]
