@@ -217,7 +217,7 @@ def test_sort_and_marking_uniques_equal_numpy_unique(size, upper):
 
 
 @pytest.mark.parametrize("one_id_per_bag", [True, False])
-def test_per_example_norms_without_grouping_equal_the_grouped_reference(one_id_per_bag):
+def test_per_example_norms_and_row_counts_without_grouping_equal_the_grouped_paths(one_id_per_bag):
     """One table per feature and one id per bag (CTR): no (example, table, row) can repeat, so
     the shard skips the grouping; its norms equal the grouped path's and a brute-force sum.
     With repeated ids in a bag the grouping is required and taken."""
@@ -233,13 +233,19 @@ def test_per_example_norms_without_grouping_equal_the_grouped_reference(one_id_p
     inp = ShardInput(example.astype(np.int64), feature.astype(np.int64), local.astype(np.int64),
                      np.ones(example.size, dtype=np.float32))
     grads = rng.normal(size=(inp.bags(B).example.size, D)).astype(np.float32)
-    norms = {}
+    norms, counts = {}, {}
+    weights = rng.uniform(0.1, 1.0, B)
     for unshared in (True, False):
         shard = EmbeddingShard(layout, 0, seed=1)
         assert shard.tables_unshared
         shard.tables_unshared = unshared
         shard.lookup(inp, B)
         norms[unshared] = shard.example_sq_norms(grads, 0)
+        shard.clipped_row_sums(np.ones(B), 0, selection_weights=weights)
+        base = np.array([0, 9])  # both tables sparse, compact ids back to back
+        counts[unshared] = [shard._row_counts(base, weighted) for weighted in (True, False)]
+    for (rows_fast, c_fast), (rows_grouped, c_grouped) in zip(counts[True], counts[False]):
+        assert np.array_equal(rows_fast, rows_grouped) and np.array_equal(c_fast, c_grouped)
     bags = inp.bags(B)
     row_grad = {}
     for i in range(example.size):  # brute force: Σ over distinct (example, table, row) of ‖Σ w·g‖²

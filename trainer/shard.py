@@ -195,9 +195,7 @@ class EmbeddingShard:
         contrib = self._contributions(bag_grads, trainer)
         cache = self._cache(trainer)
         inp, bags, table = cache["inp"], cache["bags"], cache["table"]
-        if self.tables_unshared and bags.example.size == inp.example.size:
-            # One id per bag and one table per feature: no (example, table, row) repeats, so
-            # each id's contribution is its own row gradient.
+        if self._ids_never_repeat(cache):  # each id's contribution is its own row gradient
             return torch.zeros(bags.examples.size, dtype=torch.float64).index_add_(
                 0, torch.from_numpy(bags.id_example), contrib.double().pow(2).sum(1)).numpy()
         # Group by (example, table, row): repeated ids add up before the norm is taken.
@@ -252,19 +250,31 @@ class EmbeddingShard:
         self._step_row_sums = (uniq, sums)
         return self._rows_of(uniq, sums)
 
+    def _ids_never_repeat(self, cache: dict) -> bool:
+        """One id per bag and one table per feature: no example touches a (table, row) twice."""
+        return self.tables_unshared and cache["bags"].example.size == cache["inp"].example.size
+
+    def _row_groups(self, cache: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted distinct keys t·max_rows + local id, each id's index among them) of the
+        trainer's ids this step, computed once (row sums and selection counts share it)."""
+        if "row_groups" not in cache:
+            inp = cache["inp"]
+            cache["row_groups"] = unique_ints(self.feature_table[inp.feature] * self.max_rows + inp.local_id,
+                                              return_inverse=True)
+        return cache["row_groups"]
+
     def _clipped_row_sums64(self, factors: np.ndarray, trainer: int) -> tuple[np.ndarray, torch.Tensor]:
         """(sorted row keys t·max_rows + local id, float64 sums) of the trainer's clipped rows."""
         cache = self._cache(trainer)
         if "contrib" not in cache:  # nonprivate mode skips the norm pass
             raise RuntimeError("clipped_row_sums needs example_sq_norms (or set_pooled_grad) first")
-        inp, contrib, table, bags = cache["inp"], cache["contrib"], cache["table"], cache["bags"]
+        inp, contrib, bags = cache["inp"], cache["contrib"], cache["bags"]
         if inp.example.size == 0:
             return np.empty(0, np.int64), torch.zeros((0, self.layout.dim), dtype=torch.float64)
         per_id = torch.from_numpy(np.asarray(factors, dtype=np.float64))[torch.from_numpy(bags.id_example)]
         scaled = contrib.double() * per_id.unsqueeze(1)
-        uniq, group = np.unique(table * self.max_rows + inp.local_id, return_inverse=True)
-        group = torch.from_numpy(group.astype(np.int64).reshape(-1))
-        sums = torch.zeros((uniq.size, scaled.shape[1]), dtype=torch.float64).index_add_(0, group, scaled)
+        uniq, group = self._row_groups(cache)
+        sums = torch.zeros((uniq.size, scaled.shape[1]), dtype=torch.float64).index_add_(0, torch.from_numpy(group), scaled)
         return uniq, sums
 
     def _rows_of(self, keys: np.ndarray, sums: torch.Tensor):
@@ -342,9 +352,16 @@ class EmbeddingShard:
                 weights = cache["selection_weights"]
             else:
                 raise RuntimeError(f"trainer {trainer} sent shard {self.shard_index} no selection weights this step")
-            table = self.feature_table[inp.feature]
-            keep = base[table] >= 0
-            r, c = weighted_row_counts(bags.id_example[keep], base[table[keep]] + inp.local_id[keep], weights)
+            if self._ids_never_repeat(cache):  # every (example, row) pair distinct: sum by row groups
+                keys, group = self._row_groups(cache)
+                table_of, local_of = keys // self.max_rows, keys % self.max_rows
+                counts_all = np.bincount(group, weights=weights[bags.id_example], minlength=keys.size)
+                keep = base[table_of] >= 0
+                r, c = base[table_of[keep]] + local_of[keep], counts_all[keep]
+            else:
+                table = self.feature_table[inp.feature]
+                keep = base[table] >= 0
+                r, c = weighted_row_counts(bags.id_example[keep], base[table[keep]] + inp.local_id[keep], weights)
             rows.append(r)
             counts.append(c)
         if len(rows) == 1:  # one trainer: its rows are already distinct and sorted
