@@ -135,7 +135,10 @@ class EmbeddingShard:
             return np.zeros((0, dim), dtype=np.float32)
         channel = self.feature_channel[inp.feature]
         bag_of_id = channel * batch_size + inp.example
-        order = np.argsort(bag_of_id, kind="stable")  # stable: a bag keeps its ids' order
+        if bool((bag_of_id[1:] >= bag_of_id[:-1]).all()):  # routed in bag order already (channel = feature order)
+            order: "np.ndarray | slice" = slice(None)
+        else:
+            order = np.argsort(bag_of_id, kind="stable")  # stable: a bag keeps its ids' order
         bag = bag_of_id[order]
         n_bags = self.num_channels * batch_size
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(np.bincount(bag, minlength=n_bags))]))
