@@ -162,3 +162,33 @@ def test_clipped_sum_runs_once():
 def test_unknown_method_is_refused():
     with pytest.raises(ValueError, match="'auto', 'ghost' or 'per_example'"):
         dense_gradients(models()["dlrm-cat"], *batch(), "vmap")
+
+
+@pytest.mark.parametrize("name", ["dlrm-cat", "dlrm-dot", "sequence"])
+def test_pass_two_by_a_second_backward_equals_the_reference_too(name, monkeypatch):
+    """Without ghost sums (a layer type that has none) pass 2 is a backward of Σ c_j ℓ_j."""
+    monkeypatch.setattr(dg, "_GHOST_SUMS", {})
+    pooled, dense, labels = batch(2)
+    factors = torch.rand(B, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    _, ghost = assert_agree(models()[name], pooled, dense, labels, factors)
+    assert not ghost._book_keeping
+
+
+def test_the_ghost_sums_take_the_place_of_the_second_backward_for_linear_layers():
+    ghost = GhostGradients(models()["dlrm-cat"], *batch())
+    assert ghost._book_keeping and ghost._losses is None  # pass 1's graph is already gone
+
+
+def test_a_wrong_ghost_sum_is_caught(monkeypatch):
+    """A ghost sum that forgets the clip factors (the unclipped sum) fails the agreement."""
+    real = dg._GHOST_SUMS[nn.Linear]
+    monkeypatch.setitem(dg._GHOST_SUMS, nn.Linear, lambda layer, a, g, c: real(layer, a, g, torch.ones_like(c)))
+    pooled, dense, labels = batch()
+    factors = torch.rand(B, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with pytest.raises(AssertionError):
+        assert_agree(models()["sequence"], pooled, dense, labels, factors)
+
+
+def test_registry_refuses_a_second_ghost_sum_for_a_layer_type():
+    with pytest.raises(ValueError, match="already registered"):
+        dg.register_ghost_sum(nn.Linear)(lambda layer, a, g, c: {})

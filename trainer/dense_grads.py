@@ -15,8 +15,12 @@ here adds noise or changes what one example can contribute.
   activations a_j and output gradients g_j = ∂ℓ_j/∂out_j; a registered *ghost norm* turns
   those into ‖∇_θ ℓ_j‖² for the layer's parameters without forming the per-example gradient
   (for nn.Linear: ‖g_j a_jᵀ‖_F² = ‖a_j‖²‖g_j‖² when the input has no sequence dimension).
-  Pass 2 is one backward of Σ_j c_j ℓ_j through the graph kept from pass 1, which is
-  Σ_j c_j ∇_θ ℓ_j. Nothing of size B × |θ| is formed.
+  Pass 2 needs no second backward when every such layer also has a registered *ghost sum*
+  (the book-keeping of Bu et al. 2023, "Differentially private optimization on large model at
+  small cost", §3): from the same a_j, g_j, Σ_j c_j ∇_W ℓ_j = Σ_j c_j g_j a_jᵀ = Gᵀ diag(c) A
+  for nn.Linear, one matmul per layer; otherwise pass 2 is one backward of Σ_j c_j ℓ_j through
+  the graph kept from pass 1. Either way it is Σ_j c_j ∇_θ ℓ_j, and nothing of size B × |θ| is
+  formed.
 
 Both rely on the model treating examples independently (`DenseModel`'s contract: no batch
 statistics), so ∂(Σ_k ℓ_k)/∂x_j = ∂ℓ_j/∂x_j for every per-example tensor x. `dense_gradients`
@@ -79,6 +83,44 @@ def _linear_ghost_norm(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> to
     return sq
 
 
+# ---- ghost sums: Σ_j c_j ∇ℓ_j of one layer's own parameters from pass 1's captures ---------------
+GhostSum = Callable[..., dict]  # (layer, activations, output gradients, factors [B]) -> {name: tensor}
+_GHOST_SUMS: dict[type, GhostSum] = {}
+
+
+def register_ghost_sum(*layer_types: type) -> Callable[[GhostSum], GhostSum]:
+    """Register `fn(layer, activations, backprops, factors) -> {parameter name (recurse=False):
+    Σ_j factors_j ∇ℓ_j, float64}`. Refuses to overwrite a registration, like the ghost norms."""
+
+    def decorator(fn: GhostSum) -> GhostSum:
+        for t in layer_types:
+            if t in _GHOST_SUMS:
+                raise ValueError(f"a ghost sum for {t.__name__} is already registered ({_GHOST_SUMS[t].__qualname__})")
+            _GHOST_SUMS[t] = fn
+        return fn
+
+    return decorator
+
+
+@register_ghost_sum(nn.Linear)
+def _linear_ghost_sum(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor, factors: torch.Tensor) -> dict:
+    """Σ_j c_j Σ_t g_jt a_jtᵀ and Σ_j c_j Σ_t g_jt (t over a sequence dimension, if any), in
+    the activations' precision (as the backward it replaces), returned as float64."""
+    c = factors.to(a.dtype)
+    if a.dim() > 2:
+        a, g = a.flatten(1, -2), g.flatten(1, -2)  # [B, T, in], [B, T, out]
+        weighted = g * c[:, None, None]
+        out = {"weight": torch.einsum("bto,bti->oi", weighted, a).double()}
+        bias = weighted.sum((0, 1))
+    else:
+        weighted = g * c[:, None]
+        out = {"weight": (weighted.T @ a).double()}
+        bias = weighted.sum(0)
+    if layer.bias is not None:
+        out["bias"] = bias.double()
+    return out
+
+
 # ---- the two implementations -----------------------------------------------------------------------
 class DenseGradients(abc.ABC):
     """Pass 1 at construction; `clipped_sum(factors)` is pass 2 (once)."""
@@ -125,6 +167,7 @@ class GhostGradients(DenseGradients):
         def capture(layer, inputs, output):
             captured.append((layer, inputs[0], output, (inputs[0]._version, output._version)))
 
+        self._book_keeping = all(type(layer) in _GHOST_SUMS for layer in layers)
         handles = [layer.register_forward_hook(capture) for layer in layers]
         try:
             with torch.enable_grad():
@@ -132,8 +175,8 @@ class GhostGradients(DenseGradients):
                 self._losses: Optional[torch.Tensor] = model.loss(model(pooled_leaf, dense), labels)
                 _check_captures(captured)
                 outputs = [out for _, _, out, _ in captured]
-                grads = torch.autograd.grad(self._losses.sum(), [pooled_leaf, *outputs], retain_graph=True,
-                                            allow_unused=True)
+                grads = torch.autograd.grad(self._losses.sum(), [pooled_leaf, *outputs],
+                                            retain_graph=not self._book_keeping, allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
@@ -141,21 +184,35 @@ class GhostGradients(DenseGradients):
         self.losses = self._losses.detach()
         self.pooled_grads = grads[0] if grads[0] is not None else torch.zeros_like(pooled)
         sq = torch.zeros(B, dtype=torch.float64)
+        self._captures = []  # (layer, a, g) for the ghost sums
         for (layer, a, _, _), g in zip(captured, grads[1:]):
             if g is not None:  # an output that does not reach the loss has zero gradient
                 sq = sq + _GHOST_NORMS[type(layer)](layer, a.detach(), g.detach())
+                self._captures.append((layer, a.detach(), g.detach()))
         self.sq_norms = sq
+        if self._book_keeping:
+            self._losses = None  # no second backward: the graph can go now
         self._used = False
 
     def clipped_sum(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
         if self._used:
             raise RuntimeError("GhostGradients.clipped_sum runs once (it frees pass 1's graph)")
         self._used = True
-        losses = self._losses
-        assert losses is not None
         named = [(n, p) for n, p in self.model.named_parameters()]
         trainable = [(n, p) for n, p in named if p.requires_grad and p.numel()]
         sums = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in named}
+        if self._book_keeping:
+            prefix = {id(m): (name + "." if name else "") for name, m in self.model.named_modules()}
+            wanted = {n for n, _ in trainable}
+            for layer, a, g in self._captures:
+                for local, value in _GHOST_SUMS[type(layer)](layer, a, g, factors).items():
+                    name = prefix[id(layer)] + local
+                    if name in wanted:
+                        sums[name] = value
+            self._captures = []
+            return sums
+        losses = self._losses
+        assert losses is not None
         if trainable and losses.numel():
             grads = torch.autograd.grad(losses, [p for _, p in trainable],
                                         grad_outputs=factors.to(losses.dtype), allow_unused=True)
