@@ -108,8 +108,10 @@ def run_randomness(cfg: Config) -> PrivacyRandomness:
     return PrivacyRandomness.fresh()
 
 
-def build_run(cfg: Config) -> Run:
-    """Everything a run needs (trainer/run.py `Run`): engine, splits, metadata, privacy plan."""
+def build_run(cfg: Config, train_transform=None) -> Run:
+    """Everything a run needs (trainer/run.py `Run`): engine, splits, metadata, privacy plan.
+    `train_transform(train_split) -> split`: applied to the training split before anything is
+    planned from it (the one-run audit adds its canaries there, trainer/audit.py)."""
     from trainer.data import PoissonSampler
 
     if cfg.cluster.backend == "ray":  # connection problems surface before any data work
@@ -123,6 +125,8 @@ def build_run(cfg: Config) -> Run:
         from trainer.data.dataset import hold_out
 
         train_set, validation_set = hold_out(train_set, cfg.data.validation_fraction, cfg.data.seed)
+    if train_transform is not None:
+        train_set = train_transform(train_set)
     meta = train_set.meta
     layout = _layout(meta, cfg)
     torch.manual_seed(cfg.train.seed)

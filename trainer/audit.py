@@ -1,0 +1,309 @@
+"""One-run privacy audit of a whole training run: canaries with rows of their own, white box.
+
+What is audited: the released model of one `widedp train` run of the user's configuration,
+against the ε the run's ledger claims, for the engine's neighbouring relation (add/remove one
+example, docs/DESIGN.md §1). Steinke, Nasr & Jagielski, "Privacy auditing with one (1)
+training run" (NeurIPS 2023): m canary examples, each included in the training set
+independently with probability ½ by the auditor's own secret coins; after training, score
+every canary, guess "member" for the k+ highest scores and "non-member" for the k− lowest,
+and turn the number of correct guesses into an ε lower bound at a stated confidence
+(`accounting.one_run_audit`). If the run is (ε, δ)-DP, the bound exceeds ε with probability
+at most 1 − confidence: a bound above the claimed ε is evidence the claim is false.
+
+Canaries (white box): canary i is one example whose bag of the audited feature is the single
+id of a row r_i appended to that feature's table — a row no real example and no other canary
+touches — so row r_i's history is exactly the per-step mechanism applied to canary i alone
+(its selection and its noise). To put as much of its clipped gradient as it can on that row
+(the analogue of the paper's Dirac gradient canaries), a CTR canary has every other bag empty,
+dense features 0 and label 1; a CBOW canary's context is its word, with a target and
+negatives drawn uniformly from their (other) table, since its loss needs them.
+Score: ‖released row r_i − initial row r_i‖₂ (the released model: the averaged tables when
+averaging is on). Ties (e.g. rows never selected: score 0) are broken by a random order from
+the audit's generator, which is independent of the membership coins.
+
+The canary rows enlarge one table by m rows: the audited run is the user's configuration with
+that table m rows larger and up to m more examples (n, and so q = b/n at fixed b, change a
+little; the run's own ledger gives the claimed ε of exactly the run that was audited).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from trainer.data.dataset import Batch, _gather_jagged
+
+AUDIT_KINDS = ("one-run",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Canaries:
+    """m canaries: feature `feature`'s table gets rows [first_row, first_row + m); canary i
+    reads row first_row + i through that feature and ids[f][i] through every feature f;
+    `included[i]` is its secret membership coin."""
+
+    feature: str
+    table: str
+    first_row: int
+    ids: dict  # feature -> int64 [m, 0] (empty bags) or [m, 1]
+    dense: np.ndarray  # float32 [m, num_dense]
+    labels: np.ndarray  # float32 [m]
+    included: np.ndarray  # bool [m]
+
+    @property
+    def count(self) -> int:
+        return int(self.included.size)
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self.first_row + np.arange(self.count, dtype=np.int64)
+
+
+def make_canaries(meta, count: int, feature: Optional[str], rng: np.random.Generator) -> Canaries:
+    """`count` canaries for a data set with `meta` (trainer.data.DatasetMeta); `feature`: the
+    one whose table gets the canary rows (default: the first feature). Coins from `rng`."""
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 2:
+        raise ValueError(f"--canaries must be an integer >= 2, got {count!r}")
+    feature = feature or meta.features[0]
+    if feature not in meta.features:
+        raise ValueError(f"audit feature {feature!r} is not a feature of the data set; features are {meta.features}")
+    table = meta.feature_tables[feature]
+    first_row = int(meta.table_sizes[table])
+    # Other features: empty bags (CTR), or ids from their own tables (CBOW; never the audited table).
+    ids = {f: (np.empty((count, 0), np.int64) if meta.kind == "ctr" or meta.feature_tables[f] == table else
+               rng.integers(0, meta.table_sizes[meta.feature_tables[f]], (count, 1)).astype(np.int64))
+           for f in meta.features}
+    ids[feature] = (first_row + np.arange(count, dtype=np.int64)).reshape(count, 1)
+    dense = np.zeros((count, meta.num_dense), dtype=np.float32)
+    labels = np.ones(count, dtype=np.float32) if meta.kind == "ctr" else np.zeros(count, dtype=np.float32)
+    included = rng.random(count) < 0.5
+    return Canaries(feature, table, first_row, ids, dense, labels, included)
+
+
+class WithCanaries:
+    """A training split plus the included canaries, as one split (indices [0, n) are the
+    base split's, [n, n + included) the included canaries' in canary order). The same
+    interface the engine uses: `meta` (the audited table m rows larger), `take`, `len`,
+    `feature_rows`, `iter_batches`."""
+
+    def __init__(self, base, canaries: Canaries):
+        self.base, self.canaries = base, canaries
+        self.members = np.flatnonzero(canaries.included)
+        meta = base.meta
+        sizes = dict(meta.table_sizes)
+        sizes[canaries.table] = canaries.first_row + canaries.count
+        self.meta = dataclasses.replace(meta, table_sizes=sizes, num_examples=len(base) + self.members.size)
+
+    def __len__(self) -> int:
+        return len(self.base) + int(self.members.size)
+
+    def take(self, indices) -> Batch:
+        """Examples at these indices, in the order given (a Batch as `ParquetDataset.take`)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
+            raise IndexError(f"index {bad} out of range for split of size {len(self)}")
+        n = len(self.base)
+        in_base = idx < n
+        base = self.base.take(idx[in_base])
+        canary = self.members[idx[~in_base] - n]
+        features = list(self.meta.features)
+        b_len = base.sparse.lengths().numpy().reshape(len(features), -1) if base.size else np.zeros((len(features), 0), np.int32)
+        b_val = base.sparse.values().numpy()
+        b_off = np.concatenate([[0], np.cumsum(b_len.sum(1))])
+        # Position of every example of the merged batch among (base batch, canary batch).
+        source = np.empty(idx.size, dtype=np.int64)
+        source[np.flatnonzero(in_base)] = np.arange(base.size)
+        source[np.flatnonzero(~in_base)] = base.size + np.arange(canary.size)
+        values, lengths = [], []
+        for f, name in enumerate(features):
+            own = self.canaries.ids[name][canary]
+            f_len = np.concatenate([b_len[f], np.full(canary.size, own.shape[1], dtype=np.int64)])
+            f_val = np.concatenate([b_val[b_off[f]: b_off[f + 1]], own.reshape(-1)])
+            v, ln = _gather_jagged(np.concatenate([[0], np.cumsum(f_len)]), f_val, source)
+            values.append(v)
+            lengths.append(ln.astype(np.int32))
+        sparse = KeyedJaggedTensor(keys=features, values=torch.from_numpy(np.concatenate(values).astype(np.int64)),
+                                   lengths=torch.from_numpy(np.concatenate(lengths) if lengths else np.zeros(0, np.int32)),
+                                   stride=int(idx.size))
+        dense = torch.cat([base.dense, torch.from_numpy(self.canaries.dense[canary])])[torch.from_numpy(source)]
+        labels = torch.cat([base.labels, torch.from_numpy(self.canaries.labels[canary])])[torch.from_numpy(source)]
+        return Batch(sparse=sparse, dense=dense.reshape(idx.size, self.meta.num_dense), labels=labels, indices=idx.copy())
+
+    def iter_batches(self, batch_size: int):
+        for start in range(0, len(self), batch_size):
+            yield self.take(np.arange(start, min(start + batch_size, len(self)), dtype=np.int64))
+
+    def feature_rows(self, feature: str) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, ids) of one feature over the whole split, canaries last (DP-FEST)."""
+        offsets, ids = self.base.feature_rows(feature)
+        extra = self.canaries.ids[feature][self.members]  # [members, 0 or 1]
+        more = offsets[-1] + extra.shape[1] * np.arange(1, self.members.size + 1, dtype=np.int64)
+        return np.concatenate([offsets, more]), np.concatenate([ids, extra.reshape(-1)])
+
+
+def canary_row_values(engine, canaries: Canaries, released: bool) -> np.ndarray:
+    """The canary rows' values [m, D] on the shards: the released ones (averaged weights when
+    averaging is on) or the weights as they are."""
+    layout = engine.layout
+    t = layout.table_index(canaries.table)
+    rows = canaries.rows
+    tables = np.full(rows.size, t, dtype=np.int64)
+    owner = layout.owner(tables, rows)
+    local = rows - layout.shard_start(tables, owner)
+    states = engine.shards.broadcast("state_dict")
+    out = np.empty((rows.size, layout.dim), dtype=np.float64)
+    for s, state in enumerate(states):
+        mine = owner == s
+        if mine.any():
+            weights = state.get("averaged_weights") if released and "averaged_weights" in state else state["weights"]
+            out[mine] = np.asarray(weights[t])[local[mine]]
+    return out
+
+
+def white_box_scores(initial: np.ndarray, final: np.ndarray) -> np.ndarray:
+    """‖final row − initial row‖₂ per canary."""
+    return np.linalg.norm(final - initial, axis=1)
+
+
+def guess_counts(count: int, member_fraction: float, non_member_fraction: float) -> tuple[int, int]:
+    """(k+, k−) = (⌊member_fraction · m⌋, ⌊non_member_fraction · m⌋), fixed before any score
+    is seen; at least one guess in all."""
+    for name, value in (("--member-guesses", member_fraction), ("--non-member-guesses", non_member_fraction)):
+        if not 0 <= value <= 1:
+            raise ValueError(f"{name} must be a fraction in [0, 1], got {value}")
+    k_pos, k_neg = int(member_fraction * count), int(non_member_fraction * count)
+    if k_pos + k_neg < 1 or k_pos + k_neg > count:
+        raise ValueError(f"--member-guesses + --non-member-guesses must make 1 to {count} guesses, "
+                         f"got {k_pos} + {k_neg}")
+    return k_pos, k_neg
+
+
+def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, member_fraction: float = 0.1,
+                  non_member_fraction: float = 0.1, confidence: float = 0.95, seed: Optional[int] = None,
+                  on_run: Optional[Callable[[Any], None]] = None) -> dict:
+    """Train `cfg` once with canaries and audit it (module docstring). `seed`: the audit's
+    coins and tie-breaking (default: fresh OS entropy, recorded in the result only after the
+    run). `on_run(run)`: called after the run is built, before training (tests use it to
+    break the run on purpose). Returns the audit record (`audit.json`)."""
+    from accounting.one_run_audit import audit_from_scores
+    from trainer.train import build_run
+
+    if not 0 < confidence < 1:
+        raise ValueError(f"--confidence must be in (0, 1), got {confidence}")
+    seed = int(np.random.SeedSequence().entropy) if seed is None else int(seed)  # type: ignore[arg-type]
+    rng = np.random.default_rng(seed)
+    made: dict = {}
+
+    def add_canaries(train_set):
+        made["canaries"] = make_canaries(train_set.meta, canaries, feature, rng)
+        return WithCanaries(train_set, made["canaries"])
+
+    if isinstance(canaries, bool) or not isinstance(canaries, (int, np.integer)) or canaries < 2:
+        raise ValueError(f"--canaries must be an integer >= 2, got {canaries!r}")
+    k_pos, k_neg = guess_counts(canaries, member_fraction, non_member_fraction)
+    run = build_run(cfg, train_transform=add_canaries)
+    with run:
+        if on_run is not None:
+            on_run(run)
+        c: Canaries = made["canaries"]
+        initial = canary_row_values(run.engine, c, released=False)
+        result = run.run(cfg.train.steps)
+        final = canary_row_values(run.engine, c, released=True)
+        ledger = run.engine.ledger
+        claimed = ledger.epsilon() if ledger is not None else math.inf
+        delta = float(run.privacy.delta) if ledger is not None else 0.0
+        steps = run.engine.step_count
+    scores = white_box_scores(initial, final)
+    ranked = _tie_broken(scores, rng.permutation(scores.size))
+    audit = audit_from_scores(ranked, c.included, k_pos, k_neg, delta, confidence)
+    return {
+        "kind": "one-run",
+        "mode": cfg.train.mode, "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
+        "claimed_epsilon": claimed, "delta": delta, "steps": steps, "stopped_by_budget": bool(result.stopped_by_budget),
+        "epsilon_lower_bound": audit.epsilon_lower_bound, "confidence": confidence,
+        "canaries": c.count, "members": int(c.included.sum()), "guesses": audit.guesses, "correct": audit.correct,
+        "guesses_member": k_pos, "guesses_non_member": k_neg,
+        "feature": c.feature, "table": c.table, "canary_rows": [c.first_row, c.first_row + c.count],
+        "score": "white box: ‖released row − initial row‖₂ of the canary's own row",
+        "exceeds_claim": bool(audit.epsilon_lower_bound > claimed),
+        "audit_seed": seed,
+        "member_scores": scores[c.included].tolist(), "non_member_scores": scores[~c.included].tolist(),
+    }
+
+
+def _tie_broken(scores: np.ndarray, tie_break: np.ndarray) -> np.ndarray:
+    """Scores made distinct without changing their order: equal scores ordered by `tie_break`
+    (a random permutation): the rank of (score, tie_break) as a float."""
+    order = np.lexsort((tie_break, scores))
+    ranks = np.empty(scores.size, dtype=np.float64)
+    ranks[order] = np.arange(scores.size)
+    return ranks
+
+
+def write_audit(record: dict, out_dir: Path) -> dict:
+    """audit.json and audit.png (score distributions of members and non-members) in out_dir."""
+    from accounting.atomic import atomic_write_bytes
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out_dir / "audit.json", (json.dumps(record, indent=2, default=float) + "\n").encode())
+    _plot(record, out_dir / "audit.png")
+    return {k: v for k, v in record.items() if not k.endswith("_scores")}
+
+
+def _plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    members, others = np.asarray(record["member_scores"]), np.asarray(record["non_member_scores"])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    top = max(members.max(initial=0), others.max(initial=0)) or 1.0
+    bins = np.linspace(0, top, 40)
+    ax.hist(others, bins=bins, alpha=0.6, label=f"non-members ({others.size})")
+    ax.hist(members, bins=bins, alpha=0.6, label=f"members ({members.size})")
+    ax.set_xlabel("‖released row − initial row‖₂")
+    ax.set_ylabel("canaries")
+    ax.set_title(f"{record['mode']}: ε claimed {record['claimed_epsilon']:.3g}, "
+                 f"lower bound {record['epsilon_lower_bound']:.3g} ({100 * record['confidence']:.0f}%)", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def add_commands(sub) -> dict:
+    a = sub.add_parser("audit", help="train once with canaries and bound ε from below (one-run audit)")
+    a.add_argument("--config", required=True, help="TOML config of the run to audit")
+    a.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    a.add_argument("--kind", choices=AUDIT_KINDS, default="one-run")
+    a.add_argument("--canaries", type=int, default=1000, help="m canary examples (each a member with probability ½)")
+    a.add_argument("--feature", help="the feature whose table gets the canaries' own rows (default: the first)")
+    a.add_argument("--member-guesses", type=float, default=0.1, metavar="FRACTION",
+                   help="share of the canaries guessed 'member' (the highest scores)")
+    a.add_argument("--non-member-guesses", type=float, default=0.1, metavar="FRACTION",
+                   help="share of the canaries guessed 'non-member' (the lowest scores); 0: abstain")
+    a.add_argument("--confidence", type=float, default=0.95)
+    a.add_argument("--seed", type=int, help="the audit's coins (default: secret, from OS entropy)")
+    a.add_argument("--out", help="directory for audit.json and audit.png (default RUN_DIR/audit)")
+    return {"audit": cmd_audit}
+
+
+def cmd_audit(args) -> dict:
+    from trainer.config import load_config
+
+    cfg = load_config(args.config, args.set)
+    record = one_run_audit(cfg, canaries=args.canaries, feature=args.feature, member_fraction=args.member_guesses,
+                           non_member_fraction=args.non_member_guesses, confidence=args.confidence, seed=args.seed)
+    out = Path(args.out) if args.out else Path(cfg.run_dir or "runs/latest") / "audit"
+    return {"out": str(out), **write_audit(record, out)}
