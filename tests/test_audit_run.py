@@ -12,7 +12,6 @@ per step) or far more steps and canaries than CI affords."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -20,7 +19,6 @@ import pytest
 import torch
 
 import trainer.engine as engine_module
-from accounting.events import GaussianDpEvent
 from trainer.audit import WithCanaries, make_canaries, one_run_audit, write_audit
 from trainer.config import load_config
 from trainer.data.dataset import open_dataset
@@ -37,9 +35,9 @@ def _cfg(ctr_dir, *extra):
     return load_config(None, [f"data.path={ctr_dir}", *AUDIT, *extra]).validate()
 
 
-def _audit(cfg, on_run=None, seed=7, non_member_fraction=0.1):
+def _audit(cfg, broken=None, seed=7, non_member_fraction=0.1):
     return one_run_audit(cfg, canaries=CANARIES, member_fraction=0.1, non_member_fraction=non_member_fraction,
-                         confidence=0.95, seed=seed, on_run=on_run)
+                         confidence=0.95, seed=seed, broken=broken)
 
 
 def test_the_canary_split_returns_base_and_canary_examples_in_the_order_given(ctr_dir):
@@ -95,32 +93,25 @@ def test_correct_private_runs_stay_at_or_below_the_claimed_epsilon(ctr_dir, mode
     assert record["epsilon_lower_bound"] <= record["claimed_epsilon"], record
 
 
-def test_dpsgd_with_its_noise_off_is_caught(ctr_dir, monkeypatch):
-    real = engine_module.noisy_step
-
-    def no_noise(rows, dense, noise_multiplier, *args, **kwargs):
-        step = real(rows, dense, 0.0, *args, **kwargs)
-        return dataclasses.replace(step, event=GaussianDpEvent(noise_multiplier))  # the ledger is told σ
-
-    monkeypatch.setattr(engine_module, "noisy_step", no_noise)
-    record = _audit(_cfg(ctr_dir, "train.mode=dpsgd"), non_member_fraction=0.0)
+def test_dpsgd_with_its_noise_off_is_caught(ctr_dir):
+    """The ledger is told σ, the steps draw no noise: the canaries' rows move only if members."""
+    record = _audit(_cfg(ctr_dir, "train.mode=dpsgd"), broken="noise-off", non_member_fraction=0.0)
+    assert record["broken"] == "noise-off"
     assert record["epsilon_lower_bound"] > 2 * record["claimed_epsilon"], record
 
 
 def test_a_selection_that_takes_every_touched_row_is_caught(ctr_dir):
-    def broken(run):
-        engine = run.engine
-        real = engine._select
-
-        def every_touched_row(rows):
-            sel = real(rows)
-            touched = rows.global_ids[~np.isin(rows.tables, engine.dense_tables)]
-            return dataclasses.replace(sel, ids=np.union1d(sel.ids, touched))  # event: the real selector's
-
-        engine._select = every_touched_row
-
-    record = _audit(_cfg(ctr_dir, "train.mode=sparse"), on_run=broken, non_member_fraction=0.0)
+    record = _audit(_cfg(ctr_dir, "train.mode=sparse"), broken="every-touched-row", non_member_fraction=0.0)
     assert record["epsilon_lower_bound"] > 2 * record["claimed_epsilon"], record
+
+
+def test_the_broken_variants_leave_the_engine_as_it_was(ctr_dir):
+    cfg = _cfg(ctr_dir, "train.mode=sparse", "train.steps=2")
+    before = engine_module.noisy_step
+    one_run_audit(cfg, canaries=10, broken="noise-off", seed=1)
+    assert engine_module.noisy_step is before
+    with pytest.raises(ValueError, match="--broken must be one of"):
+        one_run_audit(cfg, canaries=10, broken="sigma-off")
 
 
 def test_audit_writes_its_record_and_plot(ctr_dir, tmp_path):

@@ -28,11 +28,12 @@ little; the run's own ledger gives the claimed ε of exactly the run that was au
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -41,6 +42,52 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from trainer.data.dataset import Batch, _gather_jagged
 
 AUDIT_KINDS = ("one-run",)
+
+
+# ---- deliberately broken training: the audit's teeth ------------------------------------------------
+@contextlib.contextmanager
+def _noise_off(run):
+    """Every Gaussian step draws no noise while the ledger is told the planned σ."""
+    import trainer.engine as engine_module
+    from accounting.events import GaussianDpEvent
+
+    real = engine_module.noisy_step
+
+    def no_noise(rows, dense, noise_multiplier, *args, **kwargs):
+        step = real(rows, dense, 0.0, *args, **kwargs)
+        return dataclasses.replace(step, event=GaussianDpEvent(noise_multiplier))
+
+    engine_module.noisy_step = no_noise
+    try:
+        yield
+    finally:
+        engine_module.noisy_step = real
+
+
+@contextlib.contextmanager
+def _every_touched_row(run):
+    """The selection also takes every touched row of the sparse tables (as if it skipped the
+    private mechanism for them) while the real selector's event is charged."""
+    engine = run.engine
+    real = engine._select
+
+    def every_touched_row(rows):
+        selection = real(rows)
+        if selection is None:
+            return None
+        touched = rows.global_ids[~np.isin(rows.tables, engine.dense_tables)]
+        return dataclasses.replace(selection, ids=np.union1d(selection.ids, touched))
+
+    engine._select = every_touched_row
+    try:
+        yield
+    finally:
+        del engine._select
+
+
+#: Broken variants for `widedp audit --broken`: a run made non-private on purpose, to show that
+#: the audit catches it on the user's own configuration. Never used by training.
+BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "every-touched-row": _every_touched_row}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,16 +235,18 @@ def guess_counts(count: int, member_fraction: float, non_member_fraction: float)
 
 def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, member_fraction: float = 0.1,
                   non_member_fraction: float = 0.1, confidence: float = 0.95, seed: Optional[int] = None,
-                  on_run: Optional[Callable[[Any], None]] = None) -> dict:
+                  broken: Optional[str] = None) -> dict:
     """Train `cfg` once with canaries and audit it (module docstring). `seed`: the audit's
     coins and tie-breaking (default: fresh OS entropy, recorded in the result only after the
-    run). `on_run(run)`: called after the run is built, before training (tests use it to
-    break the run on purpose). Returns the audit record (`audit.json`)."""
+    run). `broken`: a name in BROKEN_VARIANTS to train deliberately broken (the record says
+    so). Returns the audit record (`audit.json`)."""
     from accounting.one_run_audit import audit_from_scores
     from trainer.train import build_run
 
     if not 0 < confidence < 1:
         raise ValueError(f"--confidence must be in (0, 1), got {confidence}")
+    if broken is not None and broken not in BROKEN_VARIANTS:
+        raise ValueError(f"--broken must be one of {sorted(BROKEN_VARIANTS)}, got {broken!r}")
     seed = int(np.random.SeedSequence().entropy) if seed is None else int(seed)  # type: ignore[arg-type]
     rng = np.random.default_rng(seed)
     made: dict = {}
@@ -211,11 +260,10 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     k_pos, k_neg = guess_counts(canaries, member_fraction, non_member_fraction)
     run = build_run(cfg, train_transform=add_canaries)
     with run:
-        if on_run is not None:
-            on_run(run)
         c: Canaries = made["canaries"]
         initial = canary_row_values(run.engine, c, released=False)
-        result = run.run(cfg.train.steps)
+        with BROKEN_VARIANTS[broken](run) if broken else contextlib.nullcontext():
+            result = run.run(cfg.train.steps)
         final = canary_row_values(run.engine, c, released=True)
         ledger = run.engine.ledger
         claimed = ledger.epsilon() if ledger is not None else math.inf
@@ -225,7 +273,7 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     ranked = _tie_broken(scores, rng.permutation(scores.size))
     audit = audit_from_scores(ranked, c.included, k_pos, k_neg, delta, confidence)
     return {
-        "kind": "one-run",
+        "kind": "one-run", "broken": broken,
         "mode": cfg.train.mode, "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
         "claimed_epsilon": claimed, "delta": delta, "steps": steps, "stopped_by_budget": bool(result.stopped_by_budget),
         "epsilon_lower_bound": audit.epsilon_lower_bound, "confidence": confidence,
@@ -295,6 +343,9 @@ def add_commands(sub) -> dict:
                    help="share of the canaries guessed 'non-member' (the lowest scores); 0: abstain")
     a.add_argument("--confidence", type=float, default=0.95)
     a.add_argument("--seed", type=int, help="the audit's coins (default: secret, from OS entropy)")
+    a.add_argument("--broken", choices=sorted(BROKEN_VARIANTS),
+                   help="train deliberately broken (noise off / every touched row selected, the ledger told "
+                        "otherwise) to see the audit catch it on this configuration; NOT a private run")
     a.add_argument("--out", help="directory for audit.json and audit.png (default RUN_DIR/audit)")
     return {"audit": cmd_audit}
 
@@ -304,6 +355,7 @@ def cmd_audit(args) -> dict:
 
     cfg = load_config(args.config, args.set)
     record = one_run_audit(cfg, canaries=args.canaries, feature=args.feature, member_fraction=args.member_guesses,
-                           non_member_fraction=args.non_member_guesses, confidence=args.confidence, seed=args.seed)
+                           non_member_fraction=args.non_member_guesses, confidence=args.confidence, seed=args.seed,
+                           broken=args.broken)
     out = Path(args.out) if args.out else Path(cfg.run_dir or "runs/latest") / "audit"
     return {"out": str(out), **write_audit(record, out)}
