@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, fmt_bytes, machine_line  # noqa: E402
 
 NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "privacy_overhead", "communication",
-         "phase_breakdown", "privacy_utility", "paper_fig1")
+         "phase_breakdown", "privacy_utility", "paper_fig1", "privacy_audit")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -750,6 +750,54 @@ def section_fig1(doc, plots, out_dir) -> tuple[list, list]:
     return lines, goals
 
 
+def section_audit(doc) -> tuple[list, list]:
+    """benchmarks/privacy_audit.py: one-run audits of whole training runs."""
+    ok = [r for r in doc["results"] if "error" not in r]
+    m, frac = doc["canaries"], doc["member_fraction"]
+    r_guesses = int(frac * m)
+    ceiling = math.log(0.05 ** (1 / r_guesses) / (1 - 0.05 ** (1 / r_guesses))) if r_guesses else float("nan")
+    lines = [f"m = {m} canaries per run (each a member with probability ½, by the audit's secret coins), each with a "
+             "row of its own appended to the table of the config's first feature; white-box score = how far the "
+             f"canary's row moved in the released model; guesses: \"member\" for the {f(100 * frac)}% highest scores, "
+             "abstain on the rest (fixed before any run); bound of Steinke, Nasr & Jagielski (2023) at 95% confidence, "
+             f"with the run's δ. With all {r_guesses} guesses right the bound is {f(ceiling)}: no run here can show more. "
+             "`widedp audit --config FILE` runs one row; `--broken` trains a broken variant.", "",
+             "| model | run | claimed ε | ε lower bound (95%) | correct / guesses | members | member score p10 / p50 / p90 "
+             "| non-member score p10 / p50 / p90 | verdict |",
+             "|---|---|---:|---:|---:|---:|---|---|---|"]
+
+    def q(values):
+        return " / ".join(f(v) for v in values) if values else "–"
+
+    def verdict(r):
+        if r.get("broken") or r["mode"] == "nonprivate":
+            return "flagged" if r["epsilon_lower_bound"] >= 1.0 else "not flagged"
+        return "holds" if r["epsilon_lower_bound"] <= r["claimed_epsilon"] else "**VIOLATED**"
+
+    for r in ok:
+        lines.append(f"| {r['model']} | {r['label']} | {f(r['claimed_epsilon'])} | {f(r['epsilon_lower_bound'])} | "
+                     f"{r['correct']}/{r['guesses']} | {r['members']} | {q(r['member_score_quantiles'])} | "
+                     f"{q(r['non_member_score_quantiles'])} | {verdict(r)} |")
+    for r in doc["results"]:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['label']} | FAILED: {r['error'][:80]} | | | | | | |")
+    private = [r for r in ok if r["mode"] != "nonprivate" and not r.get("broken")]
+    exposed = [r for r in ok if r["mode"] == "nonprivate" or r.get("broken")]
+    worst = max(private, key=lambda r: r["epsilon_lower_bound"] - r["claimed_epsilon"], default=None)
+    held = all(r["epsilon_lower_bound"] <= r["claimed_epsilon"] for r in private)
+    missed = [f"{r['model']} {r['label']}" for r in exposed if r["epsilon_lower_bound"] < 1.0]
+    goals = [("One-run ε lower bound ≤ claimed ε for every private mode and selector",
+              f"{len(private)} runs; largest bound {f(worst['epsilon_lower_bound'])} ({worst['model']} {worst['label']}, "
+              f"claimed {f(worst['claimed_epsilon'])})" if worst else "not measured",
+              "**met**" if private and held else "**missed**", f"m = {m}"),
+             ("Non-private and broken runs: one-run ε lower bound ≥ 1 at 95% confidence",
+              f"{len(exposed) - len(missed)} of {len(exposed)} flagged" + (f"; not flagged: {', '.join(missed)}" if missed else ""),
+              "**met**" if exposed and not missed else "**missed**",
+              "a broken variant the white-box row score cannot see (noise off where only selected rows move; "
+              "a selection bug on a table the policy noises densely) stays below 1" if missed else f"m = {m}")]
+    return lines, goals
+
+
 # ---- the document ---------------------------------------------------------------------------------
 
 def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
@@ -773,6 +821,7 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          ["auc_vs_eps_ctr", "loss_vs_eps_cbow"]),
         ("paper_fig1", "7. The seed paper's Fig 1 setting, and the accountants compared", lambda d: section_fig1(d, plots, plot_dir),
          ["fig1_loss_curves", "epsilon_vs_step"]),
+        ("privacy_audit", "7b. One-run privacy audits of whole training runs", section_audit, []),
     ]
     machines = {}
     for name, title, fn, plot_keys in sections:

@@ -380,3 +380,37 @@ def test_trainer_scaling_section_reports_work_per_trainer_from_the_json(tmp_path
     assert "| ray N=2 | 100 | 2,000 | 2× | 20 / 20 | 0.5 |" in md
     assert "N = 2: CPU per trainer 0.5× and bytes per trainer 0.5× N = 1's" in md
     assert "not measured at every N" in md  # N = 4 is missing
+
+
+def test_audit_section_marks_a_private_claim_exceeded_and_an_unflagged_broken_run(tmp_path):
+    """The RESULTS section of benchmarks/privacy_audit.py reads its verdicts from the JSON: a
+    private run whose bound exceeds its claim is VIOLATED and the goal missed; a broken run
+    below 1 is 'not flagged'; with every verdict right both goals are met."""
+    sys.path.insert(0, str(BENCH))
+    import make_results
+
+    def run(label, mode, claimed, bound, broken=None):
+        return {"model": "ctr", "label": label, "mode": mode, "broken": broken, "claimed_epsilon": claimed,
+                "epsilon_lower_bound": bound, "correct": 60, "guesses": 100, "members": 500,
+                "member_score_quantiles": [0.0, 0.1, 0.2], "non_member_score_quantiles": [0.0, 0.0, 0.0]}
+
+    good = [run("nonprivate", "nonprivate", float("inf"), 3.4), run("dpsgd", "dpsgd", 1.0, 0.0),
+            run("sparse/em", "sparse", 1.0, 0.5), run("dpsgd BROKEN noise-off", "dpsgd", 1.0, 3.1, "noise-off")]
+    res = tmp_path / "results"
+    res.mkdir()
+    for name, results in (("good", good), ("bad", [*good[:-1], run("sparse/em", "sparse", 1.0, 1.7),
+                                                    run("sparse BROKEN noise-off", "sparse", 1.0, 0.2, "noise-off")])):
+        doc = {"benchmark": "privacy_audit", "quick": False, "machine": _machine(), "canaries": 1000,
+               "member_fraction": 0.1, "confidence": 0.95, "results": results}
+        (res / "privacy_audit.json").write_text(json.dumps(doc))
+        md = make_results.render(res, tmp_path / name).read_text()
+        goals = [line for line in md.splitlines() if line.startswith("| One-run ε lower bound") or
+                 line.startswith("| Non-private and broken runs")]
+        assert len(goals) == 2
+        if name == "good":
+            assert all("**met**" in g for g in goals) and "VIOLATED" not in md
+            assert "With all 100 guesses right the bound is 3.49" in md
+        else:
+            assert all("**missed**" in g for g in goals)
+            assert "| ctr | sparse/em | 1 | 1.7 | 60/100 | 500 |" in md and "**VIOLATED**" in md
+            assert "not flagged: ctr sparse BROKEN noise-off" in md

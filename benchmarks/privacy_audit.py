@@ -1,0 +1,120 @@
+"""One-run privacy audits of whole training runs: every mode and selector, and broken runs.
+
+Each row trains a model once with m canaries (trainer/audit.py: each canary an example with a
+row of its own, a member with probability ½ by the audit's secret coins) and turns the
+white-box scores (how far each canary's row moved in the released model) into an ε lower
+bound (Steinke, Nasr & Jagielski 2023) at 95% confidence. Guess rule, fixed before any run:
+"member" for the 10% highest scores, abstain on the rest (a canary's row that never moved
+says little either way). Rows: `nonprivate`, `dpsgd`, `sparse` with every selector the
+config can run, and the deliberately broken variants of `widedp audit --broken` (noise off
+while the ledger is told σ; a selection that takes every touched row while charging the
+selector's event). A correct private run must stay at or below its claimed ε; non-private
+and broken runs should exceed 1, up to what m allows (with m canaries and r = m/10 guesses
+all correct the bound is logit(0.05^(1/r)): 3.49 at m = 1000).
+
+Each run in a fresh process, in-process shards (`cluster.backend = "local"`: the audited
+computation does not depend on placement).
+
+    python benchmarks/privacy_audit.py [--quick] [--models ctr,cbow] [--canaries 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import announce_machine, ensure_config_dataset, format_table, quick_data_overrides, run_worker, worker_entry, write_results
+
+CONFIGS = {"ctr": "configs/ctr.toml", "cbow": "configs/cbow.toml"}
+SELECTORS = ("threshold", "fest-threshold", "em", "em-count", "noisy-max", "noisy-max-count", "svt", "fest", "random")
+MEMBER_FRACTION = 0.1
+
+
+def rows_for(model: str) -> list[dict]:
+    """(label, mode, selection, broken) of every audited run of one model."""
+    out = [{"mode": "nonprivate"}, {"mode": "dpsgd"}]
+    out += [{"mode": "sparse", "selection": s} for s in SELECTORS]
+    out += [{"mode": "dpsgd", "broken": "noise-off"}, {"mode": "sparse", "broken": "noise-off"},
+            {"mode": "sparse", "broken": "every-touched-row"}]
+    return out
+
+
+def audit_worker(spec: dict) -> dict:
+    from trainer.audit import one_run_audit
+    from trainer.config import load_config
+
+    cfg = load_config(spec["config"], spec["overrides"])
+    cfg.validate()
+    t0 = time.perf_counter()
+    record = one_run_audit(cfg, canaries=spec["canaries"], member_fraction=MEMBER_FRACTION, non_member_fraction=0.0,
+                           confidence=0.95, seed=spec.get("seed"), broken=spec.get("broken"))
+    import numpy as np
+
+    members, others = np.asarray(record.pop("member_scores")), np.asarray(record.pop("non_member_scores"))
+    quantiles = [0.1, 0.5, 0.9]
+    record["member_score_quantiles"] = np.quantile(members, quantiles).tolist() if members.size else []
+    record["non_member_score_quantiles"] = np.quantile(others, quantiles).tolist() if others.size else []
+    record["seconds"] = time.perf_counter() - t0
+    return record
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small data, 40 steps, 400 canaries, fewer selectors")
+    parser.add_argument("--models", default="ctr,cbow")
+    parser.add_argument("--canaries", type=int, default=None, help="m (default 1000; quick 400)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    started = time.time()
+    machine = announce_machine()
+    canaries = args.canaries or (400 if args.quick else 1000)
+    results = []
+    for model in [m for m in args.models.split(",") if m]:
+        config = CONFIGS[model]
+        base = [*(quick_data_overrides(config) if args.quick else []), "cluster.backend=local", *args.set]
+        if args.quick:
+            base.append("train.steps=40")
+        ensure_config_dataset(config, base)
+        runs = rows_for(model)
+        if args.quick:
+            runs = [r for r in runs if r.get("selection") in (None, "threshold", "fest-threshold", "em")]
+        for row in runs:
+            over = [*base, f"train.mode={row['mode']}"] + ([f"train.selection={row['selection']}"] if row.get("selection") else [])
+            label = row["mode"] + (f"/{row['selection']}" if row.get("selection") else "") + \
+                (f" BROKEN {row['broken']}" if row.get("broken") else "")
+            r = run_worker(__file__, {"config": config, "overrides": over, "canaries": canaries,
+                                      "broken": row.get("broken")}, timeout=3600)
+            r.update(model=model, label=label)
+            results.append(r)
+            if "error" in r:
+                print(f"{model} {label}: FAILED: {r['error'][:200]}")
+            else:
+                print(f"{model:>5} {label:>38}: claimed ε {r['claimed_epsilon']:.3g}, lower bound "
+                      f"{r['epsilon_lower_bound']:.3g} ({r['correct']}/{r['guesses']} correct), {r['seconds']:.0f} s",
+                      flush=True)
+    ok = [r for r in results if "error" not in r]
+    print()
+    print(format_table(["model", "run", "claimed ε", "ε lower bound (95%)", "correct / guesses", "members", "verdict"],
+                       [[r["model"], r["label"], r["claimed_epsilon"], r["epsilon_lower_bound"],
+                         f"{r['correct']}/{r['guesses']}", r["members"], verdict(r)] for r in ok]))
+    payload = {"canaries": canaries, "member_fraction": MEMBER_FRACTION, "confidence": 0.95, "results": results}
+    write_results("privacy_audit", payload, quick=args.quick, machine=machine, out=args.out, started=started)
+    return payload
+
+
+def verdict(r: dict) -> str:
+    """'holds' (bound ≤ claim), 'VIOLATED' (a private claim exceeded), 'flagged' (non-private or
+    broken run with bound ≥ 1), 'not flagged' (non-private or broken run below 1)."""
+    if r.get("broken") or r["mode"] == "nonprivate":
+        return "flagged" if r["epsilon_lower_bound"] >= 1.0 else "not flagged"
+    return "holds" if r["epsilon_lower_bound"] <= r["claimed_epsilon"] else "VIOLATED"
+
+
+if __name__ == "__main__":
+    if not worker_entry(audit_worker):
+        main()
