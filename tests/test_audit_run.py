@@ -12,6 +12,7 @@ per step) or far more steps and canaries than CI affords."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -153,3 +154,66 @@ def test_audit_refuses_bad_parameters_naming_them(ctr_dir):
         one_run_audit(cfg, canaries=10, member_fraction=0.0, non_member_fraction=0.0)
     with pytest.raises(ValueError, match="audit feature 'nope'"):
         one_run_audit(cfg, canaries=10, feature="nope")
+
+
+# ---- the seed's canary exposure test (wide-network-dp §6.5) ---------------------------------------------
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    from trainer.data.synth import synth_text
+
+    path = tmp_path_factory.mktemp("text") / "cbow"
+    synth_text(path, num_examples=4000, vocab=200, seed=5, negatives=2)
+    return path
+
+
+def test_phrase_log_perplexity_is_the_sum_of_the_models_next_word_log_probabilities():
+    """The vectorized P(c) equals the slow per-phrase sum −log Pr(c1|c0) − log Pr(c2|c0,c1)
+    with Pr(w | context) the softmax of o_w · mean(context input rows)."""
+    from accounting.canary_exposure import log_perplexity
+    from trainer.audit import phrase_log_perplexities
+
+    rng = np.random.default_rng(0)
+    inputs, outputs = rng.normal(size=(30, 5)), rng.normal(size=(30, 5))
+    phrases = rng.integers(0, 30, (6, 3))
+
+    def log_prob(context):  # the empty context (c0's term, not in the seed's P(c)): uniform
+        logits = outputs @ inputs[list(context)].mean(0) if context else np.zeros(30)
+        return logits - np.log(np.exp(logits).sum())
+
+    want = [log_perplexity(log_prob, tuple(p)) - np.log(30) for p in phrases]
+    np.testing.assert_allclose(phrase_log_perplexities(inputs, outputs, phrases), want, rtol=1e-12)
+
+
+def test_each_inserted_phrase_is_three_examples_per_insertion(text_dir):
+    from trainer.audit import make_phrase_examples
+
+    train, _ = open_dataset(text_dir, test_fraction=0.2, seed=0)
+    examples = make_phrase_examples(train.meta, np.array([[3, 4, 5]]), 2, np.random.default_rng(0))
+    assert examples.count == 6 and examples.included.all() and examples.table is None
+    np.testing.assert_array_equal(examples.ids["target"][:3, 0], [3, 4, 5])
+    np.testing.assert_array_equal(examples.ids["context"][:3], [[4, 5], [3, 5], [3, 4]])
+    split = WithCanaries(train, examples)
+    assert len(split) == len(train) + 6 and split.meta.table_sizes == train.meta.table_sizes
+    with pytest.raises(ValueError, match="--kind exposure needs a CBOW"):
+        make_phrase_examples(dataclasses.replace(train.meta, kind="ctr"), np.array([[1, 2, 3]]), 1,
+                             np.random.default_rng(0))
+
+
+def _text_cfg(text_dir, *extra):
+    return load_config("configs/cbow.toml", [f"data.path={text_dir}", "data.synth=", "cluster.backend=local",
+                                             "model.embedding_dim=8", "train.batch_size=128", "train.steps=60",
+                                             *extra]).validate()
+
+
+def test_exposure_flags_nonprivate_training_and_not_a_private_run_at_one_insertion(text_dir):
+    """Non-private: phrases inserted 9 times rank near the top (χ² p < 1e-6). Private at ε = 1
+    with one insertion (the example-level guarantee covers it): ranks look uniform — p > 1e-4,
+    not the audit's 0.01, so that a correct run's own 1% false alarms do not fail CI."""
+    from trainer.audit import exposure_audit
+
+    loud = exposure_audit(_text_cfg(text_dir, "train.mode=nonprivate"), canaries=100, insertions=9, references=2000,
+                          seed=3)
+    assert loud["flagged"] and loud["p_value"] < 1e-6 and loud["mean_exposure"] > 2, loud["p_value"]
+    quiet = exposure_audit(_text_cfg(text_dir, "train.mode=dpsgd", "privacy.target_epsilon=1.0"), canaries=100,
+                           insertions=1, references=2000, seed=3)
+    assert quiet["p_value"] > 1e-4 and quiet["claimed_epsilon"] <= 1.0 + 1e-6, quiet["p_value"]

@@ -41,7 +41,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from trainer.data.dataset import Batch, _gather_jagged
 
-AUDIT_KINDS = ("one-run",)
+AUDIT_KINDS = ("one-run", "exposure")
 
 
 # ---- deliberately broken training: the audit's teeth ------------------------------------------------
@@ -96,8 +96,8 @@ class Canaries:
     reads row first_row + i through that feature and ids[f][i] through every feature f;
     `included[i]` is its secret membership coin."""
 
-    feature: str
-    table: str
+    feature: Optional[str]
+    table: Optional[str]  # None: no rows of their own (inserted phrases, `make_phrase_examples`)
     first_row: int
     ids: dict  # feature -> int64 [m, 0] (empty bags) or [m, 1]
     dense: np.ndarray  # float32 [m, num_dense]
@@ -145,7 +145,8 @@ class WithCanaries:
         self.members = np.flatnonzero(canaries.included)
         meta = base.meta
         sizes = dict(meta.table_sizes)
-        sizes[canaries.table] = canaries.first_row + canaries.count
+        if canaries.table is not None:
+            sizes[canaries.table] = canaries.first_row + canaries.count
         self.meta = dataclasses.replace(meta, table_sizes=sizes, num_examples=len(base) + self.members.size)
 
     def __len__(self) -> int:
@@ -194,6 +195,110 @@ class WithCanaries:
         extra = self.canaries.ids[feature][self.members]  # [members, 0 or 1]
         more = offsets[-1] + extra.shape[1] * np.arange(1, self.members.size + 1, dtype=np.int64)
         return np.concatenate([offsets, more]), np.concatenate([ids, extra.reshape(-1)])
+
+
+# ---- canary phrases: the seed's exposure test (wide-network-dp §6.5) -----------------------------------
+def make_phrase_examples(meta, phrases: np.ndarray, insertions: int, rng: np.random.Generator) -> Canaries:
+    """CBOW examples of 3-word phrases (c0, c1, c2) [N, 3], each inserted `insertions` times as
+    its own line: with a window covering the line, each word is a target once and the other
+    two its context; negatives uniform over the output table. All are members (included)."""
+    if meta.kind != "cbow" or meta.features[:2] != ["context", "target"]:
+        raise ValueError(f"--kind exposure needs a CBOW (text) data set, got kind {meta.kind!r}")
+    if isinstance(insertions, bool) or not isinstance(insertions, (int, np.integer)) or insertions < 1:
+        raise ValueError(f"--insertions must be an integer >= 1, got {insertions!r}")
+    phrases = np.repeat(np.asarray(phrases, dtype=np.int64), insertions, axis=0)  # [N·n_c, 3]
+    target_pos = np.tile(np.arange(3), phrases.shape[0])
+    lines = np.repeat(phrases, 3, axis=0)  # one example per (insertion, target position)
+    context_pos = np.array([[1, 2], [0, 2], [0, 1]])[target_pos]
+    count = lines.shape[0]
+    ids = {"context": np.take_along_axis(lines, context_pos, axis=1),
+           "target": lines[np.arange(count), target_pos].reshape(count, 1)}
+    vocab_out = meta.table_sizes[meta.feature_tables["target"]]
+    for f in meta.features[2:]:
+        ids[f] = rng.integers(0, vocab_out, (count, 1)).astype(np.int64)
+    return Canaries(None, None, 0, ids, np.zeros((count, meta.num_dense), np.float32), np.zeros(count, np.float32),
+                    np.ones(count, dtype=bool))
+
+
+def table_values(engine, table: str, released: bool) -> np.ndarray:
+    """Every row of one table [rows, D] from the shards (released: the averaged weights when
+    averaging is on)."""
+    t = engine.layout.table_index(table)
+    parts = []
+    for state in engine.shards.broadcast("state_dict"):
+        weights = state["averaged_weights"] if released and "averaged_weights" in state else state["weights"]
+        parts.append(np.asarray(weights[t], dtype=np.float64))
+    rows = engine.layout.tables[t].num_rows
+    return np.concatenate(parts)[:rows] if rows else np.zeros((0, engine.layout.dim))
+
+
+def phrase_log_perplexities(inputs: np.ndarray, outputs: np.ndarray, phrases: np.ndarray) -> np.ndarray:
+    """P(c) = −log Pr(c1 | c0) − log Pr(c2 | c0, c1) (nats) per phrase [N, 3] under the CBOW
+    model: Pr(w | context) = softmax_w(o_w · h), h = the mean of the context words' input rows
+    (the model's own pooling), over every output row (seed §6.5)."""
+    phrases = np.asarray(phrases, dtype=np.int64)
+
+    def log_prob(h: np.ndarray, word: np.ndarray) -> np.ndarray:
+        logits = h @ outputs.T  # [N, V]
+        top = logits.max(1, keepdims=True)
+        log_z = top[:, 0] + np.log(np.exp(logits - top).sum(1))
+        return logits[np.arange(word.size), word] - log_z
+
+    h1 = inputs[phrases[:, 0]]
+    h2 = (inputs[phrases[:, 0]] + inputs[phrases[:, 1]]) / 2
+    return -log_prob(h1, phrases[:, 1]) - log_prob(h2, phrases[:, 2])
+
+
+def exposure_audit(cfg, canaries: int = 1000, insertions: int = 9, references: int = 10_000,
+                   bins: Optional[int] = None, seed: Optional[int] = None) -> dict:
+    """The seed's canary exposure test (wide-network-dp §6.5; Carlini et al. 2019): `canaries`
+    random 3-word phrases, each inserted `insertions` times into the training data; after one
+    run, each phrase's log-perplexity is ranked among `references` random phrases of the same
+    form that were not inserted, and Pearson's χ² tests the ranks against uniform (flagged:
+    p < 0.01; `bins` default min(20, canaries // 10), so each bin expects ≥ 5 ranks under
+    uniformity). Exposure = log2(references + 1) − log2(rank). A phrase inserted n_c times is a
+    group of n_c·3 examples: the example-level ε says nothing about it beyond group privacy
+    (seed Table 2: sparse flagged at n_c = 15)."""
+    from accounting.canary_exposure import canary_ranks, exposure, exposure_report
+    from trainer.train import build_run
+
+    if isinstance(canaries, bool) or not isinstance(canaries, (int, np.integer)) or canaries < 2:
+        raise ValueError(f"--canaries must be an integer >= 2, got {canaries!r}")
+    seed = int(np.random.SeedSequence().entropy) if seed is None else int(seed)  # type: ignore[arg-type]
+    rng = np.random.default_rng(seed)
+    bins = bins if bins is not None else max(2, min(20, canaries // 10))
+    made: dict = {}
+
+    def add_phrases(train_set):
+        vocab = train_set.meta.table_sizes[train_set.meta.feature_tables.get("context", "")] \
+            if train_set.meta.kind == "cbow" else 0
+        made["phrases"] = rng.integers(0, max(vocab, 1), (canaries, 3))
+        made["references"] = rng.integers(0, max(vocab, 1), (references, 3))
+        return WithCanaries(train_set, make_phrase_examples(train_set.meta, made["phrases"], insertions, rng))
+
+    run = build_run(cfg, train_transform=add_phrases)
+    with run:
+        result = run.run(cfg.train.steps)
+        inputs = table_values(run.engine, run.meta.feature_tables["context"], released=True)
+        outputs = table_values(run.engine, run.meta.feature_tables["target"], released=True)
+        ledger = run.engine.ledger
+        claimed = ledger.epsilon() if ledger is not None else math.inf
+        delta = float(run.privacy.delta) if ledger is not None else 0.0
+        steps = run.engine.step_count
+    canary_scores = phrase_log_perplexities(inputs, outputs, made["phrases"])
+    reference_scores = phrase_log_perplexities(inputs, outputs, made["references"])
+    report = exposure_report(canary_scores, reference_scores, insertions, bins)
+    ranks = canary_ranks(canary_scores, reference_scores)
+    return {
+        "kind": "exposure", "mode": cfg.train.mode,
+        "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
+        "claimed_epsilon": claimed, "delta": delta, "steps": steps, "stopped_by_budget": bool(result.stopped_by_budget),
+        "canaries": canaries, "insertions": insertions, "references": references, "bins": bins,
+        "chi2": report.chi2, "p_value": report.p_value, "flagged": bool(report.flagged),
+        "mean_exposure": report.mean_exposure, "median_exposure": report.median_exposure,
+        "exposure_max": float(np.log2(references + 1)), "audit_seed": seed,
+        "ranks": ranks.tolist(), "exposures": exposure(ranks, references + 1).tolist(),
+    }
 
 
 def canary_row_values(engine, canaries: Canaries, released: bool) -> np.ndarray:
@@ -303,7 +408,7 @@ def write_audit(record: dict, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "audit.json", (json.dumps(record, indent=2, default=float) + "\n").encode())
     _plot(record, out_dir / "audit.png")
-    return {k: v for k, v in record.items() if not k.endswith("_scores")}
+    return {k: v for k, v in record.items() if not k.endswith("_scores") and k not in ("ranks", "exposures")}
 
 
 def _plot(record: dict, path: Path) -> None:
@@ -312,17 +417,24 @@ def _plot(record: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    members, others = np.asarray(record["member_scores"]), np.asarray(record["non_member_scores"])
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    top = max(members.max(initial=0), others.max(initial=0)) or 1.0
-    bins = np.linspace(0, top, 40)
-    ax.hist(others, bins=bins, alpha=0.6, label=f"non-members ({others.size})")
-    ax.hist(members, bins=bins, alpha=0.6, label=f"members ({members.size})")
-    ax.set_xlabel("‖released row − initial row‖₂")
-    ax.set_ylabel("canaries")
-    ax.set_title(f"{record['mode']}: ε claimed {record['claimed_epsilon']:.3g}, "
-                 f"lower bound {record['epsilon_lower_bound']:.3g} ({100 * record['confidence']:.0f}%)", fontsize=9)
-    ax.legend()
+    if record["kind"] == "exposure":
+        ax.hist(record["ranks"], bins=np.linspace(1, record["references"] + 1, record["bins"] + 1))
+        ax.set_xlabel(f"rank of the canary's log-perplexity among {record['references']:,} random phrases (+ itself)")
+        ax.set_ylabel("canaries")
+        ax.set_title(f"{record['mode']}, n_c = {record['insertions']}: χ² p = {record['p_value']:.2g}, "
+                     f"mean exposure {record['mean_exposure']:.2f} bits", fontsize=9)
+    else:
+        members, others = np.asarray(record["member_scores"]), np.asarray(record["non_member_scores"])
+        top = max(members.max(initial=0), others.max(initial=0)) or 1.0
+        bins = np.linspace(0, top, 40)
+        ax.hist(others, bins=bins, alpha=0.6, label=f"non-members ({others.size})")
+        ax.hist(members, bins=bins, alpha=0.6, label=f"members ({members.size})")
+        ax.set_xlabel("‖released row − initial row‖₂")
+        ax.set_ylabel("canaries")
+        ax.set_title(f"{record['mode']}: ε claimed {record['claimed_epsilon']:.3g}, "
+                     f"lower bound {record['epsilon_lower_bound']:.3g} ({100 * record['confidence']:.0f}%)", fontsize=9)
+        ax.legend()
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=100)
@@ -335,7 +447,10 @@ def add_commands(sub) -> dict:
     a.add_argument("--config", required=True, help="TOML config of the run to audit")
     a.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     a.add_argument("--kind", choices=AUDIT_KINDS, default="one-run")
-    a.add_argument("--canaries", type=int, default=1000, help="m canary examples (each a member with probability ½)")
+    a.add_argument("--canaries", type=int, default=1000,
+                   help="one-run: m canary examples (each a member with probability ½); exposure: canary phrases")
+    a.add_argument("--insertions", type=int, default=9, help="exposure: times each canary phrase is inserted (n_c)")
+    a.add_argument("--references", type=int, default=10_000, help="exposure: random phrases the canaries are ranked among")
     a.add_argument("--feature", help="the feature whose table gets the canaries' own rows (default: the first)")
     a.add_argument("--member-guesses", type=float, default=0.1, metavar="FRACTION",
                    help="share of the canaries guessed 'member' (the highest scores)")
@@ -354,6 +469,11 @@ def cmd_audit(args) -> dict:
     from trainer.config import load_config
 
     cfg = load_config(args.config, args.set)
+    if args.kind == "exposure":
+        record = exposure_audit(cfg, canaries=args.canaries, insertions=args.insertions, references=args.references,
+                                seed=args.seed)
+        out = Path(args.out) if args.out else Path(cfg.run_dir or "runs/latest") / "audit"
+        return {"out": str(out), **write_audit(record, out)}
     record = one_run_audit(cfg, canaries=args.canaries, feature=args.feature, member_fraction=args.member_guesses,
                            non_member_fraction=args.non_member_guesses, confidence=args.confidence, seed=args.seed,
                            broken=args.broken)
