@@ -18,7 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ORDER = ("selection_scaling", "table_scaling", "communication", "privacy_overhead", "phase_breakdown", "opacus_compare",
-         "dlrm_compare", "trainer_scaling", "paper_fig1", "privacy_utility", "privacy_audit")
+         "dlrm_compare", "trainer_scaling", "paper_fig1", "privacy_utility", "privacy_audit", "canary_exposure")
 
 
 def main(argv=None) -> int:

@@ -414,3 +414,23 @@ def test_audit_section_marks_a_private_claim_exceeded_and_an_unflagged_broken_ru
             assert all("**missed**" in g for g in goals)
             assert "| ctr | sparse/em | 1 | 1.7 | 60/100 | 500 |" in md and "**VIOLATED**" in md
             assert "not flagged: ctr sparse BROKEN noise-off" in md
+
+
+def test_exposure_section_reads_flags_and_goals_from_the_json(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import make_results
+
+    def run(mode, n_c, p):
+        return {"mode": mode, "insertions": n_c, "claimed_epsilon": 8.0 if mode != "nonprivate" else float("inf"),
+                "p_value": p, "flagged": p < 0.01, "mean_exposure": 2.0, "median_exposure": 1.5}
+
+    doc = {"benchmark": "canary_exposure", "quick": False, "machine": _machine(), "config": "configs/cbow.toml",
+           "canaries": 1000, "references": 10000,
+           "results": [run("nonprivate", 3, 1e-9), run("dpsgd", 3, 0.4), run("sparse", 9, 0.002), run("sparse", 15, 1e-5)]}
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "canary_exposure.json").write_text(json.dumps(doc))
+    md = make_results.render(res, tmp_path / "docs").read_text()
+    assert "| 9 | sparse | 8 | 0.002 | yes |" in md
+    assert [line for line in md.splitlines() if line.startswith("| Canary exposure: non-private")][0].count("**met**") == 1
+    assert "**missed**" in [line for line in md.splitlines() if line.startswith("| Canary exposure: DP runs")][0]

@@ -1,0 +1,87 @@
+"""The seed's canary exposure test (wide-network-dp §6.5, Table 2) on CBOW.
+
+1,000 random three-word canary phrases, each inserted n_c ∈ {3, 9, 15} times into the
+training data (as its own line: three CBOW examples per insertion); after one training run,
+each phrase's log-perplexity P(c) = −log Pr(c1 | c0) − log Pr(c2 | c0, c1) under the released
+model, its rank among 10,000 random phrases of the same form, Pearson's χ² of the ranks
+against uniform, and the exposure log2(10,001) − log2(rank) (Carlini et al. 2019). Seed Table
+2: non-private p ≈ 0.00 at every n_c; DP-SGD and sparse p ≥ 0.31 at n_c ≤ 9; sparse p ≈ 0.00 at
+n_c = 15 (a phrase inserted n_c times is a group of 3·n_c examples: the example-level ε covers
+it only through group privacy). `trainer/audit.py::exposure_audit`, `widedp audit --kind
+exposure`. Corpus: the config's (synthetic Zipf text by default; `--set data.path=DIR
+data.synth=` for a converted real text, e.g. `widedp convert text` of a public-domain book).
+
+    python benchmarks/canary_exposure.py [--quick] [--config configs/cbow.toml] [--insertions 3,9,15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import announce_machine, ensure_config_dataset, format_table, quick_data_overrides, run_worker, worker_entry, write_results
+
+MODES = ("nonprivate", "dpsgd", "sparse")
+
+
+def exposure_worker(spec: dict) -> dict:
+    from trainer.audit import exposure_audit
+    from trainer.config import load_config
+
+    cfg = load_config(spec["config"], spec["overrides"])
+    cfg.validate()
+    t0 = time.perf_counter()
+    record = exposure_audit(cfg, canaries=spec["canaries"], insertions=spec["insertions"],
+                            references=spec["references"])
+    record.pop("ranks"), record.pop("exposures")
+    record["seconds"] = time.perf_counter() - t0
+    return record
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small corpus, 60 steps, 200 canaries, 2,000 references")
+    parser.add_argument("--config", default="configs/cbow.toml")
+    parser.add_argument("--insertions", default="3,9,15")
+    parser.add_argument("--canaries", type=int, default=None)
+    parser.add_argument("--references", type=int, default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    started = time.time()
+    machine = announce_machine()
+    canaries = args.canaries or (200 if args.quick else 1000)
+    references = args.references or (2000 if args.quick else 10_000)
+    base = [*(quick_data_overrides(args.config) if args.quick else []), "cluster.backend=local", *args.set]
+    if args.quick:
+        base.append("train.steps=60")
+    ensure_config_dataset(args.config, base)
+    results = []
+    for n_c in [int(x) for x in args.insertions.split(",") if x]:
+        for mode in MODES:
+            r = run_worker(__file__, {"config": args.config, "overrides": [*base, f"train.mode={mode}"],
+                                      "canaries": canaries, "insertions": n_c, "references": references}, timeout=3600)
+            r.update(mode=mode, insertions=n_c)
+            results.append(r)
+            if "error" in r:
+                print(f"n_c {n_c} {mode}: FAILED: {r['error'][:200]}")
+            else:
+                print(f"n_c {n_c:>2} {mode:>10}: claimed ε {r['claimed_epsilon']:.3g}, χ² p {r['p_value']:.3g}, mean exposure "
+                      f"{r['mean_exposure']:.2f} bits, {r['seconds']:.0f} s", flush=True)
+    ok = [r for r in results if "error" not in r]
+    print()
+    print(format_table(["n_c", "mode", "claimed ε", "χ² p-value", "flagged (p < 0.01)", "mean exposure", "median exposure"],
+                       [[r["insertions"], r["mode"], r["claimed_epsilon"], r["p_value"], r["flagged"], r["mean_exposure"],
+                         r["median_exposure"]] for r in ok]))
+    payload = {"config": args.config, "canaries": canaries, "references": references, "results": results}
+    write_results("canary_exposure", payload, quick=args.quick, machine=machine, out=args.out, started=started)
+    return payload
+
+
+if __name__ == "__main__":
+    if not worker_entry(exposure_worker):
+        main()
