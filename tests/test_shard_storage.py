@@ -72,6 +72,16 @@ class ReferenceOptimizer:
             self.w[t][r] -= self.lr * mh / (np.sqrt(vh) + self.eps)
 
 
+def random_rows_of_every_table(shard, rng):
+    """(table index, global row id) of a random non-empty set of distinct rows of every table."""
+    tables, ids = [], []
+    for t, (start, end) in enumerate(shard.ranges):
+        rows = rng.choice(np.arange(start, end), size=rng.integers(1, end - start + 1), replace=False)
+        tables += [t] * rows.size
+        ids += rows.tolist()
+    return np.array(tables), np.array(ids)
+
+
 def tables_of(shard):
     return [shard.weights(t).detach().numpy().astype(np.float64).copy() for t in range(len(LAYOUT.tables))]
 
@@ -97,13 +107,9 @@ def test_one_fused_write_back_equals_row_by_row_updates(optimizer):
     shard = EmbeddingShard(LAYOUT, 0, optimizer=optimizer, lr=0.3, seed=1, init_std=0.5)
     ref = ReferenceOptimizer(tables_of(shard), optimizer, lr=0.3)
     for step in range(1, 4):
-        tables, ids = [], []
-        for t, (start, end) in enumerate(shard.ranges):
-            rows = rng.choice(np.arange(start, end), size=rng.integers(1, end - start + 1), replace=False)
-            tables += [t] * rows.size
-            ids += rows.tolist()
-        update = rng.normal(size=(len(ids), D)).astype(np.float32)
-        shard.apply_rows(np.array(tables), np.array(ids), update, step=step)
+        tables, ids = random_rows_of_every_table(shard, rng)
+        update = rng.normal(size=(ids.size, D)).astype(np.float32)
+        shard.apply_rows(tables, ids, update, step=step)
         for t, r, g in zip(tables, ids, update):
             ref.update(t, r - shard.ranges[t][0], g)
         for t in range(len(LAYOUT.tables)):
@@ -284,12 +290,7 @@ def test_in_place_write_back_equals_fbgemms_own_fused_backward_update(optimizer)
     fbgemm = EmbeddingShard(LAYOUT, 0, optimizer=optimizer, lr=0.3, seed=1, init_std=0.5)
     rng = np.random.default_rng(2)
     for step in range(1, 4):
-        tables, ids = [], []
-        for t, (start, end) in enumerate(shard.ranges):
-            rows = rng.choice(np.arange(start, end), size=rng.integers(1, end - start + 1), replace=False)
-            tables += [t] * rows.size
-            ids += rows.tolist()
-        tables_a, ids_a = np.array(tables), np.array(ids)
+        tables_a, ids_a = random_rows_of_every_table(shard, rng)
         update = rng.normal(size=(ids_a.size, D)).astype(np.float32)
         shard.apply_rows(tables_a, ids_a, update, step=step)
         # FBGEMM: rows as bags of one in the channel of their table, the update as the pooled gradient.
