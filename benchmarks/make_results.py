@@ -24,7 +24,7 @@ from _common import REPO, fmt_bytes, machine_line  # noqa: E402
 
 NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "privacy_overhead", "communication",
          "phase_breakdown", "privacy_utility", "paper_fig1", "privacy_audit",
-         "canary_exposure")
+         "canary_exposure", "canary_exposure_kjv")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -802,7 +802,7 @@ def section_audit(doc) -> tuple[list, list]:
 def section_exposure(doc) -> tuple[list, list]:
     """benchmarks/canary_exposure.py: the seed's canary exposure test (§6.5, Table 2)."""
     ok = [r for r in doc["results"] if "error" not in r]
-    lines = [f"`{doc['config']}`; {doc['canaries']:,} random 3-word canary phrases, each inserted n_c times (three CBOW "
+    lines = [f"`{doc['config']}`, corpus: {doc.get('corpus', 'the config')}; {doc['canaries']:,} random 3-word canary phrases, each inserted n_c times (three CBOW "
              f"examples per insertion); each phrase's log-perplexity ranked among {doc['references']:,} random phrases; "
              "Pearson's χ² of the ranks against uniform (flagged: p < 0.01); exposure in bits (at most "
              f"{f(math.log2(doc['references'] + 1))}). Seed Table 2: non-private p ≈ 0.00; DP-SGD and sparse p ≥ 0.31 at "
@@ -817,10 +817,11 @@ def section_exposure(doc) -> tuple[list, list]:
             lines.append(f"| {r['insertions']} | {r['mode']} | FAILED: {r['error'][:80]} | | | | |")
     nonprivate = [r for r in ok if r["mode"] == "nonprivate"]
     private_small = [r for r in ok if r["mode"] != "nonprivate" and r["insertions"] <= 9]
-    goals = [("Canary exposure: non-private flagged (p < 0.01) at every n_c",
+    corpus = "" if doc["benchmark"] == "canary_exposure" else " (real text)"
+    goals = [(f"Canary exposure{corpus}: non-private flagged (p < 0.01) at every n_c",
               ", ".join(f"n_c {r['insertions']}: p {r['p_value']:.2g}" for r in nonprivate) or "not measured",
               "**met**" if nonprivate and all(r["flagged"] for r in nonprivate) else "**missed**", ""),
-             ("Canary exposure: DP runs at ε ≤ 8 not flagged at n_c ≤ 9",
+             (f"Canary exposure{corpus}: DP runs at ε ≤ 8 not flagged at n_c ≤ 9",
               ", ".join(f"{r['mode']} n_c {r['insertions']}: p {r['p_value']:.2g}" for r in private_small) or "not measured",
               "**met**" if private_small and not any(r["flagged"] for r in private_small) else "**missed**",
               "a phrase inserted n_c times is a group of 3·n_c examples; the example-level ε bounds it only by group "
@@ -852,7 +853,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
         ("paper_fig1", "7. The seed paper's Fig 1 setting, and the accountants compared", lambda d: section_fig1(d, plots, plot_dir),
          ["fig1_loss_curves", "epsilon_vs_step"]),
         ("privacy_audit", "7b. One-run privacy audits of whole training runs", section_audit, []),
-        ("canary_exposure", "7c. The seed's canary exposure test (§6.5, Table 2)", section_exposure, []),
+        ("canary_exposure", "7c. The seed's canary exposure test (§6.5, Table 2), synthetic corpus", section_exposure, []),
+        ("canary_exposure_kjv", "7d. The canary exposure test on real English (King James Bible)", section_exposure, []),
     ]
     machines = {}
     for name, title, fn, plot_keys in sections:

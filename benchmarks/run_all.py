@@ -18,7 +18,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ORDER = ("selection_scaling", "table_scaling", "communication", "privacy_overhead", "phase_breakdown", "opacus_compare",
-         "dlrm_compare", "trainer_scaling", "paper_fig1", "privacy_utility", "privacy_audit", "canary_exposure")
+         "dlrm_compare", "trainer_scaling", "paper_fig1", "privacy_utility", "privacy_audit", "canary_exposure",
+         "canary_exposure_kjv")
+#: Benchmarks that are another script run with extra arguments.
+VARIANTS = {"canary_exposure_kjv": ("canary_exposure.py", ["--kjv"])}
 
 
 def main(argv=None) -> int:
@@ -48,7 +51,8 @@ def main(argv=None) -> int:
                 print(proc.stderr[-2000:], file=sys.stderr)
             code = proc.returncode
         else:
-            code = subprocess.call([sys.executable, str(HERE / f"{name}.py")] + (["--quick"] if args.quick else []))
+            script, extra = VARIANTS.get(name, (f"{name}.py", []))
+            code = subprocess.call([sys.executable, str(HERE / script), *extra] + (["--quick"] if args.quick else []))
         status[name] = (code, time.time() - t0)
     if not args.no_results:
         subprocess.call([sys.executable, str(HERE / "make_results.py")])
