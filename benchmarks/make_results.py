@@ -751,7 +751,26 @@ def section_fig1(doc, plots, out_dir) -> tuple[list, list]:
     return lines, goals
 
 
-def section_audit(doc) -> tuple[list, list]:
+def plot_audit(results: list, ceiling: float, path: Path) -> str:
+    """One horizontal bar per audited run: its ε lower bound, with its claimed ε as a tick
+    and the most m canaries can show as a dashed line."""
+    from trainer.report import pyplot, save
+
+    plt = pyplot()
+    labels = [f"{r['model']} {r['label']}" for r in results]
+    fig, ax = plt.subplots(figsize=(8.0, 1.2 + 0.3 * len(labels)))
+    colors = ["tab:red" if (r.get("broken") or r["mode"] == "nonprivate") else "tab:blue" for r in results]
+    ax.barh(labels, [r["epsilon_lower_bound"] for r in results], color=colors)
+    claimed = [(i, r["claimed_epsilon"]) for i, r in enumerate(results) if math.isfinite(r["claimed_epsilon"])]
+    ax.scatter([c for _, c in claimed], [i for i, _ in claimed], marker="|", s=200, color="black", label="claimed ε")
+    ax.axvline(ceiling, ls="--", color="gray", label=f"most m canaries can show ({ceiling:.2f})")
+    ax.invert_yaxis()
+    ax.set(xlabel="ε lower bound at 95% (red: non-private or broken)", title="One-run audits")
+    ax.legend(fontsize=7, loc="lower right")
+    return save(fig, path)
+
+
+def section_audit(doc, plots: "dict | None" = None, plot_dir: "Path | None" = None) -> tuple[list, list]:
     """benchmarks/privacy_audit.py: one-run audits of whole training runs."""
     ok = [r for r in doc["results"] if "error" not in r]
     m, frac = doc["canaries"], doc["member_fraction"]
@@ -782,6 +801,8 @@ def section_audit(doc) -> tuple[list, list]:
     for r in doc["results"]:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['label']} | FAILED: {r['error'][:80]} | | | | | | |")
+    if plots is not None and plot_dir is not None and ok:
+        plots["privacy_audit"] = plot_audit(ok, ceiling, plot_dir / "privacy_audit.png")
     private = [r for r in ok if r["mode"] != "nonprivate" and not r.get("broken")]
     exposed = [r for r in ok if r["mode"] == "nonprivate" or r.get("broken")]
     worst = max(private, key=lambda r: r["epsilon_lower_bound"] - r["claimed_epsilon"], default=None)
@@ -852,7 +873,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          ["auc_vs_eps_ctr", "loss_vs_eps_cbow"]),
         ("paper_fig1", "7. The seed paper's Fig 1 setting, and the accountants compared", lambda d: section_fig1(d, plots, plot_dir),
          ["fig1_loss_curves", "epsilon_vs_step"]),
-        ("privacy_audit", "7b. One-run privacy audits of whole training runs", section_audit, []),
+        ("privacy_audit", "7b. One-run privacy audits of whole training runs",
+         lambda d: section_audit(d, plots, plot_dir), ["privacy_audit"]),
         ("canary_exposure", "7c. The seed's canary exposure test (§6.5, Table 2), synthetic corpus", section_exposure, []),
         ("canary_exposure_kjv", "7d. The canary exposure test on real English (King James Bible)", section_exposure, []),
     ]
