@@ -822,9 +822,31 @@ def section_audit(doc, plots: "dict | None" = None, plot_dir: "Path | None" = No
     return lines, goals
 
 
-def section_exposure(doc) -> tuple[list, list]:
+def plot_exposure_ranks(results: list, references: int, path: Path, title: str) -> str:
+    """Histograms of the canaries' ranks, one panel per n_c, one line per mode: uniform is flat."""
+    from trainer.report import pyplot, save
+
+    plt = pyplot()
+    insertions = sorted({r["insertions"] for r in results})
+    fig, axes = plt.subplots(1, len(insertions), figsize=(4.0 * len(insertions), 3.2), squeeze=False)
+    edges = [1 + references * i / 20 for i in range(21)]
+    for ax, n_c in zip(axes[0], insertions):
+        for r in (r for r in results if r["insertions"] == n_c):
+            ax.hist(r["ranks"], bins=edges, histtype="step", linewidth=1.5, label=f"{r['mode']} (p {r['p_value']:.1g})")
+        ax.axhline(len(results[0]["ranks"]) / 20, ls="--", color="gray", linewidth=1)
+        ax.set(title=f"n_c = {n_c}", xlabel="rank among random phrases", ylabel="canaries")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    return save(fig, path)
+
+
+def section_exposure(doc, plots: "dict | None" = None, plot_dir: "Path | None" = None) -> tuple[list, list]:
     """benchmarks/canary_exposure.py: the seed's canary exposure test (§6.5, Table 2)."""
     ok = [r for r in doc["results"] if "error" not in r]
+    with_ranks = [r for r in ok if r.get("ranks")]
+    if plots is not None and plot_dir is not None and with_ranks:
+        plots[doc["benchmark"]] = plot_exposure_ranks(with_ranks, doc["references"], plot_dir / f"{doc['benchmark']}.png",
+                                                      f"canary ranks, corpus: {doc.get('corpus', 'the config')}")
     lines = [f"`{doc['config']}`, corpus: {doc.get('corpus', 'the config')}; {doc['canaries']:,} random 3-word canary phrases, each inserted n_c times (three CBOW "
              f"examples per insertion); each phrase's log-perplexity ranked among {doc['references']:,} random phrases; "
              "Pearson's χ² of the ranks against uniform (flagged: p < 0.01); exposure in bits (at most "
@@ -877,8 +899,10 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          ["fig1_loss_curves", "epsilon_vs_step"]),
         ("privacy_audit", "7b. One-run privacy audits of whole training runs",
          lambda d: section_audit(d, plots, plot_dir), ["privacy_audit"]),
-        ("canary_exposure", "7c. The seed's canary exposure test (§6.5, Table 2), synthetic corpus", section_exposure, []),
-        ("canary_exposure_kjv", "7d. The canary exposure test on real English (King James Bible)", section_exposure, []),
+        ("canary_exposure", "7c. The seed's canary exposure test (§6.5, Table 2), synthetic corpus",
+         lambda d: section_exposure(d, plots, plot_dir), ["canary_exposure"]),
+        ("canary_exposure_kjv", "7d. The canary exposure test on real English (King James Bible)",
+         lambda d: section_exposure(d, plots, plot_dir), ["canary_exposure_kjv"]),
     ]
     machines = {}
     for name, title, fn, plot_keys in sections:

@@ -422,7 +422,8 @@ def test_exposure_section_reads_flags_and_goals_from_the_json(tmp_path):
 
     def run(mode, n_c, p):
         return {"mode": mode, "insertions": n_c, "claimed_epsilon": 8.0 if mode != "nonprivate" else float("inf"),
-                "p_value": p, "flagged": p < 0.01, "mean_exposure": 2.0, "median_exposure": 1.5}
+                "p_value": p, "flagged": p < 0.01, "mean_exposure": 2.0, "median_exposure": 1.5,
+                "ranks": list(range(1, 10001, 10))}
 
     doc = {"benchmark": "canary_exposure", "quick": False, "machine": _machine(), "config": "configs/cbow.toml",
            "canaries": 1000, "references": 10000,
@@ -432,5 +433,6 @@ def test_exposure_section_reads_flags_and_goals_from_the_json(tmp_path):
     (res / "canary_exposure.json").write_text(json.dumps(doc))
     md = make_results.render(res, tmp_path / "docs").read_text()
     assert "| 9 | sparse | 8 | 0.002 | yes |" in md
+    assert "![canary_exposure](plots/canary_exposure.png)" in md and (tmp_path / "docs/plots/canary_exposure.png").exists()
     assert [line for line in md.splitlines() if line.startswith("| Canary exposure: non-private")][0].count("**met**") == 1
     assert "**missed**" in [line for line in md.splitlines() if line.startswith("| Canary exposure: DP runs")][0]
