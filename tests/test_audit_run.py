@@ -217,3 +217,10 @@ def test_exposure_flags_nonprivate_training_and_not_a_private_run_at_one_inserti
     quiet = exposure_audit(_text_cfg(text_dir, "train.mode=dpsgd", "privacy.target_epsilon=1.0"), canaries=100,
                            insertions=1, references=2000, seed=3)
     assert quiet["p_value"] > 1e-4 and quiet["claimed_epsilon"] <= 1.0 + 1e-6, quiet["p_value"]
+
+
+def test_exposure_refuses_a_ctr_data_set_by_name(ctr_dir):
+    from trainer.audit import exposure_audit
+
+    with pytest.raises(ValueError, match="--kind exposure needs a CBOW"):
+        exposure_audit(_cfg(ctr_dir, "train.steps=1"), canaries=10, references=100)

@@ -270,11 +270,14 @@ def exposure_audit(cfg, canaries: int = 1000, insertions: int = 9, references: i
     made: dict = {}
 
     def add_phrases(train_set):
-        vocab = train_set.meta.table_sizes[train_set.meta.feature_tables.get("context", "")] \
-            if train_set.meta.kind == "cbow" else 0
-        made["phrases"] = rng.integers(0, max(vocab, 1), (canaries, 3))
-        made["references"] = rng.integers(0, max(vocab, 1), (references, 3))
-        return WithCanaries(train_set, make_phrase_examples(train_set.meta, made["phrases"], insertions, rng))
+        meta = train_set.meta
+        if meta.kind != "cbow":
+            raise ValueError(f"--kind exposure needs a CBOW (text) data set, got kind {meta.kind!r}")
+        # A phrase's words are contexts (input table) and targets (output table): ids in both.
+        vocab = min(meta.table_sizes[meta.feature_tables["context"]], meta.table_sizes[meta.feature_tables["target"]])
+        made["phrases"] = rng.integers(0, vocab, (canaries, 3))
+        made["references"] = rng.integers(0, vocab, (references, 3))
+        return WithCanaries(train_set, make_phrase_examples(meta, made["phrases"], insertions, rng))
 
     run = build_run(cfg, train_transform=add_phrases)
     with run:
@@ -305,6 +308,8 @@ def canary_row_values(engine, canaries: Canaries, released: bool) -> np.ndarray:
     """The canary rows' values [m, D] on the shards: the released ones (averaged weights when
     averaging is on) or the weights as they are."""
     layout = engine.layout
+    if canaries.table is None:
+        raise ValueError("these canaries have no rows of their own (inserted phrases)")
     t = layout.table_index(canaries.table)
     rows = canaries.rows
     tables = np.full(rows.size, t, dtype=np.int64)
