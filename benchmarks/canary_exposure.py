@@ -1,7 +1,9 @@
 """The seed's canary exposure test (wide-network-dp §6.5, Table 2) on CBOW.
 
 1,000 random three-word canary phrases, each inserted n_c ∈ {3, 9, 15} times into the
-training data (as its own line: three CBOW examples per insertion); after one training run,
+training text (`--placement text`, the default and the seed's: between words of the corpus, so
+each insertion gives the 2·window + 3 CBOW examples within reach of the phrase; `--placement
+line`: as its own line, three examples whose whole context is the phrase); after one training run,
 each phrase's log-perplexity P(c) = −log Pr(c1 | c0) − log Pr(c2 | c0, c1) under the released
 model, its rank among 10,000 random phrases of the same form, Pearson's χ² of the ranks
 against uniform, and the exposure log2(10,001) − log2(rank) (Carlini et al. 2019). Seed Table
@@ -42,7 +44,7 @@ def exposure_worker(spec: dict) -> dict:
     cfg.validate()
     t0 = time.perf_counter()
     record = exposure_audit(cfg, canaries=spec["canaries"], insertions=spec["insertions"],
-                            references=spec["references"])
+                            references=spec["references"], placement=spec.get("placement", "text"))
     record.pop("exposures")  # the ranks stay: RESULTS plots their histograms
     record["seconds"] = time.perf_counter() - t0
     return record
@@ -77,6 +79,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--config", default="configs/cbow.toml")
     parser.add_argument("--kjv", action="store_true", help="real text: the King James Bible (apt-get download)")
     parser.add_argument("--insertions", default="3,9,15")
+    parser.add_argument("--placement", choices=("text", "line"), default="text")
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--canaries", type=int, default=None)
     parser.add_argument("--references", type=int, default=None)
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -96,9 +100,10 @@ def main(argv=None) -> dict:
         ensure_config_dataset(args.config, base)
     results = []
     for n_c in [int(x) for x in args.insertions.split(",") if x]:
-        for mode in MODES:
+        for mode in [m for m in args.modes.split(",") if m]:
             r = run_worker(__file__, {"config": args.config, "overrides": [*base, f"train.mode={mode}"],
-                                      "canaries": canaries, "insertions": n_c, "references": references}, timeout=3600)
+                                      "canaries": canaries, "insertions": n_c, "references": references,
+                                      "placement": args.placement}, timeout=3600)
             r.update(mode=mode, insertions=n_c)
             results.append(r)
             if "error" in r:
@@ -112,7 +117,7 @@ def main(argv=None) -> dict:
                        [[r["insertions"], r["mode"], r["claimed_epsilon"], r["p_value"], r["flagged"], r["mean_exposure"],
                          r["median_exposure"]] for r in ok]))
     payload = {"config": args.config, "corpus": "King James Bible (bible-kjv-text)" if args.kjv else "the config's",
-               "canaries": canaries, "references": references, "results": results}
+               "canaries": canaries, "references": references, "placement": args.placement, "results": results}
     write_results("canary_exposure_kjv" if args.kjv else "canary_exposure", payload, quick=args.quick, machine=machine, out=args.out, started=started)
     return payload
 

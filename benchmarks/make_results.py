@@ -781,7 +781,11 @@ def section_audit(doc, plots: "dict | None" = None, plot_dir: "Path | None" = No
              f"canary's row moved in the released model; guesses: \"member\" for the {f(100 * frac)}% highest scores, "
              "abstain on the rest (fixed before any run); bound of Steinke, Nasr & Jagielski (2023) at 95% confidence, "
              f"with the run's δ. With all {r_guesses} guesses right the bound is {f(ceiling)}: no run here can show more. "
-             "`widedp audit --config FILE` runs one row; `--broken` trains a broken variant.", "",
+             "`widedp audit --config FILE` runs one row; `--broken` trains a broken variant. Rows marked "
+             "[gradient canaries] (`--canary-kind gradient`) set each canary's pooled-output gradient to 1000·S1 "
+             "along a secret direction (after clipping ≈ S1 on its own row: the strongest canary clipping allows) and "
+             "score the row's movement along that direction; they run 10 steps of SGD at q ≈ ½ and σ = 5, where a "
+             "final-model audit sees most (benchmarks/privacy_audit.py GRADIENT_SETTING).", "",
              "| model | run | claimed ε | ε lower bound (95%) | correct / guesses | members | member score p10 / p50 / p90 "
              "| non-member score p10 / p50 / p90 | verdict |",
              "|---|---|---:|---:|---:|---:|---|---|---|"]
@@ -815,10 +819,11 @@ def section_audit(doc, plots: "dict | None" = None, plot_dir: "Path | None" = No
              ("Non-private and broken runs: one-run ε lower bound ≥ 1 at 95% confidence",
               f"{len(exposed) - len(missed)} of {len(exposed)} flagged" + (f"; not flagged: {', '.join(missed)}" if missed else ""),
               "**met**" if exposed and not missed else "**missed**",
-              "what the white-box row score cannot see stays below 1: noise off where a row moves only when the "
-              "(still private) selection picks it; a selection that adds the touched rows where the threshold "
-              "already passes pure-noise rows every step, so almost every canary row, member or not, is noised "
-              "at some step (see the non-member score quantiles)" if missed else f"m = {m}")]
+              "what the white-box row score cannot see stays below 1: noise off or σ ÷ 10 in sparse mode, where a "
+              "canary's row moves only when the (still private) selection picks it; a selection that adds the "
+              "touched rows where the threshold already passes pure-noise rows every step, so almost every canary "
+              "row, member or not, is noised at some step (see the non-member score quantiles)" if missed
+              else f"m = {m}")]
     return lines, goals
 
 

@@ -12,6 +12,13 @@ selector's event). A correct private run must stay at or below its claimed ε; n
 and broken runs should exceed 1, up to what m allows (with m canaries and r = m/10 guesses
 all correct the bound is logit(0.05^(1/r)): 3.49 at m = 1000).
 
+Gradient canaries (`--canary-kind gradient`, the second block of rows): the same canaries
+with their pooled-output gradient set to 1000·S1 along a secret direction, so a member's
+clipped gradient is ≈ S1 on its own row (Steinke et al.'s Dirac canaries), scored by the
+row's movement along that direction. Their runs use the setting where a final-model audit
+sees most (GRADIENT_SETTING: q ≈ ½, 10 steps, σ = 5, SGD): a member is sampled ~5 times and
+the noise accumulates over 10 steps only. That block holds the σ ÷ 10 broken variant.
+
 Each run in a fresh process, in-process shards (`cluster.backend = "local"`: the audited
 computation does not depend on placement).
 
@@ -40,18 +47,41 @@ def rows_for(model: str) -> list[dict]:
     out += [{"mode": "sparse", "selection": s} for s in SELECTORS]
     out += [{"mode": "dpsgd", "broken": "noise-off"}, {"mode": "sparse", "broken": "noise-off"},
             {"mode": "sparse", "broken": "every-touched-row"}]
-    return out
+    gradient = [{"mode": "nonprivate"}, {"mode": "dpsgd"}, {"mode": "sparse", "selection": "threshold"},
+                {"mode": "dpsgd", "broken": "sigma-over-10"}, {"mode": "dpsgd", "broken": "noise-off"},
+                {"mode": "sparse", "selection": "threshold", "broken": "sigma-over-10"}]
+    return out + [{**r, "canary_kind": "gradient"} for r in gradient]
+
+
+#: Gradient-canary runs: σ = 5, 10 steps of plain SGD, expected batch = half the split
+#: (`gradient_batch`): claimed ε ≈ 1.2 for dpsgd; σ ÷ 10 moves a member's row ~3 noise
+#: standard deviations per sampling along its direction.
+GRADIENT_SETTING = ["train.steps=10", "privacy.noise_multiplier=5", "train.optimizer=sgd"]
+
+
+def gradient_batch(cfg, canaries: int) -> int:
+    """Expected batch size for q ≈ ½: half of the training split plus the ~m/2 member canaries."""
+    import json
+
+    meta = json.loads((Path(cfg.data.path) / "dataset.json").read_text())
+    train = int(meta["num_examples"] * (1 - cfg.data.test_fraction))
+    return max(1, (train + canaries // 2) // 2)
 
 
 def audit_worker(spec: dict) -> dict:
     from trainer.audit import one_run_audit
     from trainer.config import load_config
 
-    cfg = load_config(spec["config"], spec["overrides"])
+    overrides = list(spec["overrides"])
+    if spec.get("canary_kind") == "gradient":
+        cfg = load_config(spec["config"], overrides)
+        overrides += [*GRADIENT_SETTING, f"train.batch_size={gradient_batch(cfg, spec['canaries'])}"]
+    cfg = load_config(spec["config"], overrides)
     cfg.validate()
     t0 = time.perf_counter()
     record = one_run_audit(cfg, canaries=spec["canaries"], member_fraction=MEMBER_FRACTION, non_member_fraction=0.0,
-                           confidence=0.95, seed=spec.get("seed"), broken=spec.get("broken"))
+                           confidence=0.95, seed=spec.get("seed"), broken=spec.get("broken"),
+                           canary_kind=spec.get("canary_kind", "example"))
     import numpy as np
 
     members, others = np.asarray(record.pop("member_scores")), np.asarray(record.pop("non_member_scores"))
@@ -82,19 +112,22 @@ def main(argv=None) -> dict:
         ensure_config_dataset(config, base)
         runs = rows_for(model)
         if args.quick:
-            runs = [r for r in runs if r.get("selection") in (None, "threshold", "fest-threshold", "em")]
+            runs = [r for r in runs if r.get("selection") in (None, "threshold", "fest-threshold", "em")
+                    and (r.get("canary_kind") != "gradient" or r["mode"] == "dpsgd")]
         for row in runs:
             over = [*base, f"train.mode={row['mode']}"] + ([f"train.selection={row['selection']}"] if row.get("selection") else [])
             label = row["mode"] + (f"/{row['selection']}" if row.get("selection") else "") + \
-                (f" BROKEN {row['broken']}" if row.get("broken") else "")
+                (f" BROKEN {row['broken']}" if row.get("broken") else "") + \
+                (" [gradient canaries]" if row.get("canary_kind") == "gradient" else "")
             r = run_worker(__file__, {"config": config, "overrides": over, "canaries": canaries,
-                                      "broken": row.get("broken")}, timeout=3600)
+                                      "broken": row.get("broken"), "canary_kind": row.get("canary_kind")},
+                           timeout=3600)
             r.update(model=model, label=label)
             results.append(r)
             if "error" in r:
                 print(f"{model} {label}: FAILED: {r['error'][:200]}")
             else:
-                print(f"{model:>5} {label:>38}: claimed ε {r['claimed_epsilon']:.3g}, lower bound "
+                print(f"{model:>5} {label:>60}: claimed ε {r['claimed_epsilon']:.3g}, lower bound "
                       f"{r['epsilon_lower_bound']:.3g} ({r['correct']}/{r['guesses']} correct), {r['seconds']:.0f} s",
                       flush=True)
     ok = [r for r in results if "error" not in r]

@@ -4,11 +4,13 @@ runs and rises above it for non-private and deliberately broken ones (DP-SGD wit
 off while the ledger is told σ; a selection that takes every touched row while charging the
 real selector's event).
 
-Not caught at this size, and not claimed: DP-SGD with σ ÷ 10. A canary's row gradient here
-is ~0.1 against S1 = 3 (it stays far below the clip norm), so after 40 steps its row moves
-~0.014 while σ/10 noise moves every row ~0.13: members and non-members score alike (measured:
-97 of 200 guesses right). Catching it needs gradient canaries (a gradient of norm S1 injected
-per step) or far more steps and canaries than CI affords."""
+DP-SGD with σ ÷ 10 is not caught by example canaries at this size: a canary's row gradient
+here is ~0.1 against S1 = 3, so after 40 steps its row moves ~0.014 while σ/10 noise moves
+every row ~0.13 (measured: 97 of 200 guesses right). Gradient canaries (`canary_kind =
+"gradient"`: the canary's pooled gradient set to 1000·S1 along a secret direction, so its
+clipped gradient is ≈ S1 on its own row) catch it, on a configuration where a canary that is a
+member is sampled in most steps (q ≈ ½, 10 steps, σ = 5, SGD: Adam's per-coordinate
+normalization would hide the noise scale from the row's movement)"""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import pytest
 import torch
 
 import trainer.engine as engine_module
-from trainer.audit import WithCanaries, make_canaries, one_run_audit, write_audit
+from trainer.audit import (GRADIENT_CANARY_SCALE, WithCanaries, as_gradient_canaries, make_canaries, one_run_audit,
+                           write_audit)
 from trainer.config import load_config
 from trainer.data.dataset import open_dataset
 
@@ -101,6 +104,44 @@ def test_dpsgd_with_its_noise_off_is_caught(ctr_dir):
     assert record["epsilon_lower_bound"] > 2 * record["claimed_epsilon"], record
 
 
+# q ≈ ½ (≈ 2,400 training examples + ≈ 500 member canaries), 10 steps, σ = 5, plain SGD: ε ≈ 1.2.
+GRADIENT_AUDIT = ["train.steps=10", "train.batch_size=1450", "privacy.noise_multiplier=5", "train.optimizer=sgd",
+                  "train.mode=dpsgd"]
+
+
+def test_gradient_canaries_replace_exactly_the_canaries_pooled_gradients(ctr_dir):
+    """G·u_i on the canary's own feature, 0 on its other features; real examples untouched;
+    example canaries (no directions) pass the gradients through as they are."""
+    train, _ = open_dataset(ctr_dir, test_fraction=0.2, seed=0)
+    plain = make_canaries(train.meta, 30, None, np.random.default_rng(4))
+    canaries = as_gradient_canaries(plain, 4, 3.0, np.random.default_rng(5))
+    np.testing.assert_allclose(np.linalg.norm(canaries.directions, axis=1), 1.0, rtol=1e-6)
+    assert canaries.gradient_norm == GRADIENT_CANARY_SCALE * 3.0
+    split = WithCanaries(train, canaries)
+    n, members = len(train), np.flatnonzero(canaries.included)
+    idx = np.array([0, n + 1, 9, n])
+    features = list(train.meta.features)
+    grads = np.random.default_rng(6).normal(size=(idx.size, len(features), 4)).astype(np.float32)
+    out = split.override_pooled_grads(idx, grads, features)
+    np.testing.assert_array_equal(out[[0, 2]], grads[[0, 2]])
+    for row, member in ((1, members[1]), (3, members[0])):
+        np.testing.assert_allclose(out[row, 0], 3000.0 * canaries.directions[member], rtol=1e-6)
+        np.testing.assert_array_equal(out[row, 1:], 0.0)
+    assert WithCanaries(train, plain).override_pooled_grads(idx, grads, features) is grads
+
+
+def test_dpsgd_with_sigma_divided_by_10_is_caught_by_gradient_canaries(ctr_dir):
+    """Measured over 10 runs each: σ/10 gives 195–200 of 200 guesses right, bound 2.88–4.11,
+    against ≈ 1.18 claimed; the correct run 115–134 right, bound 0.05–0.45."""
+    cfg = _cfg(ctr_dir, *GRADIENT_AUDIT)
+    broken = one_run_audit(cfg, canaries=CANARIES, seed=7, broken="sigma-over-10", canary_kind="gradient")
+    assert broken["canary_kind"] == "gradient" and broken["steps"] == 10
+    assert broken["epsilon_lower_bound"] > broken["claimed_epsilon"] + 1.0, broken["correct"]
+    correct = one_run_audit(cfg, canaries=CANARIES, seed=7, canary_kind="gradient")
+    assert correct["claimed_epsilon"] < 1.5
+    assert correct["epsilon_lower_bound"] <= correct["claimed_epsilon"], correct["correct"]
+
+
 def test_a_selection_that_takes_every_touched_row_is_caught(ctr_dir):
     """Measured over 9 runs: 93–97 of the 100 member guesses right (non-members' rows move too
     when the threshold passes pure noise), bound 1.90–2.47 against 1.06 claimed; failing the
@@ -157,6 +198,8 @@ def test_audit_refuses_bad_parameters_naming_them(ctr_dir):
         one_run_audit(cfg, canaries=10, member_fraction=0.0, non_member_fraction=0.0)
     with pytest.raises(ValueError, match="audit feature 'nope'"):
         one_run_audit(cfg, canaries=10, feature="nope")
+    with pytest.raises(ValueError, match="--canary-kind must be one of"):
+        one_run_audit(cfg, canaries=10, canary_kind="dirac")
 
 
 # ---- the seed's canary exposure test (wide-network-dp §6.5) ---------------------------------------------
@@ -202,6 +245,35 @@ def test_each_inserted_phrase_is_three_examples_per_insertion(text_dir):
                              np.random.default_rng(0))
 
 
+def test_a_phrase_inserted_into_text_is_every_example_within_the_window_of_it(text_dir):
+    """Placement "text" (seed §6.5): one insertion of (c0, c1, c2) between corpus words gives the
+    2w + 3 examples within ±w of it, each with its ±w neighbours as context in text order —
+    the same examples the corpus windowing makes of that stretch of text."""
+    from trainer.audit import make_phrase_examples
+    from trainer.data.text import cbow_examples
+
+    train, _ = open_dataset(text_dir, test_fraction=0.2, seed=0)
+    w = train.meta.extra["window"]
+    corpus_words = np.array([500, 501, 502, 503, 504, 505, 506])  # not vocabulary ids: easy to tell apart
+    examples = make_phrase_examples(train.meta, np.array([[3, 4, 5]]), 2, np.random.default_rng(0), "text",
+                                    corpus_words)
+    per = 2 * w + 3
+    assert examples.count == 2 * per and examples.ids["context"].shape == (2 * per, 2 * w)
+    targets, context = examples.ids["target"][:per, 0], examples.ids["context"][:per]
+    np.testing.assert_array_equal(targets[w: w + 3], [3, 4, 5])
+    assert np.isin(targets[:w], corpus_words).all() and np.isin(targets[w + 3:], corpus_words).all()
+    # Rebuild the stretch of text (2w neighbours each side) and window it the corpus's way.
+    text = np.concatenate([context[0, :w], targets, context[-1, w:]])
+    lengths, values, windowed_targets = cbow_examples(text, np.zeros(text.size, np.int64), w, w + per, w)
+    np.testing.assert_array_equal(windowed_targets, targets)
+    np.testing.assert_array_equal(values.reshape(per, 2 * w), context)
+    assert (lengths == 2 * w).all()
+    with pytest.raises(ValueError, match="--placement must be one of"):
+        make_phrase_examples(train.meta, np.array([[3, 4, 5]]), 1, np.random.default_rng(0), "margin")
+    with pytest.raises(ValueError, match="needs the corpus's words"):
+        make_phrase_examples(train.meta, np.array([[3, 4, 5]]), 1, np.random.default_rng(0), "text")
+
+
 def _text_cfg(text_dir, *extra):
     return load_config("configs/cbow.toml", [f"data.path={text_dir}", "data.synth=", "cluster.backend=local",
                                              "model.embedding_dim=8", "train.batch_size=128", "train.steps=60",
@@ -209,17 +281,28 @@ def _text_cfg(text_dir, *extra):
 
 
 def test_exposure_flags_nonprivate_training_and_not_a_private_run_at_one_insertion(text_dir):
-    """Non-private: phrases inserted 9 times rank near the top (χ² p < 1e-6). Private at ε = 1
+    """Non-private: phrases inserted 9 times as lines of their own rank near the top (χ² p <
+    1e-6). Private at ε = 1
     with one insertion (the example-level guarantee covers it): ranks look uniform — p > 1e-4,
     not the audit's 0.01, so that a correct run's own 1% false alarms do not fail CI."""
     from trainer.audit import exposure_audit
 
     loud = exposure_audit(_text_cfg(text_dir, "train.mode=nonprivate"), canaries=100, insertions=9, references=2000,
-                          seed=3)
+                          seed=3, placement="line")
     assert loud["flagged"] and loud["p_value"] < 1e-6 and loud["mean_exposure"] > 2, loud["p_value"]
     quiet = exposure_audit(_text_cfg(text_dir, "train.mode=dpsgd", "privacy.target_epsilon=1.0"), canaries=100,
                            insertions=1, references=2000, seed=3)
     assert quiet["p_value"] > 1e-4 and quiet["claimed_epsilon"] <= 1.0 + 1e-6, quiet["p_value"]
+
+
+def test_exposure_flags_nonprivate_training_with_phrases_inserted_into_the_text(text_dir):
+    """The seed's placement: each insertion is 11 examples whose contexts mix the phrase with
+    corpus words (window 4). Measured over 6 runs of 200 steps: p 2e-6 to 1e-3."""
+    from trainer.audit import exposure_audit
+
+    loud = exposure_audit(_text_cfg(text_dir, "train.mode=nonprivate", "train.steps=200"), canaries=100,
+                          insertions=9, references=2000, seed=3)
+    assert loud["placement"] == "text" and loud["flagged"], loud["p_value"]
 
 
 def test_exposure_refuses_a_ctr_data_set_by_name(ctr_dir):

@@ -87,7 +87,36 @@ def _every_touched_row(run):
 
 #: Broken variants for `widedp audit --broken`: a run made non-private on purpose, to show that
 #: the audit catches it on the user's own configuration. Never used by training.
-BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "every-touched-row": _every_touched_row}
+@contextlib.contextmanager
+def _sigma_over_10(run):
+    """Every Gaussian step draws noise of σ/10 while the ledger is told the planned σ."""
+    import trainer.engine as engine_module
+    from accounting.events import GaussianDpEvent
+
+    real = engine_module.noisy_step
+
+    def tenth_noise(rows, dense, noise_multiplier, *args, **kwargs):
+        step = real(rows, dense, noise_multiplier / 10, *args, **kwargs)
+        return dataclasses.replace(step, event=GaussianDpEvent(noise_multiplier))
+
+    engine_module.noisy_step = tenth_noise
+    try:
+        yield
+    finally:
+        engine_module.noisy_step = real
+
+
+BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "sigma-over-10": _sigma_over_10,
+                                        "every-touched-row": _every_touched_row}
+
+#: How a canary is made: "example" (a data point: its own row read through one feature, its
+#: gradient what the model gives it) or "gradient" (the same example, but the gradient of its
+#: pooled output set to G·u_i: a fixed secret unit direction u_i per canary, G = 1000 S1, so
+#: after clipping its whole gradient is ≈ S1·u_i on its own row — Steinke et al.'s Dirac
+#: gradient canaries, the strongest white-box adversary the clip norm allows).
+CANARY_KINDS = ("example", "gradient")
+#: G / S1 for gradient canaries: the dense part's share of the clipped gradient is ≤ ‖dense‖/G.
+GRADIENT_CANARY_SCALE = 1000.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +132,8 @@ class Canaries:
     dense: np.ndarray  # float32 [m, num_dense]
     labels: np.ndarray  # float32 [m]
     included: np.ndarray  # bool [m]
+    directions: Optional[np.ndarray] = None  # float32 [m, D] unit rows: gradient canaries (CANARY_KINDS)
+    gradient_norm: float = 0.0  # G: the injected pooled-output gradient is G · directions[i]
 
     @property
     def count(self) -> int:
@@ -132,6 +163,16 @@ def make_canaries(meta, count: int, feature: Optional[str], rng: np.random.Gener
     labels = np.ones(count, dtype=np.float32) if meta.kind == "ctr" else np.zeros(count, dtype=np.float32)
     included = rng.random(count) < 0.5
     return Canaries(feature, table, first_row, ids, dense, labels, included)
+
+
+def as_gradient_canaries(canaries: Canaries, dim: int, clip_norm: Optional[float],
+                         rng: np.random.Generator) -> Canaries:
+    """The same canaries with injected gradients: directions uniform on the unit sphere of R^dim,
+    G = GRADIENT_CANARY_SCALE · S1 (S1 = 1 when the run does not clip)."""
+    u = rng.standard_normal((canaries.count, dim))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    return dataclasses.replace(canaries, directions=u.astype(np.float32),
+                               gradient_norm=GRADIENT_CANARY_SCALE * float(clip_norm or 1.0))
 
 
 class WithCanaries:
@@ -185,6 +226,23 @@ class WithCanaries:
         labels = torch.cat([base.labels, torch.from_numpy(self.canaries.labels[canary])])[torch.from_numpy(source)]
         return Batch(sparse=sparse, dense=dense.reshape(idx.size, self.meta.num_dense), labels=labels, indices=idx.copy())
 
+    def override_pooled_grads(self, indices: np.ndarray, pooled_grads: np.ndarray, features) -> np.ndarray:
+        """Gradient canaries: the pooled-output gradients [B, F, D] of a batch of these `indices`
+        with every canary's rows replaced — G·u_i on its own feature, 0 on the others (the
+        gradient of the loss ℓ_j + G⟨u_i, pooled_j⟩ − ℓ_j's pooled part: a per-example loss like
+        any other, so clipping bounds it as it bounds every example). Example canaries: as given."""
+        c = self.canaries
+        if c.directions is None:
+            return pooled_grads
+        idx = np.asarray(indices, dtype=np.int64)
+        at = np.flatnonzero(idx >= len(self.base))
+        if not at.size:
+            return pooled_grads
+        out = np.array(pooled_grads, copy=True)
+        out[at] = 0.0
+        out[at, [getattr(f, "name", f) for f in features].index(c.feature)] = c.gradient_norm * c.directions[self.members[idx[at] - len(self.base)]]
+        return out
+
     def iter_batches(self, batch_size: int):
         for start in range(0, len(self), batch_size):
             yield self.take(np.arange(start, min(start + batch_size, len(self)), dtype=np.int64))
@@ -198,21 +256,50 @@ class WithCanaries:
 
 
 # ---- canary phrases: the seed's exposure test (wide-network-dp §6.5) -----------------------------------
-def make_phrase_examples(meta, phrases: np.ndarray, insertions: int, rng: np.random.Generator) -> Canaries:
-    """CBOW examples of 3-word phrases (c0, c1, c2) [N, 3], each inserted `insertions` times as
-    its own line: with a window covering the line, each word is a target once and the other
-    two its context; negatives uniform over the output table. All are members (included)."""
+#: Where an inserted phrase goes: "text" (seed §6.5: into the running text, between neighbour
+#: words, so every example within ±window of it — 2·window + 3 per insertion — reads some of its
+#: words among other context words) or "line" (as its own line: three examples whose whole
+#: context is the phrase's other two words, the most the phrase can be memorized per example).
+PHRASE_PLACEMENTS = ("text", "line")
+
+
+def make_phrase_examples(meta, phrases: np.ndarray, insertions: int, rng: np.random.Generator,
+                         placement: str = "line", neighbour_words: Optional[np.ndarray] = None) -> Canaries:
+    """CBOW examples of 3-word phrases (c0, c1, c2) [N, 3], each inserted `insertions` times.
+    `placement` (PHRASE_PLACEMENTS): "line": with a window covering the line, each word is a
+    target once and the other two its context. "text": each insertion sits between 2·w words
+    drawn from `neighbour_words` (the corpus's words, so i.i.d. from its unigram distribution;
+    w = the data set's window, default 4) on each side, and every position within ±w of the
+    phrase is an example (its ±w neighbours as context, text order) — what windowing the
+    corpus with the phrase inserted gives, sentence breaks aside. Negatives uniform over the
+    output table. All are members (included)."""
     if meta.kind != "cbow" or meta.features[:2] != ["context", "target"]:
         raise ValueError(f"--kind exposure needs a CBOW (text) data set, got kind {meta.kind!r}")
     if isinstance(insertions, bool) or not isinstance(insertions, (int, np.integer)) or insertions < 1:
         raise ValueError(f"--insertions must be an integer >= 1, got {insertions!r}")
+    if placement not in PHRASE_PLACEMENTS:
+        raise ValueError(f"--placement must be one of {list(PHRASE_PLACEMENTS)}, got {placement!r}")
     phrases = np.repeat(np.asarray(phrases, dtype=np.int64), insertions, axis=0)  # [N·n_c, 3]
-    target_pos = np.tile(np.arange(3), phrases.shape[0])
-    lines = np.repeat(phrases, 3, axis=0)  # one example per (insertion, target position)
-    context_pos = np.array([[1, 2], [0, 2], [0, 1]])[target_pos]
-    count = lines.shape[0]
-    ids = {"context": np.take_along_axis(lines, context_pos, axis=1),
-           "target": lines[np.arange(count), target_pos].reshape(count, 1)}
+    if placement == "line":
+        target_pos = np.tile(np.arange(3), phrases.shape[0])
+        lines = np.repeat(phrases, 3, axis=0)  # one example per (insertion, target position)
+        context = np.take_along_axis(lines, np.array([[1, 2], [0, 2], [0, 1]])[target_pos], axis=1)
+        targets = lines[np.arange(lines.shape[0]), target_pos]
+    else:
+        if neighbour_words is None or not np.asarray(neighbour_words).size:
+            raise ValueError("placement 'text' needs the corpus's words (neighbour_words)")
+        w = int(meta.extra.get("window", 4))
+        n = phrases.shape[0]
+        # [n, 2w | 3 | 2w] tokens: the phrase at [2w, 2w + 3); examples at positions [w, 3w + 3).
+        words = np.asarray(neighbour_words, dtype=np.int64)
+        text = np.concatenate([words[rng.integers(0, words.size, (n, 2 * w))], phrases,
+                               words[rng.integers(0, words.size, (n, 2 * w))]], axis=1)
+        positions = np.arange(w, 3 * w + 3)
+        offsets = np.concatenate([np.arange(-w, 0), np.arange(1, w + 1)])
+        context = text[:, positions[:, None] + offsets[None, :]].reshape(-1, 2 * w)  # [n·(2w+3), 2w]
+        targets = text[:, positions].reshape(-1)
+    count = targets.size
+    ids = {"context": context, "target": targets.reshape(count, 1)}
     vocab_out = meta.table_sizes[meta.feature_tables["target"]]
     for f in meta.features[2:]:
         ids[f] = rng.integers(0, vocab_out, (count, 1)).astype(np.int64)
@@ -250,7 +337,7 @@ def phrase_log_perplexities(inputs: np.ndarray, outputs: np.ndarray, phrases: np
 
 
 def exposure_audit(cfg, canaries: int = 1000, insertions: int = 9, references: int = 10_000,
-                   bins: Optional[int] = None, seed: Optional[int] = None) -> dict:
+                   bins: Optional[int] = None, seed: Optional[int] = None, placement: str = "text") -> dict:
     """The seed's canary exposure test (wide-network-dp §6.5; Carlini et al. 2019): `canaries`
     random 3-word phrases, each inserted `insertions` times into the training data; after one
     run, each phrase's log-perplexity is ranked among `references` random phrases of the same
@@ -258,12 +345,14 @@ def exposure_audit(cfg, canaries: int = 1000, insertions: int = 9, references: i
     p < 0.01; `bins` default min(20, canaries // 10), so each bin expects ≥ 5 ranks under
     uniformity). Exposure = log2(references + 1) − log2(rank). A phrase inserted n_c times is a
     group of n_c·3 examples: the example-level ε says nothing about it beyond group privacy
-    (seed Table 2: sparse flagged at n_c = 15)."""
+    (seed Table 2: sparse flagged at n_c = 15). `placement`: PHRASE_PLACEMENTS."""
     from accounting.canary_exposure import canary_ranks, exposure, exposure_report
     from trainer.train import build_run
 
     if isinstance(canaries, bool) or not isinstance(canaries, (int, np.integer)) or canaries < 2:
         raise ValueError(f"--canaries must be an integer >= 2, got {canaries!r}")
+    if placement not in PHRASE_PLACEMENTS:
+        raise ValueError(f"--placement must be one of {list(PHRASE_PLACEMENTS)}, got {placement!r}")
     seed = int(np.random.SeedSequence().entropy) if seed is None else int(seed)  # type: ignore[arg-type]
     rng = np.random.default_rng(seed)
     bins = bins if bins is not None else max(2, min(20, canaries // 10))
@@ -277,7 +366,8 @@ def exposure_audit(cfg, canaries: int = 1000, insertions: int = 9, references: i
         vocab = min(meta.table_sizes[meta.feature_tables["context"]], meta.table_sizes[meta.feature_tables["target"]])
         made["phrases"] = rng.integers(0, vocab, (canaries, 3))
         made["references"] = rng.integers(0, vocab, (references, 3))
-        return WithCanaries(train_set, make_phrase_examples(meta, made["phrases"], insertions, rng))
+        words = train_set.feature_rows("target")[1] if placement == "text" else None
+        return WithCanaries(train_set, make_phrase_examples(meta, made["phrases"], insertions, rng, placement, words))
 
     run = build_run(cfg, train_transform=add_phrases)
     with run:
@@ -296,7 +386,8 @@ def exposure_audit(cfg, canaries: int = 1000, insertions: int = 9, references: i
         "kind": "exposure", "mode": cfg.train.mode,
         "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
         "claimed_epsilon": claimed, "delta": delta, "steps": steps, "stopped_by_budget": bool(result.stopped_by_budget),
-        "canaries": canaries, "insertions": insertions, "references": references, "bins": bins,
+        "canaries": canaries, "insertions": insertions, "placement": placement, "references": references,
+        "bins": bins,
         "chi2": report.chi2, "p_value": report.p_value, "flagged": bool(report.flagged),
         "mean_exposure": report.mean_exposure, "median_exposure": report.median_exposure,
         "exposure_max": float(np.log2(references + 1)), "audit_seed": seed,
@@ -325,9 +416,13 @@ def canary_row_values(engine, canaries: Canaries, released: bool) -> np.ndarray:
     return out
 
 
-def white_box_scores(initial: np.ndarray, final: np.ndarray) -> np.ndarray:
-    """‖final row − initial row‖₂ per canary."""
-    return np.linalg.norm(final - initial, axis=1)
+def white_box_scores(initial: np.ndarray, final: np.ndarray, directions: Optional[np.ndarray] = None) -> np.ndarray:
+    """Example canaries: ‖final row − initial row‖₂ per canary. Gradient canaries: how far the
+    row moved against its injected gradient, ⟨initial − final, u_i⟩ (a descent step moves it
+    along −u_i; the noise's share of this projection is one-dimensional)."""
+    if directions is None:
+        return np.linalg.norm(final - initial, axis=1)
+    return np.einsum("ij,ij->i", initial - final, directions)
 
 
 def guess_counts(count: int, member_fraction: float, non_member_fraction: float) -> tuple[int, int]:
@@ -345,11 +440,11 @@ def guess_counts(count: int, member_fraction: float, non_member_fraction: float)
 
 def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, member_fraction: float = 0.1,
                   non_member_fraction: float = 0.1, confidence: float = 0.95, seed: Optional[int] = None,
-                  broken: Optional[str] = None) -> dict:
+                  broken: Optional[str] = None, canary_kind: str = "example") -> dict:
     """Train `cfg` once with canaries and audit it (module docstring). `seed`: the audit's
     coins and tie-breaking (default: fresh OS entropy, recorded in the result only after the
     run). `broken`: a name in BROKEN_VARIANTS to train deliberately broken (the record says
-    so). Returns the audit record (`audit.json`)."""
+    so). `canary_kind`: one of CANARY_KINDS. Returns the audit record (`audit.json`)."""
     from accounting.one_run_audit import audit_from_scores
     from trainer.train import build_run
 
@@ -357,12 +452,17 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         raise ValueError(f"--confidence must be in (0, 1), got {confidence}")
     if broken is not None and broken not in BROKEN_VARIANTS:
         raise ValueError(f"--broken must be one of {sorted(BROKEN_VARIANTS)}, got {broken!r}")
+    if canary_kind not in CANARY_KINDS:
+        raise ValueError(f"--canary-kind must be one of {list(CANARY_KINDS)}, got {canary_kind!r}")
     seed = int(np.random.SeedSequence().entropy) if seed is None else int(seed)  # type: ignore[arg-type]
     rng = np.random.default_rng(seed)
     made: dict = {}
 
     def add_canaries(train_set):
         made["canaries"] = make_canaries(train_set.meta, canaries, feature, rng)
+        if canary_kind == "gradient":
+            clip = cfg.privacy.clip_norm if cfg.train.mode != "nonprivate" else None
+            made["canaries"] = as_gradient_canaries(made["canaries"], cfg.model.embedding_dim, clip, rng)
         return WithCanaries(train_set, made["canaries"])
 
     if isinstance(canaries, bool) or not isinstance(canaries, (int, np.integer)) or canaries < 2:
@@ -379,7 +479,7 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         claimed = ledger.epsilon() if ledger is not None else math.inf
         delta = float(run.privacy.delta) if ledger is not None else 0.0
         steps = run.engine.step_count
-    scores = white_box_scores(initial, final)
+    scores = white_box_scores(initial, final, c.directions)
     ranked = _tie_broken(scores, rng.permutation(scores.size))
     audit = audit_from_scores(ranked, c.included, k_pos, k_neg, delta, confidence)
     return {
@@ -390,7 +490,9 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         "canaries": c.count, "members": int(c.included.sum()), "guesses": audit.guesses, "correct": audit.correct,
         "guesses_member": k_pos, "guesses_non_member": k_neg,
         "feature": c.feature, "table": c.table, "canary_rows": [c.first_row, c.first_row + c.count],
-        "score": "white box: ‖released row − initial row‖₂ of the canary's own row",
+        "canary_kind": canary_kind,
+        "score": ("white box: ‖released row − initial row‖₂ of the canary's own row" if c.directions is None else
+                  "white box: ⟨initial row − released row, u_i⟩, u_i the canary's injected gradient direction"),
         "exceeds_claim": bool(audit.epsilon_lower_bound > claimed),
         "audit_seed": seed,
         "member_scores": scores[c.included].tolist(), "non_member_scores": scores[~c.included].tolist(),
@@ -432,10 +534,12 @@ def _plot(record: dict, path: Path) -> None:
     else:
         members, others = np.asarray(record["member_scores"]), np.asarray(record["non_member_scores"])
         top = max(members.max(initial=0), others.max(initial=0)) or 1.0
-        bins = np.linspace(0, top, 40)
+        bottom = min(members.min(initial=0), others.min(initial=0))
+        bins = np.linspace(bottom, top, 40)
         ax.hist(others, bins=bins, alpha=0.6, label=f"non-members ({others.size})")
         ax.hist(members, bins=bins, alpha=0.6, label=f"members ({members.size})")
-        ax.set_xlabel("‖released row − initial row‖₂")
+        ax.set_xlabel("‖released row − initial row‖₂" if record.get("canary_kind", "example") == "example"
+                      else "⟨initial row − released row, injected direction⟩")
         ax.set_ylabel("canaries")
         ax.set_title(f"{record['mode']}: ε claimed {record['claimed_epsilon']:.3g}, "
                      f"lower bound {record['epsilon_lower_bound']:.3g} ({100 * record['confidence']:.0f}%)", fontsize=9)
@@ -455,6 +559,8 @@ def add_commands(sub) -> dict:
     a.add_argument("--canaries", type=int, default=1000,
                    help="one-run: m canary examples (each a member with probability ½); exposure: canary phrases")
     a.add_argument("--insertions", type=int, default=9, help="exposure: times each canary phrase is inserted (n_c)")
+    a.add_argument("--placement", choices=PHRASE_PLACEMENTS, default="text",
+                   help="exposure: insert each phrase into the running text (seed §6.5) or as a line of its own")
     a.add_argument("--references", type=int, default=10_000, help="exposure: random phrases the canaries are ranked among")
     a.add_argument("--feature", help="the feature whose table gets the canaries' own rows (default: the first)")
     a.add_argument("--member-guesses", type=float, default=0.1, metavar="FRACTION",
@@ -463,9 +569,13 @@ def add_commands(sub) -> dict:
                    help="share of the canaries guessed 'non-member' (the lowest scores); 0: abstain")
     a.add_argument("--confidence", type=float, default=0.95)
     a.add_argument("--seed", type=int, help="the audit's coins (default: secret, from OS entropy)")
+    a.add_argument("--canary-kind", choices=CANARY_KINDS, default="example",
+                   help="one-run: 'example' canaries are data points with rows of their own; 'gradient' canaries "
+                        "are the same points with their pooled-output gradient set to 1000·S1 in a secret direction "
+                        "(the strongest adversary clipping allows)")
     a.add_argument("--broken", choices=sorted(BROKEN_VARIANTS),
-                   help="train deliberately broken (noise off / every touched row selected, the ledger told "
-                        "otherwise) to see the audit catch it on this configuration; NOT a private run")
+                   help="train deliberately broken (noise off / σ divided by 10 / every touched row selected, the "
+                        "ledger told otherwise) to see the audit catch it on this configuration; NOT a private run")
     a.add_argument("--out", help="directory for audit.json and audit.png (default RUN_DIR/audit)")
     return {"audit": cmd_audit}
 
@@ -476,11 +586,11 @@ def cmd_audit(args) -> dict:
     cfg = load_config(args.config, args.set)
     if args.kind == "exposure":
         record = exposure_audit(cfg, canaries=args.canaries, insertions=args.insertions, references=args.references,
-                                seed=args.seed)
+                                seed=args.seed, placement=args.placement)
         out = Path(args.out) if args.out else Path(cfg.run_dir or "runs/latest") / "audit"
         return {"out": str(out), **write_audit(record, out)}
     record = one_run_audit(cfg, canaries=args.canaries, feature=args.feature, member_fraction=args.member_guesses,
                            non_member_fraction=args.non_member_guesses, confidence=args.confidence, seed=args.seed,
-                           broken=args.broken)
+                           broken=args.broken, canary_kind=args.canary_kind)
     out = Path(args.out) if args.out else Path(cfg.run_dir or "runs/latest") / "audit"
     return {"out": str(out), **write_audit(record, out)}

@@ -177,6 +177,9 @@ class TrainerRole:
                                           trainer_arg=(self.index,) if o.num_trainers > 1 else ())
         clock.mark("lookup")
         losses, g_pooled, dense = self._dense_forward_backward(pooled, batch, B)
+        override = getattr(self.train_set, "override_pooled_grads", None)  # gradient canaries (trainer/audit.py)
+        if override is not None and B:
+            g_pooled = override(idx, g_pooled, self.layout.features)
         clock.mark("dense_forward_backward")
         factors = self._clip_factors(g_pooled, dense, B)
         clock.mark("norms")
