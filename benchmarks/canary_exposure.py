@@ -118,7 +118,8 @@ def main(argv=None) -> dict:
                          r["median_exposure"]] for r in ok]))
     payload = {"config": args.config, "corpus": "King James Bible (bible-kjv-text)" if args.kjv else "the config's",
                "canaries": canaries, "references": references, "placement": args.placement, "results": results}
-    write_results("canary_exposure_kjv" if args.kjv else "canary_exposure", payload, quick=args.quick, machine=machine, out=args.out, started=started)
+    name = "canary_exposure" + ("_kjv" if args.kjv else "") + ("_line" if args.placement == "line" else "")
+    write_results(name, payload, quick=args.quick, machine=machine, out=args.out, started=started)
     return payload
 
 

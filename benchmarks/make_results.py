@@ -852,8 +852,13 @@ def section_exposure(doc, plots: "dict | None" = None, plot_dir: "Path | None" =
     if plots is not None and plot_dir is not None and with_ranks:
         plots[doc["benchmark"]] = plot_exposure_ranks(with_ranks, doc["references"], plot_dir / f"{doc['benchmark']}.png",
                                                       f"canary ranks, corpus: {doc.get('corpus', 'the config')}")
-    lines = [f"`{doc['config']}`, corpus: {doc.get('corpus', 'the config')}; {doc['canaries']:,} random 3-word canary phrases, each inserted n_c times (three CBOW "
-             f"examples per insertion); each phrase's log-perplexity ranked among {doc['references']:,} random phrases; "
+    placement = doc.get("placement", "line")
+    how = ("into the running text between corpus words (the seed's placement: each insertion gives the 2·window + 3 "
+           "CBOW examples within reach of the phrase, their contexts mixing its words with the corpus's)"
+           if placement == "text" else "as a line of its own (three CBOW examples per insertion, each context the "
+           "phrase's other two words: the most an example can memorize of it)")
+    lines = [f"`{doc['config']}`, corpus: {doc.get('corpus', 'the config')}; {doc['canaries']:,} random 3-word canary "
+             f"phrases, each inserted n_c times {how}; each phrase's log-perplexity ranked among {doc['references']:,} random phrases; "
              "Pearson's χ² of the ranks against uniform (flagged: p < 0.01); exposure in bits (at most "
              f"{f(math.log2(doc['references'] + 1))}). Seed Table 2: non-private p ≈ 0.00; DP-SGD and sparse p ≥ 0.31 at "
              "n_c ≤ 9; sparse p ≈ 0.00 at n_c = 15.", "",
@@ -867,15 +872,15 @@ def section_exposure(doc, plots: "dict | None" = None, plot_dir: "Path | None" =
             lines.append(f"| {r['insertions']} | {r['mode']} | FAILED: {r['error'][:80]} | | | | |")
     nonprivate = [r for r in ok if r["mode"] == "nonprivate"]
     private_small = [r for r in ok if r["mode"] != "nonprivate" and r["insertions"] <= 9]
-    corpus = "" if doc["benchmark"] == "canary_exposure" else " (real text)"
+    corpus = (" (real text" if "kjv" in doc["benchmark"] else " (synthetic") + f", placement {placement})"
     goals = [(f"Canary exposure{corpus}: non-private flagged (p < 0.01) at every n_c",
               ", ".join(f"n_c {r['insertions']}: p {r['p_value']:.2g}" for r in nonprivate) or "not measured",
               "**met**" if nonprivate and all(r["flagged"] for r in nonprivate) else "**missed**", ""),
              (f"Canary exposure{corpus}: DP runs at ε ≤ 8 not flagged at n_c ≤ 9",
               ", ".join(f"{r['mode']} n_c {r['insertions']}: p {r['p_value']:.2g}" for r in private_small) or "not measured",
               "**met**" if private_small and not any(r["flagged"] for r in private_small) else "**missed**",
-              "a phrase inserted n_c times is a group of 3·n_c examples; the example-level ε bounds it only by group "
-              "privacy (seed §6.5)")]
+              f"a phrase inserted n_c times is a group of {'(2·window + 3)' if placement == 'text' else '3'}·n_c "
+              "examples; the example-level ε bounds it only by group privacy (seed §6.5)")]
     return lines, goals
 
 
@@ -908,6 +913,10 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          lambda d: section_exposure(d, plots, plot_dir), ["canary_exposure"]),
         ("canary_exposure_kjv", "7d. The canary exposure test on real English (King James Bible)",
          lambda d: section_exposure(d, plots, plot_dir), ["canary_exposure_kjv"]),
+        ("canary_exposure_line", "7e. Canary exposure with each phrase as a line of its own, synthetic corpus",
+         lambda d: section_exposure(d, plots, plot_dir), ["canary_exposure_line"]),
+        ("canary_exposure_kjv_line", "7f. Canary exposure with each phrase as a line of its own, King James Bible",
+         lambda d: section_exposure(d, plots, plot_dir), ["canary_exposure_kjv_line"]),
     ]
     machines = {}
     for name, title, fn, plot_keys in sections:

@@ -72,13 +72,13 @@ def plan_overrides(selection):
 def build(ds, batches, *, mode, selection="em", num_shards=1, second_clip=None, backend="local",
           optimizer="sgd", dense_optimizer="sgd", model="dlrm", target_epsilon=1e9, seed=SEED, overrides=None,
           dense_tables=(), lr=LR, dense_lr=DENSE_LR, ema_decay=0.0, num_trainers=1, selection_on_shards=False,
-          trainer_actors=False):
+          trainer_actors=False, fuse_selection=True):
     return make_engine(ds, num_shards=num_shards, mode=mode, selection=selection, backend=backend,
                        optimizer=optimizer, dense_optimizer=dense_optimizer, q=Q, seed=seed, dim=DIM,
                        second_clip=second_clip, lr=lr, dense_lr=dense_lr, model=model, init_std=INIT_STD,
                        sampler=ListSampler(batches), target_epsilon=target_epsilon, dense_tables=dense_tables,
                        ema_decay=ema_decay, num_trainers=num_trainers, selection_on_shards=selection_on_shards,
-                       trainer_actors=trainer_actors, plan_overrides={**plan_overrides(selection), **(overrides or {})} if mode != "nonprivate" else None)
+                       trainer_actors=trainer_actors, fuse_selection=fuse_selection, plan_overrides={**plan_overrides(selection), **(overrides or {})} if mode != "nonprivate" else None)
 
 
 def reference_for(engine, ds, mode):
@@ -252,7 +252,7 @@ def test_selection_on_the_shards_equals_per_shard_thresholding_of_the_whole_batc
         engine.prepare_fest(ds.feature_rows)
     seen = []
     real = engine._select_on_shards
-    monkeypatch.setattr(engine, "_select_on_shards", lambda: seen.append(real()) or seen[-1])
+    monkeypatch.setattr(engine, "_select_on_shards", lambda parts=None: seen.append(real(parts)) or seen[-1])
     for idx in batches:
         want = _shard_selection_reference(engine, np.asarray(idx))
         assert engine.step() is not None
@@ -305,10 +305,10 @@ def test_top_k_on_the_shards_equals_per_shard_candidates_of_the_whole_batch_merg
     ds = dataset()
     batches = batches_with_crafted(ds, 3)
     engine = build(ds, batches, mode="sparse", selection=selection, num_shards=num_shards, num_trainers=num_trainers,
-                   selection_on_shards=True, dense_tables=dense_tables)
+                   selection_on_shards=True, dense_tables=dense_tables, fuse_selection=False)  # all rows come back
     seen, rows_seen = [], []
     real_select, real_rows = engine._select_on_shards, engine._reduced_row_sums
-    monkeypatch.setattr(engine, "_select_on_shards", lambda: seen.append(real_select()) or seen[-1])
+    monkeypatch.setattr(engine, "_select_on_shards", lambda parts=None: seen.append(real_select(parts)) or seen[-1])
     monkeypatch.setattr(engine, "_reduced_row_sums", lambda parts: rows_seen.append(real_rows(parts)) or rows_seen[-1])
     for idx in batches:
         step = engine.step_count
@@ -319,6 +319,32 @@ def test_top_k_on_the_shards_equals_per_shard_candidates_of_the_whole_batch_merg
         assert np.array_equal(seen[-1].ids, want) and seen[-1].ids.size == engine.private_plan.selection_params.k
         assert seen[-1].event == get_selector(selection).event(engine.private_plan.selection_params)
     assert len(seen) == len(batches)
+
+
+@pytest.mark.parametrize("selection", ["threshold", "fest-threshold", "em", "em-count"])
+@pytest.mark.parametrize("num_shards,dense_tables", [(1, ()), (3, ()), (3, (2,))])
+def test_selecting_in_the_row_sum_call_equals_selecting_in_a_call_of_its_own(selection, num_shards, dense_tables):
+    """One trainer: each shard selecting with its row sums and returning only the selected
+    (or fixed, or dense-table) rows gives the same selections, released parameters and
+    touched-row counts, bit for bit, as the shards returning every row and selecting after."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 4)
+    runs = []
+    for fuse in (True, False):
+        engine = build(ds, batches, mode="sparse", selection=selection, num_shards=num_shards,
+                       selection_on_shards=True, dense_tables=dense_tables, fuse_selection=fuse)
+        if engine.needs_one_time_selection():
+            engine.prepare_fest(ds.feature_rows)
+        calls = []
+        real = engine._reduced_row_sums
+        engine._reduced_row_sums = lambda parts: calls.append(parts[0].row_sums) or real(parts)
+        stats = [engine.step() for _ in batches]
+        runs.append(([(s.rows_touched, s.rows_selected) for s in stats], engine_params(engine),
+                     sum(r[0].size for c in calls for r in c)))
+    (fused, fused_params, fused_rows), (plain, plain_params, plain_rows) = runs
+    assert fused == plain and any(selected for _, selected in fused)
+    assert_params_equal(fused_params, plain_params)
+    assert fused_rows < plain_rows  # fewer rows came back
 
 
 def test_selection_on_the_shards_is_a_function_of_the_batch_not_of_the_trainer_split():

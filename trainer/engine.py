@@ -35,6 +35,7 @@ from trainer.dense_grads import DenseGradients, dense_gradients
 from trainer.layout import ShardLayout
 from trainer.models import DenseModel
 from trainer.randomness import PrivacyRandomness
+from trainer.shard import ShardSelect
 from trainer.shard_group import ShardLostError, StepInterrupted
 from trainer.table_policy import SparseVocabulary
 from trainer.trainer_group import InProcessTrainers, RayTrainers, TrainerGroup
@@ -88,7 +89,7 @@ class Engine:
                  randomness: Optional[PrivacyRandomness] = None, secure_mode: bool = False, ledger_path=None,
                  dense_tables: tuple[int, ...] = (), ema_decay: float = 0.0, dense_grad_method: str = "auto",
                  num_trainers: int = 1, selection_on_shards: bool = False, trainer_actors: bool = False,
-                 cpus_per_trainer: float = 1.0):
+                 cpus_per_trainer: float = 1.0, fuse_selection: bool = True):
         """`dense_tables`: in `sparse` mode, the indices of the tables noised densely every step
         (trainer/table_policy.py); `dpsgd` noises every table, `nonprivate` none. `ema_decay`
         β > 0: evaluate (and checkpoint for export) the exponential moving average of the
@@ -101,7 +102,10 @@ class Engine:
         reduced at the shards that own the rows, and the dense clipped sums are added here.
         `selection_on_shards`: a selector that can (`Selector.shard_statistic`) selects on the
         shards, each over its own rows with its own stream, merged here (the same distribution
-        as the selection over the whole vocabulary here, which is the reference path).
+        as the selection over the whole vocabulary here, which is the reference path). With one
+        trainer and `fuse_selection`, each shard selects in the call that makes its row sums
+        and returns only the rows the step can use (`_shard_selects`); otherwise in a call of
+        its own after them (the reference for the fused call).
         `trainer_actors`: the N trainers run as Ray actors (trainer/trainer_group.py,
         `cpus_per_trainer` CPUs each) that call the shard actors directly — the shards must be
         a RayShardGroup; otherwise they run here, one after another."""
@@ -131,6 +135,8 @@ class Engine:
         self.dpsgd_noise_seed = self.randomness.dpsgd_noise_seed()
         self.shard_selection_seed = self.randomness.shard_selection_seed()
         self.selection_on_shards = bool(selection_on_shards)
+        self.fuse_selection = bool(fuse_selection)
+        self._keep_rows: Optional[tuple] = None  # (fixed rows it was made from, per-shard global ids)
         self.step_count = 0
         self.table_offsets = layout.table_offsets
         all_tables = tuple(range(len(layout.tables)))
@@ -277,14 +283,16 @@ class Engine:
         dense_state = None
         if self.trainers.needs_dense_state:
             dense_state = {n: t.detach().clone() for n, t in self.model.state_dict().items()}
-        parts = self._trainer_parts(samples, dense_state, clock)
+        select = self._shard_selects()
+        parts = self._trainer_parts(samples, dense_state, clock, select)
         dense_grads = parts[0].dense_sum
         for part in parts[1:]:
             dense_grads = {n: dense_grads[n] + g for n, g in part.dense_sum.items()}
         rows = self._reduced_row_sums(parts)
         clock.mark("row_sums")
         dense_part = rows.subset(np.isin(rows.tables, self.dense_tables))
-        selection = self._select(rows)
+        fused = parts[0].row_sums if select is not None else None  # per shard: (..., selection part, touched)
+        selection = self._select(rows, [s[3] for s in fused] if fused is not None else None)
         selected, delta_rows = self._restrict_to_selection(rows, selection)
         clock.mark("selection")
         noisy = self._clip_and_noise(delta_rows, dense_grads, torch.from_numpy(dense_part.grads))
@@ -302,8 +310,8 @@ class Engine:
         self.step_count += 1
         eps = self.ledger.epsilon() if noisy is not None and self.ledger is not None else 0.0
         losses = torch.cat([part.losses for part in parts])
-        return StepStats(self.step_count, B, float(losses.mean()) if B else float("nan"),
-                         int(rows.global_ids.size), int(selected.size) + self.dense_table_rows, eps, clock.phases,
+        touched = sum(s[4] for s in fused) if fused is not None else int(rows.global_ids.size)
+        return StepStats(self.step_count, B, float(losses.mean()) if B else float("nan"), touched, int(selected.size) + self.dense_table_rows, eps, clock.phases,
                          tuple(part.cpu_seconds for part in parts))
 
     # ---- the phases of one step ---------------------------------------------------------------------
@@ -331,12 +339,35 @@ class Engine:
         cut = np.searchsorted(idx, self.trainer_bounds)
         return [idx[cut[i]: cut[i + 1]] for i in range(self.num_trainers)]
 
-    def _trainer_parts(self, samples: list, dense_state: Optional[dict], clock: PhaseClock) -> list[TrainerPart]:
+    def _shard_selects(self) -> Optional[list]:
+        """Per shard, the `ShardSelect` of this step when the selection runs in the row-sum
+        call (one trainer, a selector with a shard statistic, `fuse_selection`); else None.
+        `keep_rows`: the shard's DP-FEST fixed rows (global flat ids), which are selected here
+        whatever the shards pick, so their sums must come back too."""
+        if not (self.fuse_selection and self.selects and self.selection_on_shards and self.num_trainers == 1):
+            return None
+        p = self.private_plan
+        if get_selector(p.selection).shard_statistic is None:
+            return None
+        if self._keep_rows is None or self._keep_rows[0] is not self.fixed_rows:
+            per_shard = [np.empty(0, np.int64)] * self.layout.num_shards
+            if self.fixed_rows is not None:
+                flat = self.sparse_vocabulary.to_global(self.fixed_rows)
+                t = np.searchsorted(self.table_offsets, flat, side="right") - 1
+                owner = self.layout.owner(t, flat - self.table_offsets[t])
+                per_shard = [np.sort(flat[owner == s]) for s in range(self.layout.num_shards)]
+            self._keep_rows = (self.fixed_rows, per_shard)
+        return [ShardSelect(p.selection, p.selection_params, tuple(self.dense_tables), self.shard_selection_seed,
+                            self.step_count, p.clip_norm, self.b, keep)
+                for keep in self._keep_rows[1]]
+
+    def _trainer_parts(self, samples: list, dense_state: Optional[dict], clock: PhaseClock,
+                       select: Optional[list] = None) -> list[TrainerPart]:
         """Every trainer's share of the step (trainer/trainer_role.py): lookup, dense
         forward/backward, clip factors, clipped row sums (left at the shards when N > 1 or on
         Ray) and the dense clipped sum. In-process the trainers' phases add up; on Ray they
         overlap, so the slowest trainer's phases count and the rest of the wait is "trainers"."""
-        parts = self.trainers.parts(samples, dense_state)
+        parts = self.trainers.parts(samples, dense_state, select)
         if isinstance(self.trainers, InProcessTrainers):
             for part in parts:
                 clock.absorb(part.phases)
@@ -443,17 +474,18 @@ class Engine:
                                          self.step_count + 1) for s in range(self.layout.num_shards)])
 
     # ---- selection ------------------------------------------------------------------------------
-    def _select(self, rows: "RowSums") -> Optional[Selection]:
+    def _select(self, rows: "RowSums", shard_parts: Optional[list] = None) -> Optional[Selection]:
         """The step's selection over every row of the sparse tables (its global ids and the
         event the selector returned). Non-private: every touched row, no event; no sparse table
-        (DP-SGD): None. The selector sees the sparse tables' rows as one compact id space."""
+        (DP-SGD): None. The selector sees the sparse tables' rows as one compact id space.
+        `shard_parts`: the shards' parts of the selection, made with their row sums."""
         if self.mode == "nonprivate":
             return Selection(unique_ints(rows.global_ids), ev.NoOpDpEvent())
         if not self.selects:
             return None
         p, rng, vocab = self.private_plan, self.selection_rng, self.sparse_vocabulary
         if self.selection_on_shards and get_selector(p.selection).shard_statistic is not None:
-            return self._select_on_shards()
+            return self._select_on_shards(shard_parts)
         keep, touched = vocab.to_compact(rows.global_ids)
         context = SelectionContext(
             num_rows=vocab.num_rows, touched_ids=touched, row_norms=np.linalg.norm(rows.grads[keep], axis=1),
@@ -462,15 +494,16 @@ class Engine:
         sel = get_selector(p.selection).select(context, p.selection_params, rng)
         return Selection(vocab.to_global(sel.ids), sel.event)
 
-    def _select_on_shards(self) -> Selection:
+    def _select_on_shards(self, parts: Optional[list] = None) -> Selection:
         """Each shard selects among its own rows of the sparse tables (`EmbeddingShard.select_rows`:
         thresholding, or its top-k candidates) and the selector merges the parts (the union, or
         the exact top-k of the candidates). For contribution counts the trainers sent each
         shard the weights of their examples there, computed from all of each example's rows."""
         p, vocab = self.private_plan, self.sparse_vocabulary
         selector = get_selector(p.selection)
-        parts = self.shards.broadcast("select_rows", p.selection, p.selection_params, self.dense_tables,
-                                      self.shard_selection_seed, self.step_count, p.clip_norm, self.b)
+        if parts is None:
+            parts = self.shards.broadcast("select_rows", p.selection, p.selection_params, self.dense_tables,
+                                          self.shard_selection_seed, self.step_count, p.clip_norm, self.b)
         fixed = None if self.fixed_rows is None else vocab.to_global(self.fixed_rows)
         sel = selector.merge(parts, p.selection_params, fixed)
         return Selection(sel.ids, sel.event)

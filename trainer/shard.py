@@ -15,6 +15,8 @@ Per-example row gradient (sum pooling with per-id weights w, mean pooling = w = 
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional
 
 import numpy as np
@@ -41,6 +43,23 @@ def _device() -> tuple[torch.device, ComputeDevice, EmbeddingLocation]:
     if torch.cuda.is_available():  # the same code picks the CUDA build and device when present
         return torch.device("cuda"), ComputeDevice.CUDA, EmbeddingLocation.DEVICE
     return torch.device("cpu"), ComputeDevice.CPU, EmbeddingLocation.HOST
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSelect:
+    """The arguments of one shard's `select_rows` for a step, sent with the clipped row sums
+    when one trainer's sums are the step's whole G (`clipped_row_sums(select=...)`), plus
+    `keep_rows`: global flat ids of this shard's rows the coordinator selects regardless
+    (DP-FEST's fixed rows), whose sums must come back too."""
+
+    selection: str
+    params: object
+    dense_tables: tuple
+    seed: int
+    step: int
+    clip_norm: Optional[float]
+    expected_batch_size: Optional[float]
+    keep_rows: np.ndarray
 
 
 class EmbeddingShard:
@@ -211,15 +230,31 @@ class EmbeddingShard:
             0, torch.from_numpy(uniq // (n_tables * self.max_rows)), sums.pow(2).sum(1))
         return sq.numpy()
 
-    def clipped_row_sums(self, factors: np.ndarray, trainer: int = 0, selection_weights=None):
+    def clipped_row_sums(self, factors: np.ndarray, trainer: int = 0, selection_weights=None,
+                         select: Optional[ShardSelect] = None):
         """Σ_j factor_j · ∂L_j/∂E[t, r] over the trainer's batch, for every touched (t, r) of
         this shard; `factors` for this shard's examples (`inp.bags(B).examples` order).
         `selection_weights`: the same examples' contribution weights, kept for `select_rows`.
 
-        Returns (table index [m], global row id [m], sums [m, D] float32)."""
+        Returns (table index [m], global row id [m], sums [m, D] float32). With `select` (one
+        trainer: these sums are the step's whole G here), this shard's selection runs in the
+        same call (`select_rows` on `select`'s arguments) and only the rows the coordinator can
+        use come back — those in this shard's part of the selection or in `select.keep_rows`,
+        and every touched row of a dense table — as (tables, global ids, sums, part, touched:
+        how many rows were touched here)."""
         self._keep_selection_weights(selection_weights, trainer)
         keys, sums = self._step_row_sums = self._clipped_row_sums64(factors, trainer)
-        return self._rows_of(keys, sums)
+        if select is None:
+            return self._rows_of(keys, sums)
+        from selection.partitioned import ShardCandidates
+
+        part = self.select_rows(select.selection, select.params, select.dense_tables, select.seed, select.step,
+                                select.clip_norm, select.expected_batch_size)
+        tables, global_ids, flat = self._rows_of(keys, sums)
+        wanted = np.union1d(part.ids if isinstance(part, ShardCandidates) else part, select.keep_rows)
+        flat_ids = self.layout.table_offsets[tables] + global_ids
+        keep = np.isin(flat_ids, wanted) | np.isin(tables, np.asarray(select.dense_tables, dtype=np.int64))
+        return tables[keep], global_ids[keep], flat[keep], part, int(keys.size)
 
     def add_clipped_row_sums(self, factors: np.ndarray, trainer: int, selection_weights=None) -> None:
         """Data-parallel trainers: add trainer `trainer`'s clipped row sums (as in

@@ -35,7 +35,10 @@ class TrainerGroup:
 
     num_trainers: int
 
-    def parts(self, samples: Sequence[np.ndarray], dense_state: Optional[dict]) -> list[TrainerPart]:
+    def parts(self, samples: Sequence[np.ndarray], dense_state: Optional[dict],
+              select: Optional[list] = None) -> list[TrainerPart]:
+        """`select`: per shard, the `ShardSelect` of a step whose selection runs with the row
+        sums (one trainer; `TrainerRole.step_part`)."""
         raise NotImplementedError
 
     def example_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -62,8 +65,8 @@ class InProcessTrainers(TrainerGroup):
         self.roles = roles
         self.num_trainers = len(roles)
 
-    def parts(self, samples, dense_state):
-        return [role.step_part(idx) for role, idx in zip(self.roles, samples)]
+    def parts(self, samples, dense_state, select=None):
+        return [role.step_part(idx, select=select) for role, idx in zip(self.roles, samples)]
 
     def example_rows(self):
         return [role.example_rows() for role in self.roles]
@@ -139,10 +142,10 @@ class RayTrainers(TrainerGroup):
     def needs_dense_state(self) -> bool:
         return True
 
-    def parts(self, samples, dense_state):
+    def parts(self, samples, dense_state, select=None):
         if dense_state is not None:
             self._last_dense_state = dense_state
-        refs = [actor.step_part.remote(idx, dense_state) for actor, idx in zip(self.actors, samples)]
+        refs = [actor.step_part.remote(idx, dense_state, select) for actor, idx in zip(self.actors, samples)]
         return self._gather(refs, "step_part")
 
     def example_rows(self):
