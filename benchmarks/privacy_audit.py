@@ -81,7 +81,7 @@ def audit_worker(spec: dict) -> dict:
     t0 = time.perf_counter()
     record = one_run_audit(cfg, canaries=spec["canaries"], member_fraction=MEMBER_FRACTION, non_member_fraction=0.0,
                            confidence=0.95, seed=spec.get("seed"), broken=spec.get("broken"),
-                           canary_kind=spec.get("canary_kind", "example"))
+                           canary_kind=spec.get("canary_kind") or "example")
     import numpy as np
 
     members, others = np.asarray(record.pop("member_scores")), np.asarray(record.pop("non_member_scores"))

@@ -69,10 +69,11 @@ def _every_touched_row(run):
     """The selection also takes every touched row of the sparse tables (as if it skipped the
     private mechanism for them) while the real selector's event is charged."""
     engine = run.engine
-    real = engine._select
+    real, fused = engine._select, engine.fuse_selection
+    engine.fuse_selection = False  # every touched row's sums must come back from the shards
 
-    def every_touched_row(rows):
-        selection = real(rows)
+    def every_touched_row(rows, shard_parts=None):
+        selection = real(rows, shard_parts)
         if selection is None:
             return None
         touched = rows.global_ids[~np.isin(rows.tables, engine.dense_tables)]
@@ -83,6 +84,7 @@ def _every_touched_row(run):
         yield
     finally:
         del engine._select
+        engine.fuse_selection = fused
 
 
 #: Broken variants for `widedp audit --broken`: a run made non-private on purpose, to show that
