@@ -819,8 +819,9 @@ def section_audit(doc, plots: "dict | None" = None, plot_dir: "Path | None" = No
              ("Non-private and broken runs: one-run ε lower bound ≥ 1 at 95% confidence",
               f"{len(exposed) - len(missed)} of {len(exposed)} flagged" + (f"; not flagged: {', '.join(missed)}" if missed else ""),
               "**met**" if exposed and not missed else "**missed**",
-              "what the white-box row score cannot see stays below 1: noise off or σ ÷ 10 in sparse mode, where a "
-              "canary's row moves only when the (still private) selection picks it; a selection that adds the "
+              "what the white-box row score cannot see stays below 1: noise off in sparse mode with example canaries, "
+              "where a canary's row moves only when the (still private) selection picks it (gradient canaries, "
+              "whose rows the selection picks far more often, do catch σ ÷ 10 there); a selection that adds the "
               "touched rows where the threshold already passes pure-noise rows every step, so almost every canary "
               "row, member or not, is noised at some step (see the non-member score quantiles)" if missed
               else f"m = {m}")]

@@ -249,6 +249,10 @@ class ClusterConfig:
     # fest-threshold): each shard thresholds its own rows with its own stream; the same output
     # distribution as selecting over the whole vocabulary on the coordinator (false).
     selection_on_shards: bool = True
+    # With one trainer, each shard selects in the call that makes its row sums and returns only
+    # the rows the step uses (one round fewer); false: a call of its own (the same output, bit
+    # for bit; for comparisons).
+    fuse_selection: bool = True
 
     @property
     def trainer_actors(self) -> bool:

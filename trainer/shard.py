@@ -253,7 +253,12 @@ class EmbeddingShard:
         tables, global_ids, flat = self._rows_of(keys, sums)
         wanted = np.union1d(part.ids if isinstance(part, ShardCandidates) else part, select.keep_rows)
         flat_ids = self.layout.table_offsets[tables] + global_ids
-        keep = np.isin(flat_ids, wanted) | np.isin(tables, np.asarray(select.dense_tables, dtype=np.int64))
+        keep = np.zeros(flat_ids.size, dtype=bool)
+        if wanted.size:  # membership by binary search: `wanted` is sorted
+            at = np.minimum(np.searchsorted(wanted, flat_ids), wanted.size - 1)
+            keep = wanted[at] == flat_ids
+        if select.dense_tables:
+            keep |= np.isin(tables, np.asarray(select.dense_tables, dtype=np.int64))
         return tables[keep], global_ids[keep], flat[keep], part, int(keys.size)
 
     def add_clipped_row_sums(self, factors: np.ndarray, trainer: int, selection_weights=None) -> None:

@@ -148,7 +148,8 @@ def build_run(cfg: Config, train_transform=None) -> Run:
                     secure_mode=cfg.privacy.secure_mode,
                     dense_tables=policy.dense_indices([t.name for t in layout.tables]) if policy else (),
                     ema_decay=cfg.train.ema_decay, num_trainers=cfg.cluster.num_trainers,
-                    selection_on_shards=cfg.cluster.selection_on_shards, trainer_actors=cfg.cluster.trainer_actors,
+                    selection_on_shards=cfg.cluster.selection_on_shards,
+                    fuse_selection=cfg.cluster.fuse_selection, trainer_actors=cfg.cluster.trainer_actors,
                     cpus_per_trainer=cfg.cluster.cpus_per_trainer)
     return Run(cfg, engine, train_set, test_set, meta, info, validation_set)
 
