@@ -46,22 +46,32 @@ AUDIT_KINDS = ("one-run", "exposure")
 
 # ---- deliberately broken training: the audit's teeth ------------------------------------------------
 @contextlib.contextmanager
-def _noise_off(run):
-    """Every Gaussian step draws no noise while the ledger is told the planned σ."""
+def _noise_scaled(factor: float):
+    """Every Gaussian step draws noise of factor·σ while the ledger is told the planned σ."""
     import trainer.engine as engine_module
     from accounting.events import GaussianDpEvent
 
     real = engine_module.noisy_step
 
-    def no_noise(rows, dense, noise_multiplier, *args, **kwargs):
-        step = real(rows, dense, 0.0, *args, **kwargs)
+    def scaled(rows, dense, noise_multiplier, *args, **kwargs):
+        step = real(rows, dense, factor * noise_multiplier, *args, **kwargs)
         return dataclasses.replace(step, event=GaussianDpEvent(noise_multiplier))
 
-    engine_module.noisy_step = no_noise
+    engine_module.noisy_step = scaled
     try:
         yield
     finally:
         engine_module.noisy_step = real
+
+
+def _noise_off(run):
+    """No noise at all while the ledger is told σ."""
+    return _noise_scaled(0.0)
+
+
+def _sigma_over_10(run):
+    """Noise of σ/10 while the ledger is told σ."""
+    return _noise_scaled(0.1)
 
 
 @contextlib.contextmanager
@@ -89,25 +99,6 @@ def _every_touched_row(run):
 
 #: Broken variants for `widedp audit --broken`: a run made non-private on purpose, to show that
 #: the audit catches it on the user's own configuration. Never used by training.
-@contextlib.contextmanager
-def _sigma_over_10(run):
-    """Every Gaussian step draws noise of σ/10 while the ledger is told the planned σ."""
-    import trainer.engine as engine_module
-    from accounting.events import GaussianDpEvent
-
-    real = engine_module.noisy_step
-
-    def tenth_noise(rows, dense, noise_multiplier, *args, **kwargs):
-        step = real(rows, dense, noise_multiplier / 10, *args, **kwargs)
-        return dataclasses.replace(step, event=GaussianDpEvent(noise_multiplier))
-
-    engine_module.noisy_step = tenth_noise
-    try:
-        yield
-    finally:
-        engine_module.noisy_step = real
-
-
 BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "sigma-over-10": _sigma_over_10,
                                         "every-touched-row": _every_touched_row}
 
