@@ -492,7 +492,10 @@ def ray_cluster():
         # Trainer actors receive the tests' in-memory dataset: its classes travel by value
         # (the workers cannot import tests/engine_fixtures.py).
         cloudpickle.register_pickle_by_value(engine_fixtures)
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        from trainer.ray_runtime import LOCAL_SYSTEM_CONFIG
+
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 _system_config=dict(LOCAL_SYSTEM_CONFIG))  # as trainer.ray_runtime.ensure_ray starts it
     yield ray
     if started:
         ray.shutdown()
