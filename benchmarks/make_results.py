@@ -825,6 +825,19 @@ def section_audit(doc, plots: "dict | None" = None, plot_dir: "Path | None" = No
               "touched rows where the threshold already passes pure-noise rows every step, so almost every canary "
               "row, member or not, is noised at some step (see the non-member score quantiles)" if missed
               else f"m = {m}")]
+    variants: dict = {}
+    for r in exposed:
+        if r.get("broken"):
+            variants.setdefault((r["model"], r["mode"], r["broken"]), []).append(r)
+    uncaught = [f"{model} {mode} {broken}" for (model, mode, broken), rs in variants.items()
+                if all(r["epsilon_lower_bound"] < 1.0 for r in rs)]
+    if variants:
+        goals.append(("Every broken variant flagged (bound ≥ 1) by example or gradient canaries, per model and mode",
+                      f"{len(variants) - len(uncaught)} of {len(variants)} caught"
+                      + (f"; by neither: {', '.join(uncaught)}" if uncaught else ""),
+                      "**met**" if not uncaught else "**missed**",
+                      "gradient canaries put ≈ S1 on the canary's row each time it is sampled, so its row is selected "
+                      "and moves far more often than an example canary's"))
     return lines, goals
 
 

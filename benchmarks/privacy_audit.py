@@ -49,7 +49,9 @@ def rows_for(model: str) -> list[dict]:
             {"mode": "sparse", "broken": "every-touched-row"}]
     gradient = [{"mode": "nonprivate"}, {"mode": "dpsgd"}, {"mode": "sparse", "selection": "threshold"},
                 {"mode": "dpsgd", "broken": "sigma-over-10"}, {"mode": "dpsgd", "broken": "noise-off"},
-                {"mode": "sparse", "selection": "threshold", "broken": "sigma-over-10"}]
+                {"mode": "sparse", "selection": "threshold", "broken": "sigma-over-10"},
+                {"mode": "sparse", "selection": "threshold", "broken": "noise-off"},
+                {"mode": "sparse", "selection": "threshold", "broken": "every-touched-row"}]
     return out + [{**r, "canary_kind": "gradient"} for r in gradient]
 
 
