@@ -221,9 +221,10 @@ class WithCanaries:
 
     def override_pooled_grads(self, indices: np.ndarray, pooled_grads: np.ndarray, features) -> np.ndarray:
         """Gradient canaries: the pooled-output gradients [B, F, D] of a batch of these `indices`
-        with every canary's rows replaced — G·u_i on its own feature, 0 on the others (the
-        gradient of the loss ℓ_j + G⟨u_i, pooled_j⟩ − ℓ_j's pooled part: a per-example loss like
-        any other, so clipping bounds it as it bounds every example). Example canaries: as given."""
+        with every canary's rows replaced — G·u_i on its own feature, 0 on the others; its dense
+        gradient stays the model's. DP-SGD's guarantee holds for any per-example gradient chosen
+        from the current state (adaptive composition), and clipping bounds this one as it bounds
+        every example's. Example canaries: as given."""
         c = self.canaries
         if c.directions is None:
             return pooled_grads
@@ -233,7 +234,8 @@ class WithCanaries:
             return pooled_grads
         out = np.array(pooled_grads, copy=True)
         out[at] = 0.0
-        out[at, [getattr(f, "name", f) for f in features].index(c.feature)] = c.gradient_norm * c.directions[self.members[idx[at] - len(self.base)]]
+        own = [getattr(f, "name", f) for f in features].index(c.feature)
+        out[at, own] = c.gradient_norm * c.directions[self.members[idx[at] - len(self.base)]]
         return out
 
     def iter_batches(self, batch_size: int):

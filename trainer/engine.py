@@ -311,7 +311,8 @@ class Engine:
         eps = self.ledger.epsilon() if noisy is not None and self.ledger is not None else 0.0
         losses = torch.cat([part.losses for part in parts])
         touched = sum(s[4] for s in fused) if fused is not None else int(rows.global_ids.size)
-        return StepStats(self.step_count, B, float(losses.mean()) if B else float("nan"), touched, int(selected.size) + self.dense_table_rows, eps, clock.phases,
+        return StepStats(self.step_count, B, float(losses.mean()) if B else float("nan"), touched,
+                         int(selected.size) + self.dense_table_rows, eps, clock.phases,
                          tuple(part.cpu_seconds for part in parts))
 
     # ---- the phases of one step ---------------------------------------------------------------------
