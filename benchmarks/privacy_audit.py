@@ -7,8 +7,8 @@ bound (Steinke, Nasr & Jagielski 2023) at 95% confidence. Guess rule, fixed befo
 "member" for the 10% highest scores, abstain on the rest (a canary's row that never moved
 says little either way). Rows: `nonprivate`, `dpsgd`, `sparse` with every selector the
 config can run, and the deliberately broken variants of `widedp audit --broken` (noise off
-while the ledger is told σ; a selection that takes every touched row while charging the
-selector's event). A correct private run must stay at or below its claimed ε; non-private
+while the ledger is told σ; a selection that takes every touched row, or one that never selects
+an untouched row, while charging the selector's event). A correct private run must stay at or below its claimed ε; non-private
 and broken runs should exceed 1, up to what m allows (with m canaries and r = m/10 guesses
 all correct the bound is logit(0.05^(1/r)): 3.49 at m = 1000).
 
@@ -46,12 +46,13 @@ def rows_for(model: str) -> list[dict]:
     out = [{"mode": "nonprivate"}, {"mode": "dpsgd"}]
     out += [{"mode": "sparse", "selection": s} for s in SELECTORS]
     out += [{"mode": "dpsgd", "broken": "noise-off"}, {"mode": "sparse", "broken": "noise-off"},
-            {"mode": "sparse", "broken": "every-touched-row"}]
+            {"mode": "sparse", "broken": "every-touched-row"}, {"mode": "sparse", "broken": "skip-untouched"}]
     gradient = [{"mode": "nonprivate"}, {"mode": "dpsgd"}, {"mode": "sparse", "selection": "threshold"},
                 {"mode": "dpsgd", "broken": "sigma-over-10"}, {"mode": "dpsgd", "broken": "noise-off"},
                 {"mode": "sparse", "selection": "threshold", "broken": "sigma-over-10"},
                 {"mode": "sparse", "selection": "threshold", "broken": "noise-off"},
-                {"mode": "sparse", "selection": "threshold", "broken": "every-touched-row"}]
+                {"mode": "sparse", "selection": "threshold", "broken": "every-touched-row"},
+                {"mode": "sparse", "selection": "threshold", "broken": "skip-untouched"}]
     return out + [{**r, "canary_kind": "gradient"} for r in gradient]
 
 

@@ -1,8 +1,8 @@
 """The one-run audit of whole training runs (trainer/audit.py), with teeth: canaries with rows
 of their own, trained once; the ε lower bound stays at or below the ledger's claim for correct
 runs and rises above it for non-private and deliberately broken ones (DP-SGD with its noise
-off while the ledger is told σ; a selection that takes every touched row while charging the
-real selector's event).
+off while the ledger is told σ; a selection that takes every touched row, or one that never
+selects an untouched row, while charging the real selector's event).
 
 DP-SGD with σ ÷ 10 is not caught by example canaries at this size: a canary's row gradient
 here is ~0.1 against S1 = 3, so after 40 steps its row moves ~0.014 while σ/10 noise moves
@@ -148,6 +148,28 @@ def test_a_selection_that_takes_every_touched_row_is_caught(ctr_dir):
     margin below needs ≤ 87 right."""
     record = _audit(_cfg(ctr_dir, "train.mode=sparse"), broken="every-touched-row", non_member_fraction=0.0)
     assert record["epsilon_lower_bound"] > record["claimed_epsilon"] + 0.4, record
+
+
+# q ≈ ½, 10 steps, thresholding with a low τ = 1 against σ_sel = 6: a touched canary row passes
+# in about half its steps, an untouched one in about a third (the false positives that keep the
+# correct run private); claimed ε ≈ 1.6.
+SKIP_UNTOUCHED_AUDIT = ["train.steps=10", "train.batch_size=1450", "privacy.noise_multiplier=5", "train.optimizer=sgd",
+                        "train.mode=sparse", "train.selection=threshold", "privacy.selection_sigma=6",
+                        "privacy.threshold=1"]
+
+
+def test_a_selection_that_skips_untouched_rows_is_caught_and_the_correct_one_is_not(ctr_dir):
+    """The mistake DESIGN §1 step 3 warns of: untouched rows are never selected, so a canary's
+    row that moves was touched, i.e. the canary is a member. Measured (seeds 7, 8): 100 of 100
+    member guesses right, bound 3.41 against 1.62 claimed; the correct selection 56–58 right,
+    bound 0."""
+    cfg = _cfg(ctr_dir, *SKIP_UNTOUCHED_AUDIT)
+    broken = _audit(cfg, broken="skip-untouched", non_member_fraction=0.0)
+    assert broken["broken"] == "skip-untouched"
+    assert broken["epsilon_lower_bound"] > broken["claimed_epsilon"] + 1.0, broken
+    correct = _audit(cfg, non_member_fraction=0.0)
+    assert correct["claimed_epsilon"] < 2.0
+    assert correct["epsilon_lower_bound"] <= correct["claimed_epsilon"], correct
 
 
 def test_the_broken_variants_leave_the_engine_as_it_was(ctr_dir):

@@ -75,21 +75,22 @@ def _sigma_over_10(run):
 
 
 @contextlib.contextmanager
-def _every_touched_row(run):
-    """The selection also takes every touched row of the sparse tables (as if it skipped the
-    private mechanism for them) while the real selector's event is charged."""
+def _selection_rewritten(run, rewrite: Callable):
+    """Each step's selected ids become rewrite(engine, selected ids, touched sparse-table ids)
+    while the real selector's event is charged. The fused selection is turned off: the rewrite
+    needs every touched row's id (and, to release them, its sums) back from the shards."""
     engine = run.engine
     real, fused = engine._select, engine.fuse_selection
-    engine.fuse_selection = False  # every touched row's sums must come back from the shards
+    engine.fuse_selection = False
 
-    def every_touched_row(rows, shard_parts=None):
+    def rewritten(rows, shard_parts=None):
         selection = real(rows, shard_parts)
         if selection is None:
             return None
         touched = rows.global_ids[~np.isin(rows.tables, engine.dense_tables)]
-        return dataclasses.replace(selection, ids=np.union1d(selection.ids, touched))
+        return dataclasses.replace(selection, ids=rewrite(engine, selection.ids, touched))
 
-    engine._select = every_touched_row
+    engine._select = rewritten
     try:
         yield
     finally:
@@ -97,10 +98,29 @@ def _every_touched_row(run):
         engine.fuse_selection = fused
 
 
+def _every_touched_row(run):
+    """The selection also takes every touched row of the sparse tables (as if it skipped the
+    private mechanism for them) while the real selector's event is charged."""
+    return _selection_rewritten(run, lambda engine, selected, touched: np.union1d(selected, touched))
+
+
+def _skip_untouched(run):
+    """The selection drops every row of the sparse tables that no example of the batch touched
+    (as if it ran over the touched rows only, the mistake DESIGN §1 step 3 warns of), keeping
+    DP-FEST's fixed rows, while the real selector's event is charged: a row that moves was
+    touched, so a canary's own row moves only if the canary is a member."""
+    def touched_only(engine, selected, touched):
+        keep = touched
+        if engine.fixed_rows is not None:
+            keep = np.union1d(keep, engine.sparse_vocabulary.to_global(engine.fixed_rows))
+        return np.intersect1d(selected, keep)
+    return _selection_rewritten(run, touched_only)
+
+
 #: Broken variants for `widedp audit --broken`: a run made non-private on purpose, to show that
 #: the audit catches it on the user's own configuration. Never used by training.
 BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "sigma-over-10": _sigma_over_10,
-                                        "every-touched-row": _every_touched_row}
+                                        "every-touched-row": _every_touched_row, "skip-untouched": _skip_untouched}
 
 #: How a canary is made: "example" (a data point: its own row read through one feature, its
 #: gradient what the model gives it) or "gradient" (the same example, but the gradient of its
@@ -569,8 +589,8 @@ def add_commands(sub) -> dict:
                         "are the same points with their pooled-output gradient set to 1000·S1 in a secret direction "
                         "(the strongest adversary clipping allows)")
     a.add_argument("--broken", choices=sorted(BROKEN_VARIANTS),
-                   help="train deliberately broken (noise off / σ divided by 10 / every touched row selected, the "
-                        "ledger told otherwise) to see the audit catch it on this configuration; NOT a private run")
+                   help="train deliberately broken (noise off / σ divided by 10 / every touched row selected / "
+                        "untouched rows never selected, the ledger told otherwise) to see the audit catch it on this configuration; NOT a private run")
     a.add_argument("--out", help="directory for audit.json and audit.png (default RUN_DIR/audit)")
     return {"audit": cmd_audit}
 
