@@ -67,6 +67,7 @@ Randomness: every random draw comes from `rng`; production callers must seed it 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from typing import Any, Optional
@@ -138,6 +139,13 @@ def alg2_accounting(epsilon_prime: float, delta_prime: float, max_answers: int, 
     Relation add/remove-one. Keys: `theorem1_printed` (not a guarantee), `theorem1_corrected`,
     and one key per registered accountant other than `paper` (its ε, or "unsupported: why").
     `theorem1_corrected` needs Tqδ' < δ (true for the seed's δ' = δm/(2T): Tqδ' = δ/2)."""
+    return dict(_alg2_accounting(float(epsilon_prime), float(delta_prime), int(max_answers), int(num_groups),
+                                 int(steps), float(delta)))
+
+
+@functools.lru_cache(maxsize=256)  # pure function of numbers; the audit calls it thousands of times
+def _alg2_accounting(epsilon_prime: float, delta_prime: float, max_answers: int, num_groups: int, steps: int,
+                     delta: float) -> dict[str, Any]:
     T, m = steps, num_groups
     q = 1.0 / m
     out: dict[str, Any] = {
@@ -174,6 +182,7 @@ def best_valid_epsilon(accounting: dict[str, Any]) -> float:
     return min(valid) if valid else math.inf
 
 
+@functools.lru_cache(maxsize=256)
 def rdp_epsilon_prime(epsilon: float, delta: float, max_answers: int, num_groups: int, steps: int,
                       delta_prime: float) -> float:
     """The ε' at which the RDP accountant's ε for the whole Alg 2 run equals `epsilon` (bisection)."""
