@@ -11,6 +11,7 @@ benchmark (`make results`).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import re
@@ -21,10 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import REPO, fmt_bytes, machine_line  # noqa: E402
+from run_all import VARIANTS as RUN_VARIANTS  # noqa: E402
 
 NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "privacy_overhead", "communication",
          "phase_breakdown", "privacy_utility", "paper_fig1", "privacy_audit",
-         "canary_exposure", "canary_exposure_kjv")
+         "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line",
+         "sparse_mean_estimation", "wide_linear")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -900,12 +903,48 @@ def section_exposure(doc, plots: "dict | None" = None, plot_dir: "Path | None" =
 
 # ---- the document ---------------------------------------------------------------------------------
 
+def _own_section(name: str, plot_dir: Path):
+    """The section a benchmark script renders itself: its `results_section(doc, plot_dir)`."""
+    def section(doc):
+        return importlib.import_module(name).results_section(doc, plot_dir)
+    return section
+
+
+def _render_sections(sections: list, docs: dict, plots: dict, machines: dict) -> tuple[list, list]:
+    """Markdown lines and goal rows of `sections` ((name, title, fn, plot keys) each); records
+    each document's machine line in `machines`."""
+    body: list = []
+    goals: list = []
+    for name, title, fn, plot_keys in sections:
+        body += [f"## {title}", ""]
+        doc = docs.get(name)
+        if doc is None:
+            script, extra = RUN_VARIANTS.get(name, (f"{name}.py", []))
+            body += [f"Not run yet: `python benchmarks/{' '.join([script, *extra])}` writes "
+                     f"`benchmarks/results/{name}.json`.", ""]
+            continue
+        machines.setdefault(machine_line(doc["machine"], load=False), []).append(name)
+        src = _rel(doc["_path"])
+        body += [f"Source: `{src}` — {'**--quick run** (small sizes, few steps)' if doc.get('quick') else 'full run'}, "
+                 f"{doc.get('created', '')}, `{doc.get('command', '')}`"
+                 + (f", {f(doc['wall_seconds'])} s" if doc.get("wall_seconds") else "")
+                 + f"; load average {f(doc['machine'].get('load_average_start', [None])[0])} → "
+                   f"{f((doc['machine'].get('load_average_end') or [None])[0])}.", ""]
+        lines, g = fn(doc)
+        body += lines + [""]
+        for key in plot_keys:
+            if key in plots:
+                body.append(f"![{key}](plots/{Path(plots[key]).name})")
+        body.append("")
+        goals += [(t, m, ok, why, name) for t, m, ok, why in g]
+    return body, goals
+
+
 def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
     docs = load_results(results_dir, prefer)
     plot_dir = out_dir / "plots"
     plot_dir.mkdir(parents=True, exist_ok=True)
     plots: dict = {}
-    body, goals = [], []
     sections = [
         ("table_scaling", "1. Step time versus table size", lambda d: section_scaling(d, plots, plot_dir),
          ["step_time_vs_rows"]),
@@ -932,27 +971,17 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
         ("canary_exposure_kjv_line", "7f. Canary exposure with each phrase as a line of its own, King James Bible",
          lambda d: section_exposure(d, plots, plot_dir), ["canary_exposure_kjv_line"]),
     ]
-    machines = {}
-    for name, title, fn, plot_keys in sections:
-        body += [f"## {title}", ""]
-        doc = docs.get(name)
-        if doc is None:
-            body += [f"Not run yet: `python benchmarks/{name}.py` writes `benchmarks/results/{name}.json`.", ""]
-            continue
-        machines.setdefault(machine_line(doc["machine"], load=False), []).append(name)
-        src = _rel(doc["_path"])
-        body += [f"Source: `{src}` — {'**--quick run** (small sizes, few steps)' if doc.get('quick') else 'full run'}, "
-                 f"{doc.get('created', '')}, `{doc.get('command', '')}`"
-                 + (f", {f(doc['wall_seconds'])} s" if doc.get("wall_seconds") else "")
-                 + f"; load average {f(doc['machine'].get('load_average_start', [None])[0])} → "
-                   f"{f((doc['machine'].get('load_average_end') or [None])[0])}.", ""]
-        lines, g = fn(doc)
-        body += lines + [""]
-        for key in plot_keys:
-            if key in plots:
-                body.append(f"![{key}](plots/{Path(plots[key]).name})")
-        body.append("")
-        goals += [(t, m, ok, why, name) for t, m, ok, why in g]
+    # Benchmarks that render their own section (`results_section(doc, plot_dir)` in the script).
+    late_sections = [
+        ("sparse_mean_estimation", "10. Sparse mean estimation and output perturbation (seed D)",
+         _own_section("sparse_mean_estimation", plot_dir), []),
+        ("wide_linear", "11. Wide linear models: Algorithm 2 and bias-reduced DP-SGD (seeds A and D)",
+         _own_section("wide_linear", plot_dir), []),
+    ]
+    machines: dict = {}
+    body, goals = _render_sections(sections, docs, plots, machines)
+    late_body, late_goals = _render_sections(late_sections, docs, plots, machines)
+    goals += late_goals
     if "selection_scaling" in docs:
         s = docs["selection_scaling"]
         body += ["## 8. Selection alone versus vocabulary size", "",
@@ -965,6 +994,7 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
                  "test split (optimistic for every mode alike). The configs' comments cite these tables.", ""]
         for path in tuning:
             body += section_tuning(json.loads(path.read_text()), path)
+    body += late_body
     head = ["# widedp benchmark results", "",
             "Generated by `make results` (`benchmarks/make_results.py`) from `benchmarks/results/*.json`; every number "
             "below is read from those files. Regenerate the measurements with `make bench` (full) or "
