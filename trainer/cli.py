@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Modules that add subcommands (data conversion/synthesis, training). Imported lazily so the
 # privacy commands stay light.
 _COMMAND_MODULES: list[str] = ["trainer.data.commands", "trainer.train", "trainer.report", "trainer.export",
-                               "trainer.audit"]
+                               "trainer.audit", "trainer.wide_linear"]
 
 
 def _selector(args) -> Optional[Selector]:
