@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import math
 import re
@@ -904,9 +905,11 @@ def section_exposure(doc, plots: "dict | None" = None, plot_dir: "Path | None" =
 # ---- the document ---------------------------------------------------------------------------------
 
 def _own_section(name: str, plot_dir: Path):
-    """The section a benchmark script renders itself: its `results_section(doc, plot_dir)`."""
+    """The section a benchmark script renders itself: its `results_section(doc[, plot_dir])`
+    (plot_dir passed to those that make plots)."""
     def section(doc):
-        return importlib.import_module(name).results_section(doc, plot_dir)
+        fn = importlib.import_module(name).results_section
+        return fn(doc, plot_dir) if len(inspect.signature(fn).parameters) > 1 else fn(doc)
     return section
 
 

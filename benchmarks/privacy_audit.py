@@ -23,6 +23,7 @@ Each run in a fresh process, in-process shards (`cluster.backend = "local"`: the
 computation does not depend on placement).
 
     python benchmarks/privacy_audit.py [--quick] [--models ctr,cbow] [--canaries 1000]
+                                       [--only-broken skip-untouched --merge]
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import announce_machine, ensure_config_dataset, format_table, quick_data_overrides, run_worker, worker_entry, write_results
+from _common import (announce_machine, ensure_config_dataset, format_table, quick_data_overrides, results_path, run_worker,
+                     worker_entry, write_results)
 
 CONFIGS = {"ctr": "configs/ctr.toml", "cbow": "configs/cbow.toml"}
 SELECTORS = ("threshold", "fest-threshold", "em", "em-count", "noisy-max", "noisy-max-count", "svt", "fest", "random")
@@ -102,7 +104,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--canaries", type=int, default=None, help="m (default 1000; quick 400)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--out")
+    parser.add_argument("--only-broken", default="", metavar="NAMES",
+                        help="comma list of broken variants: run only their rows")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other rows of the existing results file (each row keeps its own 'created' "
+                             "time; the payload lists the rows rerun and the machine of the rest)")
     args = parser.parse_args(argv)
+    only_broken = {b for b in args.only_broken.split(",") if b}
     started = time.time()
     machine = announce_machine()
     canaries = args.canaries or (400 if args.quick else 1000)
@@ -117,6 +125,8 @@ def main(argv=None) -> dict:
         if args.quick:
             runs = [r for r in runs if r.get("selection") in (None, "threshold", "fest-threshold", "em")
                     and (r.get("canary_kind") != "gradient" or r["mode"] == "dpsgd")]
+        if only_broken:
+            runs = [r for r in runs if r.get("broken") in only_broken]
         for row in runs:
             over = [*base, f"train.mode={row['mode']}"] + ([f"train.selection={row['selection']}"] if row.get("selection") else [])
             label = row["mode"] + (f"/{row['selection']}" if row.get("selection") else "") + \
@@ -125,7 +135,7 @@ def main(argv=None) -> dict:
             r = run_worker(__file__, {"config": config, "overrides": over, "canaries": canaries,
                                       "broken": row.get("broken"), "canary_kind": row.get("canary_kind")},
                            timeout=3600)
-            r.update(model=model, label=label)
+            r.update(model=model, label=label, created=time.strftime("%Y-%m-%d %H:%M:%S"))
             results.append(r)
             if "error" in r:
                 print(f"{model} {label}: FAILED: {r['error'][:200]}")
@@ -133,14 +143,33 @@ def main(argv=None) -> dict:
                 print(f"{model:>5} {label:>60}: claimed ε {r['claimed_epsilon']:.3g}, lower bound "
                       f"{r['epsilon_lower_bound']:.3g} ({r['correct']}/{r['guesses']} correct), {r['seconds']:.0f} s",
                       flush=True)
+    payload = {"canaries": canaries, "member_fraction": MEMBER_FRACTION, "confidence": 0.95, "results": results}
+    if args.merge:
+        payload = merged(payload, results_path("privacy_audit", args.quick, args.out))
+        results = payload["results"]
     ok = [r for r in results if "error" not in r]
     print()
     print(format_table(["model", "run", "claimed ε", "ε lower bound (95%)", "correct / guesses", "members", "verdict"],
                        [[r["model"], r["label"], r["claimed_epsilon"], r["epsilon_lower_bound"],
                          f"{r['correct']}/{r['guesses']}", r["members"], verdict(r)] for r in ok]))
-    payload = {"canaries": canaries, "member_fraction": MEMBER_FRACTION, "confidence": 0.95, "results": results}
     write_results("privacy_audit", payload, quick=args.quick, machine=machine, out=args.out, started=started)
     return payload
+
+
+def merged(payload: dict, path: Path) -> dict:
+    """`payload`'s rows in place of the same (model, label) rows of the results file at `path`
+    (same m, guess share and confidence required); the file's other rows kept in their order."""
+    import json
+
+    old = json.loads(path.read_text())
+    for key in ("canaries", "member_fraction", "confidence"):
+        if old[key] != payload[key]:
+            raise SystemExit(f"--merge: {path} has {key} = {old[key]}, this run {payload[key]}")
+    new = {(r["model"], r["label"]): r for r in payload["results"]}
+    rows = [new.pop((r["model"], r["label"]), r) for r in old["results"]] + list(new.values())
+    return {**payload, "results": rows,
+            "merged": {"rerun": [f"{m} {label}" for m, label in {(r["model"], r["label"]) for r in payload["results"]}],
+                       "other_rows_created": old.get("created"), "other_rows_machine": old.get("machine")}}
 
 
 def verdict(r: dict) -> str:
