@@ -136,7 +136,8 @@ def gaussian_delta(epsilon: float, noise_multiplier: float) -> float:
     """Exact δ(ε) of the Gaussian mechanism with noise std = noise_multiplier × ℓ2 sensitivity
     (Balle and Wang 2018, Thm 8, μ = 1/noise_multiplier)."""
     mu = 1.0 / noise_multiplier
-    return float(special.ndtr(-epsilon / mu + mu / 2) - math.exp(epsilon) * special.ndtr(-epsilon / mu - mu / 2))
+    # e^ε·Φ(-ε/μ - μ/2) in log space: it is a tiny number times a huge one for large ε
+    return float(special.ndtr(-epsilon / mu + mu / 2) - math.exp(epsilon + special.log_ndtr(-epsilon / mu - mu / 2)))
 
 
 def gaussian_noise_multiplier(epsilon: float, delta: float) -> float:
@@ -162,7 +163,7 @@ def gaussian_noise_multiplier(epsilon: float, delta: float) -> float:
 
 
 def _mean(X: sp.csr_matrix, n: int) -> np.ndarray:
-    return np.asarray(X.sum(axis=0), dtype=np.float64).ravel() / n
+    return np.bincount(X.indices, weights=X.data, minlength=X.shape[1]) / n
 
 
 # ---- mechanisms ------------------------------------------------------------------------------------
