@@ -67,13 +67,13 @@ def _labels(y, rows: int, loss: str, label_bound: Optional[float]) -> np.ndarray
     if loss == "logistic":
         bad = np.nonzero(np.abs(y) != 1.0)[0]
         if bad.size:
-            raise ValueError(f"y must be -1 or +1 for the logistic loss; row {int(bad[0])} has {y[bad[0]]!r}")
+            raise ValueError(f"y must be -1 or +1 for the logistic loss; row {int(bad[0])} has {float(y[bad[0]])!r}")
     else:
         if label_bound is None:
             raise ValueError("label_bound (Y, with |y_i| ≤ Y) is required for the squared loss")
         bad = np.nonzero(np.abs(y) > label_bound)[0]
         if bad.size:
-            raise ValueError(f"|y| must be ≤ label_bound = {label_bound!r}; row {int(bad[0])} has {y[bad[0]]!r}")
+            raise ValueError(f"|y| must be ≤ label_bound = {label_bound!r}; row {int(bad[0])} has {float(y[bad[0]])!r}")
     return y
 
 
