@@ -774,6 +774,22 @@ def plot_audit(results: list, ceiling: float, path: Path) -> str:
     return save(fig, path)
 
 
+#: Why a broken variant can stay below 1 in a one-run audit (what the white-box score of a
+#: canary's row cannot see), by variant; the goal row lists those of the variants not flagged.
+UNSEEN_BY_ROW_SCORE = {
+    "noise-off": "noise off in sparse mode with example canaries, where a canary's row moves only when the (still "
+                 "private) selection picks it (gradient canaries, whose rows the selection picks far more often, do "
+                 "catch σ ÷ 10 there)",
+    "every-touched-row": "a selection that adds the touched rows where the threshold already passes pure-noise rows "
+                         "every step, so almost every canary row, member or not, is noised at some step (see the "
+                         "non-member score quantiles)",
+    "skip-untouched": "a selection that never picks an untouched row shows only through members' rows that pass it "
+                      "and move; where τ lets a canary's count of 1 pass rarely (CTR's fest-threshold; the count "
+                      "ignores a gradient canary's size) members' rows stay as still as non-members' (the teeth test "
+                      "in tests/test_audit_run.py catches it at a low τ: 100 of 100 right)",
+}
+
+
 def section_audit(doc, plots: "dict | None" = None, plot_dir: "Path | None" = None) -> tuple[list, list]:
     """benchmarks/privacy_audit.py: one-run audits of whole training runs."""
     ok = [r for r in doc["results"] if "error" not in r]
@@ -823,11 +839,10 @@ def section_audit(doc, plots: "dict | None" = None, plot_dir: "Path | None" = No
              ("Non-private and broken runs: one-run ε lower bound ≥ 1 at 95% confidence",
               f"{len(exposed) - len(missed)} of {len(exposed)} flagged" + (f"; not flagged: {', '.join(missed)}" if missed else ""),
               "**met**" if exposed and not missed else "**missed**",
-              "what the white-box row score cannot see stays below 1: noise off in sparse mode with example canaries, "
-              "where a canary's row moves only when the (still private) selection picks it (gradient canaries, "
-              "whose rows the selection picks far more often, do catch σ ÷ 10 there); a selection that adds the "
-              "touched rows where the threshold already passes pure-noise rows every step, so almost every canary "
-              "row, member or not, is noised at some step (see the non-member score quantiles)" if missed
+              "what the white-box row score cannot see stays below 1: "
+              + "; ".join(why for variant, why in UNSEEN_BY_ROW_SCORE.items()
+                          if any(label.endswith(f"BROKEN {variant}") or f"BROKEN {variant} " in label
+                                 for label in missed)) if missed
               else f"m = {m}")]
     variants: dict = {}
     for r in exposed:
@@ -841,7 +856,9 @@ def section_audit(doc, plots: "dict | None" = None, plot_dir: "Path | None" = No
                       + (f"; by neither: {', '.join(uncaught)}" if uncaught else ""),
                       "**met**" if not uncaught else "**missed**",
                       "gradient canaries put ≈ S1 on the canary's row each time it is sampled, so its row is selected "
-                      "and moves far more often than an example canary's"))
+                      "and moves far more often than an example canary's" + (
+                          "; a count-based selection ignores that size, so skip-untouched needs a τ a count of 1 passes"
+                          if any("skip-untouched" in u for u in uncaught) else "")))
     return lines, goals
 
 
@@ -932,7 +949,9 @@ def _render_sections(sections: list, docs: dict, plots: dict, machines: dict) ->
                  f"{doc.get('created', '')}, `{doc.get('command', '')}`"
                  + (f", {f(doc['wall_seconds'])} s" if doc.get("wall_seconds") else "")
                  + f"; load average {f(doc['machine'].get('load_average_start', [None])[0])} → "
-                   f"{f((doc['machine'].get('load_average_end') or [None])[0])}.", ""]
+                   f"{f((doc['machine'].get('load_average_end') or [None])[0])}."
+                 + (f" Only these rows ran in that command: {', '.join(sorted(doc['merged']['rerun']))}; the others "
+                    f"come from the run of {doc['merged']['other_rows_created']}." if doc.get("merged") else ""), ""]
         lines, g = fn(doc)
         body += lines + [""]
         for key in plot_keys:
