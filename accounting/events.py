@@ -36,6 +36,8 @@ from dp_accounting.dp_event import (
 )
 from dp_accounting.privacy_accountant import NeighboringRelation
 
+from accounting.modelmix import ModelMixDpEvent  # seed B's event (defined beside its RDP bound)
+
 ADD_OR_REMOVE_ONE = NeighboringRelation.ADD_OR_REMOVE_ONE
 
 
@@ -177,6 +179,7 @@ EVENT_TYPES: dict[str, type] = {
         NoisyMaxTopKDpEvent,
         SparseVectorDpEvent,
         GaussianPartitionSelectionDpEvent,
+        ModelMixDpEvent,
     )
 }
 

@@ -16,6 +16,9 @@ Bounds used (all for the add/remove-one neighbouring relation):
     ε'(α) ≤ 1/(α-1) · log[ (1-q)^{α-1}(αq - q + 1) + C(α,2) q² (1-q)^{α-2} e^{ε(2)}
                           + 3 Σ_{l=3}^{α} C(α,l) q^l (1-q)^{α-l} e^{(l-1) ε(l)} ],
   also capped by ε(α) (subsampling never hurts). Non-integer orders are +∞ for such steps.
+- ModelMix step (`accounting.modelmix.ModelMixDpEvent`, seed B): its own Poisson-subsampled
+  curve `modelmix.modelmix_rdp` (integer orders; removal direction exact, addition direction
+  bounded), also when unsampled (q = 1). Wrapped with other mechanisms it gets Zhu & Wang above.
 RDP → (ε, δ) uses the conversion of Balle et al. 2020 (Opacus's `get_privacy_spent`).
 - Events with an additive δ (Gaussian partition selection, at the top level only): their
   Gaussian part is composed as above and their δ is subtracted from the target δ before the
@@ -38,6 +41,7 @@ from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy import special
 
 from accounting import events as ev
+from accounting.modelmix import ModelMixDpEvent, modelmix_rdp
 from accounting.base import (Accountant, History, Unsupported, UnsupportedEventError, split_event, check_delta,
                              count_problem, misplaced_additive_delta, nonnegative_problem, probability_problem,
                              register, remaining_delta, split_additive_delta)
@@ -119,6 +123,7 @@ RDP_CURVES: dict[type, Callable] = {
     ev.ComposedDpEvent: _composed,
     ev.SelfComposedDpEvent: lambda e, o: e.count * rdp_curve(e.event, o) if e.count else np.zeros(len(o)),
     ev.PoissonSampledDpEvent: lambda e, o: _poisson_sampled(e, o),
+    ModelMixDpEvent: lambda e, o: modelmix_rdp(e, 1.0, o),
 }
 
 
@@ -128,6 +133,8 @@ def _poisson_sampled(event: ev.PoissonSampledDpEvent, orders) -> np.ndarray:
         raise UnsupportedEventError(f"sampling probability {q} outside [0, 1]")
     if q == 0:
         return np.zeros(len(orders))
+    if type(event.event) is ModelMixDpEvent:
+        return modelmix_rdp(event.event, q, orders)
     sigma = ev.gaussian_noise_multiplier(event.event)
     if sigma is not None:
         if math.isinf(sigma):
