@@ -71,6 +71,18 @@ def _delta(text):
     return value
 
 
+def _nonnegative_float(name):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number >= 0, got {text!r}") from None
+        if not (math.isfinite(value) and value >= 0):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number >= 0, got {text!r}")
+        return value
+    return parse
+
+
 def _positive_int(name):
     def parse(text):
         try:
@@ -115,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="em, noisy-max: ε per draw; svt: Alg 1's ε")
     p.add_argument("--selection-sigma", type=_positive_float("--selection-sigma"),
                    help="threshold: noise multiplier of the noisy counts")
+    p.add_argument("--modelmix", action="store_true",
+                   help="steps are ModelMix steps (seed B, Alg 1): secret mixing of the two latest states over an "
+                        "enforced gap; only the rdp accountant supports them (accounting/modelmix.py)")
+    p.add_argument("--mix-width", type=_nonnegative_float("--mix-width"),
+                   help="--modelmix: enforced gap τ in units of the update's ℓ2 sensitivity (τ = r·η with "
+                        "gradients averaged over the expected batch b: r·b/c)")
+    p.add_argument("--mix-coordinates", type=_positive_int("--mix-coordinates"), default=1,
+                   help="--modelmix: k of Alg 2's refined clipping (clamp each coordinate to c/√k); 1 = ℓ2 clipping only")
 
     c = sub.add_parser("calibrate", help="noise multiplier (and selection parameters) for a target ε")
     c.add_argument("--target-epsilon", type=_positive_float("--target-epsilon"), required=True)
@@ -225,10 +245,25 @@ def _selection_event(args) -> Optional[ev.DpEvent]:
     return None if selector is None else selector.event(params)
 
 
+def _modelmix_step(args) -> ev.DpEvent:
+    """`--modelmix`: one Poisson-sampled ModelMix step (DP-SGD steps only: no selection)."""
+    from accounting.modelmix import ModelMixDpEvent
+
+    if args.mix_width is None:
+        raise UsageError("--modelmix needs --mix-width")
+    if args.selection != NO_SELECTION:
+        raise UsageError("--modelmix applies to DP-SGD steps only (--selection none)")
+    return ev.PoissonSampledDpEvent(args.sample_rate, ModelMixDpEvent(args.noise_multiplier, args.mix_width,
+                                                                      args.mix_coordinates))
+
+
 def cmd_epsilon(args) -> dict:
     from accounting import make_accountant, step_event
 
-    event = step_event(args.sample_rate, args.noise_multiplier, _selection_event(args))
+    if not args.modelmix and (args.mix_width is not None or args.mix_coordinates != 1):
+        raise UsageError("--mix-width and --mix-coordinates apply only with --modelmix")
+    event = _modelmix_step(args) if args.modelmix else step_event(args.sample_rate, args.noise_multiplier,
+                                                                  _selection_event(args))
     history = _one_time_events(args) + [(event, args.steps)]
     details = make_accountant(args.accountant).details(history, args.delta)
     out = {
@@ -245,6 +280,8 @@ def cmd_epsilon(args) -> dict:
         out["svt_release_values"] = args.svt_release_values
     if args.fest_sigma is not None:
         out["fest_sigma"] = args.fest_sigma
+    if args.modelmix:
+        out.update({"modelmix": True, "mix_width": args.mix_width, "mix_coordinates": args.mix_coordinates})
     sigma_eff = ev.gaussian_noise_multiplier(event.event)
     if sigma_eff is not None:
         out["effective_noise_multiplier"] = sigma_eff
