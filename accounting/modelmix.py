@@ -39,7 +39,7 @@ the worst case over that set is a one-hot shift of 1 (k = 1), resp. k coordinate
 So with Q = N(0, σ²) ⊛ U(0, w), P = Q(· − Δ), Δ = 1/√k, the step's pair is
 (P^{⊗k}, Q^{⊗k}) and Poisson sampling gives R = (1−q)Q^{⊗k} + qP^{⊗k}.
 
-RDP (integer orders α ≥ 2 only; fractional orders are +∞, as for the repo's Zhu–Wang bound):
+RDP (integer orders α ≥ 2; at fractional orders only the Gaussian cap below applies):
 - removal direction, exact: exp((α−1)D_α(R‖Q^{⊗k})) = A(α) = Σ_j C(α,j)(1−q)^{α−j} q^j M_j^k,
   M_j = ∫ P^j Q^{1−j} (M_0 = M_1 = 1) — the paper's formula (Thm 4.1 proof, eq. (38)).
 - addition direction: the paper invokes Mironov, Talwar & Zhang 2019 Thm 5 to drop it, but that
@@ -48,7 +48,9 @@ RDP (integer orders α ≥ 2 only; fractional orders are +∞, as for the repo's
   (h''' < 0) gives h(t) ≤ 1 + (1−α)t + C(α,2)t²(1 + (α+1)q(1−q)^{−α−2}/3), and E_Q[Λ] = 1, so
   exp((α−1)D_α(Q^{⊗k}‖R)) ≤ 1 + C(α,2) q² (M_2^k − 1)(1 + (α+1)q(1−q)^{−α−2}/3).
   For q = 1 both directions coincide (Q is symmetric about w/2, so reflecting x ↦ w+Δ−x swaps P
-  and Q). The reported RDP is the max of the two directions.
+  and Q). The reported RDP is the max of the two directions, capped by the sampled Gaussian's
+  curve with the same σ (mixing adds independent public-support noise to the Gaussian mechanism's
+  output — a post-processing), which also makes it finite at fractional orders.
 - w = 0 is exactly the sampled Gaussian (the repo's Opacus-computed curve, all orders).
 
 M_j is computed by a quadrature that ONLY OVER-ESTIMATES (`log_moment_upper`):
@@ -263,8 +265,9 @@ def modelmix_rdp(event: ModelMixDpEvent, q: float, orders: Sequence[float], refi
     """RDP ε(α) of `PoissonSampledDpEvent(q, event)` at each order (see the module docstring).
 
     Integer orders 2..MAX_ORDER get the max of the removal direction (exact formula, M_j bounded
-    above) and the addition-direction bound; other orders are +∞ — except w = 0, which is the
-    sampled Gaussian at every order. With `directions`, also returns the two curves."""
+    above) and the addition-direction bound; every order is capped by the sampled Gaussian's curve
+    (other orders get just that; w = 0 is exactly it). With `directions`, also returns the two
+    uncapped curves (+∞ at fractional orders)."""
     from opacus.accountants.analysis import rdp as opacus_rdp
 
     orders_arr = np.asarray(orders, dtype=np.float64)
@@ -301,7 +304,11 @@ def modelmix_rdp(event: ModelMixDpEvent, q: float, orders: Sequence[float], refi
             m2k_minus_1 = math.expm1(k * log_m[2])
             corr = 1.0 + (a + 1) * q * math.exp(-(a + 2) * log_1mq) / 3.0
             add[i] = math.log1p(a * (a - 1) / 2.0 * q * q * m2k_minus_1 * corr) / (a - 1)
-    curve = np.maximum(remove, add)
+    # Mixing adds independent, data-independent noise to the Gaussian mechanism's output: a
+    # post-processing, so the sampled Gaussian's curve (all orders, exact) is a cap.
+    gauss = np.asarray(opacus_rdp.compute_rdp(q=q, noise_multiplier=float(event.noise_multiplier), steps=1,
+                                              orders=list(orders_arr)), dtype=np.float64)
+    curve = np.minimum(np.maximum(remove, add), gauss)
     return (curve, remove, add) if directions else curve
 
 
