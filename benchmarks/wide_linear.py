@@ -10,11 +10,15 @@ our RDP accountant (add/remove-one):
   condition m ≥ 10√T holds with equality), c₁ answers per step, c₂ = 1/√s (no clipping for the
   logistic loss), two thresholds: Lemma 4's α (the seed's) and α = b_q·ln d, b_q the query
   noise scale (≈ ½ expected false positive among the d untouched coordinates per step);
-- bias-reduced DP-SGD (`sparse_learners.bias_reduced_sgd`), clip L = 1, radius R;
+- bias-reduced DP-SGD (`sparse_learners.bias_reduced_sgd`), clip L = 1, radius R, with both DP
+  mean estimators at the same z (same privacy event): "gaussian" (noisy means; the level
+  correction is then zero-mean noise) and "projection" (the poster's: noisy means projected onto
+  the ℓ1 ball of radius L√s, s = the public row sparsity; the levels cancel the projection's bias);
 - dense DP-SGD (here, numpy): Poisson batches at rate b/n, per-example ℓ2 clipping to 1,
   N(0, σ²) on all d coordinates, σ from the RDP accountant, projection onto the same ball.
 Each method takes the best of a small learning-rate grid (the tuning itself is not accounted,
-for every method alike). One seed per configuration.
+for every method alike; bias-reduced DP-SGD gets its own grid, down to 0.005, because its
+heavy-tailed correction term calls for small steps). One seed per configuration.
 
     python benchmarks/wide_linear.py [--quick]
 """
@@ -117,6 +121,7 @@ def run(quick: bool) -> dict[str, Any]:
     print(f"n={n} d={d} s={s}: L(0)={f_zero:.4f}  L(w*)={f_opt:.4f}  ({time.time() - t0:.1f}s)")
     c2 = 1.0 / math.sqrt(s)
     lrs = (2.0,) if quick else (0.5, 2.0)
+    br_lrs = (0.2,) if quick else (0.005, 0.05, 0.2)
     rows: list[dict[str, Any]] = []
 
     def excess(w):
@@ -149,20 +154,23 @@ def run(quick: bool) -> dict[str, Any]:
             rows.append(best)
             print(f"eps={eps} {label}: excess {best['excess']:.4f} (lr {best['lr']}, answered/step "
                   f"{best['mean_answered']:.1f}, rdp ε {best['epsilon_rdp']:.3f})")
-        best = None
-        for lr in lrs:
-            rng = np.random.default_rng(2)
-            t1 = time.time()
-            res_b = br.bias_reduced_dp_sgd(X, y, epsilon=eps, delta=DELTA, steps=br_steps, learning_rate=lr / 10,
-                                           clip=1.0, radius=radius, rng=rng, l2=l2)
-            row = dict(method="bias-reduced DP-SGD", epsilon=eps, lr=lr / 10, excess=excess(res_b.w_average),
-                       epsilon_rdp=res_b.epsilon, noise_multiplier=res_b.noise_multiplier, T=br_steps,
-                       seconds=round(time.time() - t1, 2))
-            if best is None or row["excess"] < best["excess"]:
-                best = row
-        assert best is not None
-        rows.append(best)
-        print(f"eps={eps} bias-reduced: excess {best['excess']:.4f} (lr {best['lr']}, z {best['noise_multiplier']:.2f})")
+        for variant in ("gaussian", "projection"):
+            best = None
+            for lr in br_lrs:
+                rng = np.random.default_rng(2)
+                t1 = time.time()
+                res_b = br.bias_reduced_dp_sgd(X, y, epsilon=eps, delta=DELTA, steps=br_steps, learning_rate=lr,
+                                               clip=1.0, radius=radius, rng=rng, l2=l2, mean_estimator=variant,
+                                               sparsity=s if variant == "projection" else None)
+                row = dict(method=f"bias-reduced DP-SGD ({variant})", epsilon=eps, lr=lr,
+                           excess=excess(res_b.w_average), excess_last=excess(res_b.w), epsilon_rdp=res_b.epsilon,
+                           noise_multiplier=res_b.noise_multiplier, T=br_steps, seconds=round(time.time() - t1, 2))
+                if best is None or row["excess"] < best["excess"]:
+                    best = row
+            assert best is not None
+            rows.append(best)
+            print(f"eps={eps} bias-reduced ({variant}): excess {best['excess']:.4f} (lr {best['lr']}, "
+                  f"z {best['noise_multiplier']:.2f})")
         best = None
         for lr in lrs:
             rng = np.random.default_rng(3)
@@ -176,7 +184,8 @@ def run(quick: bool) -> dict[str, Any]:
         rows.append(best)
         print(f"eps={eps} dense DP-SGD: excess {best['excess']:.4f} (lr {best['lr']}, σ {best['noise_multiplier']:.2f})")
     return {"problem": dict(n=n, d=d, s=s, l2=l2, radius=radius, delta=DELTA, loss_at_zero=f_zero, loss_optimum=f_opt,
-                            excess_at_zero=f_zero - f_opt, learning_rates=list(lrs)),
+                            excess_at_zero=f_zero - f_opt, learning_rates=list(lrs),
+                            bias_reduced_learning_rates=list(br_lrs)),
             "rows": rows}
 
 
@@ -191,7 +200,8 @@ def results_section(doc: dict) -> tuple[list[str], list[tuple[str, str, str, str
     lines = [f"Wide logistic regression, n = {prob.get('n')}, d = {prob.get('d')}, s = {prob.get('s')} hashed "
              f"features per row, δ = {prob.get('delta')}; excess = regularized loss − non-private optimum "
              f"(w = 0 has excess {prob.get('excess_at_zero', float('nan')):.4f}). Best of learning rates "
-             f"{prob.get('learning_rates')} per method (tuning not accounted).", "",
+             f"{prob.get('learning_rates')} per method ({prob.get('bias_reduced_learning_rates')} for bias-reduced "
+             f"DP-SGD; tuning not accounted).", "",
              "| method | ε | excess risk | ε (RDP) | Thm 1 printed / corrected | answered/step |",
              "|---|---|---|---|---|---|"]
     for r in doc.get("rows", []):
@@ -200,17 +210,30 @@ def results_section(doc: dict) -> tuple[list[str], list[tuple[str, str, str, str
         ans = f"{r['mean_answered']:.1f}" if "mean_answered" in r else "-"
         lines.append(f"| {r['method']} | {r['epsilon']:g} | {r['excess']:.4f} | {r['epsilon_rdp']:.3f} | {thm} | {ans} |")
     goals: list[tuple[str, str, str, str]] = []
-    a2, dense, bias = _best(doc, "alg2", 8.0), _best(doc, "dense", 8.0), _best(doc, "bias", 8.0)
+    a2, dense = _best(doc, "alg2", 8.0), _best(doc, "dense", 8.0)
+    gauss, proj = _best(doc, "bias-reduced DP-SGD (gaussian)", 8.0), _best(doc, "bias-reduced DP-SGD (projection)", 8.0)
+    at_zero = prob.get("excess_at_zero", math.nan)
     if a2 and dense:
         ok = a2["excess"] < dense["excess"]
         goals.append(("Alg 2 reaches lower excess risk than dense DP-SGD at ε = 8",
                       f"{a2['excess']:.4f} vs {dense['excess']:.4f}", "**met**" if ok else "**missed**",
                       "NumericSparse noise (ε₂ = 0.05ε' on values, √(32c₁ log(2/δ')) scale) vs d-dimensional Gaussian"))
-    if bias and dense:
-        ok = bias["excess"] < dense["excess"]
-        goals.append(("Bias-reduced DP-SGD reaches lower excess risk than dense DP-SGD at ε = 8",
-                      f"{bias['excess']:.4f} vs {dense['excess']:.4f}", "**met**" if ok else "**missed**",
-                      "no amplification claimed and dense noise of std 2Lz on G_i (conservative calibration)"))
+    if proj and dense:
+        ok = proj["excess"] < dense["excess"]
+        goals.append(("Bias-reduced DP-SGD (projection, the poster's) reaches lower excess risk than dense DP-SGD "
+                      "at ε = 8", f"{proj['excess']:.4f} vs {dense['excess']:.4f}", "**met**" if ok else "**missed**",
+                      "no amplification claimed (conservative calibration); heavy-tailed level correction"))
+    if proj and gauss:
+        ok = proj["excess"] < gauss["excess"] - 1e-3  # one seed: smaller gaps are not evidence
+        goals.append(("Projection mean estimator beats the Gaussian one inside bias-reduced DP-SGD by more than "
+                      "1e-3 at ε = 8", f"{proj['excess']:.4f} vs {gauss['excess']:.4f}", "**met**" if ok else "**missed**",
+                      "same z and privacy event; projection bounds each release to the ℓ1 ball of radius L√s"))
+    for label, r in (("gaussian", gauss), ("projection", proj)):
+        if r and math.isfinite(at_zero):
+            ok = r["excess"] < at_zero - 1e-3
+            goals.append((f"Bias-reduced DP-SGD ({label}) improves on w = 0 by more than 1e-3 at ε = 8",
+                          f"{r['excess']:.4f} vs {at_zero:.4f}", "**met**" if ok else "**missed**",
+                          "does the private run learn anything at all on this problem"))
     alg2 = [r for r in doc.get("rows", []) if r["method"].startswith("alg2")]
     if alg2:
         cond = all(r["theorem1_condition_met"] for r in alg2)
