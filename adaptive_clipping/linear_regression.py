@@ -44,7 +44,7 @@ from typing import Optional
 import numpy as np
 
 from accounting.events import DpEvent, GaussianDpEvent, NonPrivateDpEvent
-from adaptive_clipping import dp_stat as _dp_stat
+from . import dp_stat as _dp_stat  # relative: the package may be loaded under an alias (see benchmarks)
 
 
 # ---- conversions -------------------------------------------------------------------------------
