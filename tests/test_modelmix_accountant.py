@@ -220,6 +220,8 @@ def _sf_mixed(t):
 
 
 def test_audit_of_one_step_stays_below_the_accountant_and_catches_unmixed_updates():
+    # σ = 0.5, w = 8, δ = 0.05, 10⁶ runs per side: accountant ε = 3.13; audit of the mixed step
+    # ≈ 1.27 (its analytic half-space value 1.34); unmixed (gap not enforced) ≈ 4.30 (exact 4.57).
     rng = np.random.default_rng(20240613)
     acct = _eps(ModelMixDpEvent(AUDIT_SIGMA, AUDIT_WIDTH), 1, AUDIT_DELTA)
     # D' adds an example whose clipped gradient is 1: the output moves by −1, −output by +1; on D,
