@@ -28,7 +28,7 @@ from run_all import VARIANTS as RUN_VARIANTS  # noqa: E402
 NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "privacy_overhead", "communication",
          "phase_breakdown", "privacy_utility", "paper_fig1", "privacy_audit",
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line",
-         "sparse_mean_estimation", "wide_linear", "adaptive_clipping")
+         "sparse_mean_estimation", "wide_linear", "dp_ambssgd")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -999,8 +999,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          _own_section("sparse_mean_estimation", plot_dir), []),
         ("wide_linear", "11. Wide linear models: Algorithm 2 and bias-reduced DP-SGD (seeds A and D)",
          _own_section("wide_linear", plot_dir), []),
-        ("adaptive_clipping", "12. DP-STAT adaptive clipping on linear regression (seed C)",
-         _own_section("adaptive_clipping", plot_dir), []),
+        ("dp_ambssgd", "12. DP-STAT adaptive clipping on linear regression (seed C)",
+         _own_section("dp_ambssgd", plot_dir), []),
     ]
     machines: dict = {}
     body, goals = _render_sections(sections, docs, plots, machines)

@@ -186,7 +186,7 @@ def _fmt(x) -> str:
 
 def results_section(doc: dict) -> tuple[list[str], list[tuple[str, str, str, str]]]:
     """Markdown lines (tables) and goal rows (goal, measured, status, why) from the JSON `doc`."""
-    lines: list[str] = ["## Sparse DP mean estimation and output perturbation (seed D)", ""]
+    lines: list[str] = []
     goals: list[tuple[str, str, str, str]] = []
     for g in doc["grids"]:
         lines += [f"### {g['label']}: n = {g['n']}, ε = {g['epsilon']:g}, δ = {g['delta']:g}, s = {g['s']}, L = {g['L']:g}",

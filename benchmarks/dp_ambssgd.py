@@ -12,7 +12,7 @@ geometric-middle σ_obs and the largest n, on separate tuning seeds (tuning not 
 The claim checked: DP-AMBSSGD's privacy error (its excess minus SGD's) shrinks as σ_obs → 0,
 fixed clipping's does not.
 
-    python benchmarks/adaptive_clipping.py [--quick]
+    python benchmarks/dp_ambssgd.py [--quick]
 """
 
 from __future__ import annotations
@@ -29,33 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import announce_machine, format_table, write_results  # noqa: E402
 
-
-def _library():
-    """(dp_stat, linear_regression) of the `adaptive_clipping` package.
-
-    This script has the package's name, so with benchmarks/ first on sys.path `import
-    adaptive_clipping` would find the script itself: use the package if it is already imported,
-    else load it by path under an alias (its modules import each other relatively)."""
-    import importlib
-    import importlib.util
-
-    pkg = sys.modules.get("adaptive_clipping")
-    if pkg is None or not hasattr(pkg, "__path__"):
-        alias = "_widedp_adaptive_clipping"
-        pkg = sys.modules.get(alias)
-        if pkg is None:
-            root = Path(__file__).resolve().parent.parent / "adaptive_clipping"
-            spec = importlib.util.spec_from_file_location(alias, root / "__init__.py",
-                                                          submodule_search_locations=[str(root)])
-            assert spec is not None and spec.loader is not None
-            pkg = importlib.util.module_from_spec(spec)
-            sys.modules[alias] = pkg
-            spec.loader.exec_module(pkg)
-    return (importlib.import_module(pkg.__name__ + ".dp_stat"),
-            importlib.import_module(pkg.__name__ + ".linear_regression"))
-
-
-ds, lr = _library()
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from adaptive_clipping import dp_stat as ds, linear_regression as lr  # noqa: E402
 
 METHODS = ("dp_ambssgd", "fixed_clip", "fixed_clip_oracle", "sgd")
 LABELS = {"dp_ambssgd": "DP-AMBSSGD (adaptive)", "fixed_clip": "DP-SGD fixed clip (tuned once)",
@@ -171,7 +146,7 @@ def main(argv=None) -> dict:
                            "schedule": "m = ceil(4 tau), b = max(m, n/100), lr = 0.9 b/(b+d), tail average 1/2",
                            "relation": "replace-one", "accounting": "zCDP, eps = rho + 2 sqrt(rho log(1/delta))"},
                "tuning": tuning, "rows": rows}
-    write_results("adaptive_clipping", payload, quick=args.quick, machine=machine, out=args.out, started=started)
+    write_results("dp_ambssgd", payload, quick=args.quick, machine=machine, out=args.out, started=started)
     return payload
 
 
