@@ -291,7 +291,7 @@ def modelmix_rdp(event: ModelMixDpEvent, q: float, orders: Sequence[float], refi
         curve = np.asarray(opacus_rdp.compute_rdp(q=q, noise_multiplier=float(event.noise_multiplier), steps=1,
                                                   orders=list(orders_arr)), dtype=np.float64)
         return (curve, curve, np.full(len(curve), -np.inf)) if directions else curve
-    ints = _integer_orders(orders_arr)
+    ints = _integer_orders(orders_arr.tolist())
     remove = np.full(len(orders_arr), np.inf)
     add = np.full(len(orders_arr), np.inf)
     if ints:
