@@ -184,9 +184,36 @@ def _fmt(x) -> str:
     return "–" if x is None else (f"{x:.3g}" if isinstance(x, float) else str(x))
 
 
-def results_section(doc: dict) -> tuple[list[str], list[tuple[str, str, str, str]]]:
-    """Markdown lines (tables) and goal rows (goal, measured, status, why) from the JSON `doc`."""
+def plot_error_vs_d(grids: list, path) -> None:
+    """Median error vs d per method and grid (log-log), the Table 1 rates dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(grids), figsize=(5.5 * len(grids), 4), squeeze=False)
+    for ax, g in zip(axes[0], grids):
+        d = [r["d"] for r in g["rows"]]
+        for key, label in (("gaussian", "Gaussian"), ("projection", "projection"), ("l1_recovery", "ℓ1-recovery")):
+            pts = [(r["d"], r[key]) for r in g["rows"] if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), "-o", label=label)
+        ax.plot(d, [r["rate_dense"] for r in g["rows"]], "--", color="gray", label="rate dense (Table 1)")
+        ax.plot(d, [r["rate_sparse"] for r in g["rows"]], ":", color="black", label="rate sparse (Table 1)")
+        ax.set(xscale="log", yscale="log", xlabel="d", ylabel="median ‖ẑ − z̄‖₂",
+               title=f"{g['label']}: n = {g['n']}, ε = {g['epsilon']:g}, s = {g['s']}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def results_section(doc: dict, plot_dir=None) -> tuple[list[str], list[tuple[str, str, str, str]]]:
+    """Markdown lines (tables) and goal rows (goal, measured, status, why) from the JSON `doc`;
+    with `plot_dir`, the error-vs-d plot saved there and referenced."""
     lines: list[str] = []
+    if plot_dir is not None and doc["grids"]:
+        plot_error_vs_d(doc["grids"], plot_dir / "sparse_mean_error_vs_d.png")
+        lines += ["![sparse_mean_error_vs_d](plots/sparse_mean_error_vs_d.png)", ""]
     goals: list[tuple[str, str, str, str]] = []
     for g in doc["grids"]:
         lines += [f"### {g['label']}: n = {g['n']}, ε = {g['epsilon']:g}, δ = {g['delta']:g}, s = {g['s']}, L = {g['L']:g}",
