@@ -208,3 +208,19 @@ def gaussian_event_probabilities(epsilon: float, mu: float) -> tuple[float, floa
     """(P[N(μ,1) ≥ x*], P[N(0,1) ≥ x*]) for the optimal event at ε; p1 - e^ε p0 = δ(ε)."""
     x = gaussian_optimal_threshold(epsilon, mu)
     return float(special.ndtr(mu - x)), float(special.ndtr(-x))
+
+
+def audit_neighbours(mechanism: Callable[[Any, np.random.Generator], Any], data_d: Any, data_dprime: Any,
+                     event: Callable[[Any], bool], trials: int, delta: float, seed: int,
+                     alpha: float = DEFAULT_ALPHA) -> EpsilonLowerBound:
+    """ε lower bound from `trials` runs of mechanism(data, rng) on each of two neighbouring data
+    sets: the pre-specified event E on D' (numerator) against D, and E's complement in the reverse
+    direction (four one-sided bounds, Bonferroni inside `epsilon_lower_bound_both_directions`)."""
+    rng = np.random.default_rng(seed)
+    on_d = EventCounts.from_bools([event(mechanism(data_d, rng)) for _ in range(trials)])
+    on_dp = EventCounts.from_bools([event(mechanism(data_dprime, rng)) for _ in range(trials)])
+    return epsilon_lower_bound_both_directions(
+        on_dp, on_d, delta=delta, alpha=alpha,
+        reverse_event_on_d=EventCounts(trials - on_dp.hits, trials),
+        reverse_event_on_dprime=EventCounts(trials - on_d.hits, trials))
+

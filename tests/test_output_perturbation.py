@@ -18,9 +18,8 @@ import scipy.sparse as sp
 from scipy.optimize import minimize
 
 from sparse_learners import output_perturbation as op
-from tests.privacy_audit import EventCounts, epsilon_lower_bound_both_directions
+from tests.privacy_audit import audit_neighbours as _audit
 
-ALPHA = 1e-6
 
 
 def _random_problem(rng, rows, d, s, loss):
@@ -135,16 +134,6 @@ def _neighbours():
     lam = 10.0
     shift = op.solve_regularized_erm(Dp[0], Dp[1], loss="logistic", lam=lam, n=1, tol=1e-14)[0][0]
     return D, Dp, lam, shift
-
-
-def _audit(mechanism, D, Dp, event, trials, delta, seed):
-    rng = np.random.default_rng(seed)
-    on_d = EventCounts.from_bools([event(mechanism(D, rng)) for _ in range(trials)])
-    on_dp = EventCounts.from_bools([event(mechanism(Dp, rng)) for _ in range(trials)])
-    return epsilon_lower_bound_both_directions(
-        on_dp, on_d, delta=delta, alpha=ALPHA,
-        reverse_event_on_d=EventCounts(trials - on_dp.hits, trials),
-        reverse_event_on_dprime=EventCounts(trials - on_d.hits, trials))
 
 
 def test_output_perturbation_laplace_passes_the_audit_and_a_tenth_of_its_noise_is_caught(memoized_solver):

@@ -15,21 +15,8 @@ import scipy.sparse as sp
 
 from accounting import make_accountant
 from sparse_learners import mean_estimation as me
-from tests.privacy_audit import EventCounts, epsilon_lower_bound_both_directions
+from tests.privacy_audit import audit_neighbours as _audit
 
-ALPHA = 1e-6
-
-
-def _audit(mechanism, data_d, data_dprime, event, trials, delta, seed):
-    """ε lower bound from `trials` runs of mechanism(data, rng) on each side; the event E is
-    checked on D' (numerator) against D, and its complement in the reverse direction."""
-    rng = np.random.default_rng(seed)
-    on_d = EventCounts.from_bools([event(mechanism(data_d, rng)) for _ in range(trials)])
-    on_dp = EventCounts.from_bools([event(mechanism(data_dprime, rng)) for _ in range(trials)])
-    return epsilon_lower_bound_both_directions(
-        on_dp, on_d, delta=delta, alpha=ALPHA,
-        reverse_event_on_d=EventCounts(trials - on_dp.hits, trials),
-        reverse_event_on_dprime=EventCounts(trials - on_d.hits, trials))
 
 
 def _rows(*rows, d):
