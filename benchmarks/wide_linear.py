@@ -212,8 +212,28 @@ def _best(doc: dict, method_prefix: str, eps: float) -> dict | None:
     return min(rows, key=lambda r: r["excess"]) if rows else None
 
 
-def results_section(doc: dict) -> tuple[list[str], list[tuple[str, str, str, str]]]:
-    """Markdown lines (the table) and goal rows (goal, measured, status, why) from a results doc."""
+def plot_excess_vs_epsilon(doc: dict, path) -> None:
+    """Excess risk vs ε per method (best row per method and ε), w = 0's excess dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for method in dict.fromkeys(r["method"] for r in doc["rows"]):
+        pts = sorted((r["epsilon"], r["excess"]) for r in doc["rows"] if r["method"] == method)
+        ax.plot(*zip(*pts), "-o", label=method)
+    ax.axhline(doc["problem"]["excess_at_zero"], ls="--", color="gray", label="w = 0")
+    ax.set(xscale="log", yscale="log", xlabel="ε", ylabel="excess empirical risk",
+           title=f"wide logistic: n = {doc['problem']['n']}, d = {doc['problem']['d']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def results_section(doc: dict, plot_dir=None) -> tuple[list[str], list[tuple[str, str, str, str]]]:
+    """Markdown lines (the table) and goal rows (goal, measured, status, why) from a results doc;
+    with `plot_dir`, the excess-vs-ε plot saved there and referenced."""
     prob = doc.get("problem", {})
     lines = [f"Wide logistic regression, n = {prob.get('n')}, d = {prob.get('d')}, s = {prob.get('s')} hashed "
              f"features per row, δ = {prob.get('delta')}; excess = regularized loss − non-private optimum "
@@ -231,6 +251,9 @@ def results_section(doc: dict) -> tuple[list[str], list[tuple[str, str, str, str
         if "lam" in r:
             ans = f"λ = {r['lam']:g}"
         lines.append(f"| {r['method']} | {r['epsilon']:g} | {r['excess']:.4f} | {spent} | {thm} | {ans} |")
+    if plot_dir is not None and doc.get("rows"):
+        plot_excess_vs_epsilon(doc, plot_dir / "wide_linear_excess_vs_eps.png")
+        lines += ["", "![wide_linear_excess_vs_eps](plots/wide_linear_excess_vs_eps.png)"]
     goals: list[tuple[str, str, str, str]] = []
     a2, dense = _best(doc, "alg2", 8.0), _best(doc, "dense", 8.0)
     gauss, proj = _best(doc, "bias-reduced DP-SGD (gaussian)", 8.0), _best(doc, "bias-reduced DP-SGD (projection)", 8.0)
