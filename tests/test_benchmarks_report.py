@@ -439,3 +439,28 @@ def test_exposure_section_reads_flags_and_goals_from_the_json(tmp_path):
     assert [line for line in md.splitlines() if line.startswith(goal + "non-private")][0].count("**met**") == 1
     assert "**missed**" in [line for line in md.splitlines() if line.startswith(goal + "DP runs")][0]
     assert "as a line of its own" in md
+
+
+def test_audit_merge_replaces_the_rerun_rows_keeps_the_others_and_refuses_another_m(tmp_path):
+    """`privacy_audit.py --only-broken … --merge`: the rows run now replace the same (model,
+    label) rows of the results file, the others stay in their order, new rows are appended, the
+    payload says what was rerun; a file made with another m is refused."""
+    sys.path.insert(0, str(BENCH))
+    import privacy_audit
+
+    def row(label, bound):
+        return {"model": "ctr", "label": label, "epsilon_lower_bound": bound}
+
+    old = {"canaries": 1000, "member_fraction": 0.1, "confidence": 0.95, "created": "earlier", "machine": {"cpu": "x"},
+           "results": [row("nonprivate", 3.4), row("sparse BROKEN skip-untouched", 0.1), row("dpsgd", 0.0)]}
+    path = tmp_path / "privacy_audit.json"
+    path.write_text(json.dumps(old))
+    new = {"canaries": 1000, "member_fraction": 0.1, "confidence": 0.95,
+           "results": [row("sparse BROKEN skip-untouched", 2.0), row("cbow-only row", 1.0)]}
+    merged = privacy_audit.merged(new, path)
+    assert [(r["label"], r["epsilon_lower_bound"]) for r in merged["results"]] == [
+        ("nonprivate", 3.4), ("sparse BROKEN skip-untouched", 2.0), ("dpsgd", 0.0), ("cbow-only row", 1.0)]
+    assert sorted(merged["merged"]["rerun"]) == ["ctr cbow-only row", "ctr sparse BROKEN skip-untouched"]
+    assert merged["merged"]["other_rows_created"] == "earlier"
+    with pytest.raises(SystemExit, match="canaries"):
+        privacy_audit.merged({**new, "canaries": 400}, path)
