@@ -196,8 +196,12 @@ def calibrate(
     selection_delta: Optional[float] = None,
     svt_release_values: bool = False,
     extra_history: Optional[list] = None,
+    noise_event: Callable[[float], ev.DpEvent] = ev.GaussianDpEvent,
 ) -> Calibration:
     """Noise multiplier (and selector parameters) spending at most target_epsilon at delta.
+
+    `noise_event`: σ ↦ the event of a step's noise (default the Gaussian; e.g. ModelMix's
+    `lambda σ: ModelMixDpEvent(σ, w, k)`, which only the rdp accountant supports).
 
     `extra_history`: events charged besides the T steps (e.g. a one-time DP-FEST Gaussian).
     `svt_release_values`: NumericSparse mode for selection 'svt' (default False: selection-only,
@@ -213,6 +217,8 @@ def calibrate(
     _check_selection_args(selector, fraction, inputs)
     acc = make_accountant(accountant)
     if accountant == "paper":
+        if noise_event is not ev.GaussianDpEvent:
+            raise UnsupportedEventError("paper accountant: Theorem 3 covers Gaussian noise only")
         if extra_history:
             raise UnsupportedEventError("paper accountant: Theorem 3 covers only T identical steps")
         return _calibrate_paper(acc, target_epsilon, delta, sample_rate, steps, selection, fraction, k)
@@ -222,7 +228,7 @@ def calibrate(
     def build(rho):
         sel_event, params = _selection_from_rho(selector, sel_fraction * rho, inputs)
         sigma = 1.0 / math.sqrt(2.0 * (1.0 - sel_fraction) * rho)
-        return step_event(sample_rate, sigma, sel_event), sigma, params
+        return sampled_step_event(sample_rate, noise_event(sigma), sel_event), sigma, params
 
     def spent(rho):
         return acc.epsilon(extra + [(build(rho)[0], steps)], delta)

@@ -199,6 +199,24 @@ def test_cli_epsilon_with_modelmix_prints_the_accountants_epsilon_and_others_ref
     capsys.readouterr()
 
 
+def test_cli_calibrate_with_modelmix_finds_the_sigma_whose_epsilon_is_the_target(capsys):
+    """`calibrate --modelmix`: the σ it returns spends the target (never more) by `epsilon
+    --modelmix`, and is far below what the same run needs without mixing."""
+    from trainer.cli import main
+
+    run = ["--sample-rate", "0.03", "--steps", "3400", "--delta", "1e-5"]
+    mix = ["--modelmix", "--mix-width", "11.25", "--mix-coordinates", "100"]
+    assert main(["calibrate", "--target-epsilon", "8", *run, *mix]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["modelmix"] is True and out["epsilon"] <= 8.0 and out["epsilon"] == pytest.approx(8.0, rel=1e-6)
+    assert main(["epsilon", "--noise-multiplier", repr(out["noise_multiplier"]), *run, *mix]) == 0
+    assert json.loads(capsys.readouterr().out)["epsilon"] == pytest.approx(out["epsilon"], rel=1e-9)
+    assert main(["calibrate", "--target-epsilon", "8", *run]) == 0
+    assert json.loads(capsys.readouterr().out)["noise_multiplier"] > 2 * out["noise_multiplier"]
+    assert main(["calibrate", "--target-epsilon", "8", *run, *mix, "--accountant", "paper"]) == 2
+    assert "Gaussian noise only" in capsys.readouterr().err
+
+
 # ---- statistical audit of one step (q = 1) ---------------------------------------------------------
 
 AUDIT_SIGMA, AUDIT_WIDTH, AUDIT_DELTA, AUDIT_N = 0.5, 8.0, 0.05, 1_000_000

@@ -114,6 +114,18 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "vocabulary), as the trainer does before its first step")
 
 
+def _add_modelmix_args(p) -> None:
+    """`--modelmix --mix-width W [--mix-coordinates K]` (epsilon and calibrate)."""
+    p.add_argument("--modelmix", action="store_true",
+                   help="steps are ModelMix steps (seed B, Alg 1): secret mixing of the two latest states over an "
+                        "enforced gap; only the rdp accountant supports them (accounting/modelmix.py)")
+    p.add_argument("--mix-width", type=_nonnegative_float("--mix-width"),
+                   help="--modelmix: enforced gap τ in units of the update's ℓ2 sensitivity (τ = r·η with "
+                        "gradients averaged over the expected batch b: r·b/c)")
+    p.add_argument("--mix-coordinates", type=_positive_int("--mix-coordinates"), default=1,
+                   help="--modelmix: k of Alg 2's refined clipping (clamp each coordinate to c/√k); 1 = ℓ2 clipping only")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="widedp", description="Differentially private training of wide models")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -127,14 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="em, noisy-max: ε per draw; svt: Alg 1's ε")
     p.add_argument("--selection-sigma", type=_positive_float("--selection-sigma"),
                    help="threshold: noise multiplier of the noisy counts")
-    p.add_argument("--modelmix", action="store_true",
-                   help="steps are ModelMix steps (seed B, Alg 1): secret mixing of the two latest states over an "
-                        "enforced gap; only the rdp accountant supports them (accounting/modelmix.py)")
-    p.add_argument("--mix-width", type=_nonnegative_float("--mix-width"),
-                   help="--modelmix: enforced gap τ in units of the update's ℓ2 sensitivity (τ = r·η with "
-                        "gradients averaged over the expected batch b: r·b/c)")
-    p.add_argument("--mix-coordinates", type=_positive_int("--mix-coordinates"), default=1,
-                   help="--modelmix: k of Alg 2's refined clipping (clamp each coordinate to c/√k); 1 = ℓ2 clipping only")
+    _add_modelmix_args(p)
 
     c = sub.add_parser("calibrate", help="noise multiplier (and selection parameters) for a target ε")
     c.add_argument("--target-epsilon", type=_positive_float("--target-epsilon"), required=True)
@@ -142,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(c)
     c.add_argument("--selection-fraction", type=float, default=0.0,
                    help="share of the per-step budget given to selection, in (0, 1)")
+    _add_modelmix_args(c)
 
     # Commands of other parts register themselves: each module exposes
     # add_commands(subparsers) -> {name: handler(args) -> dict}.
@@ -245,25 +251,32 @@ def _selection_event(args) -> Optional[ev.DpEvent]:
     return None if selector is None else selector.event(params)
 
 
-def _modelmix_step(args) -> ev.DpEvent:
-    """`--modelmix`: one Poisson-sampled ModelMix step (DP-SGD steps only: no selection)."""
+def _modelmix_noise(args):
+    """`--modelmix`: σ ↦ the ModelMix event a step's noise becomes (DP-SGD steps only: no
+    selection); None without --modelmix."""
     from accounting.modelmix import ModelMixDpEvent
 
+    if not args.modelmix:
+        if args.mix_width is not None or args.mix_coordinates != 1:
+            raise UsageError("--mix-width and --mix-coordinates apply only with --modelmix")
+        return None
     if args.mix_width is None:
         raise UsageError("--modelmix needs --mix-width")
     if args.selection != NO_SELECTION:
         raise UsageError("--modelmix applies to DP-SGD steps only (--selection none)")
-    return ev.PoissonSampledDpEvent(args.sample_rate, ModelMixDpEvent(args.noise_multiplier, args.mix_width,
-                                                                      args.mix_coordinates))
+    return lambda sigma: ModelMixDpEvent(sigma, args.mix_width, args.mix_coordinates)
+
+
+def _modelmix_out(args) -> dict:
+    return {"modelmix": True, "mix_width": args.mix_width, "mix_coordinates": args.mix_coordinates} if args.modelmix else {}
 
 
 def cmd_epsilon(args) -> dict:
     from accounting import make_accountant, step_event
 
-    if not args.modelmix and (args.mix_width is not None or args.mix_coordinates != 1):
-        raise UsageError("--mix-width and --mix-coordinates apply only with --modelmix")
-    event = _modelmix_step(args) if args.modelmix else step_event(args.sample_rate, args.noise_multiplier,
-                                                                  _selection_event(args))
+    mix = _modelmix_noise(args)
+    event = (ev.PoissonSampledDpEvent(args.sample_rate, mix(args.noise_multiplier)) if mix is not None
+             else step_event(args.sample_rate, args.noise_multiplier, _selection_event(args)))
     history = _one_time_events(args) + [(event, args.steps)]
     details = make_accountant(args.accountant).details(history, args.delta)
     out = {
@@ -280,8 +293,7 @@ def cmd_epsilon(args) -> dict:
         out["svt_release_values"] = args.svt_release_values
     if args.fest_sigma is not None:
         out["fest_sigma"] = args.fest_sigma
-    if args.modelmix:
-        out.update({"modelmix": True, "mix_width": args.mix_width, "mix_coordinates": args.mix_coordinates})
+    out.update(_modelmix_out(args))
     sigma_eff = ev.gaussian_noise_multiplier(event.event)
     if sigma_eff is not None:
         out["effective_noise_multiplier"] = sigma_eff
@@ -293,14 +305,17 @@ def cmd_calibrate(args) -> dict:
     from accounting import calibrate
 
     _check_selection_flags(args)
+    mix = _modelmix_noise(args)
     # As trainer.train.plan_privacy calibrates: the steps plus the one-time events (DP-FEST's Gaussian).
     out = calibrate(
         args.target_epsilon, args.delta, args.sample_rate, args.steps,
         selection=args.selection, fraction=args.selection_fraction, accountant=args.accountant,
         k=args.k, max_answers=args.max_answers, selection_delta=args.selection_delta,
         svt_release_values=args.svt_release_values, extra_history=_one_time_events(args) or None,
+        **({"noise_event": mix} if mix is not None else {}),
     ).to_dict()
     out["selection"] = args.selection
+    out.update(_modelmix_out(args))
     if args.fest_sigma is not None:
         out["fest_sigma"] = args.fest_sigma
     return out
