@@ -445,8 +445,14 @@ def test_audit_merge_replaces_the_rerun_rows_keeps_the_others_and_refuses_anothe
     """`privacy_audit.py --only-broken … --merge`: the rows run now replace the same (model,
     label) rows of the results file, the others stay in their order, new rows are appended, the
     payload says what was rerun; a file made with another m is refused."""
+    import importlib.util
+
     sys.path.insert(0, str(BENCH))
-    import privacy_audit
+    # By path: `import privacy_audit` would find tests/privacy_audit.py (the statistical harness).
+    spec = importlib.util.spec_from_file_location("bench_privacy_audit", BENCH / "privacy_audit.py")
+    assert spec is not None and spec.loader is not None
+    privacy_audit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(privacy_audit)
 
     def row(label, bound):
         return {"model": "ctr", "label": label, "epsilon_lower_bound": bound}
