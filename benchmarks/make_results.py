@@ -313,8 +313,32 @@ def section_dlrm(doc) -> tuple[list, list]:
         measured = "; ".join(f"{doc['tables']} × {int(rows):,}: " + ("not measured" if p["value"] is None else f"{f(p['value'])}×")
                              + f" (goal {g['op']} {p['target']:g}×)" for rows, p in g["per_size"].items())
         goals.append((g["goal"], f"{g['unit']}: {measured}", "not measured at every size" if g["met"] is None
-                      else met(g["met"]), ""))
+                      else met(g["met"]), _dlrm_why(g, ratios, doc) if g["met"] is False else ""))
     return lines, goals
+
+
+def _dlrm_why(goal: dict, ratios: dict, doc: dict) -> str:
+    """Why a missed dlrm_compare goal is missed, from the same step times: for the Ray goal, the
+    overhead per step against what 1.3× allows; for the speed-up goal, the step time it needs
+    against the floor."""
+    def ms(system, rows):
+        return (ratios.get(str(rows), {}).get(system) or {}).get("step_ms")
+
+    parts = []
+    for rows in goal["per_size"]:
+        ray, local = ms("widedp-sparse-ray", rows), ms("widedp-sparse-inprocess", rows)
+        peer, floor = ms("opacus-ghost", rows), ms("pytorch-nonprivate", rows)
+        if goal["unit"].startswith("Ray") and ray and local:
+            parts.append(f"{int(rows):,}: Ray adds {f(ray - local)} ms per step, 1.3× allows {f(0.3 * local)} ms")
+        elif goal["unit"].startswith("Opacus / sparse") and peer and local and floor and not goal["per_size"][rows]["met"]:
+            need = peer / goal["per_size"][rows]["target"]
+            parts.append(f"{int(rows):,}: needs ≤ {f(need)} ms per step ({f(need / floor)}× the floor), measured {f(local)} ms")
+    if goal["unit"].startswith("Ray"):
+        parts.append(f"one trainer makes 4 rounds of calls to the {doc['num_shards']} shard actors per step (lookup, "
+                     "norms, row sums with the selection, write-back); on "
+                     f"{doc['machine'].get('logical_cores', '?')} cores the actors' calls queue behind each other "
+                     "(RESULTS §5 splits the overhead by round)")
+    return "; ".join(parts)
 
 
 def section_trainers(doc) -> tuple[list, list]:
