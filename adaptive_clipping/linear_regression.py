@@ -11,6 +11,8 @@ another block), and n — which sets the number of steps — would be private; s
 converse does not hold.) Unlike the seed's DP-SSGD, no amplification by shuffling is used: the
 fixed-clip baseline is accounted as plain one-pass Gaussian (parallel composition), which is
 always an upper bound on its true cost (Feldman–McMillan–Talwar's bound would be smaller).
+`dp_ssgd(amplification="shuffling")` is refused, and why (the (ε₀, δ₀) theorem it needs could not
+be verified; b > 1 is not a local randomizer of one record) is in `adaptive_clipping.shuffling`.
 
 Accounting is zCDP (Bun & Steinke 2016), emitted as dp_accounting Gaussian events whose noise
 multipliers are stated w.r.t. the replace-one ℓ2 sensitivity (the events are relation-agnostic;
@@ -184,7 +186,8 @@ def dp_ambssgd(X, y, *, rho: float, batch_size: int, stat_size: int, lr: float, 
 
 
 def dp_ssgd(X, y, *, rho: float, batch_size: int, lr: float, clip_norm: float, tail_fraction: float = 0.5,
-            w0: Optional[np.ndarray] = None, rng: np.random.Generator) -> RegressionResult:
+            w0: Optional[np.ndarray] = None, amplification: str = "none",
+            rng: np.random.Generator) -> RegressionResult:
     """DP-SSGD with a fixed clip norm C (the seed's Alg 1 uses b = 1; any b allowed here).
 
     Neighbouring relation: replace-one (fixed public n). One pass over a secret permutation in
@@ -192,12 +195,15 @@ def dp_ssgd(X, y, *, rho: float, batch_size: int, lr: float, clip_norm: float, t
     Sensitivity of each update's mean: 2C/b; event `GaussianDpEvent(σ/2)`; each point is read
     once, so the run is ρ-zCDP by parallel composition. No amplification by shuffling is
     claimed (the seed's Theorem 3.1 uses Feldman et al. 2021): this accounting is an upper bound.
+    `amplification`: only "none" (recorded in `events["amplification"]`); "shuffling" raises
+    ValueError saying why — see `adaptive_clipping.shuffling`'s docstring, "DP-SSGD".
     `rng`: secret; production callers seed it from OS entropy.
     """
     X, y = _data(X, y)
     n, d = X.shape
     rho = _positive("rho", rho)
     b = _positive_int("batch_size", batch_size)
+    _check_amplification(amplification, b)
     lr = _positive("lr", lr)
     clip_norm = _positive("clip_norm", clip_norm)
     _check_rng(rng)
@@ -214,7 +220,8 @@ def dp_ssgd(X, y, *, rho: float, batch_size: int, lr: float, clip_norm: float, t
         iterates.append(w)
     event = update_event(sigma)
     return RegressionResult(w=_tail_average(iterates, tail_fraction), event=event, rho=rho,
-                            events={"update": event, "composition": "parallel (each point read once)"},
+                            events={"update": event, "composition": "parallel (each point read once)",
+                                    "amplification": "none"},
                             clip_norms=np.full(T, clip_norm), steps=T, unused=n - T * b)
 
 
@@ -279,6 +286,25 @@ def _initial(w0, d: int) -> np.ndarray:
     if w.shape != (d,) or not np.all(np.isfinite(w)):
         raise ValueError(f"w0 must be a finite vector of shape ({d},), got shape {w.shape}")
     return w.copy()
+
+
+def _check_amplification(amplification, batch_size: int) -> None:
+    """Only "none". "shuffling" is refused with the reason; see `adaptive_clipping.shuffling`."""
+    if amplification == "none":
+        return
+    if amplification != "shuffling":
+        raise ValueError(f"amplification must be 'none' (or 'shuffling', refused), got {amplification!r}")
+    if batch_size > 1:
+        raise ValueError(
+            f"amplification='shuffling' needs batch_size = 1, got {batch_size}: with b > 1 a step reads b "
+            "records jointly, so it is not a local randomizer of one record; treating the block as the "
+            "'user' would need sensitivity 2C instead of 2C/b (b² times the zCDP cost), which loses the "
+            "gain (see adaptive_clipping.shuffling)")
+    raise ValueError(
+        "amplification='shuffling' is not offered: the Gaussian step is only (eps0, delta0)-DP, and the "
+        "exact statement of Feldman-McMillan-Talwar's approximate-DP shuffling theorem (arXiv 2012.12803, "
+        "Thm 3.8) could not be verified here; the run stays accounted unamplified "
+        "(see adaptive_clipping.shuffling, 'DP-SSGD')")
 
 
 def _check_rng(rng) -> None:

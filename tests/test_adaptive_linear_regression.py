@@ -128,6 +128,20 @@ def test_bad_input_raises_value_error_naming_the_parameter(kwargs, name):
         lr.dp_ambssgd(args.pop("X"), args.pop("y"), **args)
 
 
+def test_dp_ssgd_reports_unamplified_accounting_and_refuses_shuffling_amplification_saying_why():
+    X, y, _ = _problem(n=400)
+    kw = dict(rho=0.5, lr=0.5, clip_norm=1.0)
+    out = lr.dp_ssgd(X, y, batch_size=1, rng=np.random.default_rng(0), **kw)
+    assert out.events["amplification"] == "none"
+    assert out.epsilon(1e-6) == pytest.approx(lr.zcdp_epsilon(0.5, 1e-6))  # the plain parallel-composition ε
+    with pytest.raises(ValueError, match="batch_size = 1.*not a local randomizer of one record"):
+        lr.dp_ssgd(X, y, batch_size=4, amplification="shuffling", rng=np.random.default_rng(0), **kw)
+    with pytest.raises(ValueError, match="could not be verified"):
+        lr.dp_ssgd(X, y, batch_size=1, amplification="shuffling", rng=np.random.default_rng(0), **kw)
+    with pytest.raises(ValueError, match="^amplification "):
+        lr.dp_ssgd(X, y, batch_size=1, amplification="subsampling", rng=np.random.default_rng(0), **kw)
+
+
 # ---- statistical privacy audits ----------------------------------------------------------------
 #
 # Worst-case replace-one neighbours for one step, d = 1, w0 = 0: every example but one has
