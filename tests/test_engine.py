@@ -527,7 +527,7 @@ def test_ray_matches_in_process(ray_cluster, num_shards, mode, selection, num_tr
 
 # (N trainers as Ray actors, S shards, selection): threshold on the shards, em on the coordinator
 # (the count-free path); the in-process N x S grid is test_data_parallel_trainers_times_shards_...
-ACTOR_CASES = [(2, 3, "em"), (3, 2, "threshold")]
+ACTOR_CASES = [(2, 3, "em"), (3, 2, "threshold"), (2, 2, "adaptive-threshold")]
 
 
 def _in_process_run(ds, batches, **kw):
@@ -544,11 +544,18 @@ def test_trainer_actors_calling_shard_actors_equal_the_in_process_engine(ray_clu
                                                                         selection):
     """N trainers as Ray actors (each its own partition: lookup, dense part, clip factors and
     row sums sent straight to the shard actors) give the in-process engine's steps bit for
-    bit: same parameters, ledger, losses and rows; and the same bytes to and from the shards."""
+    bit: same parameters, ledger, losses and rows; and the same bytes to and from the shards.
+    "adaptive-": S1 chosen each step by DP-STAT (privacy.clip_norm = "adaptive"), the trainers'
+    shares in two halves around it (`begin_part` / `finish_part`)."""
+    from trainer.adaptive_clip import AdaptiveClip
+
     ds = dataset()
     batches = batches_with_crafted(ds, 3)
+    adaptive = selection.startswith("adaptive-")
+    selection = selection.removeprefix("adaptive-")
     kw = dict(mode="sparse", selection=selection, num_shards=num_shards, second_clip=S2, num_trainers=num_trainers,
-              selection_on_shards=selection == "threshold")
+              selection_on_shards=selection == "threshold",
+              overrides={"clip_norm": None, "adaptive_clip": AdaptiveClip(0.01, 10, 0.5)} if adaptive else None)
     want = _in_process_run(ds, batches, **kw)
     engine = build(ds, batches, backend="ray", trainer_actors=True, **kw)
     try:

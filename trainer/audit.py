@@ -477,6 +477,8 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         made["canaries"] = make_canaries(train_set.meta, canaries, feature, rng)
         if canary_kind == "gradient":
             clip = cfg.privacy.clip_norm if cfg.train.mode != "nonprivate" else None
+            if clip == "adaptive":  # far above every S1 DP-STAT can pick
+                clip = cfg.privacy.adaptive_clip_min * 2.0 ** cfg.privacy.adaptive_clip_doublings
             made["canaries"] = as_gradient_canaries(made["canaries"], cfg.model.embedding_dim, clip, rng)
         return WithCanaries(train_set, made["canaries"])
 

@@ -27,6 +27,7 @@ from trainer.table_policy import POLICIES as TABLE_POLICIES
 MODES = ("nonprivate", "dpsgd", "sparse")
 # train.selection: any registered selector (selection.registry); DP-SGD is train.mode = "dpsgd".
 AUTO = "auto"
+ADAPTIVE = "adaptive"
 PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
 BACKENDS = ("ray", "local")
 
@@ -42,6 +43,11 @@ def auto_or(kind: type, help: str) -> Any:
 def none_or(kind: type, help: str) -> Any:
     """A field that is a positive `kind` or None (off; "none" in TOML / --set)."""
     return dataclasses.field(default=None, metadata={"kind": kind, "none": True, "help": help})
+
+
+def keyword_or(kind: type, keyword: str, default: Any, help: str) -> Any:
+    """A field that is a positive `kind` or the string `keyword` (e.g. clip_norm = "adaptive")."""
+    return dataclasses.field(default=default, metadata={"kind": kind, "keyword": keyword, "help": help})
 
 
 def is_auto(value: Any) -> bool:
@@ -125,6 +131,10 @@ class TrainConfig:
     # (ema_t = β·ema_{t-1} + (1-β)·w_t over tables and dense parameters): post-processing, free
     # in privacy. 0: the last iterate.
     ema_decay: float = 0.0
+    # ModelMix (seed B Alg 1, trainer/modelmix.py): each step starts from a secret random mix of
+    # the two latest states (gap enforced to privacy.mix_width update sensitivities). dpsgd mode,
+    # sgd, rdp accountant; the amplification is claimed only because every coordinate is mixed.
+    modelmix: bool = False
     seed: int = 0  # initialization only (public); sampling and noise are secret (privacy.reproducible)
     log_every: int = 10
     eval_every: int = 0  # > 0: log test-split metrics every N steps (held-out data, no privacy cost)
@@ -162,7 +172,20 @@ class PrivacyConfig:
     noise_multiplier: Auto = auto_or(
         float, "auto: calibrated to target_epsilon; a number: that σ (ε reported, training stops at target_epsilon)")
     accountant: str = "rdp"
-    clip_norm: float = 1.0  # S1
+    clip_norm: Union[float, str] = keyword_or(
+        float, ADAPTIVE, 1.0, "S1; \"adaptive\": chosen privately each step by DP-STAT on the batch's per-example "
+                              "gradient norms (trainer/adaptive_clip.py; its counts are charged with the step)")
+    # clip_norm = "adaptive" (seed C's DP-STAT, trainer/adaptive_clip.py): candidates
+    # adaptive_clip_min·2^j, j = 0..adaptive_clip_doublings; each count of examples above a
+    # candidate gets N(0, adaptive_clip_noise²); the first candidate whose noisy count is below
+    # the union-bound width τ = noise·√(2·log(2(J+1)/β)) is S1 (about τ examples may exceed it).
+    adaptive_clip_min: float = 0.01
+    adaptive_clip_doublings: int = 12
+    adaptive_clip_noise: Auto = auto_or(float, "std of each DP-STAT count's noise; auto: 0.05 · expected batch size")
+    adaptive_clip_beta: float = 0.05
+    # train.modelmix: the enforced gap τ in units of the update's ℓ2 sensitivity lr·S1/b (the
+    # seed's τ = r·η with averaged gradients is mix_width = r·b/S1); ModelMixDpEvent's w.
+    mix_width: float = 0.0
     second_clip_norm: Optional[float] = none_or(float, "S2; none: no second clip")
     selection_fraction: float = 0.2
     k: AutoInt = auto_or(int, "rows selected per step (em, noisy-max, random, fest); auto: floor(gamma * vocabulary)")
@@ -201,7 +224,12 @@ class PrivacyConfig:
             (self.noise_seed >= 0, "privacy.noise_seed must be >= 0"),
             (not (self.secure_mode and self.reproducible),
              "privacy.secure_mode and privacy.reproducible exclude each other (secure mode needs secret randomness)"),
-            (self.clip_norm > 0, "privacy.clip_norm must be > 0"),
+            (self.clip_norm == ADAPTIVE or (isinstance(self.clip_norm, (int, float)) and self.clip_norm > 0),
+             'privacy.clip_norm must be > 0 or "adaptive"'),
+            (self.adaptive_clip_min > 0, "privacy.adaptive_clip_min must be > 0"),
+            (self.mix_width >= 0, "privacy.mix_width must be >= 0"),
+            (0 <= self.adaptive_clip_doublings <= 60, "privacy.adaptive_clip_doublings must be in [0, 60]"),
+            (0 < self.adaptive_clip_beta < 1, "privacy.adaptive_clip_beta must be in (0, 1)"),
             (0 < self.selection_fraction < 1, "privacy.selection_fraction must be in (0, 1)"),
             (0 < self.gamma <= 1, "privacy.gamma must be in (0, 1]"),
             (self.score_clip > 0, "privacy.score_clip must be > 0"),
@@ -298,6 +326,21 @@ class Config:
         for section in SECTIONS:
             _check_auto_fields(section, getattr(self, section))
             getattr(self, section).validate()
+        t, p = self.train, self.privacy
+        if t.modelmix:
+            _require([
+                (t.mode == "dpsgd", f'train.modelmix needs train.mode = "dpsgd" (got {t.mode!r}): the amplification '
+                                    "holds only if every noised coordinate is mixed, and sparse mode's selected rows "
+                                    "are not (docs/DESIGN.md §6)"),
+                (t.optimizer == "sgd", f'train.modelmix needs train.optimizer = "sgd" (got {t.optimizer!r}): its '
+                                       "analysis covers θ_t = mix − lr·(clipped sum + noise), not a rescaled step"),
+                (p.accountant == "rdp", f'train.modelmix needs privacy.accountant = "rdp" (got {p.accountant!r}): '
+                                        "only it accounts ModelMix steps"),
+                (p.mix_width > 0, "train.modelmix needs privacy.mix_width > 0 (the enforced gap; 0 is no mixing)"),
+                (t.ema_decay == 0, "train.modelmix with train.ema_decay > 0 is not supported"),
+            ])
+        elif p.mix_width:
+            raise ConfigError("privacy.mix_width applies only with train.modelmix = true")
         return self
 
 
@@ -305,16 +348,17 @@ def _check_auto_fields(section: str, values: Any) -> None:
     """"auto"/None fields hold their keyword or a positive number, also when set from Python."""
     for field in dataclasses.fields(values):
         meta, value = field.metadata, getattr(values, field.name)
-        if (meta.get("auto") and is_auto(value)) or (meta.get("none") and value is None):
+        if (meta.get("auto") and is_auto(value)) or (meta.get("none") and value is None) \
+                or (meta.get("keyword") and value == meta["keyword"]):
             continue
-        if meta.get("auto") or meta.get("none"):
+        if meta.get("auto") or meta.get("none") or meta.get("keyword"):
             _check_positive_or_keyword(f"{section}.{field.name}", meta, value)
 
 
 def _check_positive_or_keyword(where: str, meta: Mapping[str, Any], value: Any) -> None:
     """The one rule (and message) of "auto"/"none" fields: a number there must be > 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        keyword = '"auto"' if meta.get("auto") else '"none"'
+        keyword = f'"{meta["keyword"]}"' if meta.get("keyword") else '"auto"' if meta.get("auto") else '"none"'
         zero = " (0 does not mean automatic or off)" if value == 0 and not isinstance(value, bool) else ""
         raise ConfigError(f"{where} must be > 0 or {keyword}{zero}, got {value!r}")
 
@@ -326,6 +370,8 @@ def _coerce(where: str, field: dataclasses.Field, current: Any, value: Any) -> A
         return AUTO
     if meta.get("none") and (value is None or (isinstance(value, str) and value.strip().lower() == "none")):
         return None
+    if meta.get("keyword") and isinstance(value, str) and value.strip().lower() == meta["keyword"]:
+        return meta["keyword"]
     if value is None:
         raise ConfigError(f"{where} must not be null")
     if kind is bool:
@@ -336,7 +382,7 @@ def _coerce(where: str, field: dataclasses.Field, current: Any, value: Any) -> A
         raise ConfigError(f"{where} must be true or false, got {value!r}")
     if kind in (int, float):
         out = _number(where, kind, value)
-        if meta.get("auto") or meta.get("none"):
+        if meta.get("auto") or meta.get("none") or meta.get("keyword"):
             _check_positive_or_keyword(where, meta, out)
         return out
     if kind is dict:

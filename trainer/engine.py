@@ -26,17 +26,19 @@ import torch
 
 from accounting import PrivacyLedger
 from accounting import events as ev
-from accounting.calibration import sampled_step_event, step_event
+from accounting.calibration import sampled_step_event
 from selection import NoisyStep, noisy_step
 from selection._sparse import unique_ints
 from selection.registry import SelectionContext, Selector, get_selector, is_selector
 from selection.result import Selection
+from trainer.adaptive_clip import AdaptiveClip
 from trainer.dense_grads import DenseGradients, dense_gradients
 from trainer.layout import ShardLayout
 from trainer.models import DenseModel
 from trainer.randomness import PrivacyRandomness
 from trainer.shard import ShardSelect
 from trainer.shard_group import ShardLostError, StepInterrupted
+from trainer.step_noise import step_noise_event
 from trainer.table_policy import SparseVocabulary
 from trainer.trainer_group import InProcessTrainers, RayTrainers, TrainerGroup
 from trainer.trainer_role import PhaseClock, TrainerOptions, TrainerPart, TrainerRole, example_global_rows, pooled_lookup
@@ -47,14 +49,27 @@ class PrivacyPlan:
     """Everything the step needs to know about privacy, fixed before training starts."""
 
     noise_multiplier: float  # σ of the gradient noise (std = σ · sensitivity)
-    clip_norm: float  # S1
+    clip_norm: Optional[float]  # S1 (None: chosen each step by `adaptive_clip`)
     second_clip_norm: Optional[float]  # S2
     selection: str  # a registered selector's name (selection.registry), or "none" (DP-SGD)
     selection_params: Any = None  # that selector's Params (None for "none")
+    adaptive_clip: Optional[AdaptiveClip] = None  # privacy.clip_norm = "adaptive" (trainer/adaptive_clip.py)
+    mix_width: float = 0.0  # train.modelmix: the enforced gap in update sensitivities (0: no mixing)
+
+    def __post_init__(self):
+        if (self.clip_norm is None) == (self.adaptive_clip is None):
+            raise ValueError("a privacy plan has either a fixed clip_norm or an adaptive_clip, not both or neither")
 
     @property
     def selector(self) -> Optional[Selector]:
         return get_selector(self.selection) if is_selector(self.selection) else None
+
+    def noise_event(self, clip_event: Optional[ev.DpEvent] = None) -> ev.DpEvent:
+        """The step's noise event (trainer/step_noise.py); `clip_event`: the DP-STAT that ran
+        (default: the planned one)."""
+        if self.adaptive_clip is not None and clip_event is None:
+            clip_event = self.adaptive_clip.event
+        return step_noise_event(self.noise_multiplier, clip_event, self.mix_width)
 
 
 @dataclasses.dataclass
@@ -67,6 +82,8 @@ class StepStats:
     epsilon: float
     phases: dict = dataclasses.field(default_factory=dict)  # seconds per phase of this step
     trainer_cpu_s: tuple = ()  # CPU seconds of each trainer's share of this step (its own process)
+    clip_norm: Optional[float] = None  # this step's S1
+    adaptive_clip: bool = False  # S1 was DP-STAT's choice (privacy.clip_norm = "adaptive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +151,10 @@ class Engine:
         self.noise_gen = self.randomness.noise_generator()
         self.dpsgd_noise_seed = self.randomness.dpsgd_noise_seed()
         self.shard_selection_seed = self.randomness.shard_selection_seed()
+        self.clip_rng = self.randomness.clip_rng()
+        # This step's S1: the plan's, or DP-STAT's choice and event (privacy.clip_norm = "adaptive").
+        self.step_clip: Optional[float] = plan.clip_norm if plan is not None else None
+        self._clip_event: Optional[ev.DpEvent] = None
         self.selection_on_shards = bool(selection_on_shards)
         self.fuse_selection = bool(fuse_selection)
         self._keep_rows: Optional[tuple] = None  # (fixed rows it was made from, per-shard global ids)
@@ -173,7 +194,7 @@ class Engine:
         if self.mode == "nonprivate":
             return None
         sel = self._selection_event() if self.selects else None
-        return step_event(self.q, self.private_plan.noise_multiplier, sel)
+        return sampled_step_event(self.q, self.private_plan.noise_event(), sel)
 
     @property
     def step_event(self) -> Optional[ev.DpEvent]:
@@ -284,7 +305,7 @@ class Engine:
         if self.trainers.needs_dense_state:
             dense_state = {n: t.detach().clone() for n, t in self.model.state_dict().items()}
         select = self._shard_selects()
-        parts = self._trainer_parts(samples, dense_state, clock, select)
+        parts = self._trainer_parts(samples, dense_state, clock, select, self._clip_chooser())
         dense_grads = parts[0].dense_sum
         for part in parts[1:]:
             dense_grads = {n: dense_grads[n] + g for n, g in part.dense_sum.items()}
@@ -313,7 +334,7 @@ class Engine:
         touched = sum(s[4] for s in fused) if fused is not None else int(rows.global_ids.size)
         return StepStats(self.step_count, B, float(losses.mean()) if B else float("nan"), touched,
                          int(selected.size) + self.dense_table_rows, eps, clock.phases,
-                         tuple(part.cpu_seconds for part in parts))
+                         tuple(part.cpu_seconds for part in parts), self.step_clip, self._clip_event is not None)
 
     # ---- the phases of one step ---------------------------------------------------------------------
     def _make_trainers(self, actors: bool, cpus_per_trainer: float) -> TrainerGroup:
@@ -359,16 +380,23 @@ class Engine:
                 per_shard = [np.sort(flat[owner == s]) for s in range(self.layout.num_shards)]
             self._keep_rows = (self.fixed_rows, per_shard)
         return [ShardSelect(p.selection, p.selection_params, tuple(self.dense_tables), self.shard_selection_seed,
-                            self.step_count, p.clip_norm, self.b, keep)
+                            self.step_count, p.clip_norm, self.b, keep)  # adaptive S1: set when chosen
                 for keep in self._keep_rows[1]]
 
+    def _clip_chooser(self) -> Optional["_DpStatChooser"]:
+        """This step's DP-STAT (privacy.clip_norm = "adaptive"), else None (S1 fixed)."""
+        plan = self.plan
+        if plan is None or plan.adaptive_clip is None:
+            return None
+        return _DpStatChooser(self, plan.adaptive_clip)
+
     def _trainer_parts(self, samples: list, dense_state: Optional[dict], clock: PhaseClock,
-                       select: Optional[list] = None) -> list[TrainerPart]:
+                       select: Optional[list] = None, chooser: Optional["_DpStatChooser"] = None) -> list[TrainerPart]:
         """Every trainer's share of the step (trainer/trainer_role.py): lookup, dense
         forward/backward, clip factors, clipped row sums (left at the shards when N > 1 or on
         Ray) and the dense clipped sum. In-process the trainers' phases add up; on Ray they
         overlap, so the slowest trainer's phases count and the rest of the wait is "trainers"."""
-        parts = self.trainers.parts(samples, dense_state, select)
+        parts = self.trainers.parts(samples, dense_state, select, chooser)
         if isinstance(self.trainers, InProcessTrainers):
             for part in parts:
                 clock.absorb(part.phases)
@@ -423,7 +451,7 @@ class Engine:
         if self.mode == "nonprivate":
             return None
         p = self.private_plan
-        return noisy_step(delta_rows, dense_grads, p.noise_multiplier, p.clip_norm, self.b, p.second_clip_norm,
+        return noisy_step(delta_rows, dense_grads, p.noise_multiplier, self._clip(), self.b, p.second_clip_norm,
                           self.noise_gen, secure=self.secure_mode,
                           shard_noised=dense_table_rows if self.dense_tables else None)
 
@@ -432,11 +460,27 @@ class Engine:
         budgeted, record and persist it — before anything is released."""
         if noisy is None:
             return
-        ran = sampled_step_event(self.q, noisy.event, None if selection is None else selection.event)
+        noise = self._ran_noise_event(noisy.event)
+        ran = sampled_step_event(self.q, noise, None if selection is None else selection.event)
         if ran != self._event:
             raise RuntimeError(f"the step ran {ran!r} but the budget was checked for {self._event!r}; "
                                "nothing was recorded or released")
         self.charge(ran)
+
+    def _clip(self) -> float:
+        """This step's S1 (private phases only)."""
+        if self.step_clip is None:
+            raise RuntimeError("a private step phase ran before this step's S1 was set")
+        return self.step_clip
+
+    def _ran_noise_event(self, gaussian: ev.DpEvent) -> ev.DpEvent:
+        """The noise event this step ran: the Gaussian `noisy_step` returned (as ModelMix's
+        with the gap the mixing enforced, train.modelmix), after this step's DP-STAT."""
+        noise = gaussian
+        if self.private_plan.mix_width > 0:
+            assert isinstance(gaussian, ev.GaussianDpEvent)
+            noise = step_noise_event(gaussian.noise_multiplier, None, self.private_plan.mix_width)
+        return noise if self._clip_event is None else ev.ComposedDpEvent([self._clip_event, noise])
 
     def _dense_update(self, grads: dict) -> None:
         for n, p in self.model.named_parameters():
@@ -490,7 +534,7 @@ class Engine:
         keep, touched = vocab.to_compact(rows.global_ids)
         context = SelectionContext(
             num_rows=vocab.num_rows, touched_ids=touched, row_norms=np.linalg.norm(rows.grads[keep], axis=1),
-            clip_norm=p.clip_norm, expected_batch_size=self.b,
+            clip_norm=self._clip(), expected_batch_size=self.b,
             example_rows=lambda: vocab.restrict(*self._batch_global_rows()), fixed_rows=self.fixed_rows)
         sel = get_selector(p.selection).select(context, p.selection_params, rng)
         return Selection(vocab.to_global(sel.ids), sel.event)
@@ -504,7 +548,7 @@ class Engine:
         selector = get_selector(p.selection)
         if parts is None:
             parts = self.shards.broadcast("select_rows", p.selection, p.selection_params, self.dense_tables,
-                                          self.shard_selection_seed, self.step_count, p.clip_norm, self.b)
+                                          self.shard_selection_seed, self.step_count, self.step_clip, self.b)
         fixed = None if self.fixed_rows is None else vocab.to_global(self.fixed_rows)
         sel = selector.merge(parts, p.selection_params, fixed)
         return Selection(sel.ids, sel.event)
@@ -577,6 +621,7 @@ class Engine:
                 "noise_gen": self.noise_gen.get_state(),
                 "dpsgd_noise_seed": self.dpsgd_noise_seed,
                 "shard_selection_seed": self.shard_selection_seed,
+                "clip_rng": self.clip_rng.bit_generator.state,
             }
         return state
 
@@ -595,6 +640,8 @@ class Engine:
             self.noise_gen.set_state(rng["noise_gen"])
             self.dpsgd_noise_seed = rng["dpsgd_noise_seed"]
             self.shard_selection_seed = rng.get("shard_selection_seed", self.shard_selection_seed)
+            if "clip_rng" in rng:
+                self.clip_rng.bit_generator.state = rng["clip_rng"]
         if self.ledger is not None and state["ledger"] is not None:
             self.ledger.load_state_dict(state["ledger"])
         self.fixed_rows = state["fixed_rows"]
@@ -603,3 +650,18 @@ class Engine:
                 raise ValueError("the checkpoint has no averaged parameters but train.ema_decay > 0: "
                                  "resume with the checkpoint's train.ema_decay")
             self.dense_ema = {n: state["averaged_model"][n].clone() for n in self.dense_ema}
+
+
+class _DpStatChooser:
+    """One step's DP-STAT at the coordinator: the trainers' summed counts of norms above the
+    candidates, noised from the engine's secret clip stream; sets the engine's `step_clip`
+    and the event that ran (trainer/adaptive_clip.py)."""
+
+    def __init__(self, engine: Engine, adaptive: AdaptiveClip):
+        self.engine, self.adaptive = engine, adaptive
+        self.candidates = adaptive.candidates
+
+    def __call__(self, counts: np.ndarray) -> float:
+        clip, event = self.adaptive.choose(counts, self.engine.clip_rng)
+        self.engine.step_clip, self.engine._clip_event = clip, event
+        return clip

@@ -15,8 +15,10 @@ from accounting import calibrate
 from accounting import events as ev
 from selection import k_from_fraction
 from selection.registry import NO_SELECTION, get_selector
+from trainer.adaptive_clip import adaptive_clip_from_config
 from trainer.config import Config
 from trainer.engine import PrivacyPlan
+from trainer.step_noise import step_noise_event
 from trainer.table_policy import TablePolicy, resolve_table_policy
 
 
@@ -50,6 +52,9 @@ class PrivacyInfo:
     threshold_rule: Optional[str] = None
     selection_params: Optional[dict] = None
     table_policy: Optional[dict] = None  # sparse mode: {"dense": [...], "sparse": [...], "rule": ...}
+    # privacy.clip_norm = "adaptive": DP-STAT's public parameters (candidates, count noise, τ)
+    adaptive_clip: Optional[dict] = None
+    mix_width: Optional[float] = None  # train.modelmix: the enforced gap in update sensitivities
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -117,13 +122,20 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
         one_time = selector.one_time_event(params)
         if one_time is not None:
             extra.append((one_time, 1))
+    b_expected = min(t.batch_size, n)
+    adaptive = adaptive_clip_from_config(p, b_expected)
+    mix_width = float(p.mix_width) if t.modelmix else 0.0
+
+    def noise_event(sigma: float) -> ev.DpEvent:  # the engine's PrivacyPlan.noise_event, σ free
+        return step_noise_event(sigma, adaptive.event if adaptive is not None else None, mix_width)
+
     explicit = p.resolved("noise_multiplier")
     calibrated = explicit is None
     sigma = 0.0 if explicit is None else float(explicit)
     if calibrated:
         out = calibrate(p.target_epsilon, delta, q, t.steps, selection=selection, fraction=p.selection_fraction,
                         accountant=p.accountant, k=k, max_answers=k, selection_delta=delta,
-                        svt_release_values=False, extra_history=extra)
+                        svt_release_values=False, extra_history=extra, noise_event=noise_event)
         sigma = out.noise_multiplier
         if selector is not None and out.selection_params:  # the calibrated fields replace the config's
             params = dataclasses.replace(params, **dict(out.selection_params))
@@ -138,17 +150,25 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
         b = min(t.batch_size, n)
         ratio = p.false_positive_ratio
         fp_rows = None if not rows_per_example or ratio is None else ratio * b * rows_per_example
-        auto = selector.auto_threshold(params, k=k, num_rows=vocabulary, clip_norm=p.clip_norm, batch_size=b,
+        # an adaptive S1 is not known yet; the selectors' automatic thresholds are set in units
+        # that do not depend on it (counts) or take the largest candidate (norm scores)
+        clip = float(adaptive.candidates[-1]) if adaptive is not None else float(p.clip_norm)
+        auto = selector.auto_threshold(params, k=k, num_rows=vocabulary, clip_norm=clip, batch_size=b,
                                        false_positive_rows=fp_rows)
         if auto is not None:
             params = dataclasses.replace(params, threshold=auto[0])
             rule = auto[1]
-    plan = PrivacyPlan(noise_multiplier=sigma, clip_norm=p.clip_norm, second_clip_norm=p.second_clip_norm,
-                       selection=selection, selection_params=params)
+    plan = PrivacyPlan(noise_multiplier=sigma, clip_norm=None if adaptive is not None else float(p.clip_norm),
+                       second_clip_norm=p.second_clip_norm, selection=selection, selection_params=params,
+                       adaptive_clip=adaptive, mix_width=mix_width)
     # The config's names of the selector's parameters (summary.json keys).
     named = {key: getattr(params, f) for f, key in (selector.config_fields() if selector else {}).items()}
     info = dataclasses.replace(
         base, calibrated=calibrated, noise_multiplier=sigma, k=k, threshold=named.get("threshold"), threshold_rule=rule,
         selection_epsilon=named.get("selection_epsilon"), selection_sigma=named.get("selection_sigma"),
-        selection_params=dataclasses.asdict(params) if params is not None else None)
+        selection_params=dataclasses.asdict(params) if params is not None else None,
+        adaptive_clip=None if adaptive is None else {
+            "min": adaptive.theta, "doublings": adaptive.num_doublings, "count_noise": adaptive.count_noise,
+            "beta": adaptive.beta, "stop_width": adaptive.threshold, "max": float(adaptive.candidates[-1])},
+        mix_width=mix_width or None)
     return plan, info

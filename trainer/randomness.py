@@ -9,7 +9,8 @@ fix initialization and data splits only (public choices).
 
 Derivation: the root is a 128-bit integer; each consumer gets an independent stream through
 `numpy.random.SeedSequence(root, spawn_key=(i,))`, i = 0 sampler, 1 selection, 2 gradient
-noise, 3 DP-SGD per-row noise, 4 selection on the shards. Distinct spawn keys give
+noise, 3 DP-SGD per-row noise, 4 selection on the shards, 5 DP-STAT's count noise (adaptive
+S1), 6 ModelMix's mixing weights. Distinct spawn keys give
 statistically independent streams, so no draw in one stream is a function of another.
 
 Reproducible mode (`privacy.reproducible = true`, root = `privacy.noise_seed`) exists for
@@ -30,7 +31,7 @@ import secrets
 import numpy as np
 import torch
 
-_SAMPLER, _SELECTION, _NOISE, _DPSGD, _SHARD_SELECTION = range(5)
+_SAMPLER, _SELECTION, _NOISE, _DPSGD, _SHARD_SELECTION, _CLIP, _MIX = range(7)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,16 @@ class PrivacyRandomness:
         """128-bit seed of the selection on the shards: shard s at step t draws from
         SeedSequence(seed, spawn_key=(t, s)) (`EmbeddingShard.select_rows`)."""
         words = self._stream(_SHARD_SELECTION).generate_state(2, np.uint64)
+        return int(words[0]) << 64 | int(words[1])
+
+    def clip_rng(self) -> np.random.Generator:
+        """Generator of DP-STAT's count noise (privacy.clip_norm = "adaptive")."""
+        return np.random.default_rng(self._stream(_CLIP))
+
+    def mix_seed(self) -> int:
+        """128-bit seed of ModelMix's mixing weights α (train.modelmix): counter-based per
+        (step, table, rows) on the shards, so a replayed step mixes the same way."""
+        words = self._stream(_MIX).generate_state(2, np.uint64)
         return int(words[0]) << 64 | int(words[1])
 
     def describe(self) -> str:

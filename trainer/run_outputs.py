@@ -59,6 +59,7 @@ class RunRecorder:
         self.private = private
         self.step_times: list[float] = []
         self.selected: list[int] = []
+        self.clip_norms: list[float] = []  # DP-STAT's S1 per step (privacy.clip_norm = "adaptive")
         self.phases: dict[str, list[float]] = {}
         # Raw statistics: kept in memory only; written only in debug mode.
         self._examples = 0
@@ -69,6 +70,8 @@ class RunRecorder:
     def on_step(self, stats, seconds: float) -> None:
         self.step_times.append(seconds)
         self.selected.append(stats.rows_selected)
+        if getattr(stats, "adaptive_clip", False):
+            self.clip_norms.append(stats.clip_norm)
         for name, sec in stats.phases.items():
             self.phases.setdefault(name, []).append(sec)
         self._examples += stats.batch_size
@@ -78,6 +81,8 @@ class RunRecorder:
 
     def metrics_line(self, stats) -> dict:
         line = {"step": stats.step, "epsilon": stats.epsilon, "rows_selected": stats.rows_selected}
+        if getattr(stats, "adaptive_clip", False):  # DP-STAT's S1: a private output, covered by ε
+            line["clip_norm"] = stats.clip_norm
         if self.debug:
             line.update(loss=stats.loss, batch_size=stats.batch_size, rows_touched=stats.rows_touched)
         return line
@@ -111,6 +116,8 @@ class RunRecorder:
             "expected_batch_size": self.b,
             "step_time_ms_median": 1e3 * statistics.median(self.step_times) if self.step_times else None,
             "rows_selected_mean": float(np.mean(self.selected)) if self.selected else 0.0,
+            **({"clip_norm_median": float(np.median(self.clip_norms)), "clip_norm_last": float(self.clip_norms[-1])}
+               if self.clip_norms else {}),
             "phase_ms_median": {k: 1e3 * statistics.median(v) for k, v in self.phases.items()},
             "randomness": self.randomness_note,
             "reproducible": self.reproducible,

@@ -18,7 +18,8 @@ recorded or released yet.
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence
+import dataclasses
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -30,15 +31,26 @@ class TrainerActorLost(StepInterrupted):
     """A trainer actor, or a shard actor a trainer was calling, died during the step."""
 
 
+class ClipChooser(Protocol):
+    """This step's S1 from every trainer's counts of norms above `candidates` (summed):
+    the engine's DP-STAT (trainer/adaptive_clip.py)."""
+
+    candidates: np.ndarray
+
+    def __call__(self, counts: np.ndarray) -> float: ...
+
+
 class TrainerGroup:
     """N trainers: `parts(samples, dense_state)` runs every trainer's share of a step."""
 
     num_trainers: int
 
     def parts(self, samples: Sequence[np.ndarray], dense_state: Optional[dict],
-              select: Optional[list] = None) -> list[TrainerPart]:
+              select: Optional[list] = None, chooser: Optional[ClipChooser] = None) -> list[TrainerPart]:
         """`select`: per shard, the `ShardSelect` of a step whose selection runs with the row
-        sums (one trainer; `TrainerRole.step_part`)."""
+        sums (one trainer; `TrainerRole.step_part`). `chooser`: S1 is chosen this step from
+        every trainer's norm counts — each trainer's share runs in two halves around it
+        (`begin_part`, `finish_part`), and `select` gets that S1."""
         raise NotImplementedError
 
     def example_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -65,14 +77,23 @@ class InProcessTrainers(TrainerGroup):
         self.roles = roles
         self.num_trainers = len(roles)
 
-    def parts(self, samples, dense_state, select=None):
-        return [role.step_part(idx, select=select) for role, idx in zip(self.roles, samples)]
+    def parts(self, samples, dense_state, select=None, chooser=None):
+        if chooser is None:
+            return [role.step_part(idx, select=select) for role, idx in zip(self.roles, samples)]
+        counts = [role.begin_part(idx, None, chooser.candidates) for role, idx in zip(self.roles, samples)]
+        clip = chooser(np.sum(counts, axis=0))
+        return [role.finish_part(clip, _with_clip(select, clip)) for role in self.roles]
 
     def example_rows(self):
         return [role.example_rows() for role in self.roles]
 
     def shard_bytes(self):
         return [role.shard_bytes() for role in self.roles]
+
+
+def _with_clip(select: Optional[list], clip: float) -> Optional[list]:
+    """The shards' fused-selection arguments with this step's S1."""
+    return None if select is None else [dataclasses.replace(s, clip_norm=clip) for s in select]
 
 
 class DirectShardGroup(ShardGroup):
@@ -142,11 +163,17 @@ class RayTrainers(TrainerGroup):
     def needs_dense_state(self) -> bool:
         return True
 
-    def parts(self, samples, dense_state, select=None):
+    def parts(self, samples, dense_state, select=None, chooser=None):
         if dense_state is not None:
             self._last_dense_state = dense_state
-        refs = [actor.step_part.remote(idx, dense_state, select) for actor, idx in zip(self.actors, samples)]
-        return self._gather(refs, "step_part")
+        if chooser is None:
+            refs = [actor.step_part.remote(idx, dense_state, select) for actor, idx in zip(self.actors, samples)]
+            return self._gather(refs, "step_part")
+        counts = self._gather([actor.begin_part.remote(idx, dense_state, chooser.candidates)
+                               for actor, idx in zip(self.actors, samples)], "begin_part")
+        clip = chooser(np.sum(counts, axis=0))
+        return self._gather([actor.finish_part.remote(clip, _with_clip(select, clip)) for actor in self.actors],
+                            "finish_part")
 
     def example_rows(self):
         return self._gather([actor.example_rows.remote() for actor in self.actors], "example_rows")

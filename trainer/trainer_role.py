@@ -24,6 +24,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from adaptive_clipping.dp_stat import counts_above
 from selection.threshold import contribution_weights
 from trainer.dense_grads import DenseGradients, dense_gradients
 from trainer.layout import ShardLayout, route
@@ -139,6 +140,7 @@ class TrainerRole:
         self.vocabulary = SparseVocabulary(np.array([t.num_rows for t in layout.tables]), tuple(options.dense_tables))
         self.bags: list = []  # this step's bags per shard (training lookup)
         self._batch: Optional[tuple] = None  # (batch, B) of this step
+        self._pending: Optional[tuple] = None  # begin_part's state until finish_part
 
     # ---- placement hooks ------------------------------------------------------------------------
     def set_shards(self, shards) -> None:
@@ -165,10 +167,20 @@ class TrainerRole:
     def step_part(self, idx: np.ndarray, dense_state: Optional[dict] = None, select: Optional[list] = None
                   ) -> TrainerPart:
         """This trainer's share of a step on its sampled examples `idx` (sorted dataset
-        indices of its partition). `dense_state`: the dense parameters to load first (Ray).
-        `select` (the only trainer; per shard, a `trainer.shard.ShardSelect`): each shard runs
-        its part of the selection with its row sums and returns the rows the coordinator can
-        use and its part (`EmbeddingShard.clipped_row_sums`) — one round instead of two."""
+        indices of its partition) with the configured S1: `begin_part` then `finish_part`.
+        `dense_state`: the dense parameters to load first (Ray). `select` (the only trainer;
+        per shard, a `trainer.shard.ShardSelect`): each shard runs its part of the selection
+        with its row sums and returns the rows the coordinator can use and its part
+        (`EmbeddingShard.clipped_row_sums`) — one round instead of two."""
+        self.begin_part(idx, dense_state)
+        return self.finish_part(self.options.clip_norm, select)
+
+    def begin_part(self, idx: np.ndarray, dense_state: Optional[dict] = None,
+                   candidates: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
+        """The first half of the share, up to the per-example gradient norms: lookup, dense
+        forward/backward, norms. With `candidates` (privacy.clip_norm = "adaptive",
+        trainer/adaptive_clip.py) returns the counts of this trainer's examples whose norm
+        exceeds each candidate — the coordinator noises their sum and picks S1 — else None."""
         cpu = time.process_time()
         if dense_state is not None:
             self.load_dense(dense_state)
@@ -185,7 +197,25 @@ class TrainerRole:
         if override is not None and B:
             g_pooled = override(idx, g_pooled, self.layout.features)
         clock.mark("dense_forward_backward")
-        factors = self._clip_factors(g_pooled, dense, B)
+        sq = self._sq_norms(g_pooled, dense, B)
+        clock.mark("norms")
+        self._pending = (batch, B, losses, dense, sq, clock, time.process_time() - cpu)
+        if candidates is None:
+            return None
+        return counts_above(np.sqrt(sq), candidates) if sq is not None else np.zeros(len(candidates), np.int64)
+
+    def finish_part(self, clip_norm: Optional[float], select: Optional[list] = None) -> TrainerPart:
+        """The second half: clip factors min(1, S1/‖g_j‖) with this step's S1 (`clip_norm`;
+        None: nonprivate), clipped row sums at the shards and the dense clipped sum."""
+        if self._pending is None:
+            raise RuntimeError(f"trainer {self.index}: finish_part without begin_part")
+        cpu = time.process_time()
+        batch, B, losses, dense, sq, clock, cpu_before = self._pending
+        self._pending = None
+        o = self.options
+        if sq is not None and clip_norm is None:
+            raise ValueError(f"trainer {self.index}: a private step needs this step's S1")
+        factors = np.ones(B) if sq is None else np.minimum(1.0, clip_norm / np.maximum(np.sqrt(sq), 1e-30))
         clock.mark("norms")
         weights = self._selection_weights(batch, B)
         clock.mark("selection_weights")
@@ -201,7 +231,8 @@ class TrainerRole:
         clock.mark("row_sums")
         dense_sum = self._dense_clipped_sum(dense, factors)
         clock.mark("dense_clipped_sum")
-        return TrainerPart(losses.detach(), dense_sum, B, row_sums, clock.phases, time.process_time() - cpu)
+        return TrainerPart(losses.detach(), dense_sum, B, row_sums, clock.phases,
+                           cpu_before + time.process_time() - cpu)
 
     def example_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """(offsets, global row ids) per example of this step's batch (count-based selectors
@@ -219,17 +250,16 @@ class TrainerRole:
                                 self.options.dense_grad_method)
         return dense.losses, dense.pooled_grads.numpy().astype(np.float32), dense
 
-    def _clip_factors(self, g_pooled: np.ndarray, dense: Optional[DenseGradients], B: int) -> np.ndarray:
-        """min(1, S1/‖g_j‖) over each example's whole gradient: embedding rows (ghost norms on the
-        shards, unique rows) + dense parameters. Non-private: 1 (the shards keep the pooled grads)."""
+    def _sq_norms(self, g_pooled: np.ndarray, dense: Optional[DenseGradients], B: int) -> Optional[np.ndarray]:
+        """‖g_j‖² over each example's whole gradient: embedding rows (ghost norms on the shards,
+        unique rows) + dense parameters. Non-private: None (the shards keep the pooled grads)."""
         if self.options.mode == "nonprivate":
             self.shards.call("set_pooled_grad", [self._as(per_bag(g_pooled, b)) for b in self.bags])
-            return np.ones(B)
+            return None
         sq = self.embedding_sq_norms(g_pooled, B)
         if dense is not None:
             sq = sq + dense.sq_norms.numpy()
-        assert self.options.clip_norm is not None
-        return np.minimum(1.0, self.options.clip_norm / np.maximum(np.sqrt(sq), 1e-30))
+        return sq
 
     def embedding_sq_norms(self, g_pooled: np.ndarray, B: int) -> np.ndarray:
         """Per-example squared norms of the embedding-row gradients [B]: each shard gets the

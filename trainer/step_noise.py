@@ -1,0 +1,26 @@
+"""The noise part of a step's privacy event: what `calibrate` is given as σ ↦ event and what the
+engine budgets and records (trainer/engine.py), so the two cannot drift apart.
+
+- the gradient noise: GaussianDpEvent(σ), or ModelMixDpEvent(σ, w, 1) when train.modelmix
+  mixes every noised coordinate over an enforced gap of w update sensitivities
+  (trainer/modelmix.py; accounting/modelmix.py);
+- preceded, with privacy.clip_norm = "adaptive", by that step's DP-STAT counts
+  (trainer/adaptive_clip.py), on the same Poisson sample.
+The selection event, when there is one, is composed in front by `sampled_step_event`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from accounting import events as ev
+from accounting.modelmix import ModelMixDpEvent
+
+
+def step_noise_event(sigma: float, clip_event: Optional[ev.DpEvent] = None, mix_width: float = 0.0) -> ev.DpEvent:
+    """The step's noise event for noise multiplier σ (see the module docstring)."""
+    noise: ev.DpEvent = ModelMixDpEvent(sigma, mix_width, 1) if mix_width > 0 else ev.GaussianDpEvent(sigma)
+    return noise if clip_event is None else ev.ComposedDpEvent([clip_event, noise])
+
+
+__all__ = ["step_noise_event"]
