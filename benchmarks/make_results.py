@@ -28,7 +28,7 @@ from run_all import VARIANTS as RUN_VARIANTS  # noqa: E402
 NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "privacy_overhead", "communication",
          "phase_breakdown", "privacy_utility", "paper_fig1", "privacy_audit",
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line",
-         "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant")
+         "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -1027,6 +1027,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          _own_section("dp_ambssgd", plot_dir), []),
         ("modelmix_accountant", "13. ModelMix's accountant cross-checked (seed B)",
          _own_section("modelmix_accountant", plot_dir), []),
+        ("engine_modelmix_adaptive", "14. ModelMix and DP-STAT adaptive S1 on our models (seeds B, C)",
+         _own_section("engine_modelmix_adaptive", plot_dir), []),
     ]
     machines: dict = {}
     body, goals = _render_sections(sections, docs, plots, machines)

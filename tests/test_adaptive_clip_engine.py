@@ -37,8 +37,10 @@ def test_the_choice_from_summed_trainer_counts_is_dp_stat_on_the_whole_batch_wit
         assert event == ev.SelfComposedDpEvent(ev.GaussianDpEvent(0.5), 11)
 
 
-def _engine(ds, batches, clip, num_trainers=1, mode="sparse", selection="threshold", num_shards=2, **kw):
-    plan = {"clip_norm": None, "adaptive_clip": ADAPTIVE} if clip == "adaptive" else {"clip_norm": clip}
+def _engine(ds, batches, clip, num_trainers=1, mode="sparse", selection="threshold", num_shards=2, lr_reference=None,
+            **kw):
+    adaptive = dataclasses.replace(ADAPTIVE, lr_reference=lr_reference)
+    plan = {"clip_norm": None, "adaptive_clip": adaptive} if clip == "adaptive" else {"clip_norm": clip}
     return make_engine(ds, num_shards=num_shards, mode=mode, selection=selection, q=0.25, seed=5, dim=4,
                        sampler=ListSampler(batches), plan_overrides=plan, num_trainers=num_trainers, **kw)
 
@@ -50,11 +52,13 @@ def _state(engine):
     return tables, dense
 
 
-@pytest.mark.parametrize("mode,selection", [("sparse", "threshold"), ("sparse", "em"), ("dpsgd", "none")])
-def test_an_adaptive_step_is_the_fixed_step_at_the_norm_dp_stat_chose(mode, selection):
+@pytest.mark.parametrize("mode,selection,lr_reference", [("sparse", "threshold", None), ("sparse", "em", None),
+                                                         ("dpsgd", "none", None), ("sparse", "threshold", 0.7)])
+def test_an_adaptive_step_is_the_fixed_step_at_the_norm_dp_stat_chose(mode, selection, lr_reference):
+    """With privacy.adaptive_clip_lr_reference S_ref, also at learning rates times S_ref/S1."""
     ds = wide_ctr(n=48, seed=0)
     batches = poisson_batches(len(ds), 0.25, 11, 3)
-    adaptive = _engine(ds, batches, "adaptive", mode=mode, selection=selection)
+    adaptive = _engine(ds, batches, "adaptive", mode=mode, selection=selection, lr_reference=lr_reference)
     chosen = []
     for _ in batches:
         stats = adaptive.step()
@@ -65,6 +69,7 @@ def test_an_adaptive_step_is_the_fixed_step_at_the_norm_dp_stat_chose(mode, sele
     fixed = _engine(ds, batches, chosen[0], mode=mode, selection=selection)
     for clip in chosen:
         fixed.private_plan.clip_norm = fixed.step_clip = clip
+        fixed.lr_scale = 1.0 if lr_reference is None else lr_reference / clip
         for role in fixed.trainers.roles:
             role.options = dataclasses.replace(role.options, clip_norm=clip)
         assert fixed.step() is not None

@@ -38,6 +38,9 @@ class AdaptiveClip:
     num_doublings: int
     count_noise: float
     beta: float = 0.05
+    # S_ref: with it, each step's learning rates are multiplied by S_ref/S1 (the update has the
+    # scale of a step at S1 = S_ref, whatever S1 DP-STAT picks); None: the configured rates.
+    lr_reference: Optional[float] = None
 
     def __post_init__(self):
         for name in ("theta", "count_noise"):
@@ -46,6 +49,8 @@ class AdaptiveClip:
                 raise ValueError(f"AdaptiveClip.{name} must be a finite number > 0, got {value!r}")
         if isinstance(self.num_doublings, bool) or not isinstance(self.num_doublings, int) or self.num_doublings < 0:
             raise ValueError(f"AdaptiveClip.num_doublings must be an integer >= 0, got {self.num_doublings!r}")
+        if self.lr_reference is not None and not (math.isfinite(self.lr_reference) and self.lr_reference > 0):
+            raise ValueError(f"AdaptiveClip.lr_reference must be > 0 or None, got {self.lr_reference!r}")
         if not 0 < self.beta < 1:
             raise ValueError(f"AdaptiveClip.beta must be in (0, 1), got {self.beta!r}")
 
@@ -85,7 +90,7 @@ def adaptive_clip_from_config(privacy, expected_batch_size: float) -> Optional[A
         return None
     noise = privacy.resolved("adaptive_clip_noise") or 0.05 * float(expected_batch_size)
     return AdaptiveClip(float(privacy.adaptive_clip_min), int(privacy.adaptive_clip_doublings), float(noise),
-                        float(privacy.adaptive_clip_beta))
+                        float(privacy.adaptive_clip_beta), privacy.adaptive_clip_lr_reference)
 
 
 __all__ = ["AdaptiveClip", "adaptive_clip_from_config"]

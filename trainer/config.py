@@ -183,6 +183,9 @@ class PrivacyConfig:
     adaptive_clip_doublings: int = 12
     adaptive_clip_noise: Auto = auto_or(float, "std of each DP-STAT count's noise; auto: 0.05 · expected batch size")
     adaptive_clip_beta: float = 0.05
+    adaptive_clip_lr_reference: Optional[float] = none_or(
+        float, "with clip_norm = \"adaptive\": each step's learning rates times this / S1 (the update keeps the scale "
+               "of a step at S1 = this); none: the configured rates")
     # train.modelmix: the enforced gap τ in units of the update's ℓ2 sensitivity lr·S1/b (the
     # seed's τ = r·η with averaged gradients is mix_width = r·b/S1); ModelMixDpEvent's w.
     mix_width: float = 0.0

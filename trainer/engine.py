@@ -34,6 +34,7 @@ from selection.result import Selection
 from trainer.adaptive_clip import AdaptiveClip
 from trainer.dense_grads import DenseGradients, dense_gradients
 from trainer.layout import ShardLayout
+from trainer.modelmix import mix, uniform_block
 from trainer.models import DenseModel
 from trainer.randomness import PrivacyRandomness
 from trainer.shard import ShardSelect
@@ -152,6 +153,10 @@ class Engine:
         self.dpsgd_noise_seed = self.randomness.dpsgd_noise_seed()
         self.shard_selection_seed = self.randomness.shard_selection_seed()
         self.clip_rng = self.randomness.clip_rng()
+        self.mix_seed = self.randomness.mix_seed()  # ModelMix's α (train.modelmix; trainer/modelmix.py)
+        self._mix_previous: Optional[dict] = None  # ModelMix: the dense parameters' θ_{t-2}
+        if plan is not None and plan.mix_width > 0 and mode != "dpsgd":
+            raise ValueError(f"ModelMix needs mode 'dpsgd' (every coordinate mixed), got {mode!r}")
         # This step's S1: the plan's, or DP-STAT's choice and event (privacy.clip_norm = "adaptive").
         self.step_clip: Optional[float] = plan.clip_norm if plan is not None else None
         self._clip_event: Optional[ev.DpEvent] = None
@@ -324,9 +329,9 @@ class Engine:
             self._release_rows(selected, delta_rows.float())
         else:
             self._release_rows(selected, noisy.rows)
-            self._release_dense_tables(noisy.shard_rows, noisy.std, dense_part)
+            self._release_dense_tables(noisy.shard_rows, noisy.std, dense_part, self._mix_gap(noisy))
         clock.mark("write_back")
-        self._dense_update(noisy.dense if noisy is not None else dense_grads)
+        self._dense_update(noisy.dense if noisy is not None else dense_grads, self._mix_gap(noisy))
         clock.mark("dense_update")
         self.step_count += 1
         eps = self.ledger.epsilon() if noisy is not None and self.ledger is not None else 0.0
@@ -467,6 +472,15 @@ class Engine:
                                "nothing was recorded or released")
         self.charge(ran)
 
+    def _step_lr_scale(self) -> float:
+        """This step's learning-rate multiplier: the schedule's, times S_ref/S1 when an adaptive
+        S1 normalizes the update (privacy.adaptive_clip_lr_reference; public post-processing of
+        DP-STAT's output), so the step moves as far as one at the reference S1 would."""
+        p = self.plan
+        if p is None or p.adaptive_clip is None or p.adaptive_clip.lr_reference is None:
+            return self.lr_scale
+        return self.lr_scale * p.adaptive_clip.lr_reference / self._clip()
+
     def _clip(self) -> float:
         """This step's S1 (private phases only)."""
         if self.step_clip is None:
@@ -482,11 +496,22 @@ class Engine:
             noise = step_noise_event(gaussian.noise_multiplier, None, self.private_plan.mix_width)
         return noise if self._clip_event is None else ev.ComposedDpEvent([self._clip_event, noise])
 
-    def _dense_update(self, grads: dict) -> None:
+    def _mix_gap(self, noisy: Optional[NoisyStep]) -> Optional[float]:
+        """ModelMix's enforced gap in gradient units, w·S with S this step's ℓ2 sensitivity
+        (noise std / σ); each block of parameters multiplies it by its learning rate. None:
+        no mixing."""
+        p = self.plan
+        if noisy is None or p is None or p.mix_width <= 0:
+            return None
+        return p.mix_width * noisy.std / p.noise_multiplier
+
+    def _dense_update(self, grads: dict, mix_gap: Optional[float] = None) -> None:
         for n, p in self.model.named_parameters():
             p.grad = grads[n].view_as(p).to(p.dtype)
         for group, base in zip(self.dense_optimizer.param_groups, self._dense_base_lrs):
-            group["lr"] = base * self.lr_scale
+            group["lr"] = base * self._step_lr_scale()
+        if mix_gap is not None:
+            self._mix_dense(mix_gap)
         self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
         if self.dense_ema is not None:
@@ -494,7 +519,28 @@ class Engine:
                 for n, p in self.model.named_parameters():
                     self.dense_ema[n].mul_(self.ema_decay).add_(p.detach(), alpha=1 - self.ema_decay)
 
-    def _release_dense_tables(self, values: Optional[torch.Tensor], std: float, part: "RowSums") -> None:
+    def _mix_dense(self, gradient_gap: float) -> None:
+        """ModelMix on the dense parameters (trainer/modelmix.py): each parameter starts the
+        update from the secret mix of its two latest states over a gap of lr·gradient_gap; α of
+        parameter i at step t from the counter-based stream (mix seed, "modelmix-dense", t, i)."""
+        if not isinstance(self.dense_optimizer, torch.optim.SGD) or any(
+                g.get("momentum", 0) or g.get("weight_decay", 0) for g in self.dense_optimizer.param_groups):
+            raise ValueError("ModelMix needs plain SGD for the dense parameters (no momentum, no weight decay)")
+        lr_of = {id(p): g["lr"] for g in self.dense_optimizer.param_groups for p in g["params"]}
+        if self._mix_previous is None:  # θ_{t-2} = θ_{t-1} = θ_0 at the first step
+            self._mix_previous = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        with torch.no_grad():
+            for i, (n, p) in enumerate(self.model.named_parameters()):
+                if id(p) not in lr_of:
+                    raise ValueError(f"ModelMix: dense parameter {n!r} is not updated by the dense optimizer, "
+                                     "so it would not be noised and mixed")
+                alpha = uniform_block(self.mix_seed, "modelmix-dense", self.step_count, i, 0, p.numel(), 1)
+                current = p.detach().clone()
+                p.copy_(mix(current, self._mix_previous[n], lr_of[id(p)] * gradient_gap, alpha.view_as(p)))
+                self._mix_previous[n] = current
+
+    def _release_dense_tables(self, values: Optional[torch.Tensor], std: float, part: "RowSums",
+                              mix_gap: Optional[float] = None) -> None:
         """Dense tables (every table in DP-SGD): the clipped touched rows plus the noise std —
         each shard noises and updates every row it owns of those tables."""
         if not self.dense_tables:
@@ -504,7 +550,8 @@ class Engine:
         owner = self.layout.owner(part.tables, part.row_ids)
         self.shards.call("apply_dense_noise_update", [
             (self.step_count, self.dpsgd_noise_seed, std, part.tables[owner == s], part.row_ids[owner == s],
-             update[owner == s], self.secure_mode, self.dense_tables, self.lr_scale)
+             update[owner == s], self.secure_mode, self.dense_tables, self._step_lr_scale(),
+             None if mix_gap is None else (self.mix_seed, mix_gap))
             for s in range(self.layout.num_shards)])
 
     def _release_rows(self, selected: np.ndarray, update: torch.Tensor) -> None:
@@ -515,7 +562,7 @@ class Engine:
         t = np.searchsorted(self.table_offsets, selected, side="right") - 1
         local_ids = selected - self.table_offsets[t]
         owner = self.layout.owner(t, local_ids)
-        self.shards.call("apply_rows", [(t[owner == s], local_ids[owner == s], values[owner == s], self.lr_scale,
+        self.shards.call("apply_rows", [(t[owner == s], local_ids[owner == s], values[owner == s], self._step_lr_scale(),
                                          self.step_count + 1) for s in range(self.layout.num_shards)])
 
     # ---- selection ------------------------------------------------------------------------------
@@ -609,6 +656,8 @@ class Engine:
             "fixed_rows": self.fixed_rows,
             "reproducible": self.randomness.reproducible,
         }
+        if self._mix_previous is not None:  # ModelMix's θ_{t-2} of the dense parameters (a released state)
+            state["mix_previous"] = {n: v.clone() for n, v in self._mix_previous.items()}
         if self.dense_ema is not None:
             # the released model, with the averaged dense parameters (the shards' states carry
             # the averaged tables as "averaged_weights"); also all a resume needs of the average
@@ -645,6 +694,8 @@ class Engine:
         if self.ledger is not None and state["ledger"] is not None:
             self.ledger.load_state_dict(state["ledger"])
         self.fixed_rows = state["fixed_rows"]
+        previous = state.get("mix_previous")
+        self._mix_previous = None if previous is None else {n: v.clone() for n, v in previous.items()}
         if self.dense_ema is not None:
             if "averaged_model" not in state:
                 raise ValueError("the checkpoint has no averaged parameters but train.ema_decay > 0: "

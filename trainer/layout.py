@@ -193,14 +193,29 @@ def row_block_normal(seed: int, domain: str, step: int, table: int, start: int, 
     are partitioned: row r's values come from the generator of block r // ROW_BLOCK.
     The values are `selection.gaussian_noise` draws (its `secure` 4-draw form when `secure`:
     floating-point-attack resistant; pair it with a secret seed) — one Gaussian sampler."""
+    def draw(gen):
+        return gaussian_noise((ROW_BLOCK, dim), 1.0, gen, dtype=torch.float32, secure=secure)
+
+    return _row_blocks(seed, domain, step, table, start, end, dim, draw).mul_(std)
+
+
+def row_block_uniform(seed: int, domain: str, step: int, table: int, start: int, end: int, dim: int) -> torch.Tensor:
+    """U[0, 1) values for rows [start, end), partition-independent like `row_block_normal`
+    (ModelMix's mixing weights, trainer/modelmix.py)."""
+    return _row_blocks(seed, domain, step, table, start, end, dim,
+                       lambda gen: torch.rand((ROW_BLOCK, dim), generator=gen, dtype=torch.float32))
+
+
+def _row_blocks(seed: int, domain: str, step: int, table: int, start: int, end: int, dim: int, draw) -> torch.Tensor:
+    """Rows [start, end) of per-block draws: row r from block r // ROW_BLOCK's generator."""
     out = torch.empty((end - start, dim), dtype=torch.float32)
     r = start
     while r < end:
         blk = r // ROW_BLOCK
         blk_start, blk_end = blk * ROW_BLOCK, (blk + 1) * ROW_BLOCK
         gen = torch.Generator().manual_seed(_block_seed(seed, domain, step, table, blk))
-        values = gaussian_noise((ROW_BLOCK, dim), 1.0, gen, dtype=torch.float32, secure=secure)
+        values = draw(gen)
         hi = min(end, blk_end)
         out[r - start : hi - start] = values[r - blk_start : hi - blk_start]
         r = hi
-    return out.mul_(std)
+    return out

@@ -31,6 +31,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 
 from selection._sparse import unique_ints
 from trainer.layout import ShardInput, ShardLayout, row_block_normal
+from trainer.modelmix import mix, uniform_block
 
 # The TBE keeps the optimizer state (Adagrad's row-wise accumulator) in its own storage; the
 # updates themselves are applied in place by `_update_weights` (no TBE backward).
@@ -132,6 +133,7 @@ class EmbeddingShard:
             self.ema = self.flat.detach().clone()
             self.ema_through = torch.zeros(self.flat.shape[0], dtype=torch.int64, device=self.flat.device)
         self._ema_current_at: Optional[int] = 0  # every row's EMA is through this step (None: not known)
+        self.mix_previous: Optional[torch.Tensor] = None  # ModelMix's θ_{t-2} (train.modelmix; flat rows)
 
     # ---- forward ------------------------------------------------------------------------------
     def weights(self, t: int) -> torch.Tensor:
@@ -440,14 +442,22 @@ class EmbeddingShard:
         self._caches, self._row_sum_parts, self._step_row_sums = {}, [], None
 
     def apply_dense_noise_update(self, step: int, noise_seed: int, std: float, table_idx, global_ids, rows,
-                                 secure: bool = False, tables=None, lr_scale: float = 1.0) -> None:
+                                 secure: bool = False, tables=None, lr_scale: float = 1.0,
+                                 mix: Optional[tuple] = None) -> None:
         """DP-SGD: every row of every table in `tables` (None: all) gets G + N(0, std²) (G = 0
         for untouched rows). The noise of row r depends only on (seed, step, table, r), not on
         the sharding nor on which other tables are dense. Learning rate lr · lr_scale; `step` is
         0-based (the engine's step count before the step), so this is step `step + 1`.
         Rows [c·K, (c+1)·K) of a dense table are one contiguous slice of the flat storage,
-        updated in place (K = UPDATE_CHUNK): no lookup, no backward (`_apply_range`)."""
+        updated in place (K = UPDATE_CHUNK): no lookup, no backward (`_apply_range`).
+        `mix` = (mix seed, gap in gradient units w·S/b): ModelMix (trainer/modelmix.py) — each
+        row starts from the secret mix of its two latest states, over a gap of lr·lr_scale times
+        that, before the update (SGD only: the analysis covers w − lr·update)."""
         self.begin_update(step + 1, lr_scale)
+        if mix is not None and self.optimizer != "sgd":
+            raise ValueError(f"ModelMix needs the sgd embedding optimizer, this shard runs {self.optimizer!r}")
+        if mix is not None and self.mix_previous is None:  # θ_{t-2} = θ_{t-1} = θ_0 at the first step
+            self.mix_previous = self.flat.detach().clone()
         table_idx, global_ids = np.asarray(table_idx, dtype=np.int64), np.asarray(global_ids, dtype=np.int64)
         rows = np.asarray(rows, dtype=np.float32)
         for t, (start, end) in enumerate(self.ranges):
@@ -460,8 +470,23 @@ class EmbeddingShard:
                 hit = np.flatnonzero(in_table & (global_ids >= lo) & (global_ids < hi))
                 if hit.size:
                     update[torch.from_numpy(global_ids[hit] - lo)] += torch.from_numpy(rows[hit])
+                if mix is not None:
+                    self._mix_range(t, lo - start, hi - start, step, *mix)
                 self._apply_range(t, lo - start, hi - start, update)
         self._caches, self._row_sum_parts, self._step_row_sums = {}, [], None
+
+    def _mix_range(self, t: int, lo: int, hi: int, step: int, mix_seed: int, gradient_gap: float) -> None:
+        """Rows [lo, hi) of table t: θ_{t-1} ← mix(θ_{t-1}, θ_{t-2}, lr·gap, α), θ_{t-2} ← θ_{t-1}
+        (trainer/modelmix.py); α for the table's global rows, as `row_block_uniform` draws them."""
+        gap = self._current_lr * gradient_gap
+        assert self.mix_previous is not None
+        rows = slice(int(self.row_base[t]) + lo, int(self.row_base[t]) + hi)
+        start = self.ranges[t][0]
+        alpha = uniform_block(mix_seed, "modelmix", step, t, start + lo, start + hi, self.layout.dim)
+        with torch.no_grad():
+            current = self.flat[rows].clone()
+            self.flat[rows] = mix(current, self.mix_previous[rows], gap, alpha)
+            self.mix_previous[rows] = current
 
     def _apply_range(self, t: int, lo: int, hi: int, update: torch.Tensor) -> None:
         """Update every row [lo, hi) (local ids) of table t by update [hi - lo, D]: the same
@@ -564,6 +589,8 @@ class EmbeddingShard:
         state["step"] = self.step
         if self.ema is not None:  # through `step` for every row: the whole averaging state
             state["averaged_weights"] = self._per_table(self.averaged_weights_flat())
+        if self.mix_previous is not None:  # ModelMix's θ_{t-2} (a released state)
+            state["mix_previous"] = self._per_table(self.mix_previous)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -575,6 +602,10 @@ class EmbeddingShard:
                 for k, v in self.adam_state.items():
                     self._load_per_table(v, [saved[k] for saved in state["adam"]])
             self.step = int(state.get("step", 0))
+            self.mix_previous = None
+            if "mix_previous" in state:
+                self.mix_previous = self.flat.detach().clone()
+                self._load_per_table(self.mix_previous, state["mix_previous"])
             if self.ema is not None:
                 if "averaged_weights" not in state:
                     raise ValueError("the checkpoint has no averaged weights but train.ema_decay > 0: "
