@@ -141,7 +141,9 @@ def test_calibration_with_mixing_needs_less_noise_for_the_same_target():
     (["privacy.accountant=pld"], 'train.modelmix needs privacy.accountant = "rdp"'),
     (["privacy.mix_width=0"], "train.modelmix needs privacy.mix_width > 0"),
     (["train.ema_decay=0.9"], "train.ema_decay > 0 is not supported"),
-    (["train.modelmix=false"], "privacy.mix_width applies only with train.modelmix = true"),
+    (["train.modelmix=false"], "privacy.mix_width and privacy.mix_coordinates apply only with train.modelmix"),
+    (["privacy.mix_coordinates=4", "privacy.second_clip_norm=0.5"], "privacy.mix_coordinates > 1 needs"),
+    (["privacy.mix_coordinates=0"], "privacy.mix_coordinates must be >= 1"),
 ])
 def test_settings_that_would_noise_a_coordinate_without_mixing_it_are_refused(overrides, message):
     base = ["data.path=x", "train.mode=dpsgd", "train.optimizer=sgd", "train.modelmix=true", "privacy.mix_width=2"]
@@ -159,3 +161,89 @@ def test_the_engine_refuses_mixing_outside_dpsgd_and_with_a_non_sgd_dense_optimi
                          plan_overrides={"mix_width": 1.0})
     with pytest.raises(ValueError, match="plain SGD"):
         engine.step()
+
+
+# ---- refined clipping (seed B Alg 2, privacy.mix_coordinates = k) ------------------------------------
+
+def _shard_after_norms(seed=0):
+    """An in-process shard holding one step's contributions (lookup + norms done)."""
+    ds = wide_ctr(n=48, seed=seed)
+    batches = poisson_batches(len(ds), 0.5, 21 + seed, 1)
+    engine = _engine(ds, batches, WIDTH, num_shards=1)
+    role = engine.trainers.roles[0]
+    role.begin_part(batches[0])
+    shard = engine.shards.shards[0] if hasattr(engine.shards, "shards") else engine.shards._shards[0]
+    return shard, role
+
+
+def test_clamped_row_sums_are_the_per_example_row_gradients_clamped_then_summed():
+    shard, role = _shard_after_norms()
+    n_examples = role.bags[0].examples.size
+    rng = np.random.default_rng(0)
+    factors = rng.uniform(0.2, 1.0, n_examples)
+    bound = 0.01
+    keys, got = shard._clamped_row_sums64(factors, 0, bound)
+    # slow reference: each example alone through the unclamped path, clamped, added up
+    want = {}
+    for j in range(n_examples):
+        one = np.zeros(n_examples)
+        one[j] = factors[j]
+        k, s = shard._clipped_row_sums64(one, 0)
+        for key, row in zip(k.tolist(), s.clamp(-bound, bound)):
+            want[key] = want.get(key, 0) + row
+    assert keys.tolist() == sorted(want)
+    torch.testing.assert_close(got, torch.stack([want[k] for k in keys.tolist()]), rtol=1e-12, atol=1e-12)
+    assert bool((got.abs() < torch.cat([v.abs() for v in [shard._clipped_row_sums64(factors, 0)[1]]])).any())
+    # a bound that never binds is the plain clipped sum
+    keys2, loose = shard._clamped_row_sums64(factors, 0, 1e9)
+    k3, plain = shard._clipped_row_sums64(factors, 0)
+    assert np.array_equal(keys2, k3)
+    torch.testing.assert_close(loose, plain, rtol=1e-12, atol=1e-12)
+
+
+def test_dense_clamped_sum_clamps_every_per_example_coordinate():
+    from trainer.dense_grads import PerExampleGradients
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, pooled, dense):
+            return self.net(torch.cat([pooled.flatten(1), dense], 1)).squeeze(1)
+
+        def loss(self, out, labels):
+            return torch.nn.functional.binary_cross_entropy_with_logits(out, labels, reduction="none")
+
+    wrapped = Wrapped()
+    pooled, dense, labels = torch.randn(6, 1, 2), torch.randn(6, 1), (torch.rand(6) < 0.5).float()
+    grads = PerExampleGradients(wrapped, pooled, dense, labels)
+    factors = torch.rand(6, dtype=torch.float64)
+    got = grads.clamped_sum(factors, 0.05)
+    for n, per in grads.per_example.items():
+        want = sum((factors[j] * per[j].double()).clamp(-0.05, 0.05) for j in range(6))
+        torch.testing.assert_close(got[n], want)
+
+
+def test_a_refined_clipping_run_records_corollary_4_1s_event_and_needs_less_noise():
+    from trainer.planning import plan_privacy
+
+    ds = wide_ctr(n=48, seed=4)
+    batches = poisson_batches(len(ds), 0.25, 15, 2)
+    engine = make_engine(ds, num_shards=2, mode="dpsgd", selection="none", q=0.25, seed=5, dim=4, sigma=SIGMA,
+                         sampler=ListSampler(batches), plan_overrides={"mix_width": WIDTH, "mix_coordinates": 8})
+    plain = make_engine(ds, num_shards=2, mode="dpsgd", selection="none", q=0.25, seed=5, dim=4, sigma=SIGMA,
+                        sampler=ListSampler(batches), plan_overrides={"mix_width": WIDTH})
+    for _ in batches:
+        engine.step(), plain.step()
+    assert engine.ledger.history == [(ev.PoissonSampledDpEvent(0.25, ModelMixDpEvent(SIGMA, WIDTH, 8)), 2)]
+    assert any(not torch.equal(a, b) for a, b in zip(_tables(engine), _tables(plain)))  # the clamp binds
+    base = ["data.path=x", "train.mode=dpsgd", "train.optimizer=sgd", "train.steps=200", "train.batch_size=100",
+            "privacy.target_epsilon=3", "train.modelmix=true", "privacy.mix_width=4"]
+    _, l2_only = plan_privacy(load_config(None, base).validate(), n=10_000, vocabulary=0)
+    _, refined = plan_privacy(load_config(None, base + ["privacy.mix_coordinates=16"]).validate(), n=10_000,
+                              vocabulary=0)
+    assert refined.noise_multiplier < l2_only.noise_multiplier

@@ -189,6 +189,9 @@ class PrivacyConfig:
     # train.modelmix: the enforced gap τ in units of the update's ℓ2 sensitivity lr·S1/b (the
     # seed's τ = r·η with averaged gradients is mix_width = r·b/S1); ModelMixDpEvent's w.
     mix_width: float = 0.0
+    # train.modelmix: Alg 2's refined clipping — after the ℓ2 clip each coordinate of each
+    # example's gradient is clamped to ±S1/√k (k = mix_coordinates); accounted by Cor 4.1. 1: off.
+    mix_coordinates: int = 1
     second_clip_norm: Optional[float] = none_or(float, "S2; none: no second clip")
     selection_fraction: float = 0.2
     k: AutoInt = auto_or(int, "rows selected per step (em, noisy-max, random, fest); auto: floor(gamma * vocabulary)")
@@ -231,6 +234,7 @@ class PrivacyConfig:
              'privacy.clip_norm must be > 0 or "adaptive"'),
             (self.adaptive_clip_min > 0, "privacy.adaptive_clip_min must be > 0"),
             (self.mix_width >= 0, "privacy.mix_width must be >= 0"),
+            (self.mix_coordinates >= 1, "privacy.mix_coordinates must be >= 1"),
             (0 <= self.adaptive_clip_doublings <= 60, "privacy.adaptive_clip_doublings must be in [0, 60]"),
             (0 < self.adaptive_clip_beta < 1, "privacy.adaptive_clip_beta must be in (0, 1)"),
             (0 < self.selection_fraction < 1, "privacy.selection_fraction must be in (0, 1)"),
@@ -342,8 +346,11 @@ class Config:
                 (p.mix_width > 0, "train.modelmix needs privacy.mix_width > 0 (the enforced gap; 0 is no mixing)"),
                 (t.ema_decay == 0, "train.modelmix with train.ema_decay > 0 is not supported"),
             ])
-        elif p.mix_width:
-            raise ConfigError("privacy.mix_width applies only with train.modelmix = true")
+            _require([(p.mix_coordinates == 1 or p.second_clip_norm is None,
+                       "privacy.mix_coordinates > 1 needs privacy.second_clip_norm = \"none\" (the second clip "
+                       "breaks the per-coordinate bound)")])
+        elif p.mix_width or p.mix_coordinates != 1:
+            raise ConfigError("privacy.mix_width and privacy.mix_coordinates apply only with train.modelmix = true")
         return self
 
 

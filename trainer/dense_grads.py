@@ -133,6 +133,11 @@ class DenseGradients(abc.ABC):
     def clipped_sum(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
         """{name: Σ_j factors_j ∇_θ ℓ_j} (float64) for every named parameter of the model."""
 
+    def clamped_sum(self, factors: torch.Tensor, bound: float) -> dict[str, torch.Tensor]:
+        """{name: Σ_j clamp(factors_j ∇_θ ℓ_j, ±bound)}: ModelMix's refined clipping (seed B
+        Alg 2) needs every per-example coordinate, so only the per-example reference has it."""
+        raise NotImplementedError(f"{type(self).__name__} has no per-example coordinates (use per_example)")
+
 
 class PerExampleGradients(DenseGradients):
     """The reference: per-example gradients by torch.func, then contractions."""
@@ -154,6 +159,13 @@ class PerExampleGradients(DenseGradients):
 
     def clipped_sum(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
         return {n: torch.tensordot(factors.to(g.dtype), g, dims=1).double() for n, g in self.per_example.items()}
+
+    def clamped_sum(self, factors: torch.Tensor, bound: float) -> dict[str, torch.Tensor]:
+        out = {}
+        for n, g in self.per_example.items():
+            scaled = g.double() * factors.double().reshape(-1, *([1] * (g.dim() - 1)))
+            out[n] = scaled.clamp(-bound, bound).sum(0)
+        return out
 
 
 class GhostGradients(DenseGradients):

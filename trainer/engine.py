@@ -56,10 +56,13 @@ class PrivacyPlan:
     selection_params: Any = None  # that selector's Params (None for "none")
     adaptive_clip: Optional[AdaptiveClip] = None  # privacy.clip_norm = "adaptive" (trainer/adaptive_clip.py)
     mix_width: float = 0.0  # train.modelmix: the enforced gap in update sensitivities (0: no mixing)
+    mix_coordinates: int = 1  # ModelMix's refined clipping k: each clipped coordinate clamped to S1/√k
 
     def __post_init__(self):
         if (self.clip_norm is None) == (self.adaptive_clip is None):
             raise ValueError("a privacy plan has either a fixed clip_norm or an adaptive_clip, not both or neither")
+        if self.mix_coordinates != 1 and (self.mix_width <= 0 or self.second_clip_norm is not None):
+            raise ValueError("refined clipping (mix_coordinates > 1) needs ModelMix (mix_width > 0) and no second clip")
 
     @property
     def selector(self) -> Optional[Selector]:
@@ -70,7 +73,7 @@ class PrivacyPlan:
         (default: the planned one)."""
         if self.adaptive_clip is not None and clip_event is None:
             clip_event = self.adaptive_clip.event
-        return step_noise_event(self.noise_multiplier, clip_event, self.mix_width)
+        return step_noise_event(self.noise_multiplier, clip_event, self.mix_width, self.mix_coordinates)
 
 
 @dataclasses.dataclass
@@ -348,7 +351,10 @@ class Engine:
         counts_on_shards = self.selection_on_shards and selector is not None and selector.shard_statistic == "counts"
         options = TrainerOptions(
             mode=self.mode, clip_norm=p.clip_norm if p is not None and self.mode != "nonprivate" else None,
-            expected_batch_size=self.b, dense_grad_method=self.dense_grad_method, num_trainers=self.num_trainers,
+            expected_batch_size=self.b, num_trainers=self.num_trainers,
+            # refined clipping clamps every per-example coordinate: the per-example reference has them
+            dense_grad_method="per_example" if p is not None and p.mix_coordinates > 1 else self.dense_grad_method,
+            coordinate_clip=p.mix_coordinates if p is not None else 1,
             reduce_at_shards=self.num_trainers > 1 or actors,
             contribution_clip=p.selection_params.contribution_clip if counts_on_shards and p is not None else None,
             dense_tables=self.dense_tables)
@@ -493,7 +499,8 @@ class Engine:
         noise = gaussian
         if self.private_plan.mix_width > 0:
             assert isinstance(gaussian, ev.GaussianDpEvent)
-            noise = step_noise_event(gaussian.noise_multiplier, None, self.private_plan.mix_width)
+            noise = step_noise_event(gaussian.noise_multiplier, None, self.private_plan.mix_width,
+                                     self.private_plan.mix_coordinates)
         return noise if self._clip_event is None else ev.ComposedDpEvent([self._clip_event, noise])
 
     def _mix_gap(self, noisy: Optional[NoisyStep]) -> Optional[float]:

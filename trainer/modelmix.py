@@ -16,9 +16,11 @@ Where it applies: `dpsgd` mode only, where every table and every dense parameter
 mixed every step (the config refuses the rest). In `sparse` mode the selected rows are not
 mixed, and one example's clipped gradient can put its whole norm on them, so no amplification
 could be claimed for the step — never claim it for coordinates that were not mixed.
-Refined clipping (Alg 2, k > 1: clamp each coordinate to c/√k) is not in the engine: it needs
-every per-example gradient coordinate, which ghost clipping and the shards' row sums never
-materialize; the accountant supports it (`widedp epsilon --modelmix --mix-coordinates K`).
+Refined clipping (Alg 2, privacy.mix_coordinates = k > 1): after the ℓ2 clip to S1 every
+coordinate of each example's gradient is clamped to ±S1/√k — on the shards per (example, row)
+(`EmbeddingShard._clamped_row_sums64`) and on the trainers per dense parameter (the per-example
+reference, `PerExampleGradients.clamped_sum`: ghost clipping never forms the coordinates) — and
+the step is ModelMixDpEvent(σ, w, k) (Cor 4.1). Slower: per-example dense gradients.
 
 α is counter-based (`uniform_block`): the draw for (step, block, coordinates) is a function of
 the run's secret mix seed only, so a shard that is restored and replays released steps mixes

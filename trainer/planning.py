@@ -55,6 +55,7 @@ class PrivacyInfo:
     # privacy.clip_norm = "adaptive": DP-STAT's public parameters (candidates, count noise, τ)
     adaptive_clip: Optional[dict] = None
     mix_width: Optional[float] = None  # train.modelmix: the enforced gap in update sensitivities
+    mix_coordinates: Optional[int] = None  # train.modelmix: k of the refined clipping (1: ℓ2 only)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -125,9 +126,10 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
     b_expected = min(t.batch_size, n)
     adaptive = adaptive_clip_from_config(p, b_expected)
     mix_width = float(p.mix_width) if t.modelmix else 0.0
+    mix_coordinates = int(p.mix_coordinates) if t.modelmix else 1
 
     def noise_event(sigma: float) -> ev.DpEvent:  # the engine's PrivacyPlan.noise_event, σ free
-        return step_noise_event(sigma, adaptive.event if adaptive is not None else None, mix_width)
+        return step_noise_event(sigma, adaptive.event if adaptive is not None else None, mix_width, mix_coordinates)
 
     explicit = p.resolved("noise_multiplier")
     calibrated = explicit is None
@@ -160,7 +162,7 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
             rule = auto[1]
     plan = PrivacyPlan(noise_multiplier=sigma, clip_norm=None if adaptive is not None else float(p.clip_norm),
                        second_clip_norm=p.second_clip_norm, selection=selection, selection_params=params,
-                       adaptive_clip=adaptive, mix_width=mix_width)
+                       adaptive_clip=adaptive, mix_width=mix_width, mix_coordinates=mix_coordinates)
     # The config's names of the selector's parameters (summary.json keys).
     named = {key: getattr(params, f) for f, key in (selector.config_fields() if selector else {}).items()}
     info = dataclasses.replace(
@@ -170,5 +172,5 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
         adaptive_clip=None if adaptive is None else {
             "min": adaptive.theta, "doublings": adaptive.num_doublings, "count_noise": adaptive.count_noise,
             "beta": adaptive.beta, "stop_width": adaptive.threshold, "max": float(adaptive.candidates[-1])},
-        mix_width=mix_width or None)
+        mix_width=mix_width or None, mix_coordinates=mix_coordinates if mix_width else None)
     return plan, info

@@ -233,7 +233,7 @@ class EmbeddingShard:
         return sq.numpy()
 
     def clipped_row_sums(self, factors: np.ndarray, trainer: int = 0, selection_weights=None,
-                         select: Optional[ShardSelect] = None):
+                         select: Optional[ShardSelect] = None, coordinate_bound: Optional[float] = None):
         """Σ_j factor_j · ∂L_j/∂E[t, r] over the trainer's batch, for every touched (t, r) of
         this shard; `factors` for this shard's examples (`inp.bags(B).examples` order).
         `selection_weights`: the same examples' contribution weights, kept for `select_rows`.
@@ -243,9 +243,11 @@ class EmbeddingShard:
         same call (`select_rows` on `select`'s arguments) and only the rows the coordinator can
         use come back — those in this shard's part of the selection or in `select.keep_rows`,
         and every touched row of a dense table — as (tables, global ids, sums, part, touched:
-        how many rows were touched here)."""
+        how many rows were touched here). `coordinate_bound`: refined clipping — each example's
+        clipped row gradient clamped to ±bound per coordinate before the sum (`_clamped_row_sums64`)."""
         self._keep_selection_weights(selection_weights, trainer)
-        keys, sums = self._step_row_sums = self._clipped_row_sums64(factors, trainer)
+        keys, sums = self._step_row_sums = (self._clipped_row_sums64(factors, trainer) if coordinate_bound is None
+                                            else self._clamped_row_sums64(factors, trainer, coordinate_bound))
         if select is None:
             return self._rows_of(keys, sums)
         from selection.partitioned import ShardCandidates
@@ -263,12 +265,14 @@ class EmbeddingShard:
             keep |= np.isin(tables, np.asarray(select.dense_tables, dtype=np.int64))
         return tables[keep], global_ids[keep], flat[keep], part, int(keys.size)
 
-    def add_clipped_row_sums(self, factors: np.ndarray, trainer: int, selection_weights=None) -> None:
+    def add_clipped_row_sums(self, factors: np.ndarray, trainer: int, selection_weights=None,
+                             coordinate_bound: Optional[float] = None) -> None:
         """Data-parallel trainers: add trainer `trainer`'s clipped row sums (as in
         `clipped_row_sums`) to this step's reduction here, where the rows live; nothing
         travels back until `reduced_row_sums`."""
         self._keep_selection_weights(selection_weights, trainer)
-        self._row_sum_parts.append(self._clipped_row_sums64(factors, trainer))
+        self._row_sum_parts.append(self._clipped_row_sums64(factors, trainer) if coordinate_bound is None
+                                   else self._clamped_row_sums64(factors, trainer, coordinate_bound))
 
     def _keep_selection_weights(self, weights, trainer: int) -> None:
         if weights is not None:
@@ -321,6 +325,28 @@ class EmbeddingShard:
         uniq, group = self._row_groups(cache)
         sums = torch.zeros((uniq.size, scaled.shape[1]), dtype=torch.float64).index_add_(0, torch.from_numpy(group), scaled)
         return uniq, sums
+
+    def _clamped_row_sums64(self, factors: np.ndarray, trainer: int, bound: float) -> tuple[np.ndarray, torch.Tensor]:
+        """As `_clipped_row_sums64`, with each example's clipped gradient of each row clamped to
+        ±bound per coordinate before the rows are summed (ModelMix's refined clipping, seed B
+        Alg 2): repeated ids of one example in one row add up first, as in `example_sq_norms`."""
+        cache = self._cache(trainer)
+        if "contrib" not in cache:
+            raise RuntimeError("clipped_row_sums needs example_sq_norms first")
+        inp, contrib, bags = cache["inp"], cache["contrib"], cache["bags"]
+        if inp.example.size == 0:
+            return np.empty(0, np.int64), torch.zeros((0, self.layout.dim), dtype=torch.float64)
+        row_key = self.feature_table[inp.feature] * self.max_rows + inp.local_id
+        span = len(self.ranges) * self.max_rows
+        pair, group = np.unique(bags.id_example * span + row_key, return_inverse=True)
+        pair_sums = torch.zeros((pair.size, contrib.shape[1]), dtype=torch.float64).index_add_(
+            0, torch.from_numpy(group.astype(np.int64).reshape(-1)), contrib.double())
+        f = torch.from_numpy(np.asarray(factors, dtype=np.float64))[torch.from_numpy(pair // span)]
+        clamped = (pair_sums * f.unsqueeze(1)).clamp(-bound, bound)
+        rows, inverse = np.unique(pair % span, return_inverse=True)
+        sums = torch.zeros((rows.size, contrib.shape[1]), dtype=torch.float64).index_add_(
+            0, torch.from_numpy(inverse.astype(np.int64).reshape(-1)), clamped)
+        return rows, sums
 
     def _rows_of(self, keys: np.ndarray, sums: torch.Tensor):
         tables, local = keys // self.max_rows, keys % self.max_rows

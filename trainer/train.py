@@ -303,7 +303,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tru
             "threshold_rule": info.threshold_rule,
             "table_policy": info.table_policy,
             **({"adaptive_clip": info.adaptive_clip} if info.adaptive_clip else {}),
-            **({"modelmix": {"mix_width": info.mix_width, "mixed": "every table and dense parameter, every step",
+            **({"modelmix": {"mix_width": info.mix_width, "mix_coordinates": info.mix_coordinates, "mixed": "every table and dense parameter, every step",
                              "threat_model": "ε holds only while each step's mixing weights stay secret "
                                              "(accounting/modelmix.py)"}} if info.mix_width else {}),
             "sample_rate": info.sample_rate,

@@ -79,6 +79,9 @@ class TrainerOptions:
     # example, from all its sparse rows, travel to the shards with its clip factors); None: not needed.
     contribution_clip: Optional[float] = None
     dense_tables: tuple = ()
+    # ModelMix's refined clipping (seed B Alg 2): after the ℓ2 clip to S1 every coordinate of each
+    # example's gradient is clamped to ±S1/√k (k = this); 1: ℓ2 clipping only.
+    coordinate_clip: int = 1
 
 
 def pooled_lookup(layout: ShardLayout, shards, batch, B: int, example_ids=None, averaged: bool = False,
@@ -216,12 +219,22 @@ class TrainerRole:
         if sq is not None and clip_norm is None:
             raise ValueError(f"trainer {self.index}: a private step needs this step's S1")
         factors = np.ones(B) if sq is None else np.minimum(1.0, clip_norm / np.maximum(np.sqrt(sq), 1e-30))
+        bound = None if o.coordinate_clip == 1 or clip_norm is None else clip_norm / np.sqrt(o.coordinate_clip)
         clock.mark("norms")
         weights = self._selection_weights(batch, B)
         clock.mark("selection_weights")
         per_shard = [(factors[b.examples],) + (() if weights is None else (weights[b.examples],)) for b in self.bags]
         row_sums = None
-        if select is not None:
+        if bound is not None:  # refined clipping: every (example, row) clamped on the shards
+            if select is not None:
+                raise ValueError("refined clipping (coordinate_clip > 1) runs without selection (dpsgd mode)")
+            if o.reduce_at_shards:
+                self.shards.call("add_clipped_row_sums", [(f, self.index, w[0] if w else None, bound)
+                                                          for f, *w in per_shard])
+            else:
+                row_sums = self.shards.call("clipped_row_sums", [(f, 0, w[0] if w else None, None, bound)
+                                                                 for f, *w in per_shard])
+        elif select is not None:
             row_sums = self.shards.call("clipped_row_sums", [(f, 0, w[0] if w else None, sel)
                                                              for (f, *w), sel in zip(per_shard, select)])
         elif o.reduce_at_shards:
@@ -229,7 +242,7 @@ class TrainerRole:
         else:
             row_sums = self.shards.call("clipped_row_sums", [(f, 0, *w) if w else (f,) for f, *w in per_shard])
         clock.mark("row_sums")
-        dense_sum = self._dense_clipped_sum(dense, factors)
+        dense_sum = self._dense_clipped_sum(dense, factors, bound)
         clock.mark("dense_clipped_sum")
         return TrainerPart(losses.detach(), dense_sum, B, row_sums, clock.phases,
                            cpu_before + time.process_time() - cpu)
@@ -282,12 +295,16 @@ class TrainerRole:
         offsets, compact = self.vocabulary.restrict(*example_global_rows(self.layout, batch, B))
         return contribution_weights(offsets, compact, self.options.contribution_clip)
 
-    def _dense_clipped_sum(self, dense: Optional[DenseGradients], factors: np.ndarray) -> dict:
-        """Σ_j c_j ∇_θ ℓ_j / b for every dense parameter (float64); zeros for an empty batch."""
+    def _dense_clipped_sum(self, dense: Optional[DenseGradients], factors: np.ndarray,
+                           bound: Optional[float] = None) -> dict:
+        """Σ_j c_j ∇_θ ℓ_j / b for every dense parameter (float64); zeros for an empty batch.
+        `bound`: each clipped per-example coordinate clamped to ±bound first (refined clipping)."""
         b = self.options.expected_batch_size
         if dense is None:
             return {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in self.model.named_parameters()}
-        return {n: g / b for n, g in dense.clipped_sum(torch.from_numpy(factors)).items()}
+        f = torch.from_numpy(factors)
+        sums = dense.clipped_sum(f) if bound is None else dense.clamped_sum(f, bound)
+        return {n: g / b for n, g in sums.items()}
 
 
 __all__ = ["PhaseClock", "TrainerOptions", "TrainerPart", "TrainerRole", "example_global_rows", "pooled_lookup",
