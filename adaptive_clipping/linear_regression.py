@@ -8,11 +8,12 @@ the replaced example sits in the same block of both data sets and every other bl
 Under add/remove the argument fails (inserting one example shifts every later example into
 another block), and n — which sets the number of steps — would be private; so add/remove is
 *not* claimed here. (A replace-one guarantee is implied by add/remove with group size 2; the
-converse does not hold.) Unlike the seed's DP-SSGD, no amplification by shuffling is used: the
-fixed-clip baseline is accounted as plain one-pass Gaussian (parallel composition), which is
-always an upper bound on its true cost (Feldman–McMillan–Talwar's bound would be smaller).
-`dp_ssgd(amplification="shuffling")` is refused, and why (the (ε₀, δ₀) theorem it needs could not
-be verified; b > 1 is not a local randomizer of one record) is in `adaptive_clipping.shuffling`.
+converse does not hold.) The seed's DP-SSGD (Gaussian noise) is accounted as plain one-pass
+Gaussian (parallel composition), always an upper bound on its true cost, *without* amplification
+by shuffling: that needs FMT21's (ε₀, δ₀) theorem, which could not be verified (see
+`adaptive_clipping.shuffling`). Amplification is offered where the verified pure-DP theorem
+applies: `dp_ssgd(noise="laplace", batch_size=1, amplification="shuffling")`, whose every step is
+a pure ε₀-DP local randomizer of the one record it reads (section "DP-SSGD with Laplace noise").
 
 Accounting is zCDP (Bun & Steinke 2016), emitted as dp_accounting Gaussian events whose noise
 multipliers are stated w.r.t. the replace-one ℓ2 sensitivity (the events are relation-agnostic;
@@ -32,6 +33,31 @@ composing them with add/remove events of another mechanism would mix relations �
   `zcdp_epsilon`; our RDP accountant accounts the emitted Gaussian events directly and gives a
   slightly smaller ε (its α·ρ curve is the same, its conversion is tighter).
 
+DP-SSGD with Laplace noise (`dp_ssgd(noise="laplace", eps0=ε₀)`), pure DP, no zCDP:
+- the step: w ← w - η[(1/b)Σ clip¹_C(g_i) + Lap(2C/(b·ε₀))^d], where clip¹_C scales a gradient to
+  ℓ1 norm ≤ C (`clip_rows_l1`) and the d noise coordinates are i.i.d. Laplace.
+- sensitivity: replacing one record changes one clipped row u into v with ‖u‖₁, ‖v‖₁ ≤ C, so the
+  mean moves by ‖u - v‖₁/b ≤ 2C/b in ℓ1 (tight: v = -u). The Laplace mechanism with ℓ1
+  sensitivity Δ₁ and per-coordinate scale Δ₁/ε₀ is ε₀-DP (pure), whatever the previous outputs
+  (w_{t-1} is public given them), so each step is an ε₀-DP randomizer of its block, for every
+  prefix — the adaptive hypothesis of FMT21 when b = 1. Event: `LaplaceDpEvent(1/ε₀)`
+  (multiplier = scale / ℓ1 sensitivity).
+- why ℓ1 clipping: with the usual ℓ2 clip to C the ℓ1 sensitivity is ‖u - v‖₁ ≤ √d‖u - v‖₂ ≤
+  2C√d (also tight: u = C(1..1)/√d = -v), so the same noise needs C/√d as ℓ2 clip; the ℓ2 ball of
+  radius C/√d lies inside the ℓ1 ball of radius C, so ℓ1 clipping at C alters every gradient at
+  most as much as ℓ2 clipping at C/√d, for the same noise. `clip_norm` is therefore an ℓ1 bound
+  on the Laplace path (an ℓ2 bound on the Gaussian path).
+- accounting: each record is read by one step, so the run is ε₀-DP (parallel composition,
+  `accounting="pure"`). With b = 1 and `amplification="shuffling"`, the run — n steps over a
+  secret uniform order, step i an ε₀-DP randomizer of x_π(i) given the previous outputs, the
+  iterates and their tail average post-processing — is exactly FMT21's adaptive shuffle model,
+  and is (ε, δ)-DP with ε = `shuffling.shuffled_epsilon(ε₀, n, δ)` (the numerical clone bound,
+  `accounting="shuffling"`). No dp_accounting event expresses that; `events["amplification"]`
+  states the theorem, ε₀, n, δ and ε instead, and `event` stays the per-step Laplace event (the
+  unamplified cost, an upper bound). `shuffling.eps0_for_epsilon` calibrates ε₀ for a target ε.
+  Amplification is refused with b > 1 (a step then reads b records jointly: not a local
+  randomizer of one record) and with Gaussian noise (not pure DP).
+
 Randomness: every function takes `rng: numpy.random.Generator`, which draws the permutation and
 all noise; production callers seed it from OS entropy (`numpy.random.default_rng()`), since the
 guarantee needs both to stay secret.
@@ -45,8 +71,9 @@ from typing import Optional
 
 import numpy as np
 
-from accounting.events import DpEvent, GaussianDpEvent, NonPrivateDpEvent
+from accounting.events import DpEvent, GaussianDpEvent, LaplaceDpEvent, NonPrivateDpEvent
 from . import dp_stat as _dp_stat  # relative: the package may be loaded under an alias (see benchmarks)
+from . import shuffling as _shuffling
 
 
 # ---- conversions -------------------------------------------------------------------------------
@@ -107,14 +134,55 @@ def noisy_clipped_mean(g: np.ndarray, clip_norm: float, noise_multiplier: float,
     return clip_rows(g, clip_norm).sum(axis=0) / b + rng.normal(0.0, std, size=g.shape[1])
 
 
+def clip_rows_l1(g: np.ndarray, clip_norm: float) -> np.ndarray:
+    """Each row (last axis) scaled by min(1, C/‖g_i‖₁) (ℓ1 norm ≤ C afterwards)."""
+    norms = np.abs(g).sum(axis=-1, keepdims=True)
+    return g * np.minimum(1.0, clip_norm / np.maximum(norms, np.finfo(np.float64).tiny))
+
+
+def laplace_noise_scale(clip_norm: float, eps0: float, batch_size: int) -> float:
+    """Per-coordinate Laplace scale Δ₁/ε₀ = 2C/(b·ε₀): the ℓ1 sensitivity of the mean of b
+    ℓ1-clipped rows under replace-one is 2C/b (see the module docstring)."""
+    return 2.0 * clip_norm / (batch_size * eps0)
+
+
+def laplace_event(eps0: float) -> DpEvent:
+    """One Laplace step at ε₀: `LaplaceDpEvent(1/ε₀)` (scale / ℓ1 sensitivity), pure ε₀-DP."""
+    return LaplaceDpEvent(1.0 / _positive("eps0", eps0))
+
+
+def noisy_clipped_mean_laplace(g: np.ndarray, clip_norm: float, eps0: float,
+                               rng: np.random.Generator) -> np.ndarray:
+    """(1/b)Σ clip¹_C(g_i) + Lap(2C/(b·ε₀))^d over the rows of g (shape (..., b, d); leading axes,
+    if any, are independent releases) — one DP-SSGD Laplace step's noisy gradient, ε₀-DP under
+    replace-one of one of the b rows (pure; `laplace_event(ε₀)`). With b = 1 it is the ε₀-DP
+    local randomizer of the record behind the row. `rng` from OS entropy in production."""
+    g = np.asarray(g, dtype=np.float64)
+    if g.ndim < 2:
+        raise ValueError(f"g must have shape (..., b, d), got {g.shape}")
+    return _laplace_step(g, _positive("clip_norm", clip_norm),
+                         laplace_noise_scale(clip_norm, _positive("eps0", eps0), g.shape[-2]), rng)
+
+
+def _laplace_step(g: np.ndarray, clip_norm: float, scale: float, rng: np.random.Generator) -> np.ndarray:
+    mean = clip_rows_l1(g, clip_norm).sum(axis=-2) / g.shape[-2]
+    return mean + rng.laplace(0.0, scale, size=mean.shape)
+
+
 # ---- results -----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class RegressionResult:
     """Output of one training run.
 
-    `event`: the per-example privacy event of the whole run (replace-one, see the module
-    docstring), `rho` its zCDP ρ (inf when not private). `events` names the parts it comes from.
+    `event`: the per-example privacy event of the whole run without amplification (replace-one,
+    see the module docstring); `rho` its zCDP ρ (inf when not private, nan on the Laplace path,
+    which is accounted in pure DP, not zCDP). `events` names the parts it comes from and, under
+    `events["amplification"]`, "none" or the shuffling bound used. `noise`: "gaussian",
+    "laplace" or "none". `accounting`: how `epsilon(δ)` is computed — "zcdp" (ρ, Bun–Steinke
+    conversion), "pure" (ε₀-DP by parallel composition: ε = ε₀ at every δ), "shuffling" (FMT21's
+    numerical bound for n shuffled ε₀-DP randomizers, `shuffling.shuffled_epsilon(ε₀, steps, δ)`)
+    or "none" (not private). `eps0`: the per-step pure ε₀ (Laplace path), else None.
     `clip_norms`: the clip norm of every step (DP outputs themselves for DP-AMBSSGD: releasing
     them costs nothing more). `steps`: number of updates; `unused`: examples never read
     (n not a multiple of the block size), which cost nothing."""
@@ -126,10 +194,23 @@ class RegressionResult:
     clip_norms: np.ndarray
     steps: int
     unused: int
+    noise: str = "gaussian"
+    accounting: str = "zcdp"
+    eps0: Optional[float] = None
 
     def epsilon(self, delta: float) -> float:
-        """ε at δ by the zCDP conversion (`zcdp_epsilon`); inf when not private."""
-        return math.inf if math.isinf(self.rho) else zcdp_epsilon(self.rho, delta)
+        """ε at δ by `accounting` (see the class docstring); inf when not private."""
+        if self.accounting == "none":
+            return math.inf
+        if self.accounting == "zcdp":
+            return zcdp_epsilon(self.rho, delta)
+        assert self.eps0 is not None
+        if self.accounting == "pure":
+            _probability("delta", delta)
+            return self.eps0
+        if self.accounting == "shuffling":
+            return _shuffling.shuffled_epsilon(self.eps0, self.steps, delta)
+        raise ValueError(f"unknown accounting {self.accounting!r}")
 
 
 # ---- algorithms ------------------------------------------------------------------------------
@@ -185,44 +266,92 @@ def dp_ambssgd(X, y, *, rho: float, batch_size: int, stat_size: int, lr: float, 
         clip_norms=np.asarray(gammas), steps=T, unused=n - T * (m + b))
 
 
-def dp_ssgd(X, y, *, rho: float, batch_size: int, lr: float, clip_norm: float, tail_fraction: float = 0.5,
-            w0: Optional[np.ndarray] = None, amplification: str = "none",
+def dp_ssgd(X, y, *, rho: Optional[float] = None, batch_size: int, lr: float, clip_norm: float,
+            tail_fraction: float = 0.5, w0: Optional[np.ndarray] = None, amplification: str = "none",
+            noise: str = "gaussian", eps0: Optional[float] = None, delta: Optional[float] = None,
             rng: np.random.Generator) -> RegressionResult:
     """DP-SSGD with a fixed clip norm C (the seed's Alg 1 uses b = 1; any b allowed here).
 
     Neighbouring relation: replace-one (fixed public n). One pass over a secret permutation in
-    T = ⌊n/b⌋ blocks; w ← w - η[(1/b)Σ clip_C(g_i) + (σC/b)ξ], σ = √(2/ρ); tail average.
-    Sensitivity of each update's mean: 2C/b; event `GaussianDpEvent(σ/2)`; each point is read
-    once, so the run is ρ-zCDP by parallel composition. No amplification by shuffling is
-    claimed (the seed's Theorem 3.1 uses Feldman et al. 2021): this accounting is an upper bound.
-    `amplification`: only "none" (recorded in `events["amplification"]`); "shuffling" raises
-    ValueError saying why — see `adaptive_clipping.shuffling`'s docstring, "DP-SSGD".
+    T = ⌊n/b⌋ blocks, constant step η, tail average of the last ⌈tail_fraction·T⌉ iterates.
+    `noise="gaussian"` (default, needs `rho`): w ← w - η[(1/b)Σ clip_C(g_i) + (σC/b)ξ], σ = √(2/ρ),
+    ℓ2 clip; sensitivity 2C/b; event `GaussianDpEvent(σ/2)`; each point is read once, so the run
+    is ρ-zCDP by parallel composition (`accounting="zcdp"`). Not amplified: the seed's Theorem
+    3.1 uses FMT21's (ε₀, δ₀) theorem, not verified here (see `adaptive_clipping.shuffling`), so
+    this accounting is an upper bound.
+    `noise="laplace"` (needs `eps0`, no `rho`): w ← w - η[(1/b)Σ clip¹_C(g_i) + Lap(2C/(b·ε₀))^d],
+    C an ℓ1 clip (`noisy_clipped_mean_laplace`); each step is pure ε₀-DP, event
+    `laplace_event(ε₀)`, the run ε₀-DP by parallel composition (`accounting="pure"`).
+    `amplification`: "none" (recorded in `events["amplification"]`) or "shuffling", allowed only
+    with noise="laplace" and batch_size = 1 (ValueError saying why otherwise) and then needing
+    `delta`: the run is n shuffled adaptive ε₀-DP local randomizers, (ε, δ)-DP with
+    ε = `shuffling.shuffled_epsilon(ε₀, n, δ)` (`accounting="shuffling"`; `epsilon(δ')` gives
+    other δ'). `events["amplification"]` then records the bound, ε₀, n, δ and ε; there is no
+    dp_accounting event for it, so `event` stays the unamplified per-step Laplace event.
+    To reach a target (ε, δ): `eps0 = shuffling.eps0_for_epsilon(ε, n, δ)`.
     `rng`: secret; production callers seed it from OS entropy.
     """
     X, y = _data(X, y)
     n, d = X.shape
-    rho = _positive("rho", rho)
     b = _positive_int("batch_size", batch_size)
-    _check_amplification(amplification, b)
+    if noise not in ("gaussian", "laplace"):
+        raise ValueError(f"noise must be 'gaussian' or 'laplace', got {noise!r}")
+    if noise == "gaussian":
+        rho = _positive("rho", rho)
+        if eps0 is not None:
+            raise ValueError("eps0 is the Laplace path's budget; noise='gaussian' takes rho")
+    else:
+        eps0 = _positive("eps0", eps0)
+        if rho is not None:
+            raise ValueError("rho is the Gaussian path's zCDP budget; noise='laplace' takes eps0 (pure DP)")
+    _check_amplification(amplification, b, noise)
+    if amplification == "shuffling":
+        if delta is None:
+            raise ValueError("amplification='shuffling' needs delta: the amplified epsilon is stated at a delta")
+        delta = _probability("delta", delta)
+    elif delta is not None:
+        raise ValueError("delta is only used with amplification='shuffling' (the other accountings take it "
+                         "in RegressionResult.epsilon)")
     lr = _positive("lr", lr)
     clip_norm = _positive("clip_norm", clip_norm)
     _check_rng(rng)
     T = n // b
     if T < 1:
         raise ValueError(f"batch_size = {b} exceeds the number of examples n = {n}")
-    sigma = update_noise_multiplier(rho)
     order = rng.permutation(n)
     w = _initial(w0, d)
     iterates = []
+    if noise == "gaussian":
+        assert rho is not None
+        sigma = update_noise_multiplier(rho)
+        for t in range(T):
+            batch = order[t * b:(t + 1) * b]
+            w = w - lr * noisy_clipped_mean(per_example_gradients(X[batch], y[batch], w), clip_norm, sigma, rng)
+            iterates.append(w)
+        event = update_event(sigma)
+        return RegressionResult(w=_tail_average(iterates, tail_fraction), event=event, rho=rho,
+                                events={"update": event, "composition": "parallel (each point read once)",
+                                        "amplification": "none"},
+                                clip_norms=np.full(T, clip_norm), steps=T, unused=n - T * b)
+    assert eps0 is not None
+    scale = laplace_noise_scale(clip_norm, eps0, b)
+    Xp, yp = X[order], y[order]
     for t in range(T):
-        batch = order[t * b:(t + 1) * b]
-        w = w - lr * noisy_clipped_mean(per_example_gradients(X[batch], y[batch], w), clip_norm, sigma, rng)
+        Xb, yb = Xp[t * b:(t + 1) * b], yp[t * b:(t + 1) * b]
+        w = w - lr * _laplace_step(per_example_gradients(Xb, yb, w), clip_norm, scale, rng)
         iterates.append(w)
-    event = update_event(sigma)
-    return RegressionResult(w=_tail_average(iterates, tail_fraction), event=event, rho=rho,
+    event = laplace_event(eps0)
+    amp: object = "none"
+    if amplification == "shuffling":
+        assert delta is not None
+        amp = {"bound": "FMT21 numerical clone bound (Thm 3.2 reduction), adaptive pure eps0-DP local "
+                        "randomizers, replace-one: adaptive_clipping.shuffling.shuffled_epsilon",
+               "eps0": eps0, "n": T, "delta": delta, "epsilon": _shuffling.shuffled_epsilon(eps0, T, delta)}
+    return RegressionResult(w=_tail_average(iterates, tail_fraction), event=event, rho=math.nan,
                             events={"update": event, "composition": "parallel (each point read once)",
-                                    "amplification": "none"},
-                            clip_norms=np.full(T, clip_norm), steps=T, unused=n - T * b)
+                                    "amplification": amp},
+                            clip_norms=np.full(T, clip_norm), steps=T, unused=n - T * b, noise="laplace",
+                            accounting="shuffling" if amplification == "shuffling" else "pure", eps0=eps0)
 
 
 def sgd(X, y, *, batch_size: int, lr: float, tail_fraction: float = 0.5, w0: Optional[np.ndarray] = None,
@@ -245,7 +374,8 @@ def sgd(X, y, *, batch_size: int, lr: float, tail_fraction: float = 0.5, w0: Opt
         w = w - lr * per_example_gradients(X[batch], y[batch], w).mean(axis=0)
         iterates.append(w)
     return RegressionResult(w=_tail_average(iterates, tail_fraction), event=NonPrivateDpEvent(), rho=math.inf,
-                            events={}, clip_norms=np.full(T, math.inf), steps=T, unused=n - T * b)
+                            events={}, clip_norms=np.full(T, math.inf), steps=T, unused=n - T * b,
+                            noise="none", accounting="none")
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -288,23 +418,25 @@ def _initial(w0, d: int) -> np.ndarray:
     return w.copy()
 
 
-def _check_amplification(amplification, batch_size: int) -> None:
-    """Only "none". "shuffling" is refused with the reason; see `adaptive_clipping.shuffling`."""
+def _check_amplification(amplification, batch_size: int, noise: str) -> None:
+    """"none", or "shuffling" with Laplace noise and b = 1; otherwise ValueError with the reason
+    (see the module docstring and `adaptive_clipping.shuffling`)."""
     if amplification == "none":
         return
     if amplification != "shuffling":
-        raise ValueError(f"amplification must be 'none' (or 'shuffling', refused), got {amplification!r}")
+        raise ValueError(f"amplification must be 'none' or 'shuffling', got {amplification!r}")
     if batch_size > 1:
         raise ValueError(
             f"amplification='shuffling' needs batch_size = 1, got {batch_size}: with b > 1 a step reads b "
             "records jointly, so it is not a local randomizer of one record; treating the block as the "
             "'user' would need sensitivity 2C instead of 2C/b (b² times the zCDP cost), which loses the "
             "gain (see adaptive_clipping.shuffling)")
-    raise ValueError(
-        "amplification='shuffling' is not offered: the Gaussian step is only (eps0, delta0)-DP, and the "
-        "exact statement of Feldman-McMillan-Talwar's approximate-DP shuffling theorem (arXiv 2012.12803, "
-        "Thm 3.8) could not be verified here; the run stays accounted unamplified "
-        "(see adaptive_clipping.shuffling, 'DP-SSGD')")
+    if noise != "laplace":
+        raise ValueError(
+            "amplification='shuffling' needs noise='laplace' (pure eps0-DP steps): the Gaussian step is only "
+            "(eps0, delta0)-DP, and the exact statement of Feldman-McMillan-Talwar's approximate-DP shuffling "
+            "theorem (arXiv 2012.12803, Thm 3.8) could not be verified here; the Gaussian run stays accounted "
+            "unamplified (see adaptive_clipping.shuffling, 'DP-SSGD')")
 
 
 def _check_rng(rng) -> None:

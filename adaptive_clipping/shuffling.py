@@ -77,9 +77,16 @@ on P vs Q.) The closed form is an analytic upper bound on the same reduction's �
 below the numerical one (tested); it is a reference only: `shuffled_epsilon` returns the
 numerical bound, whose soundness does not rest on the recalled closed-form statement.
 
-DP-SSGD (`adaptive_clipping.linear_regression.dp_ssgd`) is **not** covered; its accounting stays
-unamplified (plain parallel composition, an upper bound), and `dp_ssgd(amplification="shuffling")`
-is refused:
+Calibration (`eps0_for_epsilon`): the largest ε₀ whose shuffled ε at (n, δ) is at most a
+target ε, by bisection on the numerical bound, the returned value itself checked (certified).
+
+DP-SSGD (`adaptive_clipping.linear_regression.dp_ssgd`). With `noise="laplace"` and b = 1 every
+step is a pure ε₀-DP local randomizer of the one record it reads, for every prefix of outputs
+(ℓ1 clip to C, per-coordinate Laplace scale 2C/ε₀; the argument is in that module's docstring),
+so the hypothesis above holds exactly and `dp_ssgd(noise="laplace", batch_size=1,
+amplification="shuffling")` is accounted by `shuffled_epsilon(ε₀, n, δ)`. The default Gaussian
+DP-SSGD is **not** covered; its accounting stays unamplified (plain parallel composition, an
+upper bound), and amplification is refused for it and for any b > 1:
 1. Its noise is Gaussian, which is (ε₀, δ₀)-DP per example for no finite ε₀ with δ₀ = 0: the
    theorems above need pure ε₀-DP randomizers. Only FMT21's approximate-DP extension (the seed's
    Theorem 3.1 cites FMT21 Thm 3.8 for it) could apply, and we could **not verify its exact
@@ -101,7 +108,8 @@ is refused:
    one "user" is possible (a uniform permutation cut into blocks is a uniform partition followed
    by a uniform order of the blocks), but then a randomizer must be private against replacing
    its whole block — sensitivity 2C instead of 2C/b, b²·ρ in zCDP — which destroys the gain.
-So even with (i)-(iv) only b = 1 (the seed's Algorithm 1) could be amplified.
+So even with (i)-(iv) only b = 1 (the seed's Algorithm 1) could be amplified; with Laplace
+noise and b = 1 it is, by the pure-DP theorem above.
 """
 
 from __future__ import annotations
@@ -114,6 +122,7 @@ from scipy import special, stats
 
 _DROP_WEIGHT = 1e-30
 _ABS_SLACK = 1e-12
+_MAX_EPS0 = 500.0  # calibration's search cap (e^ε₀ stays finite in float64)
 
 
 def closed_form_epsilon(eps0: float, n: int, delta: float) -> Optional[float]:
@@ -157,7 +166,7 @@ class _Reduction:
         inside = (j >= 1) & (j <= c)
         safe_j = np.where(inside, j, 1.0)
         safe_c = np.where(inside, c, 1.0)
-        val = special.bdtrc(safe_j - 1.0, safe_c, 0.5)
+        val = special.bdtrc((safe_j - 1.0).astype(np.int64), safe_c.astype(np.int64), 0.5)
         return np.where(j <= 0, 1.0, np.where(j > c, 0.0, val))
 
     def delta(self, eps: float) -> float:
@@ -205,6 +214,47 @@ def numerical_epsilon(eps0: float, n: int, delta: float, *, iterations: int = 40
         else:
             lo = mid
     return hi
+
+
+def eps0_for_epsilon(epsilon: float, n: int, delta: float, *, iterations: int = 50) -> float:
+    """Calibration, the inverse of `shuffled_epsilon`: the largest ε₀ (to the bisection's
+    resolution, rounded *down*) such that n shuffled ε₀-DP local randomizers are (ε, δ)-DP by
+    the numerical bound, i.e. `shuffled_epsilon(ε₀, n, δ) ≤ ε` — checked for the returned value
+    itself (a certified point, as in `numerical_epsilon`), so nothing rests on the bound being
+    monotone in ε₀ (it is, in every case tried, but that is not proved here).
+
+    Always ≥ ε (ε₀ = ε needs no amplification: `shuffled_epsilon(ε, n, δ) ≤ ε`); > ε when
+    shuffling amplifies at (n, δ). Search: the bracket [ε, hi] with hi doubled until
+    `clone_delta(hi, n, ε) > δ`, then bisection on the cheap test `clone_delta(ε₀, n, ε) ≤ δ`
+    (one divergence per candidate; the bisection keeps as `lo` only points that pass), then the
+    final check `shuffled_epsilon(lo, n, δ) ≤ ε` (the value a run is charged), stepping `lo`
+    down (by lo·2^-30, doubling) while `numerical_epsilon`'s upward rounding (≤ ε₀·2^-40) puts
+    it a hair above ε; ε itself is the fallback."""
+    epsilon, n, delta = _check(epsilon, n, delta)
+    if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) or iterations < 1:
+        raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
+
+    def passes(eps0: float) -> bool:
+        return _Reduction(eps0, n).delta(epsilon) <= delta
+
+    lo, hi = epsilon, 2.0 * epsilon
+    while passes(hi):
+        lo, hi = hi, 2.0 * hi
+        if hi > _MAX_EPS0:
+            raise ValueError(f"no eps0 <= {_MAX_EPS0} breaks epsilon = {epsilon} at n = {n}, delta = {delta}")
+    for _ in range(int(iterations)):
+        mid = 0.5 * (lo + hi)
+        if passes(mid):
+            lo = mid
+        else:
+            hi = mid
+    step = lo * 2.0 ** -30  # above numerical_epsilon's upward rounding, ε₀·2^-40
+    for _ in range(30):
+        if lo <= epsilon or shuffled_epsilon(lo, n, delta) <= epsilon:
+            return lo
+        lo = max(epsilon, lo - step)
+        step *= 2.0
+    return epsilon
 
 
 def shuffled_epsilon(eps0: float, n: int, delta: float) -> float:

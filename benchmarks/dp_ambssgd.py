@@ -12,6 +12,14 @@ geometric-middle σ_obs and the largest n, on separate tuning seeds (tuning not 
 The claim checked: DP-AMBSSGD's privacy error (its excess minus SGD's) shrinks as σ_obs → 0,
 fixed clipping's does not.
 
+Beside them, the seed's DP-SSGD in the one form whose amplification by shuffling is verified
+here: b = 1 (one record per step, one pass, η = 0.9/(1+d), tail average), ℓ1 clip C, Laplace
+noise of scale 2C/ε₀ per coordinate (each step a pure ε₀-DP local randomizer), ε₀ calibrated so
+that FMT21's numerical bound for n shuffled randomizers gives the same (ε, δ) as the others
+(`adaptive_clipping.shuffling.eps0_for_epsilon`); its clip tuned once per ε like the Gaussian
+one's (on fewer tuning seeds, to bound the run time). The question: does amplification make it
+competitive with the unamplified Gaussian DP-SSGD (b = max(m, n/100)) at the same ε?
+
     python benchmarks/dp_ambssgd.py [--quick]
 """
 
@@ -30,11 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import announce_machine, format_table, write_results  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from adaptive_clipping import dp_stat as ds, linear_regression as lr  # noqa: E402
+from adaptive_clipping import dp_stat as ds, linear_regression as lr, shuffling as sh  # noqa: E402
 
-METHODS = ("dp_ambssgd", "fixed_clip", "fixed_clip_oracle", "sgd")
+METHODS = ("dp_ambssgd", "fixed_clip", "fixed_clip_oracle", "laplace_shuffled", "sgd")
 LABELS = {"dp_ambssgd": "DP-AMBSSGD (adaptive)", "fixed_clip": "DP-SGD fixed clip (tuned once)",
-          "fixed_clip_oracle": "DP-SGD fixed clip (oracle C per setting)", "sgd": "SGD (non-private)"}
+          "fixed_clip_oracle": "DP-SGD fixed clip (oracle C per setting)",
+          "laplace_shuffled": "DP-SSGD Laplace, b = 1, amplified by shuffling (tuned once)", "sgd": "SGD (non-private)"}
 
 
 def _problem(n: int, d: int, sigma_obs: float, seed: int):
@@ -54,16 +63,29 @@ def _schedule(n: int, d: int, rho: float, cfg: dict) -> dict:
     return {"stat_size": m, "batch_size": b, "lr": 0.9 * b / (b + d), "tau": tau}
 
 
+def _laplace_schedule(n: int, d: int, eps: float, cfg: dict) -> dict:
+    """b = 1, η = 0.9/(1+d) (the same rule at b = 1), ε₀ = the largest per-step budget whose
+    shuffled (ε, δ) at n meets the target (certified by the numerical bound)."""
+    return {"eps0": sh.eps0_for_epsilon(eps, n, cfg["delta"]), "lr": 0.9 / (1 + d)}
+
+
+def _run_laplace(X, y, sch: dict, clip: float, cfg: dict, rng) -> lr.RegressionResult:
+    return lr.dp_ssgd(X, y, batch_size=1, lr=sch["lr"], clip_norm=clip, noise="laplace", eps0=sch["eps0"],
+                      amplification="shuffling", delta=cfg["delta"], rng=rng)
+
+
 def _excess(w, w_star) -> float:
     return float(np.sum((w - w_star) ** 2))
 
 
-def _run_setting(n, d, sigma_obs, eps, seeds, clip, clip_grid, cfg) -> dict:
+def _run_setting(n, d, sigma_obs, eps, seeds, clip, clip_grid, cfg, laplace_clip) -> dict:
     rho = lr.zcdp_rho_for_epsilon(eps, cfg["delta"])
     sch = _schedule(n, d, rho, cfg)
-    if clip not in clip_grid:
-        raise ValueError(f"clip must be one of clip_grid {clip_grid}, got {clip!r}")
-    per: dict[str, list[float]] = {k: [] for k in ("dp_ambssgd", "sgd")}
+    lap = _laplace_schedule(n, d, eps, cfg)
+    if clip not in clip_grid or laplace_clip not in clip_grid:
+        raise ValueError(f"clips must be in clip_grid {clip_grid}, got {clip!r}, {laplace_clip!r}")
+    per: dict[str, list[float]] = {k: [] for k in ("dp_ambssgd", "laplace_shuffled", "sgd")}
+    lap_eps = []
     by_clip: dict[float, list[float]] = {c: [] for c in clip_grid}
     gammas = []
     for seed in seeds:
@@ -77,6 +99,9 @@ def _run_setting(n, d, sigma_obs, eps, seeds, clip, clip_grid, cfg) -> dict:
             out = lr.dp_ssgd(X, y, rho=rho, batch_size=sch["batch_size"], lr=sch["lr"], clip_norm=c,
                              rng=np.random.default_rng([seed, 2]))
             by_clip[c].append(_excess(out.w, w_star))
+        out = _run_laplace(X, y, lap, laplace_clip, cfg, np.random.default_rng([seed, 4]))
+        per["laplace_shuffled"].append(_excess(out.w, w_star))
+        lap_eps.append(out.epsilon(cfg["delta"]))
         per["sgd"].append(_excess(lr.sgd(X, y, batch_size=sch["batch_size"], lr=sch["lr"],
                                           rng=np.random.default_rng([seed, 3])).w, w_star))
     per["fixed_clip"] = by_clip[clip]
@@ -85,7 +110,9 @@ def _run_setting(n, d, sigma_obs, eps, seeds, clip, clip_grid, cfg) -> dict:
     sgd = np.asarray(per["sgd"])
     row = {"n": n, "d": d, "sigma_obs": sigma_obs, "epsilon": eps, "delta": cfg["delta"], "rho": rho,
            "epsilon_zcdp": lr.zcdp_epsilon(rho, cfg["delta"]), **sch, "fixed_clip": clip, "oracle_clip": oracle,
-           "final_gamma_median": float(np.median(gammas)), "seeds": len(seeds)}
+           "final_gamma_median": float(np.median(gammas)), "seeds": len(seeds),
+           "laplace_clip_l1": laplace_clip, "laplace_eps0": lap["eps0"], "laplace_lr": lap["lr"],
+           "laplace_epsilon_shuffled": max(lap_eps)}
     for k in METHODS:
         row[f"excess_{k}"] = float(np.median(per[k]))
         if k != "sgd":
@@ -107,6 +134,18 @@ def _tune_clip(n, d, sigma_obs, eps, seeds, clip_grid, cfg) -> tuple[float, dict
     return min(scores, key=lambda c: scores[c]), scores
 
 
+def _tune_laplace_clip(n, d, sigma_obs, eps, seeds, clip_grid, cfg) -> tuple[float, dict]:
+    lap = _laplace_schedule(n, d, eps, cfg)
+    scores = {}
+    for c in clip_grid:
+        errs = []
+        for seed in seeds:
+            X, y, w_star = _problem(n, d, sigma_obs, seed)
+            errs.append(_excess(_run_laplace(X, y, lap, c, cfg, np.random.default_rng([seed, 4])).w, w_star))
+        scores[c] = float(np.median(errs))
+    return min(scores, key=lambda c: scores[c]), scores
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small n, 2 seeds, 3 noise levels (seconds)")
@@ -119,10 +158,12 @@ def main(argv=None) -> dict:
     if args.quick:
         ns, sigmas, seeds, n_max = [3_000, 10_000], [1.0, 0.03, 0.001], [0, 1], 10_000
         sigmas_for_n = [1.0, 0.001]
+        laplace_tune_seeds = seeds
     else:
         ns, sigmas, seeds, n_max = [10_000, 30_000, 100_000], [1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001], \
             [0, 1, 2, 3, 4], 100_000
         sigmas_for_n = [1.0, 0.01]
+        laplace_tune_seeds = seeds[:3]  # b = 1 runs are sequential: 10⁵ Python steps each
     clip_grid = [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0]
     epsilons = [1.0, 8.0]
     tune_sigma = math.sqrt(max(sigmas) * min(sigmas))
@@ -131,11 +172,17 @@ def main(argv=None) -> dict:
         clip, scores = _tune_clip(n_max, d, tune_sigma, eps, [1000 + s for s in seeds], clip_grid, cfg)
         tuning[str(eps)] = {"clip": clip, "sigma_obs": tune_sigma, "n": n_max, "scores": scores}
         print(f"ε = {eps:g}: fixed clip tuned at σ_obs = {tune_sigma:.3g}, n = {n_max}: C = {clip:g}")
+        lclip, lscores = _tune_laplace_clip(n_max, d, tune_sigma, eps, [1000 + s for s in laplace_tune_seeds],
+                                            clip_grid, cfg)
+        tuning[str(eps)].update({"laplace_clip_l1": lclip, "laplace_scores": lscores,
+                                 "laplace_seeds": len(laplace_tune_seeds)})
+        print(f"ε = {eps:g}: Laplace (b = 1, shuffled) ℓ1 clip tuned: C = {lclip:g}")
     rows = []
     settings = sorted({(n_max, s) for s in sigmas} | {(n, s) for n in ns for s in sigmas_for_n})
     for eps in epsilons:
         for n, s in settings:
-            row = _run_setting(n, d, s, eps, seeds, tuning[str(eps)]["clip"], clip_grid, cfg)
+            row = _run_setting(n, d, s, eps, seeds, tuning[str(eps)]["clip"], clip_grid, cfg,
+                               tuning[str(eps)]["laplace_clip_l1"])
             rows.append(row)
             print(f"ε={eps:g} n={n:>6} σ_obs={s:<6g} " + "  ".join(f"{k}={row['excess_' + k]:.3e}" for k in METHODS))
     print("\n" + format_table(["ε", "n", "σ_obs", *METHODS],
@@ -144,7 +191,10 @@ def main(argv=None) -> dict:
     payload = {"problem": {"d": d, **cfg, "ns": ns, "sigmas": sigmas, "sigmas_for_n": sigmas_for_n, "seeds": seeds,
                            "clip_grid": clip_grid, "epsilons": epsilons, "n_max": n_max,
                            "schedule": "m = ceil(4 tau), b = max(m, n/100), lr = 0.9 b/(b+d), tail average 1/2",
-                           "relation": "replace-one", "accounting": "zCDP, eps = rho + 2 sqrt(rho log(1/delta))"},
+                           "relation": "replace-one", "accounting": "zCDP, eps = rho + 2 sqrt(rho log(1/delta))",
+                           "laplace": "DP-SSGD b = 1, l1 clip C, Laplace scale 2C/eps0 per coordinate, lr = 0.9/(1+d), "
+                                      "tail average 1/2; eps0 = shuffling.eps0_for_epsilon(eps, n, delta) (FMT21 "
+                                      "numerical bound, pure eps0-DP adaptive randomizers)"},
                "tuning": tuning, "rows": rows}
     write_results("dp_ambssgd", payload, quick=args.quick, machine=machine, out=args.out, started=started)
     return payload
@@ -217,14 +267,21 @@ def results_section(doc: dict, plot_dir) -> tuple[list[str], list[tuple[str, str
              + f" (σ_obs = {next(iter(doc.get('tuning', {}).values()), {}).get('sigma_obs', float('nan')):.3g}, "
              f"n = {prob.get('n_max')}; grid {prob.get('clip_grid')}; tuning not accounted). Privacy error = "
              "excess − SGD's excess on the same data (median of per-seed differences).", "",
-             "| ε | n | σ_obs | DP-AMBSSGD | fixed clip | fixed clip (oracle C) | SGD | priv. err. adaptive | "
-             "priv. err. fixed | final γ |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| ε | n | σ_obs | DP-AMBSSGD | fixed clip | fixed clip (oracle C) | Laplace b=1 shuffled (ε₀) | SGD | "
+             "priv. err. adaptive | priv. err. fixed | final γ |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc.get("rows", []):
+        lap = (f"{r['excess_laplace_shuffled']:.2e} (ε₀={r['laplace_eps0']:.2f})" if "excess_laplace_shuffled" in r
+               else "—")
         lines.append(f"| {r['epsilon']:g} | {r['n']} | {r['sigma_obs']:g} | {r['excess_dp_ambssgd']:.2e} | "
                      f"{r['excess_fixed_clip']:.2e} | {r['excess_fixed_clip_oracle']:.2e} (C={r['oracle_clip']:g}) | "
-                     f"{r['excess_sgd']:.2e} | {r['privacy_error_dp_ambssgd']:.2e} | "
+                     f"{lap} | {r['excess_sgd']:.2e} | {r['privacy_error_dp_ambssgd']:.2e} | "
                      f"{r['privacy_error_fixed_clip']:.2e} | {r['final_gamma_median']:.3g} |")
     lines.append("")
+    if prob.get("laplace"):
+        lines += ["Laplace b=1 shuffled: " + prob["laplace"] + "; ℓ1 clip tuned once per ε ("
+                  + ", ".join(f"ε = {e}: C = {t['laplace_clip_l1']:g}" for e, t in doc.get("tuning", {}).items()
+                              if "laplace_clip_l1" in t) + "). Its ε is FMT21's numerical shuffling bound "
+                  "(pure ε₀-DP steps); the others are unamplified zCDP.", ""]
     goals: list[tuple[str, str, str, str]] = []
     n_max, sigmas = prob.get("n_max"), prob.get("sigmas", [])
     if sigmas:
@@ -257,6 +314,25 @@ def results_section(doc: dict, plot_dir) -> tuple[list[str], list[tuple[str, str
                           f"{a['excess_fixed_clip_oracle']:.2e}",
                           "**met**" if a["excess_dp_ambssgd"] < min(a["excess_fixed_clip"], a["excess_fixed_clip_oracle"])
                           else "**missed**", "the seed's claim; the oracle C is chosen on the evaluation seeds"))
+    for eps in prob.get("epsilons", []):
+        rs = [r for r in _rows(doc, epsilon=eps) if "excess_laplace_shuffled" in r]
+        if not rs:
+            continue
+        ratios = [r["excess_laplace_shuffled"] / r["excess_fixed_clip"] for r in rs]
+        wins = sum(q <= 1 for q in ratios)
+        by_n = sorted(_rows(doc, epsilon=eps, sigma_obs=prob.get("sigmas_for_n", [None])[0]), key=lambda r: r["n"])
+        trend = ", ".join(f"n = {r['n']}: ×{r['excess_laplace_shuffled'] / r['excess_fixed_clip']:.3g} "
+                          f"(ε₀ = {r['laplace_eps0']:.2f})" for r in by_n if "excess_laplace_shuffled" in r)
+        goals.append((f"DP-SSGD with Laplace noise, b = 1, amplified by shuffling, is competitive (median excess "
+                      f"within 2×) with unamplified Gaussian fixed-clip DP-SSGD at the same ε = {eps:g}",
+                      f"Laplace/Gaussian excess: median ×{float(np.median(ratios)):.3g} (range ×{min(ratios):.3g} – "
+                      f"×{max(ratios):.3g}), Laplace better in {wins}/{len(ratios)} settings; "
+                      f"σ_obs = {prob.get('sigmas_for_n', [None])[0]}: {trend}",
+                      "**met**" if float(np.median(ratios)) <= 2 else "**missed**",
+                      "b = 1: every step's Laplace noise (ℓ2 size ≈ 2√(2d)·C/ε₀) enters the iterate unaveraged, "
+                      "while the Gaussian's parallel composition over blocks of b = n/100 divides its noise by b; "
+                      "amplification raises ε₀ only logarithmically in n (none left at ε = 8 for n ≤ 3·10⁴); the "
+                      "small ℓ1 clip that tames that noise also slows the one pass at small n and large σ_obs"))
     for s in prob.get("sigmas_for_n", [])[:1]:
         rs = sorted(_rows(doc, epsilon=min(prob.get("epsilons", [1.0])), sigma_obs=s), key=lambda r: r["n"])
         if len(rs) >= 2:

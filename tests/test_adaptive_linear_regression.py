@@ -132,7 +132,7 @@ def test_dp_ssgd_reports_unamplified_accounting_and_refuses_shuffling_amplificat
     X, y, _ = _problem(n=400)
     kw = dict(rho=0.5, lr=0.5, clip_norm=1.0)
     out = lr.dp_ssgd(X, y, batch_size=1, rng=np.random.default_rng(0), **kw)
-    assert out.events["amplification"] == "none"
+    assert out.events["amplification"] == "none" and (out.noise, out.accounting, out.eps0) == ("gaussian", "zcdp", None)
     assert out.epsilon(1e-6) == pytest.approx(lr.zcdp_epsilon(0.5, 1e-6))  # the plain parallel-composition ε
     with pytest.raises(ValueError, match="batch_size = 1.*not a local randomizer of one record"):
         lr.dp_ssgd(X, y, batch_size=4, amplification="shuffling", rng=np.random.default_rng(0), **kw)
@@ -200,3 +200,134 @@ def test_one_pass_regression_passes_a_worst_case_privacy_audit(run, n, monkeypat
 def test_the_audit_catches_the_update_noise_divided_by_ten(run, n, monkeypatch):
     bound = _audit(run, n, monkeypatch, noise_divisor=10.0)
     assert bound.eps_lb > _claimed(), str(bound)
+
+
+# ---- DP-SSGD with Laplace noise: pure ε₀-DP steps, amplification by shuffling at b = 1 -----------
+
+def test_l1_clipped_rows_move_by_at_most_two_clip_norms_in_l1_while_l2_clipping_needs_sqrt_d():
+    rng = np.random.default_rng(5)
+    d, C = 7, 1.3
+    for _ in range(200):
+        u, v = rng.normal(scale=rng.uniform(0.01, 10), size=(2, 1, d))
+        assert np.abs(lr.clip_rows_l1(u, C) - lr.clip_rows_l1(v, C)).sum() <= 2 * C + 1e-12
+    # the bounds are attained: v = -u for the ℓ1 clip; u = C(1..1)/√d = -v for the ℓ2 clip (2C√d)
+    u = np.full((1, d), 10.0)
+    assert np.abs(lr.clip_rows_l1(u, C) - lr.clip_rows_l1(-u, C)).sum() == pytest.approx(2 * C)
+    assert np.abs(lr.clip_rows(u, C) - lr.clip_rows(-u, C)).sum() == pytest.approx(2 * C * math.sqrt(d))
+    assert lr.laplace_noise_scale(C, 0.5, 4) == pytest.approx(2 * C / (4 * 0.5))
+
+
+def test_dp_ssgd_laplace_step_is_the_audited_randomizer():
+    # one record, lr = 1, w0 = 0: the released iterate is minus the randomizer's output, drawn
+    # from the same random stream (dp_ssgd draws the permutation first)
+    X, y = np.array([[0.3, -2.0, 1.0]]), np.array([4.0])
+    out = lr.dp_ssgd(X, y, batch_size=1, lr=1.0, clip_norm=0.7, noise="laplace", eps0=0.9,
+                     rng=np.random.default_rng(8))
+    rng = np.random.default_rng(8)
+    rng.permutation(1)
+    step = lr.noisy_clipped_mean_laplace(lr.per_example_gradients(X, y, np.zeros(3)), 0.7, 0.9, rng)
+    assert np.array_equal(out.w, -step)
+
+
+def test_dp_ssgd_with_laplace_noise_converges_at_a_large_budget():
+    X, y, w_star = _problem(n=20_000, noise=0.1)
+    out = lr.dp_ssgd(X, y, batch_size=1, lr=0.05, clip_norm=20.0, noise="laplace", eps0=50.0,
+                     rng=np.random.default_rng(0))
+    assert np.sum((out.w - w_star) ** 2) < 2e-3
+    assert out.noise == "laplace" and out.accounting == "pure" and out.epsilon(1e-9) == 50.0
+
+
+# Worst case for one Laplace step, d = 2, w0 = 0: the record x = (1, 1), y = +Y (D) or -Y (D'),
+# Y ≫ C, has gradient -y(1, 1), ℓ1-clipped to ∓(C/2)(1, 1): the releases are those means plus
+# i.i.d. Lap(2C/ε₀) noise, ℓ1 distance 2C apart, the full sensitivity. Pre-specified event
+# E = {z₁ > C/2, z₂ > C/2}: probability 1/4 on D' and e^{-ε₀}/4 on D, likelihood ratio e^{ε₀}
+# exactly (the audit is tight). A step with ℓ2 clipping but the ℓ1 scale 2C/ε₀ (the √d factor
+# forgotten) is √2·ε₀-DP here, one with the add/remove sensitivity C (scale C/ε₀) 2ε₀-DP.
+
+LAP_EPS0, LAP_C, LAP_TRIALS = 1.0, 1.0, 200_000
+
+
+def _audit_laplace_step(monkeypatch, broken: str) -> pa.EpsilonLowerBound:
+    if broken == "l2_clip_without_sqrt_d":
+        monkeypatch.setattr(lr, "clip_rows_l1", lambda g, c: g * np.minimum(
+            1.0, c / np.linalg.norm(g, axis=-1, keepdims=True)))
+    elif broken == "add_remove_sensitivity":
+        monkeypatch.setattr(lr, "laplace_noise_scale", lambda c, e, b: c / (b * e))
+    rng = np.random.default_rng(12)
+    x = np.array([[1.0, 1.0]])
+
+    def releases(label: float) -> np.ndarray:
+        g = lr.per_example_gradients(x, np.array([label]), np.zeros(2))  # (1, 2): one record
+        return lr.noisy_clipped_mean_laplace(np.broadcast_to(g, (LAP_TRIALS, 1, 2)), LAP_C, LAP_EPS0, rng)
+
+    def event(z: np.ndarray) -> np.ndarray:
+        return (z[:, 0] > LAP_C / 2) & (z[:, 1] > LAP_C / 2)
+
+    on_d = pa.EventCounts.from_bools(event(releases(100.0)))
+    on_dp = pa.EventCounts.from_bools(event(releases(-100.0)))
+    return pa.epsilon_lower_bound_both_directions(
+        on_dp, on_d, delta=0.0, reverse_event_on_d=pa.EventCounts(LAP_TRIALS - on_dp.hits, LAP_TRIALS),
+        reverse_event_on_dprime=pa.EventCounts(LAP_TRIALS - on_d.hits, LAP_TRIALS))
+
+
+def test_laplace_step_passes_a_worst_case_audit_at_its_eps0(monkeypatch):
+    bound = _audit_laplace_step(monkeypatch, "none")
+    assert 0.8 * LAP_EPS0 < bound.eps_lb <= LAP_EPS0, str(bound)  # tight event: the lower bound comes close
+
+
+@pytest.mark.parametrize("broken", ["l2_clip_without_sqrt_d", "add_remove_sensitivity"])
+def test_the_laplace_audit_catches_a_wrong_sensitivity(broken, monkeypatch):
+    bound = _audit_laplace_step(monkeypatch, broken)
+    assert bound.eps_lb > LAP_EPS0, str(bound)
+
+
+def test_amplified_laplace_dp_ssgd_reports_the_shuffled_epsilon_and_no_gaussian_event():
+    from accounting.events import LaplaceDpEvent, walk
+    from adaptive_clipping import shuffling as sh
+
+    X, y, _ = _problem(n=10_000, d=3)
+    out = lr.dp_ssgd(X, y, batch_size=1, lr=0.05, clip_norm=1.0, noise="laplace", eps0=2.0,
+                     amplification="shuffling", delta=1e-6, rng=np.random.default_rng(0))
+    eps = sh.shuffled_epsilon(2.0, 10_000, 1e-6)
+    assert eps < 2.0 / 4  # amplified: n = 10⁴ shuffled ε₀ = 2 randomizers
+    assert out.epsilon(1e-6) == eps and out.epsilon(1e-3) < eps
+    assert (out.noise, out.accounting, out.eps0, out.steps, out.unused) == ("laplace", "shuffling", 2.0, 10_000, 0)
+    amp = out.events["amplification"]
+    assert (amp["eps0"], amp["n"], amp["delta"], amp["epsilon"]) == (2.0, 10_000, 1e-6, eps)
+    assert "shuffled_epsilon" in amp["bound"]
+    assert out.event == out.events["update"] == LaplaceDpEvent(0.5)
+    assert all(not isinstance(e, GaussianDpEvent) for e in walk(out.event))
+    assert math.isnan(out.rho)  # not zCDP-accounted
+    plain = lr.dp_ssgd(X, y, batch_size=1, lr=0.05, clip_norm=1.0, noise="laplace", eps0=2.0,
+                       rng=np.random.default_rng(0))
+    assert plain.accounting == "pure" and plain.events["amplification"] == "none" and plain.epsilon(1e-6) == 2.0
+    assert np.array_equal(plain.w, out.w)  # the accounting is the only difference
+
+
+def test_calibrated_eps0_meets_the_target_after_amplification():
+    from adaptive_clipping import shuffling as sh
+
+    X, y, _ = _problem(n=20_000, d=3)
+    eps0 = sh.eps0_for_epsilon(1.0, 20_000, 1e-5)
+    assert eps0 > 3.0  # amplification: far more per-step budget than the target
+    out = lr.dp_ssgd(X, y, batch_size=1, lr=0.05, clip_norm=1.0, noise="laplace", eps0=eps0,
+                     amplification="shuffling", delta=1e-5, rng=np.random.default_rng(1))
+    assert out.epsilon(1e-5) <= 1.0 and out.events["amplification"]["epsilon"] <= 1.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(noise="laplace", eps0=1.0, batch_size=4, amplification="shuffling", delta=1e-6),
+     "batch_size = 1.*not a local randomizer of one record"),
+    (dict(rho=0.5, batch_size=1, amplification="shuffling", delta=1e-6), "needs noise='laplace'.*could not be verified"),
+    (dict(noise="laplace", eps0=1.0, batch_size=1, amplification="shuffling"), "needs delta"),
+    (dict(noise="laplace", eps0=1.0, batch_size=1, delta=1e-6), "delta is only used"),
+    (dict(noise="laplace", batch_size=1), "eps0"),
+    (dict(noise="laplace", rho=0.5, eps0=1.0, batch_size=1), "rho is the Gaussian"),
+    (dict(rho=0.5, eps0=1.0, batch_size=1), "eps0 is the Laplace"),
+    (dict(batch_size=1), "rho"),
+    (dict(rho=0.5, noise="uniform", batch_size=1), "noise must be"),
+])
+def test_dp_ssgd_refuses_amplification_and_budgets_it_cannot_honour(kwargs, match):
+    X, y, _ = _problem(n=100, d=2)
+    with pytest.raises(ValueError, match=match):
+        lr.dp_ssgd(X, y, lr=0.1, clip_norm=1.0, rng=np.random.default_rng(0), **kwargs)

@@ -218,7 +218,26 @@ def test_the_protocol_catches_a_bound_that_claims_ten_times_the_users(eps0, n):
     (lambda: sh.clone_delta(1.0, 10, math.inf), "eps"),
     (lambda: sh.clone_delta(1.0, 10, True), "eps"),
     (lambda: sh.clone_delta(0.0, 10, 0.5), "eps0"),
+    (lambda: sh.eps0_for_epsilon(1.0, 10, 1e-6, iterations=0), "iterations"),
+    (lambda: sh.eps0_for_epsilon(1.0, 0, 1e-6), "n"),
 ])
 def test_bad_input_raises_value_error_naming_the_parameter(call, name):
     with pytest.raises(ValueError, match=rf"^{name} "):
         call()
+
+
+# ---- calibration ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("eps, n, delta", [(1.0, 10_000, 1e-5), (1.0, 100_000, 1e-6), (0.3, 50_000, 1e-5),
+                                           (8.0, 100_000, 1e-5)])
+def test_calibrated_eps0_is_certified_and_nearly_the_largest(eps, n, delta):
+    eps0 = sh.eps0_for_epsilon(eps, n, delta)
+    assert sh.shuffled_epsilon(eps0, n, delta) <= eps  # certified at the returned point
+    assert sh.shuffled_epsilon(eps0 * 1.001, n, delta) > eps  # and not far below the largest
+    assert eps0 > eps  # amplification happened at these n
+
+
+def test_calibration_gains_more_with_more_users_and_almost_nothing_with_one():
+    e0 = [sh.eps0_for_epsilon(1.0, n, 1e-5) for n in (1_000, 10_000, 100_000)]
+    assert e0[0] < e0[1] < e0[2]
+    assert sh.eps0_for_epsilon(1.0, 1, 1e-5) < 1.001  # one user: no amplification to speak of
