@@ -538,6 +538,8 @@ class Engine:
             self._mix_previous = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         with torch.no_grad():
             for i, (n, p) in enumerate(self.model.named_parameters()):
+                if not p.numel():
+                    continue
                 if id(p) not in lr_of:
                     raise ValueError(f"ModelMix: dense parameter {n!r} is not updated by the dense optimizer, "
                                      "so it would not be noised and mixed")
