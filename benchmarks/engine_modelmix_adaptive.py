@@ -10,13 +10,14 @@ amplification are inside that calibration), median over seeds (default 3):
 - `dpsgd-adaptive`: the same with S1 chosen each step by DP-STAT (candidates 0.01·2^j, j ≤ 12,
   count noise 0.05·b) and the learning rates times S_tuned/S1 (privacy.adaptive_clip_lr_reference);
 - `dpsgd-modelmix-w{W}`: the same with ModelMix over an enforced gap of W update sensitivities
-  (sgd for tables and dense parameters, as the configs already use);
+  (sgd for tables and dense parameters, as the configs already use); `-k{K}`: with the refined
+  clipping (each clipped per-example coordinate clamped to S1/√K; Cor 4.1's accounting);
 - `sparse`: the config's selector with its tuned S1; `sparse-adaptive`: with DP-STAT's S1.
 Reported: test AUC (CTR) / test loss (CBOW), the calibrated σ (ModelMix should need less noise
 for the same ε), and the median S1 DP-STAT chose.
 
     python benchmarks/engine_modelmix_adaptive.py [--quick] [--datasets ctr,cbow] [--eps 1,3,8]
-        [--seeds 0,1,2] [--widths 0.5,2] [--jobs 2]
+        [--seeds 0,1,2] [--widths 0.5,2,8] [--refined 100] [--jobs 2]
 """
 
 from __future__ import annotations
@@ -42,12 +43,15 @@ def adaptive(config: str, mode: str) -> list[str]:
     return ["privacy.clip_norm=adaptive", f"privacy.adaptive_clip_lr_reference={ref}"]
 
 
-def variants(config: str, widths: list[float]) -> dict[str, tuple[str, list[str]]]:
+def variants(config: str, widths: list[float], refined: list[int] = ()) -> dict[str, tuple[str, list[str]]]:
     """name -> (mode, overrides)."""
     out = {"dpsgd": ("dpsgd", []), "dpsgd-adaptive": ("dpsgd", adaptive(config, "dpsgd")),
            "sparse": ("sparse", []), "sparse-adaptive": ("sparse", adaptive(config, "sparse"))}
     for w in widths:
         out[f"dpsgd-modelmix-w{w:g}"] = ("dpsgd", ["train.modelmix=true", f"privacy.mix_width={w}"])
+        for k in refined:
+            out[f"dpsgd-modelmix-w{w:g}-k{k}"] = ("dpsgd", ["train.modelmix=true", f"privacy.mix_width={w}",
+                                                             f"privacy.mix_coordinates={k}"])
     return out
 
 
@@ -76,9 +80,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--datasets", default="ctr,cbow")
     ap.add_argument("--eps", default="1,3,8")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--widths", default="0.5,2")
+    ap.add_argument("--widths", default="0.5,2,8")
+    ap.add_argument("--refined", default="", help="comma list of k: also ModelMix with refined clipping "
+                                                  "(privacy.mix_coordinates = k) at each width")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--fresh", action="store_true")
+    ap.add_argument("--only", default="", help="comma list of variants to run; with --merge the results file keeps "
+                                               "the other variants' records")
+    ap.add_argument("--merge", action="store_true", help="keep the existing results file's records of the variants "
+                                                         "not run now")
     args = ap.parse_args(argv)
     started = time.time()
     machine = announce_machine()
@@ -89,6 +99,7 @@ def main(argv=None) -> dict:
     eps_list = [float(e) for e in args.eps.split(",") if e]
     seeds = [int(s) for s in args.seeds.split(",") if s]
     widths = [float(w) for w in args.widths.split(",") if w]
+    refined = [int(k) for k in args.refined.split(",") if k]
     root = REPO / "runs" / "bench" / "engine_modelmix_adaptive" / ("quick" if args.quick else "full")
     tuning = RESULTS_DIR / "tuning"
     jobs, meta = [], []
@@ -97,7 +108,9 @@ def main(argv=None) -> dict:
                  f"data.path={(DATA_DIR / f'pu_{dataset}_n6000').relative_to(REPO)}"]  # privacy_utility's quick data
         base = ["cluster.backend=local", *(quick if args.quick else [])]
         _prepare_data(DATASETS[dataset], base)
-        for name, (mode, over) in variants(DATASETS[dataset], widths).items():
+        for name, (mode, over) in variants(DATASETS[dataset], widths, refined).items():
+            if args.only and name not in args.only.split(","):
+                continue
             for eps in eps_list:
                 for seed in seeds:
                     jobs.append((dataset, DATASETS[dataset], mode, None, eps, seed, [*base, *over], root / name, args.fresh,
@@ -119,9 +132,20 @@ def main(argv=None) -> dict:
             summary = json.loads((REPO / rec["run_dir"] / "summary.json").read_text())
             rec["clip_norm_median"] = summary.get("clip_norm_median")
         records.append(rec)
+    merged = None
+    if args.merge:
+        import json
+
+        old = json.loads((RESULTS_DIR / ("quick" if args.quick else "") / "engine_modelmix_adaptive.json").read_text())
+        rerun = {r["variant"] for r in records}
+        kept = [r for r in old["records"] if r["variant"] not in rerun]
+        records = kept + records
+        merged = {"rerun": sorted(rerun), "other_rows_created": old["created"]}
     rows = aggregate(records)
-    payload = {"datasets": datasets, "epsilons": eps_list, "seeds": seeds, "widths": widths, "rows": rows,
-               "records": records, "failed": [r for r in records if "error" in r]}
+    payload = {"datasets": datasets, "epsilons": eps_list, "seeds": seeds, "widths": widths, "refined": refined,
+               "rows": rows,
+               "records": records, "failed": [r for r in records if "error" in r],
+               **({"merged": merged} if merged else {})}
     write_results("engine_modelmix_adaptive", payload, quick=args.quick, machine=machine, started=started)
     return payload
 
@@ -152,7 +176,8 @@ def results_section(doc: dict) -> tuple[list[str], list[tuple[str, str, str, str
         sign = 1 if better == "max" else -1
         for eps in doc.get("epsilons", []):
             for fixed, other in (("dpsgd", "dpsgd-adaptive"), ("sparse", "sparse-adaptive")) + tuple(
-                    ("dpsgd", f"dpsgd-modelmix-w{w:g}") for w in doc.get("widths", [])):
+                    ("dpsgd", f"dpsgd-modelmix-w{w:g}{f'-k{k}' if k else ''}") for w in doc.get("widths", [])
+                    for k in [None, *doc.get("refined", [])]):
                 a, b = value.get((fixed, eps)), value.get((other, eps))
                 if a is None or b is None:
                     continue
