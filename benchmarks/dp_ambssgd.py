@@ -120,30 +120,29 @@ def _run_setting(n, d, sigma_obs, eps, seeds, clip, clip_grid, cfg, laplace_clip
     return row
 
 
-def _tune_clip(n, d, sigma_obs, eps, seeds, clip_grid, cfg) -> tuple[float, dict]:
-    rho = lr.zcdp_rho_for_epsilon(eps, cfg["delta"])
-    sch = _schedule(n, d, rho, cfg)
+def _best_clip(n, d, sigma_obs, seeds, clip_grid, run) -> tuple[float, dict]:
+    """The clip of `clip_grid` with the lowest median excess of `run(X, y, clip, seed)` (its w)."""
     scores = {}
     for c in clip_grid:
         errs = []
         for seed in seeds:
             X, y, w_star = _problem(n, d, sigma_obs, seed)
-            errs.append(_excess(lr.dp_ssgd(X, y, rho=rho, batch_size=sch["batch_size"], lr=sch["lr"], clip_norm=c,
-                                           rng=np.random.default_rng([seed, 2])).w, w_star))
+            errs.append(_excess(run(X, y, c, seed), w_star))
         scores[c] = float(np.median(errs))
     return min(scores, key=lambda c: scores[c]), scores
+
+
+def _tune_clip(n, d, sigma_obs, eps, seeds, clip_grid, cfg) -> tuple[float, dict]:
+    rho = lr.zcdp_rho_for_epsilon(eps, cfg["delta"])
+    sch = _schedule(n, d, rho, cfg)
+    return _best_clip(n, d, sigma_obs, seeds, clip_grid, lambda X, y, c, seed: lr.dp_ssgd(
+        X, y, rho=rho, batch_size=sch["batch_size"], lr=sch["lr"], clip_norm=c, rng=np.random.default_rng([seed, 2])).w)
 
 
 def _tune_laplace_clip(n, d, sigma_obs, eps, seeds, clip_grid, cfg) -> tuple[float, dict]:
     lap = _laplace_schedule(n, d, eps, cfg)
-    scores = {}
-    for c in clip_grid:
-        errs = []
-        for seed in seeds:
-            X, y, w_star = _problem(n, d, sigma_obs, seed)
-            errs.append(_excess(_run_laplace(X, y, lap, c, cfg, np.random.default_rng([seed, 4])).w, w_star))
-        scores[c] = float(np.median(errs))
-    return min(scores, key=lambda c: scores[c]), scores
+    return _best_clip(n, d, sigma_obs, seeds, clip_grid, lambda X, y, c, seed: _run_laplace(
+        X, y, lap, c, cfg, np.random.default_rng([seed, 4])).w)
 
 
 def main(argv=None) -> dict:
