@@ -315,10 +315,7 @@ def dp_ssgd(X, y, *, rho: Optional[float] = None, batch_size: int, lr: float, cl
     lr = _positive("lr", lr)
     clip_norm = _positive("clip_norm", clip_norm)
     _check_rng(rng)
-    T = n // b
-    if T < 1:
-        raise ValueError(f"batch_size = {b} exceeds the number of examples n = {n}")
-    order = rng.permutation(n)
+    T, order = _one_pass(n, b, rng)
     w = _initial(w0, d)
     iterates = []
     if noise == "gaussian":
@@ -363,10 +360,7 @@ def sgd(X, y, *, batch_size: int, lr: float, tail_fraction: float = 0.5, w0: Opt
     b = _positive_int("batch_size", batch_size)
     lr = _positive("lr", lr)
     _check_rng(rng)
-    T = n // b
-    if T < 1:
-        raise ValueError(f"batch_size = {b} exceeds the number of examples n = {n}")
-    order = rng.permutation(n)
+    T, order = _one_pass(n, b, rng)
     w = _initial(w0, d)
     iterates = []
     for t in range(T):
@@ -388,6 +382,14 @@ def _worst_of(a: DpEvent, b: DpEvent) -> DpEvent:
     sa, sb = gaussian_noise_multiplier(a), gaussian_noise_multiplier(b)
     assert sa is not None and sb is not None
     return GaussianDpEvent(min(sa, sb))
+
+
+def _one_pass(n: int, b: int, rng: np.random.Generator) -> tuple[int, np.ndarray]:
+    """(T = ⌊n/b⌋ blocks, the secret order of one shuffled pass); refuses b > n."""
+    T = n // b
+    if T < 1:
+        raise ValueError(f"batch_size = {b} exceeds the number of examples n = {n}")
+    return T, rng.permutation(n)
 
 
 def _tail_average(iterates: list, tail_fraction: float) -> np.ndarray:

@@ -218,11 +218,8 @@ def _plots(doc: dict, plot_dir) -> list[str]:
     eps_list = prob.get("epsilons", [])
     fig, axes = plt.subplots(1, len(eps_list), figsize=(5 * len(eps_list), 4), squeeze=False)
     for ax, eps in zip(axes[0], eps_list):
-        rs = sorted(_rows(doc, epsilon=eps, n=prob.get("n_max")), key=lambda r: r["sigma_obs"])
-        for k in METHODS:
-            ax.loglog([r["sigma_obs"] for r in rs], [r[f"excess_{k}"] for r in rs], marker="o", label=LABELS[k])
-        ax.set(xlabel="σ_obs", ylabel="excess risk ‖w − w*‖²", title=f"ε = {eps:g}, n = {prob.get('n_max')}")
-        ax.grid(True, which="both", alpha=0.3)
+        _excess_panel(ax, _rows(doc, epsilon=eps, n=prob.get("n_max")), "sigma_obs", "σ_obs", "excess risk ‖w − w*‖²",
+                      f"ε = {eps:g}, n = {prob.get('n_max')}")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(plot_dir / "adaptive_clipping_sigma.png", dpi=110)
@@ -232,12 +229,8 @@ def _plots(doc: dict, plot_dir) -> list[str]:
     fig, axes = plt.subplots(len(sig_n), len(eps_list), figsize=(5 * len(eps_list), 3.6 * len(sig_n)), squeeze=False)
     for i, s in enumerate(sig_n):
         for j, eps in enumerate(eps_list):
-            ax = axes[i][j]
-            rs = sorted(_rows(doc, epsilon=eps, sigma_obs=s), key=lambda r: r["n"])
-            for k in METHODS:
-                ax.loglog([r["n"] for r in rs], [r[f"excess_{k}"] for r in rs], marker="o", label=LABELS[k])
-            ax.set(xlabel="n", ylabel="excess risk", title=f"ε = {eps:g}, σ_obs = {s:g}")
-            ax.grid(True, which="both", alpha=0.3)
+            _excess_panel(axes[i][j], _rows(doc, epsilon=eps, sigma_obs=s), "n", "n", "excess risk",
+                          f"ε = {eps:g}, σ_obs = {s:g}")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(plot_dir / "adaptive_clipping_n.png", dpi=110)
@@ -252,6 +245,15 @@ def _slope(xs, ys) -> float:
     if ok.sum() < 2:
         return math.nan
     return float(np.polyfit(np.log(xs[ok]), np.log(ys[ok]), 1)[0])
+
+
+def _excess_panel(ax, rows: list, key: str, xlabel: str, ylabel: str, title: str) -> None:
+    """Every method's excess risk against `key` (log-log), rows sorted by it."""
+    rs = sorted(rows, key=lambda r: r[key])
+    for k in METHODS:
+        ax.loglog([r[key] for r in rs], [r[f"excess_{k}"] for r in rs], marker="o", label=LABELS[k])
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(True, which="both", alpha=0.3)
 
 
 def results_section(doc: dict, plot_dir) -> tuple[list[str], list[tuple[str, str, str, str]]]:
