@@ -808,9 +808,9 @@ UNSEEN_BY_ROW_SCORE = {
                          "every step, so almost every canary row, member or not, is noised at some step (see the "
                          "non-member score quantiles)",
     "skip-untouched": "a selection that never picks an untouched row shows only through members' rows that pass it "
-                      "and move; where τ lets a canary's count of 1 pass rarely (CTR's fest-threshold; the count "
-                      "ignores a gradient canary's size) members' rows stay as still as non-members' (the teeth test "
-                      "in tests/test_audit_run.py catches it at a low τ: 100 of 100 right)",
+                      "and move; where τ lets a canary's count of 1 pass rarely (CTR's fest-threshold) one row per "
+                      "canary gives too few of them (canaries with a row in every table catch it there, and gradient "
+                      "canaries at τ = 1)",
 }
 
 
@@ -821,7 +821,7 @@ def section_audit(doc, plots: "dict | None" = None, plot_dir: "Path | None" = No
     r_guesses = int(frac * m)
     ceiling = math.log(0.05 ** (1 / r_guesses) / (1 - 0.05 ** (1 / r_guesses))) if r_guesses else float("nan")
     lines = [f"m = {m} canaries per run (each a member with probability ½, by the audit's secret coins), each with a "
-             "row of its own appended to the table of the config's first feature; white-box score = how far the "
+             "row of its own appended to the table of the config's first feature (unless marked otherwise); white-box score = how far the "
              f"canary's row moved in the released model; guesses: \"member\" for the {f(100 * frac)}% highest scores, "
              "abstain on the rest (fixed before any run); bound of Steinke, Nasr & Jagielski (2023) at 95% confidence, "
              f"with the run's δ. With all {r_guesses} guesses right the bound is {f(ceiling)}: no run here can show more. "
@@ -829,7 +829,13 @@ def section_audit(doc, plots: "dict | None" = None, plot_dir: "Path | None" = No
              "[gradient canaries] (`--canary-kind gradient`) set each canary's pooled-output gradient to 1000·S1 "
              "along a secret direction (after clipping ≈ S1 on its own row: the strongest canary clipping allows) and "
              "score the row's movement along that direction; they run 10 steps of SGD at q ≈ ½ and σ = 5, where a "
-             "final-model audit sees most (benchmarks/privacy_audit.py GRADIENT_SETTING).", "",
+             "final-model audit sees most (benchmarks/privacy_audit.py GRADIENT_SETTING); their sparse rows make every "
+             "table sparse (at q ≈ ½ the automatic policy would noise every table densely, where no selection runs "
+             "and a broken selection changes nothing) with σ_sel = 6 and either the automatic τ (an untouched canary "
+             "row almost never moves) or τ = 1 (a touched row passes in about half its steps, an untouched one in a "
+             "third) (GRADIENT_SPARSE). Rows marked [canary rows in every table] (`--feature all`, CTR) give each "
+             "canary a row of its own in all 26 tables and nothing else, so each table's selection can give a member "
+             "away; they guess 3% (fixed from a pilot run, ALL_FEATURE_MEMBER_FRACTION).", "",
              "| model | run | claimed ε | ε lower bound (95%) | correct / guesses | members | member score p10 / p50 / p90 "
              "| non-member score p10 / p50 / p90 | verdict |",
              "|---|---|---:|---:|---:|---:|---|---|---|"]

@@ -17,7 +17,11 @@ touches — so row r_i's history is exactly the per-step mechanism applied to ca
 (the analogue of the paper's Dirac gradient canaries), a CTR canary has every other bag empty,
 dense features 0 and label 1; a CBOW canary's context is its word, with a target and
 negatives drawn uniformly from their (other) table, since its loss needs them.
-Score: ‖released row r_i − initial row r_i‖₂ (the released model: the averaged tables when
+With `--feature all` (CTR) canary i instead reads a row of its own in every table, and nothing
+else: each table's selection then gets its own chance to give a member away, which is what
+catches a selection that never picks an untouched row (a member's row is selected only when
+its one count beats the threshold's noise, rarely for any one row). Score: ‖released rows −
+initial rows‖₂ over the canary's own rows (the released model: the averaged tables when
 averaging is on). Ties (e.g. rows never selected: score 0) are broken by a random order from
 the audit's generator, which is independent of the membership coins.
 
@@ -121,6 +125,9 @@ def _skip_untouched(run):
 #: the audit catches it on the user's own configuration. Never used by training.
 BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "sigma-over-10": _sigma_over_10,
                                         "every-touched-row": _every_touched_row, "skip-untouched": _skip_untouched}
+#: The broken variants that rewrite the row selection: they act on sparse tables only, so a
+#: canary table noised densely (trainer/table_policy.py) would not see them.
+SELECTION_BROKEN = ("every-touched-row", "skip-untouched")
 
 #: How a canary is made: "example" (a data point: its own row read through one feature, its
 #: gradient what the model gives it) or "gradient" (the same example, but the gradient of its
@@ -134,57 +141,78 @@ GRADIENT_CANARY_SCALE = 1000.0
 
 @dataclasses.dataclass(frozen=True)
 class Canaries:
-    """m canaries: feature `feature`'s table gets rows [first_row, first_row + m); canary i
-    reads row first_row + i through that feature and ids[f][i] through every feature f;
-    `included[i]` is its secret membership coin."""
+    """m canaries: the table of each feature in `features` gets rows [first_row, first_row + m)
+    (`first_rows`, one per feature); canary i reads row first_row + i through each of them and
+    ids[f][i] through every other feature f; `included[i]` is its secret membership coin."""
 
-    feature: Optional[str]
-    table: Optional[str]  # None: no rows of their own (inserted phrases, `make_phrase_examples`)
-    first_row: int
+    features: tuple[str, ...]  # () for inserted phrases (no rows of their own, `make_phrase_examples`)
+    tables: tuple[str, ...]
+    first_rows: tuple[int, ...]
     ids: dict  # feature -> int64 [m, 0] (empty bags) or [m, 1]
     dense: np.ndarray  # float32 [m, num_dense]
     labels: np.ndarray  # float32 [m]
     included: np.ndarray  # bool [m]
-    directions: Optional[np.ndarray] = None  # float32 [m, D] unit rows: gradient canaries (CANARY_KINDS)
+    directions: Optional[np.ndarray] = None  # float32 [m, len(features), D], unit per canary: gradient canaries
     gradient_norm: float = 0.0  # G: the injected pooled-output gradient is G · directions[i]
 
     @property
     def count(self) -> int:
         return int(self.included.size)
 
-    @property
-    def rows(self) -> np.ndarray:
-        return self.first_row + np.arange(self.count, dtype=np.int64)
+    def rows(self, j: int) -> np.ndarray:
+        """The canary rows of table `tables[j]`, canary order."""
+        return self.first_rows[j] + np.arange(self.count, dtype=np.int64)
+
+
+def canary_features(meta, feature: Optional[str]) -> tuple[str, ...]:
+    """The features whose tables get the canaries' own rows: `feature` None (the first feature),
+    a name, a comma list, or "all" (every feature: a CTR canary that touches only rows of its own,
+    one per table, so each table's selection gets its own chance to give it away). Each chosen
+    feature must have a table of its own among them."""
+    if feature == "all":
+        if meta.kind == "cbow":
+            raise ValueError("--feature all needs a CTR data set: a CBOW example reads the output table "
+                             "through its target and negatives, which cannot all be rows of its own")
+        chosen = tuple(meta.features)
+    else:
+        chosen = tuple((feature or meta.features[0]).split(","))
+    for f in chosen:
+        if f not in meta.features:
+            raise ValueError(f"audit feature {f!r} is not a feature of the data set; features are {meta.features}")
+    tables = [meta.feature_tables[f] for f in chosen]
+    if len(set(tables)) != len(tables):
+        raise ValueError(f"audit features {list(chosen)} share a table ({tables}); pick features with tables of their own")
+    return chosen
 
 
 def make_canaries(meta, count: int, feature: Optional[str], rng: np.random.Generator) -> Canaries:
     """`count` canaries for a data set with `meta` (trainer.data.DatasetMeta); `feature`: the
-    one whose table gets the canary rows (default: the first feature). Coins from `rng`."""
+    one(s) whose tables get the canary rows (`canary_features`). Coins from `rng`."""
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 2:
         raise ValueError(f"--canaries must be an integer >= 2, got {count!r}")
-    feature = feature or meta.features[0]
-    if feature not in meta.features:
-        raise ValueError(f"audit feature {feature!r} is not a feature of the data set; features are {meta.features}")
-    table = meta.feature_tables[feature]
-    first_row = int(meta.table_sizes[table])
-    # Other features: empty bags (CTR), or ids from their own tables (CBOW; never the audited table).
-    ids = {f: (np.empty((count, 0), np.int64) if meta.kind == "ctr" or meta.feature_tables[f] == table else
+    features = canary_features(meta, feature)
+    tables = tuple(meta.feature_tables[f] for f in features)
+    first_rows = tuple(int(meta.table_sizes[t]) for t in tables)
+    # Other features: empty bags (CTR), or ids from their own tables (CBOW; never an audited table).
+    ids = {f: (np.empty((count, 0), np.int64) if meta.kind == "ctr" or meta.feature_tables[f] in tables else
                rng.integers(0, meta.table_sizes[meta.feature_tables[f]], (count, 1)).astype(np.int64))
            for f in meta.features}
-    ids[feature] = (first_row + np.arange(count, dtype=np.int64)).reshape(count, 1)
+    for f, first_row in zip(features, first_rows):
+        ids[f] = (first_row + np.arange(count, dtype=np.int64)).reshape(count, 1)
     dense = np.zeros((count, meta.num_dense), dtype=np.float32)
     labels = np.ones(count, dtype=np.float32) if meta.kind == "ctr" else np.zeros(count, dtype=np.float32)
     included = rng.random(count) < 0.5
-    return Canaries(feature, table, first_row, ids, dense, labels, included)
+    return Canaries(features, tables, first_rows, ids, dense, labels, included)
 
 
 def as_gradient_canaries(canaries: Canaries, dim: int, clip_norm: Optional[float],
                          rng: np.random.Generator) -> Canaries:
-    """The same canaries with injected gradients: directions uniform on the unit sphere of R^dim,
-    G = GRADIENT_CANARY_SCALE · S1 (S1 = 1 when the run does not clip)."""
-    u = rng.standard_normal((canaries.count, dim))
+    """The same canaries with injected gradients: directions uniform on the unit sphere of
+    R^(len(features)·dim), G = GRADIENT_CANARY_SCALE · S1 (S1 = 1 when the run does not clip)."""
+    width = len(canaries.features)
+    u = rng.standard_normal((canaries.count, width * dim))
     u /= np.linalg.norm(u, axis=1, keepdims=True)
-    return dataclasses.replace(canaries, directions=u.astype(np.float32),
+    return dataclasses.replace(canaries, directions=u.reshape(canaries.count, width, dim).astype(np.float32),
                                gradient_norm=GRADIENT_CANARY_SCALE * float(clip_norm or 1.0))
 
 
@@ -199,8 +227,8 @@ class WithCanaries:
         self.members = np.flatnonzero(canaries.included)
         meta = base.meta
         sizes = dict(meta.table_sizes)
-        if canaries.table is not None:
-            sizes[canaries.table] = canaries.first_row + canaries.count
+        for table, first_row in zip(canaries.tables, canaries.first_rows):
+            sizes[table] = first_row + canaries.count
         self.meta = dataclasses.replace(meta, table_sizes=sizes, num_examples=len(base) + self.members.size)
 
     def __len__(self) -> int:
@@ -241,7 +269,7 @@ class WithCanaries:
 
     def override_pooled_grads(self, indices: np.ndarray, pooled_grads: np.ndarray, features) -> np.ndarray:
         """Gradient canaries: the pooled-output gradients [B, F, D] of a batch of these `indices`
-        with every canary's rows replaced — G·u_i on its own feature, 0 on the others; its dense
+        with every canary's rows replaced — G·u_i on its own features, 0 on the others; its dense
         gradient stays the model's. DP-SGD's guarantee holds for any per-example gradient chosen
         from the current state (adaptive composition), and clipping bounds this one as it bounds
         every example's. Example canaries: as given."""
@@ -254,8 +282,9 @@ class WithCanaries:
             return pooled_grads
         out = np.array(pooled_grads, copy=True)
         out[at] = 0.0
-        own = [getattr(f, "name", f) for f in features].index(c.feature)
-        out[at, own] = c.gradient_norm * c.directions[self.members[idx[at] - len(self.base)]]
+        names = [getattr(f, "name", f) for f in features]
+        own = [names.index(f) for f in c.features]
+        out[at[:, None], np.asarray(own)[None, :]] = c.gradient_norm * c.directions[self.members[idx[at] - len(self.base)]]
         return out
 
     def iter_batches(self, batch_size: int):
@@ -318,7 +347,7 @@ def make_phrase_examples(meta, phrases: np.ndarray, insertions: int, rng: np.ran
     vocab_out = meta.table_sizes[meta.feature_tables["target"]]
     for f in meta.features[2:]:
         ids[f] = rng.integers(0, vocab_out, (count, 1)).astype(np.int64)
-    return Canaries(None, None, 0, ids, np.zeros((count, meta.num_dense), np.float32), np.zeros(count, np.float32),
+    return Canaries((), (), (), ids, np.zeros((count, meta.num_dense), np.float32), np.zeros(count, np.float32),
                     np.ones(count, dtype=bool))
 
 
@@ -411,33 +440,36 @@ def exposure_audit(cfg, canaries: int = 1000, insertions: int = 9, references: i
 
 
 def canary_row_values(engine, canaries: Canaries, released: bool) -> np.ndarray:
-    """The canary rows' values [m, D] on the shards: the released ones (averaged weights when
-    averaging is on) or the weights as they are."""
+    """The canary rows' values [m, len(features)·D] on the shards, each canary's rows side by
+    side in `features` order: the released ones (averaged weights when averaging is on) or the
+    weights as they are."""
     layout = engine.layout
-    if canaries.table is None:
+    if not canaries.tables:
         raise ValueError("these canaries have no rows of their own (inserted phrases)")
-    t = layout.table_index(canaries.table)
-    rows = canaries.rows
-    tables = np.full(rows.size, t, dtype=np.int64)
-    owner = layout.owner(tables, rows)
-    local = rows - layout.shard_start(tables, owner)
     states = engine.shards.broadcast("state_dict")
-    out = np.empty((rows.size, layout.dim), dtype=np.float64)
-    for s, state in enumerate(states):
-        mine = owner == s
-        if mine.any():
-            weights = state.get("averaged_weights") if released and "averaged_weights" in state else state["weights"]
-            out[mine] = np.asarray(weights[t])[local[mine]]
-    return out
+    out = np.empty((canaries.count, len(canaries.tables), layout.dim), dtype=np.float64)
+    for j, table in enumerate(canaries.tables):
+        t = layout.table_index(table)
+        rows = canaries.rows(j)
+        tables = np.full(rows.size, t, dtype=np.int64)
+        owner = layout.owner(tables, rows)
+        local = rows - layout.shard_start(tables, owner)
+        for s, state in enumerate(states):
+            mine = owner == s
+            if mine.any():
+                weights = state.get("averaged_weights") if released and "averaged_weights" in state else state["weights"]
+                out[mine, j] = np.asarray(weights[t])[local[mine]]
+    return out.reshape(canaries.count, -1)
 
 
 def white_box_scores(initial: np.ndarray, final: np.ndarray, directions: Optional[np.ndarray] = None) -> np.ndarray:
-    """Example canaries: ‖final row − initial row‖₂ per canary. Gradient canaries: how far the
-    row moved against its injected gradient, ⟨initial − final, u_i⟩ (a descent step moves it
-    along −u_i; the noise's share of this projection is one-dimensional)."""
+    """`initial`, `final`: [m, len(features)·D], each canary's rows side by side. Example
+    canaries: ‖final rows − initial rows‖₂ per canary. Gradient canaries: how far the rows moved
+    against the injected gradient, ⟨initial − final, u_i⟩ (a descent step moves them along −u_i;
+    the noise's share of this projection is one-dimensional)."""
     if directions is None:
         return np.linalg.norm(final - initial, axis=1)
-    return np.einsum("ij,ij->i", initial - final, directions)
+    return np.einsum("ij,ij->i", initial - final, directions.reshape(directions.shape[0], -1))
 
 
 def guess_counts(count: int, member_fraction: float, non_member_fraction: float) -> tuple[int, int]:
@@ -488,6 +520,12 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     run = build_run(cfg, train_transform=add_canaries)
     with run:
         c: Canaries = made["canaries"]
+        dense = {run.engine.layout.tables[t].name for t in run.engine.dense_tables}
+        policy = {t: ("dense" if t in dense else "sparse") for t in c.tables}
+        if broken in SELECTION_BROKEN and all(p == "dense" for p in policy.values()):
+            raise ValueError(f"--broken {broken} rewrites the row selection, but the canaries' table(s) "
+                             f"{list(c.tables)} are noised densely in this run (privacy.table_default / "
+                             f"privacy.dense_max_rows); set privacy.tables.{c.tables[0]} = \"sparse\" or audit another --feature")
         initial = canary_row_values(run.engine, c, released=False)
         with BROKEN_VARIANTS[broken](run) if broken else contextlib.nullcontext():
             result = run.run(cfg.train.steps)
@@ -506,10 +544,12 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         "epsilon_lower_bound": audit.epsilon_lower_bound, "confidence": confidence,
         "canaries": c.count, "members": int(c.included.sum()), "guesses": audit.guesses, "correct": audit.correct,
         "guesses_member": k_pos, "guesses_non_member": k_neg,
-        "feature": c.feature, "table": c.table, "canary_rows": [c.first_row, c.first_row + c.count],
+        "features": list(c.features), "tables": list(c.tables),
+        "canary_rows": {t: [r, r + c.count] for t, r in zip(c.tables, c.first_rows)},
+        "canary_table_policy": policy if cfg.train.mode == "sparse" else None,
         "canary_kind": canary_kind,
-        "score": ("white box: ‖released row − initial row‖₂ of the canary's own row" if c.directions is None else
-                  "white box: ⟨initial row − released row, u_i⟩, u_i the canary's injected gradient direction"),
+        "score": ("white box: ‖released rows − initial rows‖₂ of the canary's own rows" if c.directions is None else
+                  "white box: ⟨initial rows − released rows, u_i⟩, u_i the canary's injected gradient direction"),
         "exceeds_claim": bool(audit.epsilon_lower_bound > claimed),
         "audit_seed": seed,
         "member_scores": scores[c.included].tolist(), "non_member_scores": scores[~c.included].tolist(),
@@ -579,7 +619,8 @@ def add_commands(sub) -> dict:
     a.add_argument("--placement", choices=PHRASE_PLACEMENTS, default="text",
                    help="exposure: insert each phrase into the running text (seed §6.5) or as a line of its own")
     a.add_argument("--references", type=int, default=10_000, help="exposure: random phrases the canaries are ranked among")
-    a.add_argument("--feature", help="the feature whose table gets the canaries' own rows (default: the first)")
+    a.add_argument("--feature", help="one-run: the feature whose table gets the canaries' own rows (default: the first); "
+                                     "a comma list, or 'all' (CTR: a row of its own in every table)")
     a.add_argument("--member-guesses", type=float, default=0.1, metavar="FRACTION",
                    help="share of the canaries guessed 'member' (the highest scores)")
     a.add_argument("--non-member-guesses", type=float, default=0.1, metavar="FRACTION",
