@@ -93,11 +93,10 @@ def pooled_lookup(layout: ShardLayout, shards, batch, B: int, example_ids=None, 
     bags = [p.bags(B) for p in parts]
     values = shards.call("lookup", [(p, B, True) if averaged else (p, B, False, *trainer_arg) for p in parts])
     F = len(layout.features)
-    pooled = np.zeros((B, F, layout.dim), dtype=np.float32)
-    flat = pooled.reshape(B * F, layout.dim)
-    for bag, v in zip(bags, values):
-        flat[bag.example * F + bag.feature] += v  # a shard's bags are distinct
-    return pooled, bags
+    pooled = torch.zeros((B * F, layout.dim), dtype=torch.float32)
+    for bag, v in zip(bags, values):  # a shard's bags are distinct; shards' parts of one bag add up
+        pooled.index_add_(0, torch.from_numpy(bag.example * F + bag.feature), torch.from_numpy(np.asarray(v)))
+    return pooled.numpy().reshape(B, F, layout.dim), bags
 
 
 def per_bag(g_pooled: np.ndarray, bags) -> np.ndarray:
