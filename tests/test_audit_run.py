@@ -403,3 +403,13 @@ def test_canaries_with_a_row_in_every_table_catch_a_selection_that_skips_untouch
     assert broken["epsilon_lower_bound"] >= 1.5, broken["correct"]
     correct = one_run_audit(cfg, **kwargs)
     assert correct["epsilon_lower_bound"] <= correct["claimed_epsilon"], correct["correct"]
+
+
+def test_canary_rows_in_every_table_are_refused_for_a_cbow_data_set_by_name(text_dir):
+    """A CBOW example reads the output table through its target and negatives, so it cannot
+    touch only rows of its own: `--feature all` says so instead of building something else."""
+    train, _ = open_dataset(text_dir, test_fraction=0.2, seed=0)
+    with pytest.raises(ValueError, match="--feature all needs a CTR data set"):
+        make_canaries(train.meta, 10, "all", np.random.default_rng(0))
+    one = make_canaries(train.meta, 10, None, np.random.default_rng(0))
+    assert one.features == ("context",) and one.ids["target"].shape == (10, 1)

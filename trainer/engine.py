@@ -33,8 +33,8 @@ from selection.registry import SelectionContext, Selector, get_selector, is_sele
 from selection.result import Selection
 from trainer.adaptive_clip import AdaptiveClip
 from trainer.dense_grads import DenseGradients, dense_gradients
-from trainer.layout import ShardLayout
-from trainer.modelmix import mix, uniform_block
+from trainer.layout import ShardLayout, row_block_uniform
+from trainer.modelmix import mix
 from trainer.models import DenseModel
 from trainer.randomness import PrivacyRandomness
 from trainer.shard import ShardSelect
@@ -543,7 +543,7 @@ class Engine:
                 if id(p) not in lr_of:
                     raise ValueError(f"ModelMix: dense parameter {n!r} is not updated by the dense optimizer, "
                                      "so it would not be noised and mixed")
-                alpha = uniform_block(self.mix_seed, "modelmix-dense", self.step_count, i, 0, p.numel(), 1)
+                alpha = row_block_uniform(self.mix_seed, "modelmix-dense", self.step_count, i, 0, p.numel(), 1)
                 current = p.detach().clone()
                 p.copy_(mix(current, self._mix_previous[n], lr_of[id(p)] * gradient_gap, alpha.view_as(p)))
                 self._mix_previous[n] = current

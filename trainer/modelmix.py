@@ -22,7 +22,7 @@ coordinate of each example's gradient is clamped to ±S1/√k — on the shards 
 reference, `PerExampleGradients.clamped_sum`: ghost clipping never forms the coordinates) — and
 the step is ModelMixDpEvent(σ, w, k) (Cor 4.1). Slower: per-example dense gradients.
 
-α is counter-based (`uniform_block`): the draw for (step, block, coordinates) is a function of
+α is counter-based (`trainer.layout.row_block_uniform`): the draw for (step, block, coordinates) is a function of
 the run's secret mix seed only, so a shard that is restored and replays released steps mixes
 the same way; the seed itself is secret (trainer/randomness.py) and never checkpointed in a
 secret run.
@@ -31,8 +31,6 @@ secret run.
 from __future__ import annotations
 
 import torch
-
-from trainer.layout import row_block_uniform
 
 
 def enforce_gap(current: torch.Tensor, previous: torch.Tensor, gap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,9 +53,4 @@ def mix(current: torch.Tensor, previous: torch.Tensor, gap: float, alpha: torch.
     return lower + alpha.to(current.dtype) * (upper - lower)
 
 
-def uniform_block(seed: int, domain: str, step: int, block: int, start: int, end: int, dim: int) -> torch.Tensor:
-    """α for coordinates [start, end) × dim of block `block` at `step` (see the module docstring)."""
-    return row_block_uniform(seed, domain, step, block, start, end, dim)
-
-
-__all__ = ["enforce_gap", "mix", "uniform_block"]
+__all__ = ["enforce_gap", "mix"]

@@ -30,8 +30,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 
 from selection._sparse import unique_ints
-from trainer.layout import ShardInput, ShardLayout, row_block_normal
-from trainer.modelmix import mix, uniform_block
+from trainer.layout import ShardInput, ShardLayout, row_block_normal, row_block_uniform
+from trainer.modelmix import mix
 
 # The TBE keeps the optimizer state (Adagrad's row-wise accumulator) in its own storage; the
 # updates themselves are applied in place by `_update_weights` (no TBE backward).
@@ -338,14 +338,14 @@ class EmbeddingShard:
             return np.empty(0, np.int64), torch.zeros((0, self.layout.dim), dtype=torch.float64)
         row_key = self.feature_table[inp.feature] * self.max_rows + inp.local_id
         span = len(self.ranges) * self.max_rows
-        pair, group = np.unique(bags.id_example * span + row_key, return_inverse=True)
+        pair, group = unique_ints(bags.id_example * span + row_key, return_inverse=True)
         pair_sums = torch.zeros((pair.size, contrib.shape[1]), dtype=torch.float64).index_add_(
-            0, torch.from_numpy(group.astype(np.int64).reshape(-1)), contrib.double())
+            0, torch.from_numpy(group), contrib.double())
         f = torch.from_numpy(np.asarray(factors, dtype=np.float64))[torch.from_numpy(pair // span)]
         clamped = (pair_sums * f.unsqueeze(1)).clamp(-bound, bound)
-        rows, inverse = np.unique(pair % span, return_inverse=True)
+        rows, inverse = unique_ints(pair % span, return_inverse=True)
         sums = torch.zeros((rows.size, contrib.shape[1]), dtype=torch.float64).index_add_(
-            0, torch.from_numpy(inverse.astype(np.int64).reshape(-1)), clamped)
+            0, torch.from_numpy(inverse), clamped)
         return rows, sums
 
     def _rows_of(self, keys: np.ndarray, sums: torch.Tensor):
@@ -508,7 +508,7 @@ class EmbeddingShard:
         assert self.mix_previous is not None
         rows = slice(int(self.row_base[t]) + lo, int(self.row_base[t]) + hi)
         start = self.ranges[t][0]
-        alpha = uniform_block(mix_seed, "modelmix", step, t, start + lo, start + hi, self.layout.dim)
+        alpha = row_block_uniform(mix_seed, "modelmix", step, t, start + lo, start + hi, self.layout.dim)
         with torch.no_grad():
             current = self.flat[rows].clone()
             self.flat[rows] = mix(current, self.mix_previous[rows], gap, alpha)
