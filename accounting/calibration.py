@@ -8,7 +8,11 @@ f is the share of the step's (unsampled) zCDP budget ρ given to the selection:
   sparse vector:        ρ = c·ε_round²/2 (pure ε_round-DP per round)
   Gaussian threshold:   ρ = 1/(2σ_sel²)  ⇒ σ_sel⁻² + σ_noise⁻² = σ⁻², one Gaussian
 For every accountant the total ρ is then found by bisection on the accountant's own ε, so
-the returned parameters spend exactly (to tolerance, never above) the target.
+the returned parameters spend exactly (to tolerance, never above) the target. The bisection
+tries no budget below `RHO_FLOOR` (σ ≈ 7·10⁵): a target that even that spends more than —
+because of the one-time events, or the RDP conversion's floor of about log(1/δ)/(α_max − 1) —
+is refused by `UnreachableTargetError` (a ValueError) with the smallest reachable ε, before any
+accountant is asked about a σ beyond its numerical range.
 The `paper` accountant splits the per-step ε of Theorem 3 instead (ε' = fE, ε_g = (1-f)E) and
 calibrates to its reported `epsilon`: Theorem 3 with the corrected amplification
 log(1 + q(e^E - 1)) (see accounting/paper.py), never the seed's literal Lemma 1 (qE), which
@@ -153,16 +157,54 @@ def _selection_from_rho(selector, rho: float, inputs):
     return selector.event(params), selector.record(params)
 
 
-def _bisect_increasing(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
+#: The least per-step zCDP budget ρ the calibration tries (σ = 1/√(2ρ) ≈ 7·10⁵ for DP-SGD, a
+#: selection budget as small): far more noise than any useful run, and still inside the range
+#: where Opacus' sampled-Gaussian RDP is numerically sound (beyond ρ ≈ 1e-16 it fails with
+#: "The result of subtraction must be non-negative.").
+RHO_FLOOR = 1e-12
+
+
+class UnreachableTargetError(ValueError):
+    """The target ε is below the least ε the calibration can reach: `smallest`, spent at the
+    least budget it tries (`RHO_FLOOR`). What still costs ε there is what no noise level
+    removes: the one-time events (`extra_history`, e.g. a private vocabulary or DP-FEST's
+    top-k) and the accountant's own conversion to (ε, δ) (RDP: about log(1/δ)/(α_max − 1))."""
+
+    def __init__(self, target: float, smallest: float, name: str = "target_epsilon"):
+        self.target, self.smallest, self.name = target, smallest, name
+        super().__init__(
+            f"{name} = {target:g} is unreachable: the smallest ε this run can reach is {smallest:.4g} "
+            f"(with all but a negligible budget taken from the noise and the selection, the one-time "
+            f"events and the accountant's (ε, δ) conversion still spend it); set {name} to at least "
+            f"{_round_up(smallest)}, or change δ, the accountant or the one-time events")
+
+    def renamed(self, name: str) -> "UnreachableTargetError":
+        """The same refusal naming the caller's parameter (e.g. `privacy.target_epsilon`)."""
+        return UnreachableTargetError(self.target, self.smallest, name)
+
+
+def _round_up(x: float) -> str:
+    """x rounded up to 3 significant digits (a value that is certainly reachable)."""
+    if not (math.isfinite(x) and x > 0):
+        return f"{x:g}"
+    scale = 10.0 ** (math.floor(math.log10(x)) - 2)
+    return f"{math.ceil(x / scale * (1 - 1e-12)) * scale:.3g}"
+
+
+def _bisect_increasing(f: Callable[[float], float], target: float, lo: float, hi: float,
+                       floor: Optional[float] = None) -> float:
     """Largest x (to ~1e-9 relative) with f(x) ≤ target, for f increasing in x.
 
+    `floor`: the least x tried (default lo / 1e22); if even f(floor) > target, the target is
+    unreachable: UnreachableTargetError with f(floor), the smallest value reachable.
     Brent's method on log x brackets the crossing in ~10 evaluations (PLD evaluations cost
     ~0.3 s each); the answer is then nudged down until f(x) ≤ target, so it never overspends.
     """
-    while f(lo) > target:
-        lo /= 100
-        if lo < 1e-30:
-            raise ValueError(f"target ε={target} is unreachable: even a negligible budget spends {f(lo):.4g}")
+    floor = lo * 1e-22 if floor is None else min(floor, lo)
+    while (value := f(lo)) > target:
+        if lo <= floor:
+            raise UnreachableTargetError(target, value)
+        lo = max(lo / 100, floor)
     while f(hi) <= target:
         lo, hi = hi, hi * 100
         if hi > 1e12:
@@ -205,7 +247,10 @@ def calibrate(
 
     `extra_history`: events charged besides the T steps (e.g. a one-time DP-FEST Gaussian).
     `svt_release_values`: NumericSparse mode for selection 'svt' (default False: selection-only,
-    as the trainer runs it)."""
+    as the trainer runs it).
+
+    Raises `UnreachableTargetError` (a ValueError naming `target_epsilon` and the smallest ε
+    reachable) when even the least budget tried, `RHO_FLOOR`, spends more than the target."""
     check_run(sample_rate, steps, delta)
     if not (isinstance(target_epsilon, (int, float)) and target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise ValueError(f"target epsilon must be finite and > 0, got {target_epsilon}")
@@ -233,7 +278,7 @@ def calibrate(
     def spent(rho):
         return acc.epsilon(extra + [(build(rho)[0], steps)], delta)
 
-    rho = _bisect_increasing(spent, target_epsilon, 1e-8, 1.0)
+    rho = _bisect_increasing(spent, target_epsilon, 1e-8, 1.0, floor=RHO_FLOOR)
     event, sigma, params = build(rho)
     return Calibration(
         noise_multiplier=sigma,
@@ -312,4 +357,4 @@ def _calibrate_paper(acc, target_epsilon, delta, q, steps, selection, fraction, 
     )
 
 
-__all__ = ["Calibration", "calibrate", "step_event", "svt_event", "InvalidBoundError"]
+__all__ = ["Calibration", "UnreachableTargetError", "calibrate", "step_event", "svt_event", "InvalidBoundError"]

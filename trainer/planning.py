@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
 from accounting import calibrate
+from accounting.calibration import UnreachableTargetError
 from accounting import events as ev
 from selection import k_from_fraction
 from selection.registry import NO_SELECTION, get_selector
@@ -135,9 +136,12 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
     calibrated = explicit is None
     sigma = 0.0 if explicit is None else float(explicit)
     if calibrated:
-        out = calibrate(p.target_epsilon, delta, q, t.steps, selection=selection, fraction=p.selection_fraction,
-                        accountant=p.accountant, k=k, max_answers=k, selection_delta=delta,
-                        svt_release_values=False, extra_history=extra, noise_event=noise_event)
+        try:
+            out = calibrate(p.target_epsilon, delta, q, t.steps, selection=selection, fraction=p.selection_fraction,
+                            accountant=p.accountant, k=k, max_answers=k, selection_delta=delta,
+                            svt_release_values=False, extra_history=extra, noise_event=noise_event)
+        except UnreachableTargetError as exc:  # the same refusal, under the config's name
+            raise exc.renamed("privacy.target_epsilon") from None
         sigma = out.noise_multiplier
         if selector is not None and out.selection_params:  # the calibrated fields replace the config's
             params = dataclasses.replace(params, **dict(out.selection_params))
