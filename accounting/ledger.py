@@ -10,10 +10,22 @@ is computed, so recording is cheap). A ledger is stated for its accountant's nei
 relation (add/remove one for all of ours); `state_dict` stores it (format version 2) and
 `load_state_dict` refuses a ledger recorded for another relation. Version 1 files (no relation
 stored) were all add/remove-one and still load.
+
+The ledger only grows (docs/DESIGN.md §1): every charged event extends a hash chain,
+    d_0 = sha256("widedp-ledger-chain-v1"),  d_i = sha256(d_{i-1} ‖ sha256(canonical JSON of event i)),
+one link per *charged event* (an entry of count c adds c links), so the digest after any
+number of events is defined whatever the run-length encoding, and a ledger that extends an
+older one reproduces the older one's (events, digest) pair (`digest_at`, `extends`). Version 3
+files store each entry's digest (after its last event) and the final one; `load_state_dict`
+recomputes the chain from the events and refuses a file whose events do not hash to it (a hand
+edit). A checkpoint records `chain()` = (events charged, digest) and a resume refuses a ledger
+that is not an extension of it (trainer/train.py). The chain detects accidents and edits, not
+an adversary who rewrites the checkpoint too: neither file is signed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Optional
@@ -22,9 +34,27 @@ from accounting.atomic import atomic_write_bytes
 from accounting.base import Accountant, check_delta, make_accountant
 from accounting.events import DpEvent, NeighboringRelation, event_from_dict, event_to_dict
 
-#: Format written by `state_dict`. 2: adds "neighboring_relation". 1: implicit add/remove one.
-LEDGER_VERSION = 2
-_READABLE_VERSIONS = (1, 2)
+#: Format written by `state_dict`. 3: adds the hash chain ("digest" per entry and in all).
+#: 2: adds "neighboring_relation". 1: implicit add/remove one.
+LEDGER_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
+
+CHAIN_SEED = hashlib.sha256(b"widedp-ledger-chain-v1").hexdigest()
+
+
+def event_hash(event_dict: dict) -> bytes:
+    """sha256 of an event's canonical JSON (sorted keys, no spaces, exact float repr)."""
+    text = json.dumps(event_dict, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode()).digest()
+
+
+def extend_chain(digest: str, event_dict: dict, count: int = 1) -> str:
+    """The chain digest after charging `event_dict` `count` more times."""
+    h = event_hash(event_dict)
+    d = bytes.fromhex(digest)
+    for _ in range(count):
+        d = hashlib.sha256(d + h).digest()
+    return d.hex()
 
 
 class PrivacyLedger:
@@ -32,6 +62,7 @@ class PrivacyLedger:
         self.accountant = make_accountant(accountant) if isinstance(accountant, str) else accountant
         self.delta = check_delta(delta)
         self._history: list[list] = []  # [event, count], run-length encoded
+        self._digests: list[str] = []  # the chain digest after each entry's last event
 
     # -- recording ----------------------------------------------------------------------------
     @property
@@ -55,10 +86,40 @@ class PrivacyLedger:
             raise ValueError(f"count must be >= 1, got {count}")
         # Refuse what cannot be accounted, before spending (structural: no ε computed here).
         self.accountant.check([(event, count)])
+        extended = extend_chain(self.digest, event_to_dict(event), count)
         if self._history and repr(self._history[-1][0]) == repr(event):
             self._history[-1][1] += count
+            self._digests[-1] = extended
         else:
             self._history.append([event, count])
+            self._digests.append(extended)
+
+    # -- the hash chain -------------------------------------------------------------------------
+    @property
+    def digest(self) -> str:
+        """The chain digest after every charged event (CHAIN_SEED when nothing is charged)."""
+        return self._digests[-1] if self._digests else CHAIN_SEED
+
+    def chain(self) -> dict:
+        """What a checkpoint records: {"events": charged so far, "digest": the chain's digest}."""
+        return {"events": self.steps, "digest": self.digest}
+
+    def digest_at(self, events: int) -> str:
+        """The chain digest after the first `events` charged events (0 <= events <= steps)."""
+        if not 0 <= events <= self.steps:
+            raise ValueError(f"the ledger has {self.steps} charged events, not {events}")
+        d, seen = CHAIN_SEED, 0
+        for (event, count), after in zip(self._history, self._digests):
+            if seen + count <= events:
+                d, seen = after, seen + count
+                continue
+            return extend_chain(d, event_to_dict(event), events - seen)
+        return d
+
+    def extends(self, chain: dict) -> bool:
+        """Whether this ledger is `chain` (a `chain()` of an earlier state) plus zero or more events."""
+        events = int(chain["events"])
+        return events <= self.steps and self.digest_at(events) == chain["digest"]
 
     # -- querying -----------------------------------------------------------------------------
     def epsilon(self, delta: Optional[float] = None) -> float:
@@ -78,12 +139,16 @@ class PrivacyLedger:
             "accountant": self.accountant.name,
             "neighboring_relation": self.neighboring_relation.name,
             "delta": self.delta,
-            "history": [{"event": event_to_dict(e), "count": c} for e, c in self._history],
+            "history": [{"event": event_to_dict(e), "count": c, "digest": d}
+                        for (e, c), d in zip(self._history, self._digests)],
+            "events": self.steps,
+            "digest": self.digest,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Replace this ledger's state by `state` (all of it validated first: on error, nothing
-        changes). Refuses a ledger recorded for another neighbouring relation."""
+        changes). Refuses a ledger recorded for another neighbouring relation, and (version 3) one
+        whose events do not hash to its recorded chain."""
         version = state.get("version")
         if version not in _READABLE_VERSIONS:
             raise ValueError(f"unsupported ledger version {version!r} (this widedp reads {list(_READABLE_VERSIONS)})")
@@ -96,10 +161,23 @@ class PrivacyLedger:
         history = []
         for i, entry in enumerate(state["history"]):
             try:
-                history.append([event_from_dict(entry["event"]), int(entry["count"])])
+                count = entry["count"]
+                if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                    raise ValueError(f"count must be an integer >= 1, got {count!r}")
+                history.append([event_from_dict(entry["event"]), count])
             except (KeyError, ValueError, TypeError) as exc:
                 raise ValueError(f"ledger history entry {i} is invalid: {exc}") from exc
-        self.accountant, self.delta, self._history = accountant, delta, history
+        digests, d = [], CHAIN_SEED
+        for i, (entry, (_, count)) in enumerate(zip(state["history"], history)):
+            d = extend_chain(d, entry["event"], count)
+            if version >= 3 and entry.get("digest") != d:
+                raise ValueError(f"ledger history entry {i} does not hash to its recorded chain digest: the "
+                                 "ledger was edited or damaged after it was written")
+            digests.append(d)
+        if version >= 3 and (state.get("digest") != d or state.get("events") != sum(c for _, c in history)):
+            raise ValueError("the ledger's events do not hash to its recorded chain digest (or their count differs "
+                             "from its recorded events): the ledger was edited or damaged after it was written")
+        self.accountant, self.delta, self._history, self._digests = accountant, delta, history, digests
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically (temp file, fsync, rename): never a half-written ledger."""

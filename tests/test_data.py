@@ -756,7 +756,7 @@ def test_cli_commands_print_one_json_object(tmp_path, capsys):
         result = json.loads(lines[0])
         assert result["num_examples"] == n and result["out_dir"] == argv[2 if argv[0] == "synth" else 3]
     assert json.loads(out)["kind"] == "cbow"
-    code, out, _ = _cli(capsys, runs[0][0])
+    code, out, _ = _cli(capsys, [*runs[0][0][:2], str(tmp_path / "s1_again"), *runs[0][0][3:]])
     assert 0.5 < json.loads(out)["bayes_auc"] < 1
 
 

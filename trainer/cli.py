@@ -1,7 +1,9 @@
 """`widedp` command line. Each command prints one JSON object on stdout.
 
-Bad arguments exit with code 2 and a one-line reason on stderr. The privacy commands
-(`epsilon`, `calibrate`) import no Ray.
+Bad arguments, and refusals (a run directory that holds a run, a ledger that does not extend
+its checkpoint, a damaged checkpoint, a spent budget: ValueError), exit with code 2 and a
+one-line reason on stderr. Ctrl-C exits with code 130 and one line (`widedp train`: the step it
+stopped at and how to resume). The privacy commands (`epsilon`, `calibrate`) import no Ray.
 
 `epsilon` and `calibrate` build exactly the events the trainer records (trainer/engine.py,
 `Engine._selection_event`; trainer/train.py, `plan_privacy`), so for the same parameters they
@@ -159,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Modules that add subcommands (data conversion/synthesis, training). Imported lazily so the
 # privacy commands stay light.
 _COMMAND_MODULES: list[str] = ["trainer.data.commands", "trainer.train", "trainer.report", "trainer.export",
-                               "trainer.audit", "trainer.wide_linear"]
+                               "trainer.audit", "trainer.wide_linear", "trainer.dataset_budget"]
 
 
 def _selector(args) -> Optional[Selector]:
@@ -333,6 +335,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (UsageError, UnsupportedEventError, ValueError, ArithmeticError) as exc:
         print(f"widedp: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # trainer.train.TrainingInterrupted says where and how to resume
+        print(f"widedp: {str(exc) or 'interrupted'}".replace("\n", " "), file=sys.stderr)
+        return 130
     json.dump(result, sys.stdout, default=float)
     sys.stdout.write("\n")
     return 0

@@ -4,6 +4,23 @@ Run dir: config.json, summary.json (docs/DESIGN.md §4 keys), metrics.jsonl (one
 step), ledger.json (rewritten atomically after every recorded step, before the update is
 released) and checkpoint.pt (atomic; private; `--resume DIR` continues it).
 
+The ledger only grows (docs/DESIGN.md §1). A checkpoint records the ledger's hash chain (events
+charged, digest: accounting/ledger.py), the data set's identity (trainer/data/meta.py,
+`dataset_identity`) and the events the run planned. `--resume` (`_restore`) refuses, naming
+the file: a ledger.json that is missing, shorter than the checkpoint's, not an extension of it,
+or whose events do not hash to its chain; a checkpoint that is not a readable widedp checkpoint,
+or was written for other data. It also rebuilds the events from the plan and compares: the
+first events must be the data set's own one-time events (dataset.json) in order, and every later
+one must be an event some session of this run planned (the checkpoint's planned one-time and
+per-step events, and the current plan's) — exact for the data events and the per-step events;
+for a one-time selection (DP-FEST) the event is checked, not how many times it was charged.
+There is no way past a lost or edited ledger but a new run with its own budget. A new run
+never writes into a directory that holds a run. Every run appends its spending to the data
+set's privacy_budget.jsonl (trainer/dataset_budget.py).
+
+Ctrl-C finishes the step in progress (a second Ctrl-C stops at once), saves the checkpoint and
+ends with `TrainingInterrupted` ("interrupted at step N; resume with ..."; the CLI exits 130).
+
 What a run writes or prints follows docs/THREAT_MODEL.md (enforced in `trainer/run_outputs.py`):
 by default nothing un-noised about the training data; `train.debug_metrics = true` adds raw
 training statistics and says in the summary that the privacy report does not cover them.
@@ -11,17 +28,28 @@ training statistics and says in the summary that the privacy report does not cov
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import pickle
+import signal
+import threading
 import time
+import uuid
+import zipfile
 from pathlib import Path
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 
 from accounting import PrivacyLedger
+from accounting import events as ev
 from accounting.atomic import atomic_write_bytes
+from trainer import dataset_budget
 from trainer.config import Config, load_config, load_saved_config, saved_config
+from trainer.data.meta import dataset_identity
 from trainer.engine import Engine, StepStats
 from trainer.layout import FeatureSpec, ShardLayout, TableSpec
 from trainer.models import MODELS
@@ -29,6 +57,7 @@ from trainer.planning import PrivacyInfo, default_delta, plan_privacy, plan_run 
 from trainer.randomness import PrivacyRandomness
 from trainer.run import Run
 from trainer.run_outputs import RunRecorder, eval_line
+from selection.registry import get_selector
 
 # docs/DESIGN.md §4 keys of every summary.json (debug-only statistics are in run_outputs.DEBUG_SUMMARY_KEYS).
 SUMMARY_KEYS = ("mode", "selection", "epsilon", "delta", "accountant", "steps", "examples_per_sec",
@@ -105,7 +134,7 @@ def run_randomness(cfg: Config) -> PrivacyRandomness:
     """Fresh OS entropy, unless the config asks for a reproducible (public) noise seed."""
     if cfg.privacy.reproducible:
         return PrivacyRandomness.from_seed(cfg.privacy.noise_seed)
-    return PrivacyRandomness.fresh()
+    return PrivacyRandomness.fresh(secure=cfg.privacy.secure_mode)
 
 
 def build_run(cfg: Config, train_transform=None) -> Run:
@@ -140,7 +169,7 @@ def build_run(cfg: Config, train_transform=None) -> Run:
     ledger = PrivacyLedger(cfg.privacy.accountant, info.delta) if plan is not None else None
     shards = _shard_group(cfg, layout)
     randomness = run_randomness(cfg)
-    sampler = PoissonSampler(n, info.sample_rate, seed=randomness.sampler_seed())
+    sampler = PoissonSampler(n, info.sample_rate, seed=randomness.sampler_rng())
     engine = Engine(model, layout, shards, train_set, sampler, mode=cfg.train.mode,
                     expected_batch_size=info.sample_rate * n, sample_rate=info.sample_rate, plan=plan,
                     ledger=ledger, target_epsilon=cfg.privacy.target_epsilon,
@@ -154,12 +183,58 @@ def build_run(cfg: Config, train_transform=None) -> Run:
     return Run(cfg, engine, train_set, test_set, meta, info, validation_set)
 
 
-def save_checkpoint(run_dir: Path, engine: Engine, cfg: Config) -> None:
-    import io
+# Files whose presence means a directory holds a run (a new run refuses it).
+RUN_FILES = ("checkpoint.pt", "ledger.json", "summary.json", "config.json")
+CHECKPOINT_FORMAT = 2  # 2: records ledger_chain, dataset, planned_events, run_id
 
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C ended `train`; the message says where and how to resume (the CLI prints it, exit 130)."""
+
+
+class RunState:
+    """What a run carries across sessions in its checkpoint: its id, when it started, the
+    identity of its data, and every event some session of it planned (event dicts)."""
+
+    def __init__(self, run_id: str, started: str, dataset: dict, one_time: list, step: list):
+        self.run_id, self.started, self.dataset = run_id, started, dataset
+        self.one_time, self.step = one_time, step
+
+    def plan(self, events: list, kind: str) -> None:
+        target = self.one_time if kind == "one_time" else self.step
+        for e in events:
+            d = ev.event_to_dict(e)
+            if d not in target:
+                target.append(d)
+
+
+def save_checkpoint(run_dir: Path, engine: Engine, cfg: Config, run_state: Optional[RunState] = None) -> None:
+    state: dict = {"engine": engine.state_dict(), "config": cfg.to_dict(), "format": CHECKPOINT_FORMAT}
+    if engine.ledger is not None:
+        state["ledger_chain"] = engine.ledger.chain()
+    if run_state is not None:
+        state.update(run_id=run_state.run_id, started=run_state.started, dataset=run_state.dataset,
+                     planned_events={"one_time": run_state.one_time, "step": run_state.step})
     buf = io.BytesIO()
-    torch.save({"engine": engine.state_dict(), "config": cfg.to_dict()}, buf)
+    torch.save(state, buf)
     atomic_write_bytes(run_dir / "checkpoint.pt", buf.getvalue())
+
+
+def load_checkpoint(path: Path) -> dict:
+    """checkpoint.pt as a dict; ValueError naming the file when it is not a readable widedp
+    checkpoint (truncated, not a torch file, another program's)."""
+    if not path.is_file():
+        raise ValueError(f"{path}: missing")
+    try:
+        state = torch.load(path, weights_only=False)
+    except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError,
+            AttributeError, ImportError, IndexError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a readable widedp checkpoint ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); it is truncated or damaged") from None
+    missing = [k for k in ("engine", "config") if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"{path}: not a widedp checkpoint (no {' or '.join(missing)})")
+    return state
 
 
 # Keys that do not change what a run's steps compute (placement, logging, recovery).
@@ -201,19 +276,112 @@ def _check_replay_is_identical(saved: dict, cfg: Config) -> None:
                          f"(a secret run resumes with fresh noise)")
 
 
-def _restore(engine: Engine, run_dir: Path, cfg: Config) -> None:
-    """Resume from checkpoint.pt. The ledger is the larger of the checkpoint's and ledger.json
-    (persisted before every release): steps released after the checkpoint are replayed with
-    fresh secret randomness (trainer/randomness.py) and so are charged again, never forgotten."""
-    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+def _planned_one_time(engine: Engine) -> list:
+    """The one-time selection event (DP-FEST) this plan charges before its first step, if any."""
+    if not engine.needs_one_time_selection():
+        return []
+    p = engine.private_plan
+    event = get_selector(p.selection).one_time_event(p.selection_params)
+    return [] if event is None else [event]
+
+
+def _restore(engine: Engine, run_dir: Path, cfg: Config, data_events: list) -> RunState:
+    """Resume from checkpoint.pt and the ledger on disk (see the module docstring: the checks
+    and what they refuse). The ledger resumed is ledger.json once verified: it may be longer than
+    the checkpoint's (steps released after the checkpoint are replayed with fresh secret
+    randomness, trainer/randomness.py, and so are charged again, never forgotten)."""
+    ckpt_file = run_dir / "checkpoint.pt"
+    state = load_checkpoint(ckpt_file)
+    identity = dataset_identity(cfg.data.path)
+    recorded_identity = state.get("dataset")
+    if recorded_identity is not None and recorded_identity != identity:
+        diff = ", ".join(f"{k} {recorded_identity.get(k)!r} (now {identity[k]!r})" for k in identity
+                         if recorded_identity.get(k) != identity[k])
+        raise ValueError(f"{ckpt_file} was trained on other data than data.path {cfg.data.path} holds now: {diff}; "
+                         f"resume on the data set the run started on, or start a new run")
     if engine.randomness.reproducible:
         _check_replay_is_identical(state["config"], cfg)
-    engine.load_state_dict(state["engine"])
-    ledger_file = run_dir / "ledger.json"
-    if engine.ledger is not None and ledger_file.exists():
+    try:
+        engine.load_state_dict(state["engine"])
+    except (RuntimeError, KeyError, ValueError, IndexError, TypeError) as exc:
+        raise ValueError(f"{ckpt_file} does not match this run's config and data ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); resume with the config the "
+                         f"run was trained with") from None
+    planned = state.get("planned_events") or {}
+    run_state = RunState(state.get("run_id") or uuid.uuid4().hex, state.get("started") or dataset_budget.now(),
+                         identity, list(planned.get("one_time", [])), list(planned.get("step", [])))
+    if engine.ledger is not None:
+        run_state.plan(_planned_one_time(engine), "one_time")
+        run_state.plan([engine.step_event] if engine.step_event is not None else [], "step")
+        engine.ledger.load_state_dict(_verified_ledger(run_dir, state, data_events, run_state).state_dict())
+    return run_state
+
+
+_NO_WAY_PAST = "the only way on is a new run (a new --run-dir) with its own budget"
+
+
+def _verified_ledger(run_dir: Path, state: dict, data_events: list, run_state: RunState) -> PrivacyLedger:
+    """ledger.json, verified against the checkpoint's chain and rebuilt from the plans."""
+    ckpt_file, ledger_file = run_dir / "checkpoint.pt", run_dir / "ledger.json"
+    saved = state["engine"].get("ledger")
+    if saved is None:
+        raise ValueError(f"{ckpt_file} holds no privacy ledger (a nonprivate run's checkpoint): a private run cannot "
+                         f"resume from it; {_NO_WAY_PAST}")
+    in_ckpt = PrivacyLedger(saved.get("accountant", "rdp"), saved.get("delta", 1e-6))
+    try:
+        in_ckpt.load_state_dict(saved)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"{ckpt_file}: its ledger is invalid: {exc}; {_NO_WAY_PAST}") from None
+    chain = state.get("ledger_chain") or in_ckpt.chain()  # checkpoints of format 1 embed the ledger only
+    if in_ckpt.chain() != chain:
+        raise ValueError(f"{ckpt_file}: its ledger does not hash to the chain it records "
+                         f"({in_ckpt.steps} events vs {chain.get('events')}): the checkpoint was edited or damaged; "
+                         f"{_NO_WAY_PAST}")
+    if not ledger_file.exists():
+        raise ValueError(f"{ledger_file}: missing, but {ckpt_file} records {chain['events']} charged events; a ledger "
+                         f"is never rebuilt from a checkpoint (steps released after it would be forgotten): "
+                         f"{_NO_WAY_PAST}")
+    try:
         on_disk = PrivacyLedger.load(ledger_file)
-        if on_disk.steps > engine.ledger.steps:
-            engine.ledger.load_state_dict(on_disk.state_dict())
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"{exc}; refusing to resume: {_NO_WAY_PAST}") from None
+    if on_disk.steps < chain["events"]:
+        raise ValueError(f"{ledger_file}: holds {on_disk.steps} charged events, fewer than the {chain['events']} "
+                         f"{ckpt_file} records: it was truncated or rolled back; {_NO_WAY_PAST}")
+    if not on_disk.extends(chain):
+        raise ValueError(f"{ledger_file}: its first {chain['events']} events differ from those {ckpt_file} records "
+                         f"(chain digest {on_disk.digest_at(chain['events'])[:12]}… vs {chain['digest'][:12]}…): "
+                         f"it was replaced or edited; {_NO_WAY_PAST}")
+    if (on_disk.accountant.name, on_disk.delta) != (in_ckpt.accountant.name, in_ckpt.delta):
+        raise ValueError(f"{ledger_file}: accountant {on_disk.accountant.name}, δ = {on_disk.delta} differ from "
+                         f"{ckpt_file}'s ({in_ckpt.accountant.name}, δ = {in_ckpt.delta}): it was edited; {_NO_WAY_PAST}")
+    if "planned_events" not in state:  # format 1: what it charged is what its sessions planned
+        run_state.plan([e for e, _ in in_ckpt.history][len(data_events):], "step")
+    _check_rebuilt(ledger_file, on_disk, data_events, run_state)
+    return on_disk
+
+
+def _check_rebuilt(ledger_file: Path, ledger: PrivacyLedger, data_events: list, run_state: RunState) -> None:
+    """The ledger's events against the ones rebuilt from the data set and the run's plans."""
+    wanted_data = [ev.event_to_dict(e) for e in data_events]
+    allowed = run_state.one_time + run_state.step
+    position = 0
+    for event, count in ledger.history:
+        d = ev.event_to_dict(event)
+        for i in range(position, position + count):
+            if i < len(wanted_data):
+                if d != wanted_data[i]:
+                    raise ValueError(f"{ledger_file}: charged event {i + 1} is {d}, but the data set's one-time event "
+                                     f"{i + 1} (dataset.json privacy_events) is {wanted_data[i]}; {_NO_WAY_PAST}")
+                continue
+            if d not in allowed:
+                raise ValueError(f"{ledger_file}: charged event {i + 1} is {d}, which no session of this run planned "
+                                 f"(planned per step: {run_state.step}); it was edited; {_NO_WAY_PAST}")
+            break  # the rest of this entry is the same event
+        position += count
+    if position < len(wanted_data):
+        raise ValueError(f"{ledger_file}: holds {position} charged events, fewer than the data set's "
+                         f"{len(wanted_data)} one-time events; {_NO_WAY_PAST}")
 
 
 def _start(engine: Engine, cfg: Config, run_dir: Path, train_set, data_events) -> None:
@@ -230,11 +398,15 @@ def _start(engine: Engine, cfg: Config, run_dir: Path, train_set, data_events) -
 
 class _TrainCallbacks:
     """What `widedp train` does after each step: metrics/eval lines (through the recorder, which
-    enforces docs/THREAT_MODEL.md), checkpoints, the progress bar."""
+    enforces docs/THREAT_MODEL.md), checkpoints, the progress bar; stops the loop at a step
+    boundary once Ctrl-C was pressed (`interrupt`)."""
 
-    def __init__(self, run: Run, recorder: RunRecorder, run_dir: Path, progress: bool):
+    def __init__(self, run: Run, recorder: RunRecorder, run_dir: Path, progress: bool, run_state: RunState,
+                 interrupt: "_Interrupt"):
         self.run, self.recorder, self.run_dir = run, recorder, run_dir
+        self.run_state, self.interrupt = run_state, interrupt
         self.start = time.perf_counter()
+        self.checkpoint_step: Optional[int] = None  # the step of the last checkpoint this session wrote
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -242,7 +414,11 @@ class _TrainCallbacks:
             cfg = run.config
             self.bar = tqdm(total=cfg.train.steps, initial=run.engine.step_count, desc=cfg.train.mode, unit="step")
 
-    def on_step(self, engine: Engine, stats: StepStats, seconds: float) -> None:
+    def checkpoint(self, engine: Engine) -> None:
+        save_checkpoint(self.run_dir, engine, self.run.config, self.run_state)
+        self.checkpoint_step = engine.step_count
+
+    def on_step(self, engine: Engine, stats: StepStats, seconds: float) -> bool:
         t, recorder = self.run.config.train, self.recorder
         recorder.on_step(stats, seconds)
         if stats.step % t.log_every == 0 or stats.step == t.steps:
@@ -250,37 +426,139 @@ class _TrainCallbacks:
         if t.eval_every and stats.step % t.eval_every == 0:
             recorder.log(eval_line(stats.step, self.run.evaluate()))
         if stats.step % t.checkpoint_every == 0:
-            save_checkpoint(self.run_dir, engine, self.run.config)
+            self.checkpoint(engine)
         if self.bar is not None:
             self.bar.set_postfix(**recorder.progress_postfix(stats, time.perf_counter() - self.start))
             self.bar.update(1)
+        return self.interrupt.requested
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
 
+class _Interrupt:
+    """Ctrl-C while training: the first one is deferred to the end of the step in progress (a
+    step's release is then complete, so its checkpoint is consistent); a second one interrupts
+    at once. Only in the main thread (where Python delivers signals); elsewhere nothing changes."""
+
+    def __init__(self):
+        self.requested = False
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator["_Interrupt"]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+
+        def handler(signum, frame):
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _check_run_dir_is_free(run_dir: Path) -> None:
+    held = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if held:
+        raise ValueError(f"--run-dir {run_dir} holds a run ({', '.join(held)}): a run directory is never overwritten "
+                         f"(its ledger would be lost); continue it with `widedp train --resume {run_dir}` or choose "
+                         f"a new directory")
+
+
+def _check_a_step_fits(engine: Engine, cfg: Config, run_dir: Path, one_time: list) -> None:
+    """Refuse a session that cannot take one more step under privacy.target_epsilon (after
+    `one_time`, events still to be charged before the first step) instead of ending with
+    nothing trained."""
+    if engine.ledger is None or engine.step_event is None or engine.step_count >= cfg.train.steps:
+        return
+    history = engine.ledger.history + [(e, 1) for e in one_time] + [(engine.step_event, 1)]
+    if engine.ledger.accountant.epsilon(history, engine.ledger.delta) <= cfg.privacy.target_epsilon:
+        return
+    spent = engine.ledger.epsilon()
+    raise ValueError(f"{run_dir}: cannot take step {engine.step_count + 1} of train.steps = {cfg.train.steps}: it would "
+                     f"spend past privacy.target_epsilon = {cfg.privacy.target_epsilon} (ε = {spent:.4g} spent over "
+                     f"{engine.ledger.steps} charged events); nothing was trained. The budget of this run is spent: "
+                     f"a larger privacy.target_epsilon is a larger claim for this model")
+
+
+def _budget_line(run_state: RunState, run_dir: Path, cfg: Config, engine: Engine, info, status: str) -> dict:
+    ledger = engine.ledger
+    return dataset_budget.run_record(
+        run_id=run_state.run_id, run_dir=run_dir, mode=cfg.train.mode, target_epsilon=cfg.privacy.target_epsilon,
+        delta=info.delta if ledger is not None else None, accountant=ledger.accountant.name if ledger is not None else None,
+        epsilon=ledger.epsilon() if ledger is not None else math.inf, events_charged=ledger.steps if ledger is not None else 0,
+        steps=engine.step_count, started=run_state.started, status=status)
+
+
 def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True) -> dict:
-    """Train per `cfg`, writing only what docs/THREAT_MODEL.md allows (trainer/run_outputs.py)."""
+    """Train per `cfg`, writing only what docs/THREAT_MODEL.md allows (trainer/run_outputs.py).
+    A new run refuses a `run_dir` that holds a run; the directory is created only once the
+    config is valid and the data loaded (and removed again if this call created it and leaves
+    it empty)."""
     cfg.validate()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        _check_run_dir_is_free(run_dir)
+    created = not run_dir.exists()
+    try:
+        return _train(cfg, run_dir, resume, progress)
+    finally:
+        if created and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+
+
+def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
     with build_run(cfg) as run:
         engine, info = run.engine, run.privacy
         data_events = list(run.meta.privacy_events)
         engine.ledger_path = run_dir / "ledger.json" if engine.ledger is not None else None
         if resume:
-            _restore(engine, run_dir, cfg)
+            run_state = _restore(engine, run_dir, cfg, [e for _, e in data_events])
+            _check_a_step_fits(engine, cfg, run_dir, [])
         else:
-            _start(engine, cfg, run_dir, run.train_set, data_events)
+            run_state = RunState(uuid.uuid4().hex, dataset_budget.now(), dataset_identity(cfg.data.path), [], [])
+            one_time = [e for _, e in data_events] + _planned_one_time(engine) if engine.ledger is not None else []
+            _check_a_step_fits(engine, cfg, run_dir, one_time)
+            if engine.ledger is not None:
+                run_state.plan(_planned_one_time(engine), "one_time")
+                run_state.plan([engine.step_event] if engine.step_event is not None else [], "step")
+            run_dir.mkdir(parents=True, exist_ok=True)
+        dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "running"))
         recorder = RunRecorder(expected_batch_size=engine.b, metrics_path=run_dir / "metrics.jsonl",
                                debug_metrics=cfg.train.debug_metrics, randomness_note=engine.randomness.describe(),
                                reproducible=engine.randomness.reproducible, private=engine.plan is not None)
-        callbacks = _TrainCallbacks(run, recorder, run_dir, progress)
+        interrupt = _Interrupt()
+        callbacks = _TrainCallbacks(run, recorder, run_dir, progress, run_state, interrupt)
         try:
-            result = run.run(cfg.train.steps, [callbacks])
+            with interrupt.deferred():
+                if not resume:
+                    _start(engine, cfg, run_dir, run.train_set, data_events)
+                result = run.run(cfg.train.steps, [callbacks])
+                callbacks.checkpoint(engine)
+        except KeyboardInterrupt:
+            # a second Ctrl-C (or one outside the main thread): mid-step, so no checkpoint of this state
+            dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "interrupted"))
+            last = callbacks.checkpoint_step
+            where = (f"from its checkpoint at step {last}" if last is not None else
+                     "from its last checkpoint" if (run_dir / "checkpoint.pt").exists() else
+                     "no checkpoint was written yet, so it cannot be resumed")
+            raise TrainingInterrupted(f"interrupted at step {engine.step_count} (during step {engine.step_count + 1}, "
+                                      f"no checkpoint saved); resume with `widedp train --resume {run_dir}` ({where})")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "failed"))
+            raise
         finally:
             callbacks.close()
-        save_checkpoint(run_dir, engine, cfg)
+        if interrupt.requested and not (engine.step_count >= cfg.train.steps or result.stopped_by_budget):
+            dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "interrupted"))
+            raise TrainingInterrupted(f"interrupted at step {engine.step_count}; resume with "
+                                      f"`widedp train --resume {run_dir}`")
         summary = {
             "mode": cfg.train.mode,
             "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
@@ -320,15 +598,20 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tru
                                       validation=run.validation_set is not None),
         }
         atomic_write_json(run_dir / "summary.json", summary)
+        dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "finished"))
         return summary
 
 
 def evaluate(run_dir: Path) -> dict:
-    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    state = load_checkpoint(run_dir / "checkpoint.pt")
     cfg = saved_config(state["config"], f"{run_dir / 'checkpoint.pt'} (its config)")
     cfg.cluster.backend = "local"  # evaluation needs no cluster
     with build_run(cfg) as run:
-        run.engine.load_state_dict(state["engine"])
+        try:
+            run.engine.load_state_dict(state["engine"])
+        except (RuntimeError, KeyError, ValueError, IndexError, TypeError) as exc:
+            raise ValueError(f"{run_dir / 'checkpoint.pt'} does not match its own config and data "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
         return {"run_dir": str(run_dir), "steps": run.engine.step_count, "test_metrics": run.evaluate(),
                 "bayes_auc": run.meta.bayes_auc, "epsilon": run.engine.ledger.epsilon() if run.engine.ledger else None}
 

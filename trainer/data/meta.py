@@ -29,10 +29,18 @@ Parquet columns:
 
 Every column is non-null. Both files are written to a temporary name in DIR and renamed
 into place (data first, then dataset.json).
+
+``dataset_identity(DIR)`` names the data a run trained on (a checkpoint records it, and a
+resume refuses other data): sha256 of dataset.json's bytes, num_examples, data.parquet's size
+and the sha256 of its last MiB (the Parquet footer: schema, row-group sizes, per-column
+statistics). It tells a different or re-converted data set from the one a run started on
+without reading the whole file; it is not a signature against a deliberate edit that keeps the
+footer intact.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -240,6 +248,32 @@ def read_meta(directory) -> DatasetMeta:
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: malformed JSON: {exc}") from None
     return DatasetMeta.from_dict(data, str(path))
+
+
+_FOOTER_BYTES = 1 << 20
+
+
+def dataset_identity(directory) -> dict:
+    """What identifies a data set's contents (see the module docstring); DataError naming the
+    file when one is missing."""
+    directory = Path(directory)
+    meta_path, data_path = directory / META_FILE, directory / DATA_FILE
+    try:
+        meta_bytes = meta_path.read_bytes()
+        size = data_path.stat().st_size
+        with open(data_path, "rb") as fh:
+            fh.seek(max(0, size - _FOOTER_BYTES))
+            tail = fh.read()
+    except FileNotFoundError as exc:
+        raise DataError(f"{exc.filename}: missing (not a widedp data set directory?)") from None
+    except OSError as exc:
+        raise DataError(f"{getattr(exc, 'filename', None) or directory}: cannot read: {exc.strerror or exc}") from None
+    try:
+        num_examples = json.loads(meta_bytes).get("num_examples")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise DataError(f"{meta_path}: malformed JSON: {exc}") from None
+    return {"dataset_json_sha256": hashlib.sha256(meta_bytes).hexdigest(), "num_examples": num_examples,
+            "data_bytes": size, "data_footer_sha256": hashlib.sha256(tail).hexdigest()}
 
 
 def write_text_atomic(path, text: str) -> None:

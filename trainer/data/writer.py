@@ -1,4 +1,10 @@
-"""Writing a data set directory: streamed row groups, nothing half-written on error."""
+"""Writing a data set directory: streamed row groups, nothing half-written on error.
+
+A data set directory is written once: a writer refuses an output directory that exists and is
+not empty. Runs trained on a data set record its identity (trainer/data/meta.py,
+`dataset_identity`) and the directory keeps their privacy spending (privacy_budget.jsonl,
+trainer/dataset_budget.py); replacing the data under them would make both describe other data.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .errors import DataError
 from .meta import DATA_FILE, META_FILE, DatasetMeta, _unlink_quiet, meta_json
 
 
@@ -50,7 +57,8 @@ class DatasetWriter:
     Row groups go to a temporary Parquet file in ``out_dir``; ``commit`` closes it, renames
     it to ``data.parquet`` and then writes ``dataset.json`` atomically (plus any side files
     added with ``add_file``). On an exception, or without ``commit``, every temporary file
-    is removed, and ``out_dir`` too if this writer created it and it is empty.
+    is removed, and ``out_dir`` too if this writer created it and it is empty. An ``out_dir``
+    that exists and is not empty is refused (DataError): a data set is never overwritten.
     """
 
     def __init__(self, out_dir):
@@ -66,6 +74,11 @@ class DatasetWriter:
     def __enter__(self) -> "DatasetWriter":
         missing = []
         p = self.out_dir.absolute()
+        if p.is_dir() and any(p.iterdir()):
+            raise DataError(f"{self.out_dir}: not empty; a data set directory is never overwritten (runs trained "
+                            "on it record its identity and privacy spending): write to a new directory")
+        if p.exists() and not p.is_dir():
+            raise DataError(f"{self.out_dir}: exists and is not a directory")
         while not p.exists():
             missing.append(p)
             p = p.parent
@@ -101,6 +114,7 @@ class DatasetWriter:
                 os.fchmod(fd, 0o644)
                 with os.fdopen(fd, "w", encoding="utf-8") as fh:
                     fh.write(content)
+            assert self._tmp_data is not None  # set by __enter__
             os.replace(self._tmp_data, self.out_dir / DATA_FILE)
             for tmp, final in side_tmp:  # dataset.json last
                 os.replace(tmp, final)
