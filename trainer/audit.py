@@ -640,15 +640,18 @@ def add_commands(sub) -> dict:
 
 def cmd_audit(args) -> dict:
     from trainer.config import load_config
+    from trainer.dataset_budget import record_audit
 
     cfg = load_config(args.config, args.set)
     if args.kind == "exposure":
         record = exposure_audit(cfg, canaries=args.canaries, insertions=args.insertions, references=args.references,
                                 seed=args.seed, placement=args.placement)
         out = Path(args.out) if args.out else Path(cfg.run_dir or "runs/latest") / "audit"
+        record_audit(cfg, record, out)  # the audit's run trained on the data set: its spending counts
         return {"out": str(out), **write_audit(record, out)}
     record = one_run_audit(cfg, canaries=args.canaries, feature=args.feature, member_fraction=args.member_guesses,
                            non_member_fraction=args.non_member_guesses, confidence=args.confidence, seed=args.seed,
                            broken=args.broken, canary_kind=args.canary_kind)
     out = Path(args.out) if args.out else Path(cfg.run_dir or "runs/latest") / "audit"
+    record_audit(cfg, record, out)  # the audit's run trained on the data set: its spending counts
     return {"out": str(out), **write_audit(record, out)}

@@ -481,10 +481,12 @@ def _check_a_step_fits(engine: Engine, cfg: Config, run_dir: Path, one_time: lis
     if engine.ledger.accountant.epsilon(history, engine.ledger.delta) <= cfg.privacy.target_epsilon:
         return
     spent = engine.ledger.epsilon()
+    what = ("the budget of this run is spent: a larger privacy.target_epsilon is a larger claim for this model"
+            if engine.ledger.steps > 0 else
+            "one step at this noise already costs more: raise privacy.noise_multiplier or privacy.target_epsilon")
     raise ValueError(f"{run_dir}: cannot take step {engine.step_count + 1} of train.steps = {cfg.train.steps}: it would "
                      f"spend past privacy.target_epsilon = {cfg.privacy.target_epsilon} (ε = {spent:.4g} spent over "
-                     f"{engine.ledger.steps} charged events); nothing was trained. The budget of this run is spent: "
-                     f"a larger privacy.target_epsilon is a larger claim for this model")
+                     f"{engine.ledger.steps} charged events); nothing was trained; {what}")
 
 
 def _budget_line(run_state: RunState, run_dir: Path, cfg: Config, engine: Engine, info, status: str) -> dict:
