@@ -91,13 +91,13 @@ def mean_grid(n: int, eps: float, ds: list[int], repeats: int, with_lp: bool, se
             rng = np.random.default_rng([seed, d, rep])
             Z = sparse_rows(n, d, S, rng)
             zbar = np.bincount(Z.indices, weights=Z.data, minlength=d) / n
-            est, _ = me.gaussian_mean(Z, L=L, epsilon=eps, delta=DELTA, rng=rng)
+            est, _ = me.gaussian_mean(Z, n=n, L=L, epsilon=eps, delta=DELTA, rng=rng)
             errs["gaussian"].append(float(np.linalg.norm(est - zbar)))
-            est, _ = me.projection_mechanism(Z, s=S, L=L, epsilon=eps, delta=DELTA, rng=rng)
+            est, _ = me.projection_mechanism(Z, n=n, s=S, L=L, epsilon=eps, delta=DELTA, rng=rng)
             errs["projection"].append(float(np.linalg.norm(est - zbar)))
             if lp_ok and m * d <= 4e7 and (rep == 0 or not lp_secs or lp_secs[0] < 10.0):
                 t = time.perf_counter()
-                est, _ = me.gaussian_l1_recovery(Z, s=S, L=L, epsilon=eps, delta=DELTA, rng=rng)
+                est, _ = me.gaussian_l1_recovery(Z, n=n, s=S, L=L, epsilon=eps, delta=DELTA, rng=rng)
                 lp_secs.append(time.perf_counter() - t)
                 errs["l1_recovery"].append(float(np.linalg.norm(est - zbar)))
         row = {"d": d, "m": m, "norm_zbar": float(np.linalg.norm(zbar)),

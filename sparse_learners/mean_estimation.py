@@ -2,19 +2,39 @@
 Estimation" — the projection mechanism of Nikolov, Talwar and Zhang 2013 and Gaussian ℓ1-recovery),
 with the plain Gaussian and Laplace mechanisms as baselines.
 
-Privacy assumption: the data are n points z_i ∈ R^d, each s-sparse (‖z_i‖₀ ≤ s) with ‖z_i‖₂ ≤ L;
+Privacy assumption: the data are points z_i ∈ R^d, each s-sparse (‖z_i‖₀ ≤ s) with ‖z_i‖₂ ≤ L;
 every function checks both and names the first row that violates them. The released quantity is
-z̄ = (1/n)·Σ z_i with **n public** (`n`, by default the number of rows): a neighbour is normalised
-by the same n, so one example moves Σ z_i by z_i and z̄ by z_i / n.
+Σ z_i / n with **n public and required** (`n`, keyword-only, no default): the size of the data
+set, fixed before the data are looked at. Every estimator normalises by this n, never by the
+number of rows it is given — a neighbour is normalised by the same n, so one example moves
+Σ z_i by z_i and the estimate by z_i / n.
 
-Neighbouring relation: `relation="add-remove"` (the default, the project's unit of privacy: one
-example added or removed) gives ℓ2 sensitivity L/n and ℓ1 sensitivity L√s/n (‖z‖₁ ≤ √s‖z‖₂ for
-s-sparse z); `relation="replace-one"` (the poster's) doubles both. We default to add-remove because
-every accountant in `accounting/` composes add/remove events; with replace-one the calibrations
-reproduce the poster's constants exactly (σ = 2L√s/(nε), σ² = 8L² ln(1.25/δ)/(nε)²,
-σ² = 18L² ln(2.5/δ)/(nε)²; see the tests). Events are stated in units of the sensitivity under
-the chosen relation (`noise_multiplier` = noise scale / sensitivity); a replace-one event is also
-a valid, conservative add/remove event (the add/remove sensitivity is half).
+Why n may not come from the rows: with n = rows, D (n rows) is normalised by n and its
+neighbour D ∪ {z} by n + 1, so the mean moves by z/(n+1) − Σ_D z_i/(n(n+1)), up to
+2L/(n+1) in norm — about twice the L/n the noise is calibrated to — and the two noise
+scales differ as well. Measured (tests/test_sparse_mean_estimation.py, n = 1, D' = {−z} against
+D = {−z, z}, 5,000 trials a side, claimed ε = 1): ε lower bounds with n = the rows 1.65
+(Laplace), 1.66 (projection, Laplace noise), 2.16 (Gaussian), 2.45 (projection, Gaussian
+noise), 2.72 (Gaussian sketch); with the public n 0.70, 0.75, −0.03, 0.06, −0.05.
+
+Neighbouring relation and accepted row counts (the convention):
+  * `relation="add-remove"` (the default, the project's unit of privacy): the data set has the
+    public n rows and a neighbour has one example more or less, so `Z` must have n − 1, n or
+    n + 1 rows; any other count is refused (ValueError naming `n`: n is then not the size of
+    the data set). Any two accepted add/remove neighbours have the same normaliser n and differ
+    by one row z, so the ℓ2 sensitivity is exactly L/n and the ℓ1 sensitivity L√s/n
+    (‖z‖₁ ≤ √s‖z‖₂ for s-sparse z). The refusal depends only on the row count, and the data
+    set of n rows and all its neighbours are accepted, so it tells nothing about any example
+    of the data set the guarantee is stated for.
+  * `relation="replace-one"` (the poster's): data set and neighbour both have exactly n rows
+    (a row count ≠ n is refused); one row is swapped for another, z − z' with ‖z − z'‖₂ ≤ 2L,
+    so both sensitivities double: 2L/n and 2L√s/n.
+We default to add-remove because every accountant in `accounting/` composes add/remove events;
+with replace-one the calibrations reproduce the poster's constants exactly (σ = 2L√s/(nε),
+σ² = 8L² ln(1.25/δ)/(nε)², σ² = 18L² ln(2.5/δ)/(nε)²; see the tests). Events are stated in units
+of the sensitivity under the chosen relation (`noise_multiplier` = noise scale / sensitivity); a
+replace-one event is also a valid, conservative add/remove event (the add/remove sensitivity is
+half).
 
 Randomness: every function takes `rng` (a numpy Generator). Tests pass seeded ones; production
 callers must pass a generator seeded from OS entropy (`np.random.default_rng()` with no seed).
@@ -110,19 +130,29 @@ def validate_sparse_rows(Z, s: Optional[int], L: float, name: str = "Z") -> sp.c
     return X
 
 
-def _public_n(n, X: sp.csr_matrix) -> int:
-    if n is None:
-        if X.shape[0] < 1:
-            raise ValueError("n must be given when Z has no rows")
-        return int(X.shape[0])
-    return _positive_int(n, "n")
+def _public_n(n, X: sp.csr_matrix, relation: str, name: str = "Z") -> int:
+    """The public n after checking that `X`'s row count is one the relation allows for it:
+    n − 1, n or n + 1 under add-remove (the data set and its neighbours), exactly n under
+    replace-one (see the module docstring)."""
+    relation_factor(relation)
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"n must be the data set's public size, an integer >= 1 fixed before looking at the data "
+                         f"(never the row count of the private data), got {n!r}")
+    n, rows = int(n), int(X.shape[0])
+    allowed = (n - 1, n, n + 1) if relation == "add-remove" else (n,)
+    if rows not in allowed:
+        expect = "n - 1, n or n + 1 (the data set of n rows or a neighbour)" if relation == "add-remove" else "exactly n"
+        raise ValueError(f"{name} has {rows} rows but n = {n}: under {relation} it must have {expect}; "
+                         f"pass n = the data set's public size")
+    return n
 
 
 # ---- sensitivities and calibration -------------------------------------------------------------
 
 
 def l2_sensitivity(L: float, n: int, relation: str = "add-remove") -> float:
-    """ℓ2 sensitivity of z̄ = Σ z_i / n (n public) for ‖z_i‖₂ ≤ L: L/n (add-remove), 2L/n (replace-one)."""
+    """ℓ2 sensitivity of z̄ = Σ z_i / n (n public, the same for both neighbours) for ‖z_i‖₂ ≤ L:
+    L/n (add-remove), 2L/n (replace-one)."""
     return relation_factor(relation) * L / n
 
 
@@ -169,11 +199,12 @@ def _mean(X: sp.csr_matrix, n: int) -> np.ndarray:
 # ---- mechanisms ------------------------------------------------------------------------------------
 
 
-def gaussian_mean(Z, *, L: float, epsilon: float, delta: float, rng: np.random.Generator, n: Optional[int] = None,
+def gaussian_mean(Z, *, n: int, L: float, epsilon: float, delta: float, rng: np.random.Generator,
                   relation: str = "add-remove", s: Optional[int] = None) -> tuple[np.ndarray, dp_event.DpEvent]:
     """The plain Gaussian mechanism (baseline): z̄ + N(0, σ² I_d) on all d coordinates.
 
-    Neighbouring relation: `relation` (add-remove by default), n public. Sensitivity: ℓ2,
+    Neighbouring relation: `relation` (add-remove by default), n public and required
+    (`Z` has n − 1, n or n + 1 rows under add-remove, exactly n under replace-one). Sensitivity: ℓ2,
     Δ₂ = L/n (add-remove) or 2L/n (replace-one); sparsity is not used (`s`, if given, is only
     checked). σ = Δ₂ · `gaussian_noise_multiplier(ε, δ)`.
     Returns (estimate, GaussianDpEvent(σ/Δ₂)): (ε, δ)-DP for `relation`; an accountant's ε at δ
@@ -182,17 +213,18 @@ def gaussian_mean(Z, *, L: float, epsilon: float, delta: float, rng: np.random.G
     L, epsilon = _positive(L, "L"), _positive(epsilon, "epsilon")
     delta, rng = _delta(delta, allow_zero=False), _rng(rng)
     X = validate_sparse_rows(Z, None if s is None else _positive_int(s, "s"), L)
-    n = _public_n(n, X)
+    n = _public_n(n, X, relation)
     multiplier = gaussian_noise_multiplier(epsilon, delta)
     sigma = multiplier * l2_sensitivity(L, n, relation)
     return _mean(X, n) + rng.normal(0.0, sigma, size=X.shape[1]), dp_event.GaussianDpEvent(multiplier)
 
 
-def laplace_mean(Z, *, s: int, L: float, epsilon: float, rng: np.random.Generator, n: Optional[int] = None,
+def laplace_mean(Z, *, n: int, s: int, L: float, epsilon: float, rng: np.random.Generator,
                  relation: str = "add-remove") -> tuple[np.ndarray, dp_event.DpEvent]:
     """The plain Laplace mechanism (baseline): z̄ + Lap(b)^{⊗d}, b = Δ₁/ε.
 
-    Neighbouring relation: `relation` (add-remove by default), n public. Sensitivity: ℓ1,
+    Neighbouring relation: `relation` (add-remove by default), n public and required
+    (`Z` has n − 1, n or n + 1 rows under add-remove, exactly n under replace-one). Sensitivity: ℓ1,
     Δ₁ = L√s/n (add-remove) or 2L√s/n (replace-one; b is then the poster's 2L√s/(nε)).
     Returns (estimate, LaplaceDpEvent(1/ε)) — noise multiplier b/Δ₁: pure ε-DP for `relation`
     (δ = 0; Dwork and Roth 2014, Thm 3.6); the `rdp` accountant composes it. `rng`: seed from
@@ -200,18 +232,21 @@ def laplace_mean(Z, *, s: int, L: float, epsilon: float, rng: np.random.Generato
     """
     s, L, epsilon, rng = _positive_int(s, "s"), _positive(L, "L"), _positive(epsilon, "epsilon"), _rng(rng)
     X = validate_sparse_rows(Z, s, L)
-    n = _public_n(n, X)
+    n = _public_n(n, X, relation)
     b = l1_sensitivity(L, s, n, relation) / epsilon
     return _mean(X, n) + rng.laplace(0.0, b, size=X.shape[1]), dp_event.LaplaceDpEvent(1.0 / epsilon)
 
 
-def projection_mechanism(Z, *, s: int, L: float, epsilon: float, rng: np.random.Generator, delta: float = 0.0,
-                         n: Optional[int] = None, relation: str = "add-remove") -> tuple[np.ndarray, dp_event.DpEvent]:
+def projection_mechanism(Z, *, n: int, s: int, L: float, epsilon: float, rng: np.random.Generator, delta: float = 0.0,
+                         relation: str = "add-remove") -> tuple[np.ndarray, dp_event.DpEvent]:
     """The projection mechanism (Nikolov, Talwar and Zhang 2013; the poster's first algorithm):
-    ẑ = the Euclidean projection of z̄ + ξ onto the ℓ1 ball of radius L√s (which contains z̄,
-    since ‖z_i‖₁ ≤ √s L), with ξ ~ Lap(Δ₁/ε)^{⊗d} if δ = 0, N(0, σ² I_d) if δ > 0.
+    ẑ = the Euclidean projection of z̄ + ξ onto the ℓ1 ball of radius L√s, with
+    ξ ~ Lap(Δ₁/ε)^{⊗d} if δ = 0, N(0, σ² I_d) if δ > 0. The ball contains z̄ = Σ z_i / n whenever
+    `Z` has at most n rows (‖z_i‖₁ ≤ √s L); a neighbour with n + 1 rows may lie outside it by at
+    most L√s/n in ℓ1, which costs accuracy only (the projection is post-processing).
 
-    Neighbouring relation: `relation` (add-remove by default), n public. Sensitivity: δ = 0 — ℓ1,
+    Neighbouring relation: `relation` (add-remove by default), n public and required
+    (`Z` has n − 1, n or n + 1 rows under add-remove, exactly n under replace-one). Sensitivity: δ = 0 — ℓ1,
     Δ₁ = L√s/n (replace-one 2L√s/n, the poster's σ = 2L√s/(nε)); δ > 0 — ℓ2, Δ₂ = L/n
     (replace-one 2L/n, the poster's σ² = 8L² ln(1.25/δ)/(nε)²). The projection is post-processing.
     Returns (estimate, event): δ = 0 → LaplaceDpEvent(1/ε), pure ε-DP; δ > 0 →
@@ -221,7 +256,7 @@ def projection_mechanism(Z, *, s: int, L: float, epsilon: float, rng: np.random.
     s, L, epsilon, rng = _positive_int(s, "s"), _positive(L, "L"), _positive(epsilon, "epsilon"), _rng(rng)
     delta = _delta(delta, allow_zero=True)
     X = validate_sparse_rows(Z, s, L)
-    n = _public_n(n, X)
+    n = _public_n(n, X, relation)
     d = X.shape[1]
     event: dp_event.DpEvent
     if delta == 0.0:
@@ -243,8 +278,8 @@ def default_sketch_rows(n: int, d: int, s: int, epsilon: float, delta: float) ->
     return int(min(d, max(1, math.ceil(m))))
 
 
-def gaussian_sketch(Z, *, s: int, L: float, epsilon: float, delta: float, rng: np.random.Generator,
-                    m: Optional[int] = None, clip: Optional[float] = None, n: Optional[int] = None,
+def gaussian_sketch(Z, *, n: int, s: int, L: float, epsilon: float, delta: float, rng: np.random.Generator,
+                    m: Optional[int] = None, clip: Optional[float] = None,
                     relation: str = "add-remove") -> tuple[np.ndarray, np.ndarray, dp_event.DpEvent]:
     """The private part of Gaussian ℓ1-recovery: (A, b, event) with A ~ N(0, 1/m)^{m×d} (public,
     drawn from `rng` before any noise and independent of the data) and
@@ -262,7 +297,8 @@ def gaussian_sketch(Z, *, s: int, L: float, epsilon: float, delta: float, rng: n
     makes the event slightly conservative (its accounted ε at δ is < ε).
 
     `m`: rows of the sketch (default `default_sketch_rows`, the poster's m capped at d; an
-    explicit m > d is refused). Neighbouring relation: `relation`, n public. Sensitivity: ℓ2,
+    explicit m > d is refused). Neighbouring relation: `relation`, n public and required
+    (`Z` has n − 1, n or n + 1 rows under add-remove, exactly n under replace-one). Sensitivity: ℓ2,
     C/n (add-remove), 2C/n (replace-one). Event: GaussianDpEvent(σ/Δ₂), (ε, δ)-DP.
     Cost: A is dense m×d and the n×m sketches are dense; Z is never densified.
     `rng`: seed from OS entropy in production.
@@ -271,7 +307,7 @@ def gaussian_sketch(Z, *, s: int, L: float, epsilon: float, delta: float, rng: n
     delta = _delta(delta, allow_zero=False)
     C = 1.5 * L if clip is None else _positive(clip, "clip")
     X = validate_sparse_rows(Z, s, L)
-    n = _public_n(n, X)
+    n = _public_n(n, X, relation)
     d = X.shape[1]
     if m is None:
         m = default_sketch_rows(n, d, s, epsilon, delta)
@@ -308,13 +344,14 @@ def l1_recover(A: np.ndarray, b: np.ndarray) -> np.ndarray:
     return res.x[:d] - res.x[d:]
 
 
-def gaussian_l1_recovery(Z, *, s: int, L: float, epsilon: float, delta: float, rng: np.random.Generator,
-                         m: Optional[int] = None, clip: Optional[float] = None, n: Optional[int] = None,
+def gaussian_l1_recovery(Z, *, n: int, s: int, L: float, epsilon: float, delta: float, rng: np.random.Generator,
+                         m: Optional[int] = None, clip: Optional[float] = None,
                          relation: str = "add-remove") -> tuple[np.ndarray, dp_event.DpEvent]:
     """Gaussian ℓ1-recovery (the poster's second algorithm, for δ > 0): z̃ = argmin{‖z‖₁ : Az = b}
     with (A, b) from `gaussian_sketch` (same arguments, same rng draws) and the LP of `l1_recover`.
 
-    Neighbouring relation: `relation`, n public. Sensitivity: ℓ2 of the clipped sketch average,
+    Neighbouring relation: `relation`, n public and required
+    (`Z` has n − 1, n or n + 1 rows under add-remove, exactly n under replace-one). Sensitivity: ℓ2 of the clipped sketch average,
     C/n (add-remove) or 2C/n (replace-one), C = `clip` (default 1.5·L). The LP is post-processing.
     Returns (estimate, GaussianDpEvent(σ/Δ₂)): (ε, δ)-DP, always (not w.h.p. over A).
     `rng`: seed from OS entropy in production.
