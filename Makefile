@@ -28,10 +28,14 @@ test: setup
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests
 
+# A run directory is never written twice (docs/DESIGN.md §1): each demo trains into a new one.
+DEMO_RUN = runs/quickstart-$(shell date +%Y%m%d-%H%M%S)
+
 demo: setup
-	$(VENV)/bin/widedp train --config configs/quickstart.toml --run-dir runs/quickstart > /dev/null
-	@echo "== runs/quickstart/summary.json"
-	@$(PY) -m json.tool runs/quickstart/summary.json
+	$(eval RUN := $(DEMO_RUN))
+	$(VENV)/bin/widedp train --config configs/quickstart.toml --run-dir $(RUN) > /dev/null
+	@echo "== $(RUN)/summary.json"
+	@$(PY) -m json.tool $(RUN)/summary.json
 
 # Every benchmark (full: hours on 2 cores; `make bench QUICK=1`: minutes), then `make results`.
 bench: setup

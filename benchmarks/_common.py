@@ -546,3 +546,16 @@ def default_selection_threshold(cfg) -> Optional[dict]:
     if plan is None or plan.selection_params is None:  # every table dense: no selection
         return None
     return {"threshold": plan.selection_params.threshold, "rule": info.threshold_rule}
+
+
+def set_aside_stale_run(run_dir: Path) -> Optional[Path]:
+    """A benchmark's run directory whose saved config no longer matches is moved aside (renamed
+    `<dir>.replaced-<date-time>`, ledger and all), never trained over: a run directory is written
+    by one run only (trainer/train.py refuses otherwise). Returns the new name, or None."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists() or not any(run_dir.iterdir()):
+        return None
+    aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.rename(aside)
+    print(f"  {run_dir}: its config changed; the old run is kept as {aside.name}")
+    return aside

@@ -49,7 +49,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (announce_machine, DATA_DIR, REPO, RESULTS_DIR, default_selection_threshold, format_table,
-                     write_results)
+                     set_aside_stale_run, write_results)
 
 DATASETS = {"criteo_like": "configs/ctr_criteo_like.toml", "ctr": "configs/ctr.toml", "cbow": "configs/cbow.toml"}
 PRIMARY = {"criteo_like": ("auc", "max"), "ctr": ("auc", "max"), "cbow": ("loss", "min")}
@@ -113,6 +113,7 @@ def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, ove
         summary = json.loads(summary_path.read_text())
         record["reused"] = True
     else:
+        set_aside_stale_run(run_dir)
         try:
             summary = train(cfg, run_dir, progress=False)
         except Exception as exc:  # one failed point must not lose the grid

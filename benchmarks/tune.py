@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO, announce_machine, format_table, write_results  # noqa: E402
+from _common import REPO, announce_machine, format_table, set_aside_stale_run, write_results  # noqa: E402
 
 PRIMARY = {"dlrm": ("auc", "max"), "cbow": ("loss", "min")}
 
@@ -61,6 +61,7 @@ def _run_point(job: tuple) -> dict:
         summary = json.loads((run_dir / "summary.json").read_text())
         record["reused"] = True
     else:
+        set_aside_stale_run(run_dir)
         try:
             summary = train(cfg, run_dir, progress=False)
         except Exception as exc:  # one failed point must not lose the sweep

@@ -12,6 +12,7 @@ hashable keys; it returns a `PartitionSelection` (keys, noisy counts, event) ins
 """
 
 from selection.exponential import exponential_top_k, k_from_fraction, paper_epsilon_per_draw
+from selection.keyed_random import GaussianStream, NoiseKey
 from selection.fest import fest_top_k, truncated_row_counts
 from selection.noise import (NoisyStep, gaussian_noise, noisy_selected_rows, noisy_step,
                              secure_generator, step_sensitivity)
@@ -25,6 +26,8 @@ from selection.sparse_vector import numeric_sparse
 from selection.threshold import contribution_counts, gaussian_threshold
 
 __all__ = [
+    "GaussianStream",
+    "NoiseKey",
     "PartitionSelection",
     "Selection",
     "ShardCandidates",

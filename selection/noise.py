@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import secrets
 from typing import Mapping, Optional
 
 import torch
 
 from accounting.events import GaussianDpEvent
+from selection.keyed_random import GaussianStream, NoiseKey
 
 
 def step_sensitivity(clip_norm: float, expected_batch_size: float, second_clip_norm: Optional[float]) -> float:
@@ -33,25 +33,30 @@ def step_sensitivity(clip_norm: float, expected_batch_size: float, second_clip_n
     return s
 
 
-def secure_generator(device: str | torch.device = "cpu") -> torch.Generator:
-    """A torch generator seeded from the OS CSPRNG (no reproducible seed to leak)."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(secrets.randbits(63))
-    return gen
+def secure_generator() -> GaussianStream:
+    """A cryptographic Gaussian stream (ChaCha20, `selection.keyed_random`) keyed with 256 fresh
+    bits from the OS CSPRNG: no seed to leak, nothing to reproduce."""
+    return GaussianStream(NoiseKey.fresh(secure=True))
 
 
-def gaussian_noise(shape, std: float, generator: torch.Generator, dtype=torch.float32, device="cpu", secure: bool = False) -> torch.Tensor:
-    """N(0, std²) noise. `secure=True` sums 4 draws and halves them (same variance), which
-    defeats the floating-point attacks on a single Gaussian sample (Holohan & Braghin 2021,
-    as in Opacus `secure_mode`); pair it with `secure_generator()`."""
+def gaussian_noise(shape, std: float, generator: GaussianStream, dtype=torch.float32, device="cpu",
+                   secure: bool = False) -> torch.Tensor:
+    """N(0, std²) noise: the next values of a keyed Gaussian stream (`selection.keyed_random`:
+    Philox keyed with 128 bits, or ChaCha20 with 256 in secure mode) times std — never a torch
+    generator, whose CPU seed keeps 32 bits. A secure stream's values are the 4-draw Gaussian
+    (sum of 4 normals halved, same variance), which defeats the floating-point attacks on a single
+    Gaussian sample (Holohan & Braghin 2021, as in Opacus `secure_mode`); `secure=True` demands
+    such a stream. Drawn on the CPU and moved to `device`."""
     if std < 0 or not math.isfinite(std):
         raise ValueError(f"noise std must be finite and >= 0, got {std}")
-    if not secure:
-        return torch.normal(0.0, std, size=tuple(shape), generator=generator, dtype=dtype, device=device)
-    noise = torch.zeros(tuple(shape), dtype=torch.float64, device=device)
-    for _ in range(4):
-        noise += torch.normal(0.0, std, size=tuple(shape), generator=generator, dtype=torch.float64, device=device)
-    return (noise / 2.0).to(dtype)
+    if not isinstance(generator, GaussianStream):
+        raise TypeError(f"privacy noise needs a keyed GaussianStream (selection.keyed_random), "
+                        f"got {type(generator).__name__}")
+    if secure and not generator.secure:
+        raise ValueError("secure noise needs a secure (ChaCha20) stream: GaussianStream(NoiseKey(..., secure=True))")
+    z = generator.standard_normal(math.prod(shape)).view(shape)
+    z = z.mul_(std) if z.dtype == dtype else (z * std).to(dtype)
+    return z if device == "cpu" else z.to(device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +80,7 @@ def noisy_step(
     clip_norm: float,
     expected_batch_size: float,
     second_clip_norm: Optional[float],
-    generator: torch.Generator,
+    generator: GaussianStream,
     secure: bool = False,
     noise_rows: bool = True,
     shard_noised: Optional[torch.Tensor] = None,
@@ -119,7 +124,7 @@ def noisy_selected_rows(
     clip_norm: float,
     expected_batch_size: float,
     second_clip_norm: Optional[float],
-    generator: torch.Generator,
+    generator: GaussianStream,
     secure: bool = False,
 ) -> tuple[torch.Tensor, GaussianDpEvent]:
     """Alg 3 lines 9-11 on the rows in M only (no dense parameters): `noisy_step` with an empty

@@ -18,8 +18,9 @@ To be comparable bit-for-bit in its random choices, it takes the engine's stream
 same reproducible root (`PrivacyRandomness.from_seed(seed)`): its selection rng, its noise
 generator (draw order: the selected rows sorted by global id as one [k, D] draw, then each
 dense parameter in `named_parameters` order), DP-SGD table noise
-`row_block_normal(dpsgd_noise_seed, "dpsgd", step, t, 0, V_t, D, std)`, tables
-initialized with `row_block_normal(seed, "init", 0, t, 0, V_t, D, init_std)`. The selectors
+`row_block_normal(dpsgd_noise_key, "dpsgd", step, t, 0, V_t, D, std)`, tables
+initialized with `row_block_normal(public_key(seed), "init", 0, t, 0, V_t, D, init_std)`.
+Noise: the keyed Gaussian stream's next standard normals (float32) times std. The selectors
 themselves are the library's (they have their own reference tests); they receive the scores
 computed here.
 
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 
 import selection
-from trainer.layout import row_block_normal
+from trainer.layout import public_key, row_block_normal
 from trainer.randomness import PrivacyRandomness
 
 
@@ -66,12 +67,12 @@ class ReferenceAlg3:
         self.V = int(self.offsets[-1])
         self.features = list(meta.features)
         self.feature_table = [self.table_names.index(meta.feature_tables[f]) for f in self.features]
-        self.tables = [row_block_normal(seed, "init", 0, t, 0, rows, dim, init_std).clone()
+        self.tables = [row_block_normal(public_key(seed), "init", 0, t, 0, rows, dim, init_std).clone()
                        for t, rows in enumerate(self.table_rows)]
         randomness = PrivacyRandomness.from_seed(seed)
         self.selection_rng = randomness.selection_rng()
         self.noise_gen = randomness.noise_generator()
-        self.dpsgd_seed = randomness.dpsgd_noise_seed()
+        self.dpsgd_key = randomness.dpsgd_noise_key()
         self.step_count = 0
         self.ema_decay = ema_decay
         self.ema = self.state() if ema_decay > 0 else None
@@ -191,20 +192,20 @@ class ReferenceAlg3:
 
         noisy = (delta * scale).float()
         if private:
-            noisy = noisy + torch.normal(0.0, std, size=tuple(noisy.shape), generator=self.noise_gen, dtype=torch.float32)
+            noisy = noisy + self.noise_gen.standard_normal(noisy.numel()).view(noisy.shape) * std
         with torch.no_grad():
             for r, row in zip(selected, noisy):
                 t, local = self._table_of(r)
                 self.tables[t][local] -= lr * row
             for t in self.dense_tables:  # every row of a dense table (dpsgd: of every table)
-                noise = row_block_normal(self.dpsgd_seed, "dpsgd", self.step_count, t, 0, self.table_rows[t], self.dim, std)
+                noise = row_block_normal(self.dpsgd_key, "dpsgd", self.step_count, t, 0, self.table_rows[t], self.dim, std)
                 self.tables[t] -= lr * ((G[t] * scale).float() + noise)
 
         with torch.no_grad():
             for n, param in self.model.named_parameters():
                 g = (G_dense[n] * scale).float()
                 if private:
-                    g = g + torch.normal(0.0, std, size=tuple(g.shape), generator=self.noise_gen, dtype=torch.float32)
+                    g = g + self.noise_gen.standard_normal(g.numel()).view(g.shape) * std
                 param -= dense_lr * g
         self.step_count += 1
         if self.ema is not None:

@@ -11,7 +11,9 @@ passing comparison means something.
 
 from __future__ import annotations
 
+import copy
 import io
+import math
 
 import numpy as np
 import pytest
@@ -81,11 +83,11 @@ def build(ds, batches, *, mode, selection="em", num_shards=1, second_clip=None, 
                        trainer_actors=trainer_actors, fuse_selection=fuse_selection, plan_overrides={**plan_overrides(selection), **(overrides or {})} if mode != "nonprivate" else None)
 
 
-def reference_for(engine, ds, mode):
+def reference_for(engine, ds, mode, seed=SEED):
     """A reference with the engine's (not yet stepped) dense model and privacy plan."""
     assert engine.step_count == 0
     return ReferenceAlg3(ds, engine.model, mode=mode, plan=engine.plan, expected_batch_size=engine.b,
-                         lr=LR, dense_lr=DENSE_LR, seed=SEED, dim=DIM, init_std=INIT_STD,
+                         lr=LR, dense_lr=DENSE_LR, seed=seed, dim=DIM, init_std=INIT_STD,
                          dense_tables=engine.dense_tables)
 
 
@@ -226,7 +228,7 @@ def _shard_selection_reference(engine, idx):
                              if t not in engine.dense_tables for r in range(*layout.row_range(spec, s))], dtype=np.int64)
         mine = owner == s
         rows, counts = weighted_row_counts(example[mine], np.searchsorted(own_rows, glob[mine]), weights)
-        rng = np.random.default_rng(np.random.SeedSequence(engine.shard_selection_seed, spawn_key=(engine.step_count, s)))
+        rng = engine.shard_selection_key.generator(engine.step_count, s)
         if own_rows.size:
             local = gaussian_threshold(rows, counts, own_rows.size, params.threshold, params.noise_multiplier,
                                        params.contribution_clip, rng).ids
@@ -288,7 +290,7 @@ def _top_k_on_shards_reference(engine, idx, rows):
         mine = np.isin(glob, own_rows)
         local = np.searchsorted(own_rows, glob[mine])
         order = np.argsort(local)
-        rng = np.random.default_rng(np.random.SeedSequence(engine.shard_selection_seed, spawn_key=(engine.step_count, s)))
+        rng = engine.shard_selection_key.generator(engine.step_count, s)
         part = selector.shard_select(local[order], stat[mine][order], own_rows.size, p.selection_params, rng,
                                      clip_norm=p.clip_norm, expected_batch_size=engine.b)
         parts.append(part.remap(own_rows[part.ids]))
@@ -430,20 +432,39 @@ MUTANTS = {
     "no_row_noise": lambda mp, engine: mp.setattr(
         "selection.noise.gaussian_noise",
         lambda shape, std, gen, secure=False: torch.zeros(shape) if len(shape) == 2
-        else torch.normal(0.0, std, size=tuple(shape), generator=gen)),
+        else gen.standard_normal(math.prod(shape)).view(shape) * std),
 }
+
+
+# The mutants run from this seed's initialization: there the crafted example's norm grouped the
+# wrong ways differs from the right one by 2-3% (`test_the_norm_mutants_change_the_crafted_norm`);
+# at some seeds the repeated rows' pooled gradients nearly cancel and no grouping shows.
+MUTANT_SEED = 9
 
 
 def _run_mutant(install, monkeypatch):
     ds = dataset()
     batches = batches_with_crafted(ds, 4)
-    engine = build(ds, batches, mode="sparse", selection="em", num_shards=2, second_clip=S2)
-    ref = reference_for(engine, ds, "sparse")
+    engine = build(ds, batches, mode="sparse", selection="em", num_shards=2, second_clip=S2, seed=MUTANT_SEED)
+    ref = reference_for(engine, ds, "sparse", seed=MUTANT_SEED)
     install(monkeypatch, engine)
     for idx in batches:
         engine.step()
         ref.step(idx)
     return engine_params(engine), ref.state()
+
+
+def test_the_norm_mutants_change_the_crafted_norm():
+    """The precondition of the two norm mutants: at MUTANT_SEED the crafted example (clipped) has
+    a norm that the Opacus-style and per-feature groupings get wrong by more than 1%."""
+    ds = dataset()
+    indices = np.array([0, 5, len(ds) - 1, 7, 12, 30])
+    engine = build(ds, [indices], mode="sparse", seed=MUTANT_SEED)
+    _, dense_sq, parts, g_pooled = _engine_norm_pass(engine, indices)
+    norm = {g: float(np.sqrt(_grouped_sq_norms(engine, parts, g_pooled, indices.size, g) + np.asarray(dense_sq))[2])
+            for g in ("row", "occurrence", "feature")}
+    assert norm["row"] > CLIP
+    assert abs(norm["occurrence"] / norm["row"] - 1) > 0.01 and abs(norm["feature"] / norm["row"] - 1) > 0.01
 
 
 @pytest.mark.parametrize("mutant", list(MUTANTS))
@@ -1132,7 +1153,7 @@ def test_budget_stop_refuses_exactly_the_exceeding_step(mode, selection):
         assert st is not None and st.step == t and st.epsilon <= target
     before = engine_params(engine)
     sampler_state = dict(engine.sampler.state_dict())
-    noise_state = engine.noise_gen.get_state().clone()
+    noise_state = copy.deepcopy(engine.noise_gen.state_dict())
     rng_state = engine.selection_rng.bit_generator.state
     steps = engine.ledger.steps
     assert engine.step() is None
@@ -1141,8 +1162,8 @@ def test_budget_stop_refuses_exactly_the_exceeding_step(mode, selection):
     assert engine.ledger.epsilon() <= target
     assert_params_equal(engine_params(engine), before)
     assert engine.sampler.state_dict() == sampler_state
-    assert torch.equal(engine.noise_gen.get_state(), noise_state)
-    assert engine.selection_rng.bit_generator.state == rng_state
+    assert repr(engine.noise_gen.state_dict()) == repr(noise_state)  # Philox state: numpy arrays
+    assert repr(engine.selection_rng.bit_generator.state) == repr(rng_state)
 
 
 @pytest.mark.parametrize("mode", ["sparse", "dpsgd"])

@@ -345,3 +345,25 @@ def test_bad_inputs(runs, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         export_run(runs["cbow"], parent / "out")
     assert list(parent.iterdir()) == []  # no OUT_DIR, no temporary directory left
+
+
+def test_export_reports_privacy_only_from_a_ledger_that_extends_the_checkpoints(runs, tmp_path):
+    """The privacy report's ε comes from ledger.json, which must be there and extend the ledger
+    the checkpoint embeds: a deleted or rolled-back ledger.json is refused (the checkpoint's copy
+    misses the steps released after it), as `--resume` refuses it."""
+    from accounting import PrivacyLedger
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["dlrm"], run)
+    (run / "ledger.json").unlink()
+    with pytest.raises(ValueError, match="without ledger.json"):
+        export_run(run, tmp_path / "o1")
+    shutil.copy(runs["dlrm"] / "ledger.json", run / "ledger.json")
+    ledger = PrivacyLedger.load(run / "ledger.json")
+    shorter = PrivacyLedger(ledger.accountant.name, ledger.delta)
+    for event, count in ledger.history[:-1]:
+        shorter.record(event, count)
+    shorter.save(run / "ledger.json")
+    with pytest.raises(ValueError, match="does not extend"):
+        export_run(run, tmp_path / "o2")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()

@@ -20,6 +20,7 @@ from accounting import events as ev
 from accounting.modelmix import ModelMixDpEvent
 from tests.engine_fixtures import ListSampler, make_engine, poisson_batches, wide_ctr
 from trainer.config import ConfigError, load_config
+from selection.keyed_random import NoiseKey
 from trainer.layout import row_block_uniform
 from trainer.modelmix import enforce_gap, mix
 
@@ -39,12 +40,12 @@ def test_the_gap_is_enforced_exactly_symmetrically_and_only_where_it_is_short():
 
 
 def test_the_mix_lies_between_the_pushed_states_and_alpha_is_uniform_and_partition_free():
-    alpha = row_block_uniform(7, "modelmix", 3, 1, 0, 5000, 2)
-    split = torch.cat([row_block_uniform(7, "modelmix", 3, 1, 0, 1500, 2),
-                       row_block_uniform(7, "modelmix", 3, 1, 1500, 5000, 2)])
+    alpha = row_block_uniform(NoiseKey(7), "modelmix", 3, 1, 0, 5000, 2)
+    split = torch.cat([row_block_uniform(NoiseKey(7), "modelmix", 3, 1, 0, 1500, 2),
+                       row_block_uniform(NoiseKey(7), "modelmix", 3, 1, 1500, 5000, 2)])
     assert torch.equal(alpha, split)
     assert stats.kstest(alpha.numpy().ravel(), "uniform").pvalue > 1e-4
-    assert not torch.equal(alpha, row_block_uniform(7, "modelmix", 4, 1, 0, 5000, 2))  # fresh every step
+    assert not torch.equal(alpha, row_block_uniform(NoiseKey(7), "modelmix", 4, 1, 0, 5000, 2))  # fresh every step
     current, previous = torch.zeros(5000, 2), torch.zeros(5000, 2)
     out = mix(current, previous, 2.0, alpha)
     assert torch.all(out >= -1.0) and torch.all(out <= 1.0)
@@ -86,11 +87,11 @@ def test_a_mixed_step_is_the_plain_step_taken_from_the_secret_mix_of_the_pushed_
         lo, hi = mixed.layout.row_range(mixed.layout.tables[t], s)
         if hi <= lo:
             continue
-        alpha = row_block_uniform(mixed.mix_seed, "modelmix", 0, t, lo, hi, 4)
+        alpha = row_block_uniform(mixed.mix_key, "modelmix", 0, t, lo, hi, 4)
         want = mix(before, before, 0.2 * gradient_gap, alpha) + (after_plain - before)
         torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
     for i, (n, p) in enumerate(mixed.model.named_parameters()):
-        alpha = row_block_uniform(mixed.mix_seed, "modelmix-dense", 0, i, 0, p.numel(), 1).view_as(p)
+        alpha = row_block_uniform(mixed.mix_key, "modelmix-dense", 0, i, 0, p.numel(), 1).view_as(p)
         want = mix(start_dense[n], start_dense[n], 0.1 * gradient_gap, alpha) + (_dense(plain)[n] - start_dense[n])
         torch.testing.assert_close(p.detach(), want, rtol=0, atol=2e-6)
     assert any(not torch.allclose(v, _dense(plain)[n]) for n, v in _dense(mixed).items())  # mixing did something

@@ -42,6 +42,8 @@ from privacy_audit import (
     run_trials,
 )
 from selection import (
+    GaussianStream,
+    NoiseKey,
     Selection,
     exponential_top_k,
     fest_top_k,
@@ -423,8 +425,8 @@ def _audit_noisy_rows(step, regime: str, secure: bool, seed: int):
     delta = gaussian_delta(NR_EPS, mu)
     x_lower = torch.from_numpy(lower[None, :]).float()
     x_upper = torch.from_numpy(upper[None, :]).float()
-    gen_up = torch.Generator().manual_seed(seed)
-    gen_lo = torch.Generator().manual_seed(seed + 1)
+    gen_up = GaussianStream(NoiseKey(seed, secure=secure))
+    gen_lo = GaussianStream(NoiseKey(seed + 1, secure=secure))
 
     def event(out) -> bool:
         return float(out[0][0, 0]) >= t
@@ -453,7 +455,7 @@ def _step_sigma_halved(rows, noise_multiplier, clip_norm, batch, s2, generator, 
 def test_noisy_selected_rows_real(regime, secure):
     cfg = NR_REGIMES[regime]
     assert step_sensitivity(cfg["clip_norm"], cfg["batch"], cfg["s2"]) == pytest.approx(cfg["sens"])
-    _, ev = noisy_selected_rows(torch.zeros(1, 4), NR_SIGMA, cfg["clip_norm"], cfg["batch"], cfg["s2"], torch.Generator().manual_seed(0))
+    _, ev = noisy_selected_rows(torch.zeros(1, 4), NR_SIGMA, cfg["clip_norm"], cfg["batch"], cfg["s2"], GaussianStream(NoiseKey(0)))
     assert ev == GaussianDpEvent(NR_SIGMA)
     result, delta = _audit_noisy_rows(noisy_selected_rows, regime, secure, seed=NR_SEEDS[regime])
     _show(f"noisy_selected_rows real ({regime}, secure={secure}, delta={delta:.4g})", result, NR_EPS)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import trainer.shard as shard_module
+from selection.keyed_random import NoiseKey
 from trainer.layout import FeatureSpec, ShardInput, ShardLayout, TableSpec, row_block_normal
 from trainer.shard import EmbeddingShard
 
@@ -135,7 +136,7 @@ def test_dense_noise_update_in_small_chunks_equals_one_chunk_and_reaches_the_unu
         shard = EmbeddingShard(LAYOUT, 0, lr=1.0, seed=1, init_std=0.5)
         before = tables_of(shard)
         touched_t, touched_id = np.array([0, 2]), np.array([shard.ranges[0][0] + 2, shard.ranges[2][0]])
-        shard.apply_dense_noise_update(0, 99, 0.1, touched_t, touched_id, np.full((2, D), 5.0, np.float32),
+        shard.apply_dense_noise_update(0, NoiseKey(99), 0.1, touched_t, touched_id, np.full((2, D), 5.0, np.float32),
                                        tables=(0, 2, 3))
         return shard, before, tables_of(shard)
 
@@ -145,7 +146,7 @@ def test_dense_noise_update_in_small_chunks_equals_one_chunk_and_reaches_the_unu
         np.testing.assert_array_equal(small[t], one[t])
     for t in (0, 2, 3):
         start, end = shard.ranges[t]
-        noise = row_block_normal(99, "dpsgd", 0, t, start, end, D, 0.1).numpy().astype(np.float64)
+        noise = row_block_normal(NoiseKey(99), "dpsgd", 0, t, start, end, D, 0.1).numpy().astype(np.float64)
         grad = noise.copy()
         if t == 0:
             grad[2] += 5.0
@@ -170,11 +171,11 @@ def test_dense_noise_update_in_place_equals_row_by_row_updates(optimizer, monkey
         touched_t = np.array([0, 0, 3])
         touched_id = np.array([shard.ranges[0][0], shard.ranges[0][1] - 1, shard.ranges[3][0]])
         touched = rng.normal(size=(3, D)).astype(np.float32)
-        shard.apply_dense_noise_update(step, 7, 0.2, touched_t, touched_id, touched, tables=dense, lr_scale=0.5)
+        shard.apply_dense_noise_update(step, NoiseKey(7), 0.2, touched_t, touched_id, touched, tables=dense, lr_scale=0.5)
         all_t, all_id, all_g = [], [], []
         for t in dense:
             start, end = shard.ranges[t]
-            grad = row_block_normal(7, "dpsgd", step, t, start, end, D, 0.2).numpy().copy()
+            grad = row_block_normal(NoiseKey(7), "dpsgd", step, t, start, end, D, 0.2).numpy().copy()
             for tt, r, g in zip(touched_t, touched_id, touched):
                 if tt == t:
                     grad[r - start] += g

@@ -163,6 +163,7 @@ DENSE_SIGMA, DENSE_EPS, DENSE_ROWS = 1.0, 1.0, 100_000
 def _dense_release(touched: bool, seed: int, apply) -> np.ndarray:
     import torch
 
+    from selection.keyed_random import GaussianStream, NoiseKey
     from selection.noise import noisy_step
     from trainer.layout import FeatureSpec, ShardLayout, TableSpec
     from trainer.shard import EmbeddingShard
@@ -174,8 +175,8 @@ def _dense_release(touched: bool, seed: int, apply) -> np.ndarray:
     grads = torch.zeros((ids.size, 4), dtype=torch.float64)
     grads[:, 0] = 1.0  # S1/b with S1 = 1, b = 1
     step = noisy_step(torch.zeros((0, 4), dtype=torch.float64), {}, DENSE_SIGMA, 1.0, 1.0, None,
-                      torch.Generator().manual_seed(0), shard_noised=grads)
-    apply(shard, 0, seed, step.std, np.zeros(ids.size, np.int64), ids, step.shard_rows.numpy(), False, (0,))
+                      GaussianStream(NoiseKey(0)), shard_noised=grads)
+    apply(shard, 0, NoiseKey(seed), step.std, np.zeros(ids.size, np.int64), ids, step.shard_rows.numpy(), (0,))
     return (before - shard.weights(0).detach())[:, 0].numpy()  # lr = 1: the released update
 
 
@@ -197,11 +198,14 @@ def _std_halved(shard, step, seed, std, *args):
     shard.apply_dense_noise_update(step, seed, std / 2.0, *args)
 
 
-def _untouched_rows_skipped(shard, step, seed, std, table_idx, ids, rows, secure, tables):
+def _untouched_rows_skipped(shard, step, seed, std, table_idx, ids, rows, tables):
     """Broken: noise (and updates) only on the rows the batch touched."""
     import torch
 
-    update = torch.from_numpy(rows) + torch.normal(0.0, std, size=rows.shape, generator=torch.Generator().manual_seed(seed))
+    from selection.keyed_random import GaussianStream
+    from selection.noise import gaussian_noise
+
+    update = torch.from_numpy(rows) + gaussian_noise(rows.shape, std, GaussianStream(seed))
     shard.apply_rows(table_idx, ids, update.numpy())
 
 

@@ -148,15 +148,17 @@ class Engine:
             {n: p.detach().clone() for n, p in model.named_parameters()} if self.ema_decay > 0 else None)
         self.secure_mode = secure_mode
         # Secret by default (trainer/randomness.py): a caller that passes nothing gets fresh OS entropy.
-        self.randomness = PrivacyRandomness.fresh() if randomness is None else randomness
+        self.randomness = PrivacyRandomness.fresh(secure=secure_mode) if randomness is None else randomness
         if secure_mode and self.randomness.reproducible:
             raise ValueError("privacy.secure_mode needs secret randomness: unset privacy.reproducible")
+        if secure_mode and not self.randomness.secure:
+            raise ValueError("privacy.secure_mode needs cryptographic generators: PrivacyRandomness.fresh(secure=True)")
         self.selection_rng = self.randomness.selection_rng()
         self.noise_gen = self.randomness.noise_generator()
-        self.dpsgd_noise_seed = self.randomness.dpsgd_noise_seed()
-        self.shard_selection_seed = self.randomness.shard_selection_seed()
+        self.dpsgd_noise_key = self.randomness.dpsgd_noise_key()
+        self.shard_selection_key = self.randomness.shard_selection_key()
         self.clip_rng = self.randomness.clip_rng()
-        self.mix_seed = self.randomness.mix_seed()  # ModelMix's α (train.modelmix; trainer/modelmix.py)
+        self.mix_key = self.randomness.mix_key()  # ModelMix's α (train.modelmix; trainer/modelmix.py)
         self._mix_previous: Optional[dict] = None  # ModelMix: the dense parameters' θ_{t-2}
         if plan is not None and plan.mix_width > 0 and mode != "dpsgd":
             raise ValueError(f"ModelMix needs mode 'dpsgd' (every coordinate mixed), got {mode!r}")
@@ -390,7 +392,7 @@ class Engine:
                 owner = self.layout.owner(t, flat - self.table_offsets[t])
                 per_shard = [np.sort(flat[owner == s]) for s in range(self.layout.num_shards)]
             self._keep_rows = (self.fixed_rows, per_shard)
-        return [ShardSelect(p.selection, p.selection_params, tuple(self.dense_tables), self.shard_selection_seed,
+        return [ShardSelect(p.selection, p.selection_params, tuple(self.dense_tables), self.shard_selection_key,
                             self.step_count, p.clip_norm, self.b, keep)  # adaptive S1: set when chosen
                 for keep in self._keep_rows[1]]
 
@@ -529,7 +531,7 @@ class Engine:
     def _mix_dense(self, gradient_gap: float) -> None:
         """ModelMix on the dense parameters (trainer/modelmix.py): each parameter starts the
         update from the secret mix of its two latest states over a gap of lr·gradient_gap; α of
-        parameter i at step t from the counter-based stream (mix seed, "modelmix-dense", t, i)."""
+        parameter i at step t from the counter-based stream (mix key, "modelmix-dense", t, i)."""
         if not isinstance(self.dense_optimizer, torch.optim.SGD) or any(
                 g.get("momentum", 0) or g.get("weight_decay", 0) for g in self.dense_optimizer.param_groups):
             raise ValueError("ModelMix needs plain SGD for the dense parameters (no momentum, no weight decay)")
@@ -543,7 +545,7 @@ class Engine:
                 if id(p) not in lr_of:
                     raise ValueError(f"ModelMix: dense parameter {n!r} is not updated by the dense optimizer, "
                                      "so it would not be noised and mixed")
-                alpha = row_block_uniform(self.mix_seed, "modelmix-dense", self.step_count, i, 0, p.numel(), 1)
+                alpha = row_block_uniform(self.mix_key, "modelmix-dense", self.step_count, i, 0, p.numel(), 1)
                 current = p.detach().clone()
                 p.copy_(mix(current, self._mix_previous[n], lr_of[id(p)] * gradient_gap, alpha.view_as(p)))
                 self._mix_previous[n] = current
@@ -558,9 +560,9 @@ class Engine:
         update = values.numpy()
         owner = self.layout.owner(part.tables, part.row_ids)
         self.shards.call("apply_dense_noise_update", [
-            (self.step_count, self.dpsgd_noise_seed, std, part.tables[owner == s], part.row_ids[owner == s],
-             update[owner == s], self.secure_mode, self.dense_tables, self._step_lr_scale(),
-             None if mix_gap is None else (self.mix_seed, mix_gap))
+            (self.step_count, self.dpsgd_noise_key, std, part.tables[owner == s], part.row_ids[owner == s],
+             update[owner == s], self.dense_tables, self._step_lr_scale(),
+             None if mix_gap is None else (self.mix_key, mix_gap))
             for s in range(self.layout.num_shards)])
 
     def _release_rows(self, selected: np.ndarray, update: torch.Tensor) -> None:
@@ -604,7 +606,7 @@ class Engine:
         selector = get_selector(p.selection)
         if parts is None:
             parts = self.shards.broadcast("select_rows", p.selection, p.selection_params, self.dense_tables,
-                                          self.shard_selection_seed, self.step_count, self.step_clip, self.b)
+                                          self.shard_selection_key, self.step_count, self.step_clip, self.b)
         fixed = None if self.fixed_rows is None else vocab.to_global(self.fixed_rows)
         sel = selector.merge(parts, p.selection_params, fixed)
         return Selection(sel.ids, sel.event)
@@ -676,9 +678,7 @@ class Engine:
             state["rng"] = {
                 "sampler": self.sampler.state_dict(),
                 "selection_rng": self.selection_rng.bit_generator.state,
-                "noise_gen": self.noise_gen.get_state(),
-                "dpsgd_noise_seed": self.dpsgd_noise_seed,
-                "shard_selection_seed": self.shard_selection_seed,
+                "noise_gen": self.noise_gen.state_dict(),
                 "clip_rng": self.clip_rng.bit_generator.state,
             }
         return state
@@ -693,13 +693,15 @@ class Engine:
         self.shards.call("load_state_dict", [(s,) for s in state["shards"]])
         rng = state.get("rng")
         if rng is not None and self.randomness.reproducible:
+            if not isinstance(rng.get("noise_gen"), dict):
+                raise ValueError("the checkpoint's generator states are torch generator states (an older widedp, "
+                                 "32-bit seeds): its reproducible replay cannot continue; start a new run")
+            # The counter-based keys (DP-SGD rows, shard selection, ModelMix) derive from the root
+            # again; the sequential generators continue from their states.
             self.sampler.load_state_dict(rng["sampler"])
             self.selection_rng.bit_generator.state = rng["selection_rng"]
-            self.noise_gen.set_state(rng["noise_gen"])
-            self.dpsgd_noise_seed = rng["dpsgd_noise_seed"]
-            self.shard_selection_seed = rng.get("shard_selection_seed", self.shard_selection_seed)
-            if "clip_rng" in rng:
-                self.clip_rng.bit_generator.state = rng["clip_rng"]
+            self.noise_gen.load_state_dict(rng["noise_gen"])
+            self.clip_rng.bit_generator.state = rng["clip_rng"]
         if self.ledger is not None and state["ledger"] is not None:
             self.ledger.load_state_dict(state["ledger"])
         self.fixed_rows = state["fixed_rows"]

@@ -339,17 +339,27 @@ def _weight_key_doc(spec: dict) -> dict:
 
 # ---- privacy report ---------------------------------------------------------------------------------
 def _ledger(run_dir: Path, engine_state: dict):
-    """The ledger with the most events of ledger.json (persisted before each release) and the
-    checkpoint's copy — the larger one over-counts at worst, never under-counts."""
+    """ledger.json (persisted before each release; its events hash to the chain it stores) — and
+    it must extend the ledger the checkpoint embeds: a ledger.json that is missing, rolled back,
+    replaced or edited is refused, never replaced by the checkpoint's shorter copy (which would
+    forget the steps released after the checkpoint)."""
     from accounting import PrivacyLedger
 
-    ledger = PrivacyLedger.load(run_dir / "ledger.json") if (run_dir / "ledger.json").is_file() else None
+    ledger_file = run_dir / "ledger.json"
+    if not ledger_file.is_file():
+        return None
+    try:
+        ledger = PrivacyLedger.load(ledger_file)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ExportError(f"{exc}: its privacy cannot be reported") from None
     saved = engine_state.get("ledger")
     if saved is not None:
         from_checkpoint = PrivacyLedger(saved.get("accountant", "rdp"), saved.get("delta", 1e-6))
         from_checkpoint.load_state_dict(saved)
-        if ledger is None or from_checkpoint.steps > ledger.steps:
-            ledger = from_checkpoint
+        if not ledger.extends(from_checkpoint.chain()):
+            raise ExportError(f"{ledger_file}: does not extend the {from_checkpoint.steps} events {run_dir / 'checkpoint.pt'} "
+                              f"records (it holds {ledger.steps}): it was rolled back, replaced or edited, so its "
+                              "privacy cannot be reported")
     return ledger
 
 
@@ -359,8 +369,8 @@ def privacy_report(run_dir: Path, summary: dict, config: dict, engine_state: dic
     private = mode != "nonprivate"
     ledger = _ledger(run_dir, engine_state) if private else None
     if private and ledger is None:
-        raise ExportError(f"{run_dir}: a {mode} run without ledger.json (and no ledger in the checkpoint): "
-                          f"its privacy cannot be reported")
+        raise ExportError(f"{run_dir}: a {mode} run without ledger.json: its privacy cannot be reported "
+                          f"(a ledger is never rebuilt from the checkpoint, which misses the steps released after it)")
     reproducible = bool(summary.get("reproducible", False) or priv.get("reproducible", False)
                         or engine_state.get("reproducible", False))
     debug = bool(summary.get("debug_metrics", False) or train.get("debug_metrics", False))

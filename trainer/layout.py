@@ -9,18 +9,12 @@ values do not depend on how many shards hold it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import numpy as np
 import torch
 
-from selection.noise import gaussian_noise
+from selection.keyed_random import NoiseKey, standard_normals, uniforms
 from selection._sparse import unique_ints
-
-# Rows per counter-based random block. A shard draws whole blocks, so a table of r rows costs
-# at least min(r, ROW_BLOCK) draws per shard: small enough for the small tables a per-table
-# policy makes dense (≤ b rows), large enough that seeding a generator per block is noise.
-ROW_BLOCK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,40 +176,22 @@ def route(layout: ShardLayout, kjt, batch_size: int, example_ids=None) -> list[S
     return out
 
 
-def _block_seed(seed: int, domain: str, step: int, table: int, block: int) -> int:
-    digest = hashlib.blake2b(f"{seed}/{domain}/{step}/{table}/{block}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+def public_key(seed: int) -> NoiseKey:
+    """The key of a public, seeded draw (initialization from `train.seed`): not a privacy path."""
+    return NoiseKey(int(seed) % (1 << 128))
 
 
-def row_block_normal(seed: int, domain: str, step: int, table: int, start: int, end: int, dim: int, std: float,
-                     secure: bool = False) -> torch.Tensor:
-    """N(0, std²) values for global rows [start, end) of a table, identical however the rows
-    are partitioned: row r's values come from the generator of block r // ROW_BLOCK.
-    The values are `selection.gaussian_noise` draws (its `secure` 4-draw form when `secure`:
-    floating-point-attack resistant; pair it with a secret seed) — one Gaussian sampler."""
-    def draw(gen):
-        return gaussian_noise((ROW_BLOCK, dim), 1.0, gen, dtype=torch.float32, secure=secure)
-
-    return _row_blocks(seed, domain, step, table, start, end, dim, draw).mul_(std)
+def row_block_normal(key: NoiseKey, domain: str, step: int, table: int, start: int, end: int, dim: int,
+                     std: float) -> torch.Tensor:
+    """N(0, std²) values (float32) for global rows [start, end) of a table, identical however the
+    rows are partitioned: row r's values are values [r·dim, (r+1)·dim) of the stream of
+    `key.derive(domain, step, table)` (`selection.keyed_random.standard_normals`: Philox keyed with
+    128 bits; ChaCha20 and the 4-draw Gaussian when `key.secure`)."""
+    z = standard_normals(key.derive(domain, int(step), int(table)), start * dim, (end - start) * dim)
+    return z.view(end - start, dim).to(torch.float32).mul_(std)
 
 
-def row_block_uniform(seed: int, domain: str, step: int, table: int, start: int, end: int, dim: int) -> torch.Tensor:
+def row_block_uniform(key: NoiseKey, domain: str, step: int, table: int, start: int, end: int, dim: int) -> torch.Tensor:
     """U[0, 1) values for rows [start, end), partition-independent like `row_block_normal`
     (ModelMix's mixing weights, trainer/modelmix.py)."""
-    return _row_blocks(seed, domain, step, table, start, end, dim,
-                       lambda gen: torch.rand((ROW_BLOCK, dim), generator=gen, dtype=torch.float32))
-
-
-def _row_blocks(seed: int, domain: str, step: int, table: int, start: int, end: int, dim: int, draw) -> torch.Tensor:
-    """Rows [start, end) of per-block draws: row r from block r // ROW_BLOCK's generator."""
-    out = torch.empty((end - start, dim), dtype=torch.float32)
-    r = start
-    while r < end:
-        blk = r // ROW_BLOCK
-        blk_start, blk_end = blk * ROW_BLOCK, (blk + 1) * ROW_BLOCK
-        gen = torch.Generator().manual_seed(_block_seed(seed, domain, step, table, blk))
-        values = draw(gen)
-        hi = min(end, blk_end)
-        out[r - start : hi - start] = values[r - blk_start : hi - blk_start]
-        r = hi
-    return out
+    return uniforms(key.derive(domain, int(step), int(table)), start * dim, (end - start) * dim).view(end - start, dim)

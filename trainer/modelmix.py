@@ -23,8 +23,8 @@ reference, `PerExampleGradients.clamped_sum`: ghost clipping never forms the coo
 the step is ModelMixDpEvent(σ, w, k) (Cor 4.1). Slower: per-example dense gradients.
 
 α is counter-based (`trainer.layout.row_block_uniform`): the draw for (step, block, coordinates) is a function of
-the run's secret mix seed only, so a shard that is restored and replays released steps mixes
-the same way; the seed itself is secret (trainer/randomness.py) and never checkpointed in a
+the run's secret mix key only, so a shard that is restored and replays released steps mixes
+the same way; the key itself is secret (trainer/randomness.py) and never checkpointed in a
 secret run.
 """
 

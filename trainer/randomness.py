@@ -7,11 +7,16 @@ noise, DP-SGD's per-row noise — derives from one **root secret** drawn from th
 (`secrets`) when the run starts, never from a config value. `train.seed` and `data.seed`
 fix initialization and data splits only (public choices).
 
-Derivation: the root is a 128-bit integer; each consumer gets an independent stream through
-`numpy.random.SeedSequence(root, spawn_key=(i,))`, i = 0 sampler, 1 selection, 2 gradient
-noise, 3 DP-SGD per-row noise, 4 selection on the shards, 5 DP-STAT's count noise (adaptive
-S1), 6 ModelMix's mixing weights. Distinct spawn keys give
-statistically independent streams, so no draw in one stream is a function of another.
+Derivation: the root is a 128-bit integer; each consumer gets its own key, keyed BLAKE2b of
+its domain name under the root (`selection.keyed_random.NoiseKey.derive`), and draws from a
+generator keyed with all of it: Philox-4x64-10 with a 128-bit key, or in secure mode
+(`privacy.secure_mode`) the ChaCha20 keystream with a 256-bit key — a cryptographic generator for
+every stream below. Domains: "sampler", "selection", "noise" (selected rows and dense
+parameters), "dpsgd" (per-row noise, counter-based per (step, table, block)), "shard-selection"
+(shard s at step t), "clip" (DP-STAT's count noise, adaptive S1), "modelmix" (ModelMix's α).
+Distinct domains give independent streams, so no draw in one is a function of another, and no
+draw can be reproduced from fewer than the root's 128 bits (never `torch.manual_seed`, which
+keeps 32 bits).
 
 Reproducible mode (`privacy.reproducible = true`, root = `privacy.noise_seed`) exists for
 tests and debugging: the run's ε then holds only while that seed stays secret, and the
@@ -29,70 +34,78 @@ import dataclasses
 import secrets
 
 import numpy as np
-import torch
 
-_SAMPLER, _SELECTION, _NOISE, _DPSGD, _SHARD_SELECTION, _CLIP, _MIX = range(7)
+from selection.keyed_random import KEY_BITS, GaussianStream, NoiseKey
+
+DOMAINS = ("sampler", "selection", "noise", "dpsgd", "shard-selection", "clip", "modelmix")
 
 
 @dataclasses.dataclass(frozen=True)
 class PrivacyRandomness:
-    """The root of a run's secret randomness and the independent streams derived from it."""
+    """The root of a run's secret randomness and the independent keyed streams derived from it."""
 
     root: int = dataclasses.field(repr=False)  # never printed: repr hides it
     reproducible: bool = False
+    secure: bool = False  # every stream a cryptographic generator (ChaCha20)
+
+    def __post_init__(self):
+        if self.secure and self.reproducible:
+            raise ValueError("secure randomness needs a secret root: privacy.secure_mode and "
+                             "privacy.reproducible exclude each other")
 
     @classmethod
-    def fresh(cls) -> "PrivacyRandomness":
-        """A new secret root from the OS CSPRNG (the default for every run)."""
-        return cls(secrets.randbits(128), reproducible=False)
+    def fresh(cls, secure: bool = False) -> "PrivacyRandomness":
+        """A new secret root of 128 bits from the OS CSPRNG (the default for every run)."""
+        return cls(secrets.randbits(KEY_BITS), reproducible=False, secure=secure)
 
     @classmethod
     def from_seed(cls, seed: int) -> "PrivacyRandomness":
         """A public, reproducible root (tests, debugging): ε holds only while `seed` is secret."""
-        if not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"privacy.noise_seed must be an integer >= 0, got {seed!r}")
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0 or int(seed) >> KEY_BITS:
+            raise ValueError(f"privacy.noise_seed must be an integer in [0, 2^{KEY_BITS}), got {seed!r}")
         return cls(int(seed), reproducible=True)
 
-    def _stream(self, key: int) -> np.random.SeedSequence:
-        return np.random.SeedSequence(self.root, spawn_key=(key,))
+    def key(self, domain: str) -> NoiseKey:
+        """The key of one consumer's stream: PRF(root, domain), 128 bits (256 in secure mode)."""
+        if domain not in DOMAINS:
+            raise ValueError(f"unknown randomness domain {domain!r}; known: {', '.join(DOMAINS)}")
+        return NoiseKey(self.root, self.secure).derive(domain)
 
-    def sampler_seed(self) -> np.random.SeedSequence:
-        """Seed of the Poisson sampler's generator (which examples each step uses)."""
-        return self._stream(_SAMPLER)
+    def sampler_rng(self) -> np.random.Generator:
+        """Generator of the Poisson sampler (which examples each step uses)."""
+        return self.key("sampler").generator()
 
     def selection_rng(self) -> np.random.Generator:
         """Generator for private row selection (EM/SVT/noisy-max/threshold/FEST/random)."""
-        return np.random.default_rng(self._stream(_SELECTION))
+        return self.key("selection").generator()
 
-    def noise_generator(self) -> torch.Generator:
-        """torch generator of the Gaussian noise on selected rows and dense parameters."""
-        seed = int(self._stream(_NOISE).generate_state(1, np.uint64)[0])
-        return torch.Generator().manual_seed(seed)
+    def noise_generator(self) -> GaussianStream:
+        """The Gaussian stream of the noise on selected rows and dense parameters."""
+        return GaussianStream(self.key("noise"))
 
-    def dpsgd_noise_seed(self) -> int:
-        """128-bit seed of DP-SGD's counter-based per-row noise (`layout.row_block_normal`)."""
-        words = self._stream(_DPSGD).generate_state(2, np.uint64)
-        return int(words[0]) << 64 | int(words[1])
+    def dpsgd_noise_key(self) -> NoiseKey:
+        """Key of DP-SGD's counter-based per-row noise (`layout.row_block_normal`)."""
+        return self.key("dpsgd")
 
-    def shard_selection_seed(self) -> int:
-        """128-bit seed of the selection on the shards: shard s at step t draws from
-        SeedSequence(seed, spawn_key=(t, s)) (`EmbeddingShard.select_rows`)."""
-        words = self._stream(_SHARD_SELECTION).generate_state(2, np.uint64)
-        return int(words[0]) << 64 | int(words[1])
+    def shard_selection_key(self) -> NoiseKey:
+        """Key of the selection on the shards: shard s at step t draws from
+        `key.generator(t, s)` (`EmbeddingShard.select_rows`)."""
+        return self.key("shard-selection")
 
     def clip_rng(self) -> np.random.Generator:
         """Generator of DP-STAT's count noise (privacy.clip_norm = "adaptive")."""
-        return np.random.default_rng(self._stream(_CLIP))
+        return self.key("clip").generator()
 
-    def mix_seed(self) -> int:
-        """128-bit seed of ModelMix's mixing weights α (train.modelmix): counter-based per
+    def mix_key(self) -> NoiseKey:
+        """Key of ModelMix's mixing weights α (train.modelmix): counter-based per
         (step, table, rows) on the shards, so a replayed step mixes the same way."""
-        words = self._stream(_MIX).generate_state(2, np.uint64)
-        return int(words[0]) << 64 | int(words[1])
+        return self.key("modelmix")
 
     def describe(self) -> str:
         """One line for summaries and privacy reports (never the root itself)."""
         if self.reproducible:
             return ("reproducible: sampling, selection and noise come from privacy.noise_seed; "
                     "the reported ε holds only while that seed stays secret")
-        return "secret: sampling, selection and noise come from fresh OS entropy (not stored anywhere)"
+        generator = ("ChaCha20 (cryptographic)" if self.secure else "Philox-4x64-10")
+        return (f"secret: sampling, selection and noise come from fresh OS entropy (a {KEY_BITS}-bit root, "
+                f"not stored anywhere) through {generator} generators keyed with all of it")

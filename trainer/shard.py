@@ -30,7 +30,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 
 from selection._sparse import unique_ints
-from trainer.layout import ShardInput, ShardLayout, row_block_normal, row_block_uniform
+from selection.keyed_random import NoiseKey
+from trainer.layout import ShardInput, ShardLayout, public_key, row_block_normal, row_block_uniform
 from trainer.modelmix import mix
 
 # The TBE keeps the optimizer state (Adagrad's row-wise accumulator) in its own storage; the
@@ -56,7 +57,7 @@ class ShardSelect:
     selection: str
     params: object
     dense_tables: tuple
-    seed: int
+    key: NoiseKey  # the shard-selection stream's key (trainer/randomness.py)
     step: int
     clip_norm: Optional[float]
     expected_batch_size: Optional[float]
@@ -113,7 +114,7 @@ class EmbeddingShard:
             raise RuntimeError("FBGEMM's TBE does not store its tables back to back; trainer/shard.py needs updating")
         with torch.no_grad():
             for t, (table, (start, end)) in enumerate(zip(layout.tables, self.ranges)):
-                self.weights(t).copy_(row_block_normal(seed, "init", 0, t, start, end, dim, init_std))
+                self.weights(t).copy_(row_block_normal(public_key(seed), "init", 0, t, start, end, dim, init_std))
         self.adam_state = None
         if optimizer == "adam":  # flat like the weights
             self.adam_state = {"m": torch.zeros_like(self.flat), "v": torch.zeros_like(self.flat),
@@ -252,7 +253,7 @@ class EmbeddingShard:
             return self._rows_of(keys, sums)
         from selection.partitioned import ShardCandidates
 
-        part = self.select_rows(select.selection, select.params, select.dense_tables, select.seed, select.step,
+        part = self.select_rows(select.selection, select.params, select.dense_tables, select.key, select.step,
                                 select.clip_norm, select.expected_batch_size)
         tables, global_ids, flat = self._rows_of(keys, sums)
         wanted = np.union1d(part.ids if isinstance(part, ShardCandidates) else part, select.keep_rows)
@@ -352,7 +353,7 @@ class EmbeddingShard:
         tables, local = keys // self.max_rows, keys % self.max_rows
         return tables, local + self.starts[tables], sums.float().numpy()
 
-    def select_rows(self, selection: str, params, dense_tables, seed: int, step: int, clip_norm: Optional[float] = None,
+    def select_rows(self, selection: str, params, dense_tables, key: NoiseKey, step: int, clip_norm: Optional[float] = None,
                     expected_batch_size: Optional[float] = None):
         """This shard's part of the step's selection over its own rows of the sparse tables
         (docs/DESIGN.md §2.2), in global ids: selector `selection`'s `shard_select` on the
@@ -364,7 +365,8 @@ class EmbeddingShard:
           "norms": ‖G_r‖₂ of this step's reduced clipped row sums / b (`expected_batch_size`),
               as the coordinator sees them (float32 sums).
         Returns global ids (thresholding) or `ShardCandidates` with global ids (top-k).
-        Randomness: the stream (seed, step, shard) — its own per shard, so the parts are independent."""
+        Randomness: `key.generator(step, shard)` — its own keyed stream per shard and step, so the
+        parts are independent."""
         from selection.partitioned import ShardCandidates
         from selection.registry import get_selector
 
@@ -383,7 +385,7 @@ class EmbeddingShard:
             touched, summed = self._row_norms(base, expected_batch_size)
         else:
             touched, summed = self._row_counts(base, statistic == "counts")
-        rng = np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(int(step), self.shard_index)))
+        rng = key.generator(int(step), self.shard_index)
         part = selector.shard_select(touched, summed, num_rows, params, rng, clip_norm=clip_norm,
                                      expected_batch_size=expected_batch_size)
 
@@ -467,16 +469,16 @@ class EmbeddingShard:
         self._apply(table_idx, local, torch.from_numpy(np.array(rows, dtype=np.float32)))  # copy: Ray arrays are read-only
         self._caches, self._row_sum_parts, self._step_row_sums = {}, [], None
 
-    def apply_dense_noise_update(self, step: int, noise_seed: int, std: float, table_idx, global_ids, rows,
-                                 secure: bool = False, tables=None, lr_scale: float = 1.0,
+    def apply_dense_noise_update(self, step: int, noise_key: NoiseKey, std: float, table_idx, global_ids, rows,
+                                 tables=None, lr_scale: float = 1.0,
                                  mix: Optional[tuple] = None) -> None:
         """DP-SGD: every row of every table in `tables` (None: all) gets G + N(0, std²) (G = 0
-        for untouched rows). The noise of row r depends only on (seed, step, table, r), not on
+        for untouched rows). The noise of row r depends only on (key, step, table, r), not on
         the sharding nor on which other tables are dense. Learning rate lr · lr_scale; `step` is
         0-based (the engine's step count before the step), so this is step `step + 1`.
         Rows [c·K, (c+1)·K) of a dense table are one contiguous slice of the flat storage,
         updated in place (K = UPDATE_CHUNK): no lookup, no backward (`_apply_range`).
-        `mix` = (mix seed, gap in gradient units w·S/b): ModelMix (trainer/modelmix.py) — each
+        `mix` = (mix key, gap in gradient units w·S/b): ModelMix (trainer/modelmix.py) — each
         row starts from the secret mix of its two latest states, over a gap of lr·lr_scale times
         that, before the update (SGD only: the analysis covers w − lr·update)."""
         self.begin_update(step + 1, lr_scale)
@@ -492,7 +494,7 @@ class EmbeddingShard:
             in_table = table_idx == t
             for lo in range(start, end, UPDATE_CHUNK):
                 hi = min(end, lo + UPDATE_CHUNK)
-                update = row_block_normal(noise_seed, "dpsgd", step, t, lo, hi, self.layout.dim, std, secure)
+                update = row_block_normal(noise_key, "dpsgd", step, t, lo, hi, self.layout.dim, std)
                 hit = np.flatnonzero(in_table & (global_ids >= lo) & (global_ids < hi))
                 if hit.size:
                     update[torch.from_numpy(global_ids[hit] - lo)] += torch.from_numpy(rows[hit])
@@ -501,14 +503,14 @@ class EmbeddingShard:
                 self._apply_range(t, lo - start, hi - start, update)
         self._caches, self._row_sum_parts, self._step_row_sums = {}, [], None
 
-    def _mix_range(self, t: int, lo: int, hi: int, step: int, mix_seed: int, gradient_gap: float) -> None:
+    def _mix_range(self, t: int, lo: int, hi: int, step: int, mix_key: NoiseKey, gradient_gap: float) -> None:
         """Rows [lo, hi) of table t: θ_{t-1} ← mix(θ_{t-1}, θ_{t-2}, lr·gap, α), θ_{t-2} ← θ_{t-1}
         (trainer/modelmix.py); α for the table's global rows, as `row_block_uniform` draws them."""
         gap = self._current_lr * gradient_gap
         assert self.mix_previous is not None
         rows = slice(int(self.row_base[t]) + lo, int(self.row_base[t]) + hi)
         start = self.ranges[t][0]
-        alpha = row_block_uniform(mix_seed, "modelmix", step, t, start + lo, start + hi, self.layout.dim)
+        alpha = row_block_uniform(mix_key, "modelmix", step, t, start + lo, start + hi, self.layout.dim)
         with torch.no_grad():
             current = self.flat[rows].clone()
             self.flat[rows] = mix(current, self.mix_previous[rows], gap, alpha)

@@ -161,7 +161,7 @@ class RayShardGroup(ShardGroup):
     A lost actor is replaced without touching the others and without re-running any private
     step: the group keeps each shard's state from the last `state_dict` call (the checkpoint's)
     and every state-changing call since then, with its exact arguments — the *released*
-    updates of the steps since the checkpoint (noisy rows; DP-SGD's noise seed, std and clipped
+    updates of the steps since the checkpoint (noisy rows; DP-SGD's noise key, std and clipped
     rows) — plus the current step's cache-filling calls. A replacement loads that state, replays
     those calls (post-processing of what was already released and charged: nothing new is
     computed from the data, so nothing is charged again) and then answers the call that failed.

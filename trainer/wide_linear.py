@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import json
 import math
-import secrets
 import time
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import scipy.sparse as sp
+
+from selection.keyed_random import NoiseKey
 
 ALGORITHMS = ("alg2", "nonprivate")
 
@@ -103,7 +104,8 @@ def run_wide_linear(data: str, *, algorithm: str = "alg2", epsilon: float = 8.0,
     X, y = wide_features(train)
     X_test, y_test = wide_features(test)
     reproducible = seed is not None
-    rng = np.random.default_rng(seed if reproducible else secrets.randbits(128))
+    # secret: Philox keyed with 128 fresh bits (selection/keyed_random.py); --seed: tests only
+    rng = np.random.default_rng(seed) if reproducible else NoiseKey.fresh().generator()
     out: dict = {"command": "wide-linear", "algorithm": algorithm, "data": str(data), "features": int(X.shape[1]),
                  "feature_nonzeros_per_example": len(train.meta.features), "steps": steps,
                  "randomness": ("reproducible: groups and noise come from --seed; ε holds only while it stays secret"

@@ -15,21 +15,23 @@ class PoissonSampler:
     uniform subset of that size, and its size is Binomial(n, q), so the two are the same
     distribution. Samples are returned sorted (int64); empty samples are legal steps.
 
+    ``rng``: the numpy Generator the coins come from — in a run, the keyed "sampler" stream
+    (trainer/randomness.py: Philox with a 128-bit key, ChaCha20 in secure mode), or an int seed
+    (tests: ``numpy.random.default_rng(seed)``).
     ``state_dict()`` / ``load_state_dict()`` capture the numpy Generator's
-    ``bit_generator.state`` (JSON-able), so a resumed run draws the same batches.
+    ``bit_generator.state`` (a dict; Philox's holds numpy arrays), so a resumed run draws the same batches.
     Distributed use: each data worker samples its own partition with the same q (and its own
     seed); the union is a global Poisson sample.
     """
 
-    def __init__(self, num_examples: int, sample_rate: float, seed: int):
+    def __init__(self, num_examples: int, sample_rate: float, seed: int | np.random.Generator):
         if int(num_examples) != num_examples or num_examples < 0:
             raise ValueError(f"num_examples must be a non-negative integer, got {num_examples}")
         if not (0.0 < float(sample_rate) <= 1.0):
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
         self.num_examples = int(num_examples)
         self.sample_rate = float(sample_rate)
-        self.seed = seed
-        self._rng = np.random.default_rng(seed)
+        self._rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
 
     def sample(self) -> np.ndarray:
         n, q = self.num_examples, self.sample_rate

@@ -15,7 +15,7 @@ Rules (exactly what the converter does):
   noisy count exceeds τ = 1 + σ√m·Φ̄⁻¹(``vocab_unseen_delta``/m) are candidates (a word only one
   line has passes with probability ≤ ``vocab_unseen_delta``). The vocabulary is the ``vocab``
   candidates with the largest noisy counts; id 0 has the largest. The noise comes from fresh
-  OS entropy (``secrets.randbits(128)``), never from ``seed``; ``vocab_noise_seed`` fixes it
+  OS entropy (ChaCha20 keyed with 256 fresh bits, `selection.keyed_random`), never from ``seed``; ``vocab_noise_seed`` fixes it
   for reproducible tests, and the data set then says that the vocabulary's ε holds only while
   that seed stays secret. The mechanism's event
   (``GaussianPartitionSelectionDpEvent``) is written to dataset.json's ``privacy_events``; the
@@ -54,11 +54,12 @@ import codecs
 import math
 import os
 import re
-import secrets
 from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
+
+from selection.keyed_random import KEY_BITS, NoiseKey
 
 from .errors import DataError
 from .meta import PRIVACY_EVENTS_KEY, DatasetMeta, cbow_meta, privacy_event_entry
@@ -204,9 +205,12 @@ def read_public_vocab(vocab_file, vocab: Optional[int]) -> tuple[list[str], np.n
 
 
 def _noise_rng(vocab_noise_seed: Optional[int]) -> np.random.Generator:
+    """The vocabulary selection's generator: ChaCha20 keyed with 256 fresh bits from the OS (a
+    one-time draw, so the cryptographic generator costs nothing), or Philox keyed with
+    `vocab_noise_seed` (tests: reproducible, ε holds only while it stays secret)."""
     if vocab_noise_seed is None:
-        return np.random.default_rng(secrets.randbits(128))  # fresh OS entropy: the secret
-    return np.random.default_rng(vocab_noise_seed)
+        return NoiseKey.fresh(secure=True).generator()
+    return NoiseKey(int(vocab_noise_seed) % (1 << KEY_BITS)).generator()
 
 
 def convert_text(input_txt, out_dir, *, vocab: Optional[int] = None, window: int = 4,
