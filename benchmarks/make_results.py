@@ -28,7 +28,8 @@ from run_all import VARIANTS as RUN_VARIANTS  # noqa: E402
 NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "privacy_overhead", "communication",
          "phase_breakdown", "privacy_utility", "paper_fig1", "privacy_audit",
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line",
-         "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive")
+         "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive",
+         "noise_generators")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -1039,6 +1040,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          _own_section("modelmix_accountant", plot_dir), []),
         ("engine_modelmix_adaptive", "14. ModelMix and DP-STAT adaptive S1 on our models (seeds B, C)",
          _own_section("engine_modelmix_adaptive", plot_dir), []),
+        ("noise_generators", "15. Noise generators keyed with the full secret: the cost",
+         _own_section("noise_generators", plot_dir), []),
     ]
     machines: dict = {}
     body, goals = _render_sections(sections, docs, plots, machines)

@@ -2,8 +2,8 @@
 
 Before (main until this change): torch's CPU generator seeded with `manual_seed` (32 bits kept),
 one generator per 1024-row block for DP-SGD's every-row noise (`trainer/layout.py`), one
-sequential generator for the selected rows and the dense parameters. After: numpy's Philox-4x64-10
-keyed with 128 bits (`selection/keyed_random.py`), and in secure mode ChaCha20 with the 4-draw
+sequential generator for the selected rows and the dense parameters. After: the key's AES-128-CTR
+keystream through a float32 Box–Muller (`selection/keyed_random.py`), and in secure mode AES-256 with the 4-draw
 Gaussian. Measured in one process, one after another, on the step shapes of
 benchmarks/dlrm_compare.py (26 tables × `--rows` rows, dim 16; `--selected` rows of a sparse
 step and the DLRM's dense parameters), median of `--repeats`:
@@ -93,8 +93,8 @@ def sparse_step(way: str, selected: int, gen) -> None:
 KEYS = {"after": NoiseKey(0x0123456789ABCDEF_0123456789ABCDEF),
         "after-secure": NoiseKey(0x0123456789ABCDEF_0123456789ABCDEF, secure=True)}
 WAYS = ("before", "after", "before-secure", "after-secure")
-LABELS = {"before": "torch manual_seed (32-bit key)", "after": "Philox-4x64-10, 128-bit key",
-          "before-secure": "torch manual_seed, 4-draw", "after-secure": "ChaCha20, 256-bit key, 4-draw"}
+LABELS = {"before": "torch manual_seed (32-bit key)", "after": "AES-128-CTR, 128-bit key",
+          "before-secure": "torch manual_seed, 4-draw", "after-secure": "AES-256-CTR, 256-bit key, 4-draw"}
 
 
 def _median_ms(fn, repeats: int) -> float:

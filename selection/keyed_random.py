@@ -14,15 +14,21 @@ choice — draws from the keyed bits):
   (`randomgen.ChaCha(rounds=20)`), a cryptographic generator: its output does not reveal its key
   or later outputs to any known attack, which Philox does not claim.
 
-Gaussian values are numpy's ziggurat (`Generator.standard_normal`: exact tails by the
-exponential-tail method, where a float32 Box–Muller stops near 5.7σ) over the keyed bits, float32
-in the fast family; the secure family releases the sum of 4 float64 draws halved (the 4-draw
-Gaussian of Opacus's `secure_mode`, against the floating-point attacks on one sample: Holohan &
-Braghin 2021). `standard_normals(key, start, count)` addresses a key's stream by value: values
-[i·BLOCK_VALUES, (i+1)·BLOCK_VALUES) come from the generator of `key.derive("block", i)`, so a
-shard draws rows [start, end) of a table without the rows before them (whole blocks: at most
-BLOCK_VALUES values more), blocks fill in parallel threads, and the result does not depend on how
-the values are split.
+Bulk Gaussian and uniform values (`standard_normals`, `uniforms`, `GaussianStream`: the gradient
+noise, DP-SGD's rows, ModelMix's α) come from the key's AES-CTR keystream (AES-128 under a fast
+key, AES-256 under a secure one: a cryptographic generator in both families), word-addressable
+through the counter, so a shard draws rows [start, end) of a table without the rows before them,
+and converted with vectorized torch arithmetic (about what torch's own `normal` cost, RESULTS
+"Noise generators"):
+- fast: Box–Muller in float32, one word per pair of values: u1 = (a + 1)/2^40 from 40 bits, θ from
+  the other 24. The values stop at |z| ≤ √(2·40·ln 2) ≈ 7.45: an output beyond it has probability
+  0 under the mechanism, and the mass a neighbour's shift of Δ ≤ σ-units moves across that edge is
+  at most P(Z > 7.45 − Δ/σ_noise) per released coordinate, 5.6e-11 at σ = 1 (torch's float32
+  `normal`, with 24-bit uniforms, stopped at 5.77: 1e-6 per coordinate at σ = 1, which the δ of a
+  long run does not absorb — the reason for 40 bits);
+- secure: Box–Muller in float64 on 53-bit uniforms, and each released value the sum of 4 normals
+  halved (the 4-draw Gaussian of Opacus's `secure_mode`, against the floating-point attacks on one
+  sample: Holohan & Braghin 2021).
 
 Addressing: `NoiseKey.generator(*address)` keys a generator with PRF(key, address), the PRF being
 keyed BLAKE2b (RFC 7693, a PRF for keys up to 64 bytes), so the draw for (domain, step, table,
@@ -107,86 +113,105 @@ def generator_family(rng: np.random.Generator) -> str:
     return {"Philox": "fast", "ChaCha": "secure"}.get(name, name)
 
 
-# ---- addressable values, and a sequential Gaussian stream ---------------------------------------
+# ---- the keystream, and the values made from it -------------------------------------------------
 
-#: Values per independently keyed block of an addressable stream (1024 rows of dimension 16).
-BLOCK_VALUES = 1 << 14
-_PARALLEL_BLOCKS = 8  # fill this many blocks or more in threads (numpy's fills release the GIL)
-
-
-def _normal_fill(rng: np.random.Generator, out: np.ndarray, secure: bool) -> None:
-    """Standard normals into `out` (float32 fast; float64 4-draw secure)."""
-    if not secure:
-        rng.standard_normal(out=out, dtype=np.float32)
-        return
-    draws = rng.standard_normal((4, out.size))
-    np.multiply(draws.sum(axis=0), 0.5, out=out)
+_AES_BLOCK_WORDS = 2  # one 16-byte AES block: two 64-bit words
+_CHUNK_WORDS = 1 << 16  # converted in L2-sized chunks: each torch pass stays in cache
+_RADIUS_BITS, _ANGLE_BITS = 40, 24  # fast Box–Muller: u1 from 40 bits (|z| ≤ 7.45), θ from 24
+_TWO_PI = 6.283185307179586
 
 
-def _uniform_fill(rng: np.random.Generator, out: np.ndarray, secure: bool) -> None:
-    rng.random(out=out, dtype=np.float32)
+def keystream_words(key: NoiseKey, start: int, count: int) -> np.ndarray:
+    """Words [start, start + count) (uint64, little-endian) of `key`'s keystream: AES in counter
+    mode keyed with all of the key — AES-128 for a fast key (its 128 bits), AES-256 for a secure
+    one — over counter blocks start // 2, start // 2 + 1, ... (128-bit big-endian; OpenSSL
+    through `cryptography`, AES-NI where the CPU has it). A function of (key, start, count) only."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-
-def _addressed(key: NoiseKey, start: int, count: int, dtype, fill) -> torch.Tensor:
-    """Values [start, start + count) of the stream whose block i comes from `key.derive("block", i)`."""
     if start < 0 or count < 0:
-        raise ValueError(f"stream values need start, count >= 0, got {start}, {count}")
-    first, last = start // BLOCK_VALUES, -(-(start + count) // BLOCK_VALUES)
-    out = np.empty((last - first) * BLOCK_VALUES, dtype=dtype)
+        raise ValueError(f"keystream words need start, count >= 0, got {start}, {count}")
+    first, skip = divmod(int(start), _AES_BLOCK_WORDS)
+    total = skip + int(count)
+    total += total % _AES_BLOCK_WORDS
+    encryptor = Cipher(algorithms.AES(int(key.key).to_bytes(key.key_bytes, "little")),
+                       modes.CTR(first.to_bytes(16, "big"))).encryptor()
+    out = np.empty(total + _AES_BLOCK_WORDS, dtype="<u8")  # update_into wants 15 spare bytes
+    buf = memoryview(out.view(np.uint8))
+    zeros = memoryview(bytes(8 * min(total, _CHUNK_WORDS)))
+    for lo in range(0, total, _CHUNK_WORDS):  # the keystream: the encryption of zeros
+        n = min(_CHUNK_WORDS, total - lo)
+        encryptor.update_into(zeros[: 8 * n], buf[8 * lo: 8 * (lo + n) + 15])
+    return out[skip: skip + count].astype(np.uint64, copy=False)
 
-    def block(i: int) -> None:
-        lo = (i - first) * BLOCK_VALUES
-        fill(key.generator("block", i), out[lo: lo + BLOCK_VALUES], key.secure)
 
-    blocks = range(first, last)
-    workers = torch.get_num_threads()
-    if len(blocks) >= _PARALLEL_BLOCKS and workers > 1:
-        from concurrent.futures import ThreadPoolExecutor
+def _fast_pairs(w: torch.Tensor, out: torch.Tensor) -> None:
+    """Box–Muller, float32: word → (r cos θ, r sin θ) into out[:, 0], out[:, 1]; r from the word's
+    top 40 bits, u1 = (a + 1)/2^40 ∈ (0, 1], θ = 2π·b/2^24 from its low 24 bits."""
+    r = (w >> _ANGLE_BITS).bitwise_and_((1 << _RADIUS_BITS) - 1).add_(1).float()
+    r.mul_(2.0 ** -_RADIUS_BITS).log_().mul_(-2.0).sqrt_()
+    theta = w.bitwise_and((1 << _ANGLE_BITS) - 1).float().mul_(_TWO_PI * 2.0 ** -_ANGLE_BITS)
+    torch.mul(r, torch.cos(theta), out=out[:, 0])
+    torch.mul(r, theta.sin_(), out=out[:, 1])
 
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(block, blocks))
-    else:
-        for i in blocks:
-            block(i)
-    skip = start - first * BLOCK_VALUES
-    return torch.from_numpy(out[skip: skip + count])
+
+def _secure_values(w: torch.Tensor) -> torch.Tensor:
+    """Four words per value, float64: two Box–Muller pairs (u1 from 53 bits, |z| ≤ 8.57; θ from 53
+    bits) give 4 normals; the value is their sum halved (the 4-draw Gaussian, variance 1)."""
+    u = (w >> 11).bitwise_and_((1 << 53) - 1).add_(1).double().mul_(2.0 ** -53).view(-1, 2)
+    r = u[:, 0].log().mul_(-2.0).sqrt_()
+    theta = u[:, 1].mul(_TWO_PI)
+    pair_sums = (r * theta.cos()).add_(r.mul_(theta.sin_()))
+    return pair_sums.view(-1, 2).sum(dim=1).mul_(0.5)
 
 
 def standard_normals(key: NoiseKey, start: int, count: int) -> torch.Tensor:
-    """Values [start, start + count) of `key`'s addressable standard normal stream (module
-    docstring): float32 for a fast key, float64 4-draw values for a secure one."""
-    return _addressed(key, start, count, np.float64 if key.secure else np.float32, _normal_fill)
+    """Values [start, start + count) of `key`'s standard normal stream, addressable by value:
+    fast keys give float32 values, value i from keystream word i // 2 (`_fast_pairs`); secure keys
+    give float64 4-draw values, value i from words [4i, 4i + 4) (`_secure_values`). So a shard draws
+    rows [start, end) of a table without the rows before them, and the values do not depend on how
+    a range is split."""
+    if start < 0 or count < 0:
+        raise ValueError(f"stream values need start, count >= 0, got {start}, {count}")
+    if key.secure:
+        return _secure_values(torch.from_numpy(keystream_words(key, 4 * start, 4 * count).view(np.int64)))
+    first = start // 2
+    words = torch.from_numpy(keystream_words(key, first, (start + count + 1) // 2 - first).view(np.int64))
+    pairs = torch.empty((words.numel(), 2), dtype=torch.float32)
+    for lo in range(0, words.numel(), _CHUNK_WORDS):
+        _fast_pairs(words[lo: lo + _CHUNK_WORDS], pairs[lo: lo + _CHUNK_WORDS])
+    return pairs.view(-1)[start - 2 * first: start - 2 * first + count]
 
 
 def uniforms(key: NoiseKey, start: int, count: int) -> torch.Tensor:
-    """Values [start, start + count) of `key`'s addressable U[0, 1) stream (float32)."""
-    return _addressed(key, start, count, np.float32, _uniform_fill)
+    """Values [start, start + count) of `key`'s U[0, 1) stream: float32 from the top 24 bits of
+    keystream word i."""
+    w = torch.from_numpy(keystream_words(key, start, count).view(np.int64))
+    return (w >> 40).bitwise_and_(0xFFFFFF).float().mul_(2.0 ** -24)
 
 
 class GaussianStream:
-    """A sequential source of standard normals from one key's generator (`NoiseKey.generator()`):
-    each draw takes the next values (float32 ziggurat; secure keys: float64 4-draw values). Its
-    state is the bit generator's (`state_dict`), so a reproducible run resumes it exactly; a
-    secret run never stores it (trainer/randomness.py)."""
+    """A sequential source of standard normals over one key's stream (`standard_normals`): each
+    draw takes the next values. Its state is how many values it has handed out (`state_dict`), so
+    a reproducible run resumes it exactly; a secret run never stores it (trainer/randomness.py)."""
 
     def __init__(self, key: NoiseKey):
         self.key = key
-        self._rng = key.generator()
+        self.position = 0
 
     @property
     def secure(self) -> bool:
         return self.key.secure
 
     def standard_normal(self, count: int) -> torch.Tensor:
-        out = np.empty(count, dtype=np.float64 if self.secure else np.float32)
-        _normal_fill(self._rng, out, self.secure)
-        return torch.from_numpy(out)
+        z = standard_normals(self.key, self.position, count)
+        self.position += count
+        return z
 
     def state_dict(self) -> dict:
-        return {"bit_generator": self._rng.bit_generator.state}
+        return {"position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
-        self._rng.bit_generator.state = state["bit_generator"]
+        self.position = int(state["position"])
 
     def __repr__(self) -> str:
-        return f"GaussianStream({'secure' if self.key.secure else 'fast'})"
+        return f"GaussianStream({'secure' if self.key.secure else 'fast'}, position={self.position})"

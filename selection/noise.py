@@ -34,7 +34,7 @@ def step_sensitivity(clip_norm: float, expected_batch_size: float, second_clip_n
 
 
 def secure_generator() -> GaussianStream:
-    """A cryptographic Gaussian stream (ChaCha20, `selection.keyed_random`) keyed with 256 fresh
+    """A cryptographic Gaussian stream (AES-256-CTR, `selection.keyed_random`) keyed with 256 fresh
     bits from the OS CSPRNG: no seed to leak, nothing to reproduce."""
     return GaussianStream(NoiseKey.fresh(secure=True))
 
@@ -42,7 +42,7 @@ def secure_generator() -> GaussianStream:
 def gaussian_noise(shape, std: float, generator: GaussianStream, dtype=torch.float32, device="cpu",
                    secure: bool = False) -> torch.Tensor:
     """N(0, std²) noise: the next values of a keyed Gaussian stream (`selection.keyed_random`:
-    Philox keyed with 128 bits, or ChaCha20 with 256 in secure mode) times std — never a torch
+    AES-CTR keyed with 128 bits, or 256 in secure mode) times std — never a torch
     generator, whose CPU seed keeps 32 bits. A secure stream's values are the 4-draw Gaussian
     (sum of 4 normals halved, same variance), which defeats the floating-point attacks on a single
     Gaussian sample (Holohan & Braghin 2021, as in Opacus `secure_mode`); `secure=True` demands
@@ -53,7 +53,7 @@ def gaussian_noise(shape, std: float, generator: GaussianStream, dtype=torch.flo
         raise TypeError(f"privacy noise needs a keyed GaussianStream (selection.keyed_random), "
                         f"got {type(generator).__name__}")
     if secure and not generator.secure:
-        raise ValueError("secure noise needs a secure (ChaCha20) stream: GaussianStream(NoiseKey(..., secure=True))")
+        raise ValueError("secure noise needs a secure (AES-256) stream: GaussianStream(NoiseKey(..., secure=True))")
     z = generator.standard_normal(math.prod(shape)).view(shape)
     z = z.mul_(std) if z.dtype == dtype else (z * std).to(dtype)
     return z if device == "cpu" else z.to(device)

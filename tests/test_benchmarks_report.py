@@ -473,3 +473,19 @@ def test_audit_merge_replaces_the_rerun_rows_keeps_the_others_and_refuses_anothe
     assert merged["merged"]["other_rows_created"] == "earlier"
     with pytest.raises(SystemExit, match="canaries"):
         privacy_audit.merged({**new, "canaries": 400}, path)
+
+
+def test_noise_generators_smoke_and_results_section(tmp_path):
+    """Both generations of each family are timed in one run, and the section divides each by its
+    own family's "before"."""
+    sys.path.insert(0, str(BENCH))
+    import noise_generators
+
+    doc, stdout = _bench("noise_generators", ["--rows", "300", "--selected", "50", "--repeats", "1"], tmp_path)
+    assert [r["way"] for r in doc["rows"]] == ["before", "after", "before-secure", "after-secure"]
+    assert all(r["dpsgd_every_row_ms"] > 0 and r["sparse_step_noise_ms"] > 0 for r in doc["rows"])
+    lines, goals = noise_generators.results_section(doc)
+    before, after = doc["rows"][0], doc["rows"][1]
+    ratio = after["dpsgd_every_row_ms"] / before["dpsgd_every_row_ms"]
+    assert any(line.startswith("| AES-128-CTR") and f"| {ratio:.2f} |" in line for line in lines)
+    assert goals == []

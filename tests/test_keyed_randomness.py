@@ -198,3 +198,44 @@ def test_the_scan_sees_a_manual_seed(tmp_path):
     bad = tmp_path / "layout.py"
     bad.write_text("import torch\ngen = torch.Generator().manual_seed(5)\nx = torch.randn(3)\nw.normal_(0, 1)\n")
     assert len(_torch_draws(bad, tmp_path)) == 4
+
+
+# ---- the keystream and the values made from it -----------------------------------------------------
+
+@pytest.mark.parametrize("secure", [False, True], ids=["aes128", "aes256"])
+def test_the_keystream_is_aes_of_the_counter_under_the_whole_key(secure):
+    """Word 2c, 2c+1 = AES_key(c) (128-bit big-endian counter block): the definition of CTR mode,
+    checked against the block cipher itself (ECB on the counter)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    from selection.keyed_random import keystream_words
+
+    key = NoiseKey(KEY if not secure else KEY << 100 | 12345, secure)
+    block = Cipher(algorithms.AES(int(key.key).to_bytes(key.key_bytes, "little")), modes.ECB()).encryptor()
+    want = np.frombuffer(block.update((7).to_bytes(16, "big")), "<u8")
+    np.testing.assert_array_equal(keystream_words(key, 14, 2), want)
+    np.testing.assert_array_equal(keystream_words(key, 0, 300_000)[99_999:200_001], keystream_words(key, 99_999, 100_002))
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["fast", "secure"])
+def test_values_are_addressable_however_a_range_is_split(secure):
+    from selection.keyed_random import standard_normals, uniforms
+
+    key = NoiseKey(KEY, secure)
+    whole = standard_normals(key, 0, 200_001)
+    parts = torch.cat([standard_normals(key, 0, 7), standard_normals(key, 7, 131_070), standard_normals(key, 131_077, 68_924)])
+    assert torch.equal(whole, parts)
+    stream = GaussianStream(key)
+    assert torch.equal(torch.cat([stream.standard_normal(5), stream.standard_normal(1000)]), whole[:1005])
+    assert torch.equal(uniforms(key, 0, 50)[13:], uniforms(key, 13, 37))
+
+
+def test_fast_values_reach_the_documented_tail():
+    """The smallest radius uniform (top 40 bits zero) gives |z| = √(2·40·ln 2) ≈ 7.45, beyond
+    torch's float32 normal (5.77), and a unit angle cos gives z0 = r."""
+    from selection.keyed_random import _fast_pairs
+
+    out = torch.empty((2, 2))
+    _fast_pairs(torch.tensor([0, (1 << 24) * 12345 + 7], dtype=torch.int64), out)
+    assert out[0, 0].item() == pytest.approx(np.sqrt(2 * 40 * np.log(2)), rel=1e-6) and out[0, 1].item() == 0.0
+    assert np.isfinite(out.numpy()).all()

@@ -63,3 +63,14 @@ def test_the_train_plan_names_privacy_target_epsilon():
     with pytest.raises(ValueError, match=r"privacy\.target_epsilon = 0\.001 is unreachable: the smallest ε this run "
                                          r"can reach is 0\.1\d+.*set privacy\.target_epsilon to at least 0\.1"):
         plan_privacy(cfg, 2700, vocabulary=26 * 500)
+
+
+def test_widedp_calibrate_names_its_flag(capsys):
+    """The CLI's refusal names --target-epsilon and the smallest reachable ε, exit 2, one line."""
+    from trainer.cli import main
+
+    code = main(["calibrate", "--target-epsilon", "0.001", "--delta", "1e-5", "--sample-rate", "0.01",
+                 "--steps", "300"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err
+    assert "--target-epsilon = 0.001 is unreachable: the smallest ε this run can reach is 0.1029" in err

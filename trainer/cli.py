@@ -309,13 +309,18 @@ def cmd_calibrate(args) -> dict:
     _check_selection_flags(args)
     mix = _modelmix_noise(args)
     # As trainer.train.plan_privacy calibrates: the steps plus the one-time events (DP-FEST's Gaussian).
-    out = calibrate(
-        args.target_epsilon, args.delta, args.sample_rate, args.steps,
-        selection=args.selection, fraction=args.selection_fraction, accountant=args.accountant,
-        k=args.k, max_answers=args.max_answers, selection_delta=args.selection_delta,
-        svt_release_values=args.svt_release_values, extra_history=_one_time_events(args) or None,
-        **({"noise_event": mix} if mix is not None else {}),
-    ).to_dict()
+    from accounting.calibration import UnreachableTargetError
+
+    try:
+        out = calibrate(
+            args.target_epsilon, args.delta, args.sample_rate, args.steps,
+            selection=args.selection, fraction=args.selection_fraction, accountant=args.accountant,
+            k=args.k, max_answers=args.max_answers, selection_delta=args.selection_delta,
+            svt_release_values=args.svt_release_values, extra_history=_one_time_events(args) or None,
+            **({"noise_event": mix} if mix is not None else {}),
+        ).to_dict()
+    except UnreachableTargetError as exc:
+        raise exc.renamed("--target-epsilon") from None
     out["selection"] = args.selection
     out.update(_modelmix_out(args))
     if args.fest_sigma is not None:

@@ -185,8 +185,8 @@ def row_block_normal(key: NoiseKey, domain: str, step: int, table: int, start: i
                      std: float) -> torch.Tensor:
     """N(0, std²) values (float32) for global rows [start, end) of a table, identical however the
     rows are partitioned: row r's values are values [r·dim, (r+1)·dim) of the stream of
-    `key.derive(domain, step, table)` (`selection.keyed_random.standard_normals`: Philox keyed with
-    128 bits; ChaCha20 and the 4-draw Gaussian when `key.secure`)."""
+    `key.derive(domain, step, table)` (`selection.keyed_random.standard_normals`: AES-128-CTR under
+    the 128-bit key; AES-256 and the 4-draw Gaussian when `key.secure`)."""
     z = standard_normals(key.derive(domain, int(step), int(table)), start * dim, (end - start) * dim)
     return z.view(end - start, dim).to(torch.float32).mul_(std)
 

@@ -9,9 +9,9 @@ fix initialization and data splits only (public choices).
 
 Derivation: the root is a 128-bit integer; each consumer gets its own key, keyed BLAKE2b of
 its domain name under the root (`selection.keyed_random.NoiseKey.derive`), and draws from a
-generator keyed with all of it: Philox-4x64-10 with a 128-bit key, or in secure mode
-(`privacy.secure_mode`) the ChaCha20 keystream with a 256-bit key — a cryptographic generator for
-every stream below. Domains: "sampler", "selection", "noise" (selected rows and dense
+generator keyed with all of it (`selection/keyed_random.py`): Gaussian noise from the key's
+AES-CTR keystream (AES-128; AES-256 in secure mode), numpy's samplers from Philox-4x64-10 with the
+128-bit key (ChaCha20 with 256 bits in secure mode, so every stream below is cryptographic). Domains: "sampler", "selection", "noise" (selected rows and dense
 parameters), "dpsgd" (per-row noise, counter-based per (step, table, block)), "shard-selection"
 (shard s at step t), "clip" (DP-STAT's count noise, adaptive S1), "modelmix" (ModelMix's α).
 Distinct domains give independent streams, so no draw in one is a function of another, and no
@@ -46,7 +46,7 @@ class PrivacyRandomness:
 
     root: int = dataclasses.field(repr=False)  # never printed: repr hides it
     reproducible: bool = False
-    secure: bool = False  # every stream a cryptographic generator (ChaCha20)
+    secure: bool = False  # every stream a cryptographic generator (AES-256-CTR, ChaCha20)
 
     def __post_init__(self):
         if self.secure and self.reproducible:
@@ -106,6 +106,6 @@ class PrivacyRandomness:
         if self.reproducible:
             return ("reproducible: sampling, selection and noise come from privacy.noise_seed; "
                     "the reported ε holds only while that seed stays secret")
-        generator = ("ChaCha20 (cryptographic)" if self.secure else "Philox-4x64-10")
+        generator = ("AES-256-CTR and ChaCha20" if self.secure else "AES-128-CTR and Philox-4x64-10")
         return (f"secret: sampling, selection and noise come from fresh OS entropy (a {KEY_BITS}-bit root, "
                 f"not stored anywhere) through {generator} generators keyed with all of it")
