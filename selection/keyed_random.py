@@ -136,7 +136,7 @@ def keystream_words(key: NoiseKey, start: int, count: int) -> np.ndarray:
     encryptor = Cipher(algorithms.AES(int(key.key).to_bytes(key.key_bytes, "little")),
                        modes.CTR(first.to_bytes(16, "big"))).encryptor()
     out = np.empty(total + _AES_BLOCK_WORDS, dtype="<u8")  # update_into wants 15 spare bytes
-    buf = memoryview(out.view(np.uint8))
+    buf = out.view(np.uint8).data  # a writable memoryview of the words
     zeros = memoryview(bytes(8 * min(total, _CHUNK_WORDS)))
     for lo in range(0, total, _CHUNK_WORDS):  # the keystream: the encryption of zeros
         n = min(_CHUNK_WORDS, total - lo)
