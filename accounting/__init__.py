@@ -6,16 +6,16 @@ neighbouring relation) and compose them or raise UnsupportedEventError; the ledg
 them; calibration turns a target ε into noise multipliers (a frozen `Calibration`).
 """
 
-from accounting.base import (
+from widedp.accounting.base import (
     ACCOUNTANTS,
     Accountant,
     InvalidBoundError,
     UnsupportedEventError,
     make_accountant,
 )
-from accounting.calibration import Calibration, calibrate, step_event, svt_event
-from accounting.events import NeighboringRelation
-from accounting.ledger import PrivacyLedger
+from widedp.accounting.calibration import Calibration, calibrate, step_event, svt_event
+from widedp.accounting.events import NeighboringRelation
+from widedp.accounting.ledger import PrivacyLedger
 
 __all__ = [
     "ACCOUNTANTS",

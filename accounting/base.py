@@ -28,8 +28,8 @@ from typing import Optional, Sequence
 
 import attr
 
-from accounting import events as ev
-from accounting.events import DpEvent, NeighboringRelation
+from widedp.accounting import events as ev
+from widedp.accounting.events import DpEvent, NeighboringRelation
 
 History = Sequence[tuple[DpEvent, int]]
 
@@ -264,7 +264,7 @@ def register(cls: type[Accountant]) -> type[Accountant]:
 
 def _import_accountants() -> None:
     # Import for registration side effects (each accountant lives in its own module).
-    from accounting import paper, pld, prv, rdp  # noqa: F401
+    from widedp.accounting import paper, pld, prv, rdp  # noqa: F401
 
 
 def accountant_names() -> tuple[str, ...]:

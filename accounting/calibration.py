@@ -36,9 +36,9 @@ from typing import Any, Callable, Mapping, Optional
 
 from scipy import optimize
 
-from accounting import events as ev
-from accounting.base import InvalidBoundError, UnsupportedEventError, make_accountant
-from accounting.paper import advanced_composition
+from widedp.accounting import events as ev
+from widedp.accounting.base import InvalidBoundError, UnsupportedEventError, make_accountant
+from widedp.accounting.paper import advanced_composition
 
 
 
@@ -141,7 +141,7 @@ def svt_event(epsilon: float, delta: float, max_answers: int, *, release_values:
 def _selector(selection: str):
     """The registered selector for `selection`, or None for "none" (DP-SGD). Imported here, not
     at module level: the selectors import this module (`svt_event`)."""
-    from selection.registry import NO_SELECTION, get_selector
+    from widedp.selection.registry import NO_SELECTION, get_selector
 
     return None if selection == NO_SELECTION else get_selector(selection)
 
@@ -254,7 +254,7 @@ def calibrate(
     check_run(sample_rate, steps, delta)
     if not (isinstance(target_epsilon, (int, float)) and target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise ValueError(f"target epsilon must be finite and > 0, got {target_epsilon}")
-    from selection.registry import BudgetInputs
+    from widedp.selection.registry import BudgetInputs
 
     selector = _selector(selection)
     selection_delta = delta if selection_delta is None else selection_delta

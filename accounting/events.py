@@ -36,7 +36,7 @@ from dp_accounting.dp_event import (
 )
 from dp_accounting.privacy_accountant import NeighboringRelation
 
-from accounting.modelmix import ModelMixDpEvent  # seed B's event (defined beside its RDP bound)
+from widedp.accounting.modelmix import ModelMixDpEvent  # seed B's event (defined beside its RDP bound)
 
 ADD_OR_REMOVE_ONE = NeighboringRelation.ADD_OR_REMOVE_ONE
 

@@ -15,8 +15,8 @@ import abc
 import math
 from typing import Optional
 
-from accounting import events as ev
-from accounting.base import (Accountant, History, Unsupported, UnsupportedEventError, split_event, check_delta,
+from widedp.accounting import events as ev
+from widedp.accounting.base import (Accountant, History, Unsupported, UnsupportedEventError, split_event, check_delta,
                              count_problem, misplaced_additive_delta, nonnegative_problem, probability_problem,
                              remaining_delta, split_additive_delta)
 

@@ -30,9 +30,9 @@ import json
 import os
 from typing import Optional
 
-from accounting.atomic import atomic_write_bytes
-from accounting.base import Accountant, check_delta, make_accountant
-from accounting.events import DpEvent, NeighboringRelation, event_from_dict, event_to_dict
+from widedp.accounting.atomic import atomic_write_bytes
+from widedp.accounting.base import Accountant, check_delta, make_accountant
+from widedp.accounting.events import DpEvent, NeighboringRelation, event_from_dict, event_to_dict
 
 #: Format written by `state_dict`. 3: adds the hash chain ("digest" per entry and in all).
 #: 2: adds "neighboring_relation". 1: implicit add/remove one.

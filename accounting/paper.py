@@ -58,8 +58,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from accounting import events as ev
-from accounting.base import (Accountant, History, InvalidBoundError, Unsupported, UnsupportedEventError, check_delta,
+from widedp.accounting import events as ev
+from widedp.accounting.base import (Accountant, History, InvalidBoundError, Unsupported, UnsupportedEventError, check_delta,
                              nonnegative_problem, probability_problem, register)
 
 

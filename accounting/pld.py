@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dp_accounting.pld import pld_privacy_accountant
 
-from accounting import events as ev
-from accounting.base import register
-from accounting.gaussian_reduction import GaussianReducibleAccountant
+from widedp.accounting import events as ev
+from widedp.accounting.base import register
+from widedp.accounting.gaussian_reduction import GaussianReducibleAccountant
 
 
 @register

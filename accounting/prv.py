@@ -21,8 +21,8 @@ import warnings
 
 from opacus.accountants import PRVAccountant as OpacusPRV
 
-from accounting.base import register
-from accounting.gaussian_reduction import GaussianReducibleAccountant
+from widedp.accounting.base import register
+from widedp.accounting.gaussian_reduction import GaussianReducibleAccountant
 
 #: (category, message regex, issuing-module regex, why it is benign) of the Opacus 1.6 warnings
 #: we silence — nothing else.

@@ -40,9 +40,9 @@ import numpy as np
 from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy import special
 
-from accounting import events as ev
-from accounting.modelmix import ModelMixDpEvent, modelmix_rdp
-from accounting.base import (Accountant, History, Unsupported, UnsupportedEventError, split_event, check_delta,
+from widedp.accounting import events as ev
+from widedp.accounting.modelmix import ModelMixDpEvent, modelmix_rdp
+from widedp.accounting.base import (Accountant, History, Unsupported, UnsupportedEventError, split_event, check_delta,
                              count_problem, misplaced_additive_delta, nonnegative_problem, probability_problem,
                              register, remaining_delta, split_additive_delta)
 

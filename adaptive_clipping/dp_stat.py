@@ -41,7 +41,7 @@ import math
 
 import numpy as np
 
-from accounting.events import DpEvent, GaussianDpEvent, SelfComposedDpEvent
+from widedp.accounting.events import DpEvent, GaussianDpEvent, SelfComposedDpEvent
 
 
 def _positive(name: str, value: float) -> float:

@@ -71,7 +71,7 @@ from typing import Optional
 
 import numpy as np
 
-from accounting.events import DpEvent, GaussianDpEvent, LaplaceDpEvent, NonPrivateDpEvent
+from widedp.accounting.events import DpEvent, GaussianDpEvent, LaplaceDpEvent, NonPrivateDpEvent
 from . import dp_stat as _dp_stat  # relative: the package may be loaded under an alias (see benchmarks)
 from . import shuffling as _shuffling
 
@@ -377,7 +377,7 @@ def sgd(X, y, *, batch_size: int, lr: float, tail_fraction: float = 0.5, w0: Opt
 def _worst_of(a: DpEvent, b: DpEvent) -> DpEvent:
     """Of two Gaussian-reducible events, the one with the smaller effective multiplier (larger ρ),
     as one GaussianDpEvent: the per-example cost under parallel composition."""
-    from accounting.events import gaussian_noise_multiplier
+    from widedp.accounting.events import gaussian_noise_multiplier
 
     sa, sb = gaussian_noise_multiplier(a), gaussian_noise_multiplier(b)
     assert sa is not None and sb is not None

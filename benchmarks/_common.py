@@ -322,7 +322,7 @@ def table_sizes(total_rows: int, tables: int = 26) -> list[int]:
 
 def ctr_dataset(total_rows: int, examples: int, seed: int = 0) -> Path:
     """A planted-truth CTR data set (26 tables summing to `total_rows` rows), cached on disk."""
-    from trainer.data import synth_ctr
+    from widedp.trainer.data import synth_ctr
 
     path = DATA_DIR / f"ctr_rows{total_rows}_n{examples}_s{seed}"
     if not (path / "dataset.json").exists():
@@ -332,7 +332,7 @@ def ctr_dataset(total_rows: int, examples: int, seed: int = 0) -> Path:
 
 def text_dataset(vocab: int, examples: int, seed: int = 0) -> Path:
     """A synthetic Zipf corpus as CBOW examples (window 4, 8 negatives), cached on disk."""
-    from trainer.data import synth_text
+    from widedp.trainer.data import synth_text
 
     path = DATA_DIR / f"text_vocab{vocab}_n{examples}_s{seed}"
     if not (path / "dataset.json").exists():
@@ -397,8 +397,8 @@ def time_engine(spec: dict) -> dict:
     if `max_seconds` runs out). Returns medians, per-phase medians, bytes per shard method."""
     import numpy as np
 
-    from trainer.config import load_config
-    from trainer.train import build_run
+    from widedp.trainer.config import load_config
+    from widedp.trainer.train import build_run
 
     cfg = load_config(spec["config"], list(spec.get("overrides", [])))
     cfg.validate()
@@ -502,8 +502,8 @@ def cpu_note(machine: dict) -> str:
 
 def ensure_config_dataset(config: str, overrides: Sequence[str] = ()) -> str:
     """Generate the config's synthetic data set now (in the parent), so workers only read it."""
-    from trainer.config import load_config
-    from trainer.train import _ensure_dataset
+    from widedp.trainer.config import load_config
+    from widedp.trainer.train import _ensure_dataset
 
     cfg = load_config(config, list(overrides))
     _ensure_dataset(cfg)
@@ -532,9 +532,9 @@ def default_selection_threshold(cfg) -> Optional[dict]:
     by `trainer.planning.plan_privacy`), made explicit so that a benchmark record carries the
     value and the rule. Returns {"threshold": value, "rule": text}, or None when the config's
     own value is used (or the selector has no threshold)."""
-    from selection.registry import get_selector
-    from trainer.config import is_auto
-    from trainer.train import _ensure_dataset, plan_run
+    from widedp.selection.registry import get_selector
+    from widedp.trainer.config import is_auto
+    from widedp.trainer.train import _ensure_dataset, plan_run
 
     t, p = cfg.train, cfg.privacy
     if t.mode != "sparse" or "threshold" not in get_selector(t.selection).config_fields().values() or not is_auto(p.threshold):

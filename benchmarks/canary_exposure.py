@@ -37,8 +37,8 @@ MODES = ("nonprivate", "dpsgd", "sparse")
 
 
 def exposure_worker(spec: dict) -> dict:
-    from trainer.audit import exposure_audit
-    from trainer.config import load_config
+    from widedp.trainer.audit import exposure_audit
+    from widedp.trainer.config import load_config
 
     cfg = load_config(spec["config"], spec["overrides"])
     cfg.validate()
@@ -68,7 +68,7 @@ def kjv_dataset(root: Path = DATA_DIR / "kjv") -> Path:
             raise RuntimeError(f"the bible reader printed {len(verses)} verses, expected 31,102")
         corpus = root / "kjv.txt"
         corpus.write_text("\n".join(v.split(" ", 1)[1] for v in verses if " " in v) + "\n")  # drop "Ge1:1"
-    subprocess.run([sys.executable, "-m", "trainer.cli", "convert", "text", str(corpus), str(out), "--vocab", "1000"],
+    subprocess.run([sys.executable, "-m", "widedp.trainer.cli", "convert", "text", str(corpus), str(out), "--vocab", "1000"],
                    check=True, capture_output=True)
     return out
 

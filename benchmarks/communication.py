@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
     rows = args.rows or (10**5 if args.quick else 10**7)
     steps = args.steps or (2 if args.quick else 4)
     machine = announce_machine()
-    from trainer.config import load_config
+    from widedp.trainer.config import load_config
 
     base = load_config(args.config, args.set)
     batch = args.batch or base.train.batch_size

@@ -96,7 +96,7 @@ def _torch_model(table_rows: list[int], spec: dict, bag: bool):
     import torch
     from torch import nn
 
-    from trainer.models.dlrm import DLRM
+    from widedp.trainer.models.dlrm import DLRM
 
     dim = spec["dim"]
 
@@ -174,7 +174,7 @@ def _ctr_tensors(data_path: str, test_fraction: float, seed: int):
     """The train split as [N, F] ids, [N, 13] dense features, [N] labels, and the table sizes."""
     import numpy as np
 
-    from trainer.data import open_dataset
+    from widedp.trainer.data import open_dataset
 
     train, _ = open_dataset(data_path, test_fraction=test_fraction, seed=seed)
     batch = train.take(np.arange(len(train)))
@@ -359,7 +359,7 @@ def main(argv=None) -> dict:
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
     machine = announce_machine()
-    from trainer.config import load_config
+    from widedp.trainer.config import load_config
 
     cfg = load_config(args.config, args.set)
     batch = args.batch or (64 if quick else cfg.train.batch_size)

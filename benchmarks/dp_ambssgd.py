@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import announce_machine, format_table, write_results  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from adaptive_clipping import dp_stat as ds, linear_regression as lr, shuffling as sh  # noqa: E402
+from widedp.adaptive_clipping import dp_stat as ds, linear_regression as lr, shuffling as sh  # noqa: E402
 
 METHODS = ("dp_ambssgd", "fixed_clip", "fixed_clip_oracle", "laplace_shuffled", "sgd")
 LABELS = {"dp_ambssgd": "DP-AMBSSGD (adaptive)", "fixed_clip": "DP-SGD fixed clip (tuned once)",

@@ -37,7 +37,7 @@ def adaptive(config: str, mode: str) -> list[str]:
     """DP-STAT's S1 with the learning rates normalized to the config's tuned S1 (the update keeps
     the scale the rates were tuned for; without it CBOW's S1 and steps feed each other and diverge:
     S1 20 → 41, loss 769 in a quick run)."""
-    from trainer.config import load_config
+    from widedp.trainer.config import load_config
 
     ref = load_config(variant(config, mode)).privacy.clip_norm
     return ["privacy.clip_norm=adaptive", f"privacy.adaptive_clip_lr_reference={ref}"]

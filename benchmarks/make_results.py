@@ -99,7 +99,7 @@ def unproven(flag) -> str:
 # ---- sections -----------------------------------------------------------------------------------
 
 def section_scaling(doc, plots, out_dir) -> tuple[list, list]:
-    from trainer.report import plot_curves
+    from widedp.trainer.report import plot_curves
 
     lines, goals = [], []
     res = [r for r in doc["results"] if "error" not in r]
@@ -168,7 +168,7 @@ def section_scaling(doc, plots, out_dir) -> tuple[list, list]:
 
 
 def section_opacus(doc, plots, out_dir) -> tuple[list, list]:
-    from trainer.report import pyplot, save
+    from widedp.trainer.report import pyplot, save
 
     lines, goals = [], []
     res = doc["results"]
@@ -415,7 +415,7 @@ def section_overhead(doc) -> tuple[list, list]:
 
 
 def section_communication(doc, plots, out_dir) -> tuple[list, list]:
-    from trainer.report import pyplot, save
+    from widedp.trainer.report import pyplot, save
 
     lines, goals = [], []
     res = [r for r in doc["results"] if "error" not in r]
@@ -458,7 +458,7 @@ def section_communication(doc, plots, out_dir) -> tuple[list, list]:
 
 
 def section_phases(doc, plots, out_dir) -> tuple[list, list]:
-    from trainer.report import plot_phases
+    from widedp.trainer.report import plot_phases
 
     s = doc.get("summary") or {}
     if not s:
@@ -485,7 +485,7 @@ def section_phases(doc, plots, out_dir) -> tuple[list, list]:
 
 
 def section_utility(doc, plots, out_dir) -> tuple[list, list]:
-    from trainer.report import pyplot, save
+    from widedp.trainer.report import pyplot, save
 
     lines, goals = [], []
     points = doc["points"]
@@ -633,7 +633,7 @@ class _UtilityReasons:
             by_eps = {}
             for r in runs:
                 by_eps.setdefault(r["target_epsilon"], []).append(r)
-            from trainer.config import load_config
+            from widedp.trainer.config import load_config
 
             b = load_config(runs[0]["config"], []).train.batch_size
             need, counts = [], []
@@ -703,7 +703,7 @@ def section_tuning(doc: dict, path: Path) -> list:
 
 
 def section_fig1(doc, plots, out_dir) -> tuple[list, list]:
-    from trainer.report import plot_curves, pyplot, save
+    from widedp.trainer.report import plot_curves, pyplot, save
 
     lines, goals = [], []
     runs = [r for r in doc["runs"] if "error" not in r]
@@ -787,7 +787,7 @@ def section_fig1(doc, plots, out_dir) -> tuple[list, list]:
 def plot_audit(results: list, ceiling: float, path: Path) -> str:
     """One horizontal bar per audited run: its ε lower bound, with its claimed ε as a tick
     and the most m canaries can show as a dashed line."""
-    from trainer.report import pyplot, save
+    from widedp.trainer.report import pyplot, save
 
     plt = pyplot()
     labels = [f"{r['model']} {r['label']}" for r in results]
@@ -899,7 +899,7 @@ def section_audit(doc, plots: "dict | None" = None, plot_dir: "Path | None" = No
 
 def plot_exposure_ranks(results: list, references: int, path: Path, title: str) -> str:
     """Histograms of the canaries' ranks, one panel per n_c, one line per mode: uniform is flat."""
-    from trainer.report import pyplot, save
+    from widedp.trainer.report import pyplot, save
 
     plt = pyplot()
     insertions = sorted({r["insertions"] for r in results})

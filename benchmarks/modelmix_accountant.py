@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import announce_machine, format_table, write_results  # noqa: E402
 
-from accounting import events as ev  # noqa: E402
-from accounting.base import make_accountant  # noqa: E402
-from accounting.modelmix import ModelMixDpEvent, epsilon_at_order, modelmix_rdp  # noqa: E402
+from widedp.accounting import events as ev  # noqa: E402
+from widedp.accounting.base import make_accountant  # noqa: E402
+from widedp.accounting.modelmix import ModelMixDpEvent, epsilon_at_order, modelmix_rdp  # noqa: E402
 
 HEADLINE = dict(n=50_000, batch=1_500, c=20.0, steps=3_400, sigma=0.335, r=0.15, k=100)
 PAPER_EPSILON = 8.0

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import announce_machine, format_table, write_results  # noqa: E402
-from selection.keyed_random import GaussianStream, NoiseKey  # noqa: E402
-from selection.noise import gaussian_noise  # noqa: E402
-from trainer.layout import row_block_normal  # noqa: E402
+from widedp.selection.keyed_random import GaussianStream, NoiseKey  # noqa: E402
+from widedp.selection.noise import gaussian_noise  # noqa: E402
+from widedp.trainer.layout import row_block_normal  # noqa: E402
 
 ROW_BLOCK = 1024  # the removed code's rows per torch generator
 

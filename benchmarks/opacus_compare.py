@@ -85,7 +85,7 @@ def _padded_tensors(data_path: str, test_fraction: float, seed: int):
     import numpy as np
     import torch
 
-    from trainer.data import open_dataset
+    from widedp.trainer.data import open_dataset
 
     train, _ = open_dataset(data_path, test_fraction=test_fraction, seed=seed)
     batch = train.take(np.arange(len(train)))
@@ -228,7 +228,7 @@ def main(argv=None) -> dict:
     hooks_max = args.hooks_max_vocab or (10**4 if quick else 10**5)
     systems = [s for s in args.systems.split(",") if s]
     machine = announce_machine()
-    from trainer.config import load_config
+    from widedp.trainer.config import load_config
 
     cfg = load_config(args.config, args.set)
     batch = args.batch or cfg.train.batch_size

@@ -72,8 +72,8 @@ class _Subset:
 
 
 def train_curve(name: str, cfg, steps: int, points: int, eval_examples: int, curve_points: int) -> dict:
-    from trainer.report import epsilon_by_accountant, epsilon_curves
-    from trainer.train import build_run
+    from widedp.trainer.report import epsilon_by_accountant, epsilon_curves
+    from widedp.trainer.train import build_run
 
     rule = default_selection_threshold(cfg)
     if rule:
@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
 
         torch.set_num_threads(args.threads)
     machine = announce_machine()
-    from trainer.config import load_config
+    from widedp.trainer.config import load_config
 
     data = DATA_DIR / f"fig1_text_vocab1000_n{examples}"
     data = data.relative_to(REPO) if data.is_relative_to(REPO) else data  # the script runs from the repo root

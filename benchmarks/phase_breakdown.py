@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
     steps = args.steps or (6 if args.quick else 30)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
     machine = announce_machine()
-    from trainer.config import load_config
+    from widedp.trainer.config import load_config
 
     data_over = quick_data_overrides(args.config) if args.quick else []
     overrides = [*data_over, *args.set]

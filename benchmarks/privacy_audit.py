@@ -110,8 +110,8 @@ def gradient_batch(cfg, canaries: int) -> int:
 
 
 def audit_worker(spec: dict) -> dict:
-    from trainer.audit import one_run_audit
-    from trainer.config import load_config
+    from widedp.trainer.audit import one_run_audit
+    from widedp.trainer.config import load_config
 
     overrides = list(spec["overrides"])
     if spec.get("canary_kind") == "gradient":

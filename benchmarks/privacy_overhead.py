@@ -37,7 +37,7 @@ def main(argv=None) -> dict:
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     modes = (args.modes or ("sparse,nonprivate" if args.quick else "sparse,nonprivate,dpsgd")).split(",")
     machine = announce_machine()
-    from trainer.config import load_config
+    from widedp.trainer.config import load_config
 
     results, ratios = [], {}
     for config in [c for c in args.configs.split(",") if c]:

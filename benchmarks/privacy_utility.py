@@ -83,9 +83,9 @@ def tuned_overrides(dataset: str, mode: str, eps, tuning_dir: Path) -> tuple[lis
 
 def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, overrides: list, root: Path,
             fresh: bool, accountants: bool, tuning_dir: Optional[Path] = None) -> dict:
-    from trainer.config import load_config
-    from trainer.report import ledger_accounting
-    from trainer.train import changed_computation_keys, train
+    from widedp.trainer.config import load_config
+    from widedp.trainer.report import ledger_accounting
+    from widedp.trainer.train import changed_computation_keys, train
 
     name = mode + (f"-{selection}" if selection else "") + (f"-eps{eps:g}" if eps is not None else "") + f"-seed{seed}"
     run_dir = root / dataset / name
@@ -148,8 +148,8 @@ def _run_job(job: tuple) -> dict:
 
 def _prepare_data(config: str, overrides: list) -> None:
     """Generate (or check) the data set of `config` before parallel runs read it."""
-    from trainer.config import load_config
-    from trainer.train import _ensure_dataset
+    from widedp.trainer.config import load_config
+    from widedp.trainer.train import _ensure_dataset
 
     _ensure_dataset(load_config(config, overrides))
 

@@ -21,7 +21,7 @@ import time
 import numpy as np
 from scipy import special
 
-from selection import exponential_top_k, gaussian_threshold
+from widedp.selection import exponential_top_k, gaussian_threshold
 
 
 def _median_time(fn, repeats: int) -> float:

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import announce_machine, format_table, write_results  # noqa: E402
 
-from sparse_learners import mean_estimation as me  # noqa: E402
-from sparse_learners import output_perturbation as op  # noqa: E402
+from widedp.sparse_learners import mean_estimation as me  # noqa: E402
+from widedp.sparse_learners import output_perturbation as op  # noqa: E402
 
 NAME = "sparse_mean_estimation"
 S, DELTA, L = 10, 1e-6, 1.0

@@ -62,7 +62,7 @@ def main(argv=None) -> dict:
     modes = [m for m in args.modes.split(",") if m]
     machine = announce_machine()
 
-    from trainer.config import load_config
+    from widedp.trainer.config import load_config
 
     base = load_config(args.config, args.set)
     batch = args.batch or base.train.batch_size

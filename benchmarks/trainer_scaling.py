@@ -37,8 +37,8 @@ def measure(spec: dict) -> dict:
     the run, `warmup` untimed steps, then `steps` timed ones."""
     import numpy as np
 
-    from trainer.config import load_config
-    from trainer.train import build_run
+    from widedp.trainer.config import load_config
+    from widedp.trainer.train import build_run
 
     cluster = None
     overrides = list(spec["overrides"])

@@ -46,8 +46,8 @@ def _run_point(job: tuple) -> dict:
 
     torch.set_num_threads(1)
     sys.path.insert(0, str(REPO))
-    from trainer.config import load_config
-    from trainer.train import train
+    from widedp.trainer.config import load_config
+    from widedp.trainer.train import train
 
     cfg = load_config(config, [*overrides, "cluster.backend=local"])
     cfg.validate()
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
             print(" ".join(r["overrides"][len(fixed):]) + ": "
                   + (r["error"] if "error" in r else f"{chosen_on} " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())),
                   flush=True)
-    from trainer.config import load_config
+    from widedp.trainer.config import load_config
 
     model = load_config(args.config, args.set).model.name
     metric, better = PRIMARY.get(model, ("loss", "min"))

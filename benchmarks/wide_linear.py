@@ -42,13 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import announce_machine, format_table, write_results  # noqa: E402
 
-from accounting import events as ev  # noqa: E402
-from accounting.base import make_accountant  # noqa: E402
-from accounting.calibration import svt_event  # noqa: E402
-from sparse_learners import bias_reduced_sgd as br  # noqa: E402
-from sparse_learners import dp_erm  # noqa: E402
-from sparse_learners import linear_models as lm  # noqa: E402
-from sparse_learners import output_perturbation as op  # noqa: E402
+from widedp.accounting import events as ev  # noqa: E402
+from widedp.accounting.base import make_accountant  # noqa: E402
+from widedp.accounting.calibration import svt_event  # noqa: E402
+from widedp.sparse_learners import bias_reduced_sgd as br  # noqa: E402
+from widedp.sparse_learners import dp_erm  # noqa: E402
+from widedp.sparse_learners import linear_models as lm  # noqa: E402
+from widedp.sparse_learners import output_perturbation as op  # noqa: E402
 
 EPSILONS = (1.0, 3.0, 8.0)
 DELTA = 1e-5

@@ -11,19 +11,19 @@ top-k computed on the shards that own the rows and merged exactly.
 hashable keys; it returns a `PartitionSelection` (keys, noisy counts, event) instead.
 """
 
-from selection.exponential import exponential_top_k, k_from_fraction, paper_epsilon_per_draw
-from selection.keyed_random import GaussianStream, NoiseKey
-from selection.fest import fest_top_k, truncated_row_counts
-from selection.noise import (NoisyStep, gaussian_noise, noisy_selected_rows, noisy_step,
+from widedp.selection.exponential import exponential_top_k, k_from_fraction, paper_epsilon_per_draw
+from widedp.selection.keyed_random import GaussianStream, NoiseKey
+from widedp.selection.fest import fest_top_k, truncated_row_counts
+from widedp.selection.noise import (NoisyStep, gaussian_noise, noisy_selected_rows, noisy_step,
                              secure_generator, step_sensitivity)
-from selection.noisy_max import noisy_max_top_k
-from selection.partitioned import ShardCandidates, gumbel_top_k_candidates, merge_top_k
-from selection.partition import (PartitionSelection, bounded_key_counts, gaussian_partition_selection,
+from widedp.selection.noisy_max import noisy_max_top_k
+from widedp.selection.partitioned import ShardCandidates, gumbel_top_k_candidates, merge_top_k
+from widedp.selection.partition import (PartitionSelection, bounded_key_counts, gaussian_partition_selection,
                                  partition_selection_threshold)
-from selection.random_selection import random_rows
-from selection.result import Selection
-from selection.sparse_vector import numeric_sparse
-from selection.threshold import contribution_counts, gaussian_threshold
+from widedp.selection.random_selection import random_rows
+from widedp.selection.result import Selection
+from widedp.selection.sparse_vector import numeric_sparse
+from widedp.selection.threshold import contribution_counts, gaussian_threshold
 
 __all__ = [
     "GaussianStream",

@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
-from accounting.events import ExponentialTopKDpEvent
-from selection._sparse import (
+from widedp.accounting.events import ExponentialTopKDpEvent
+from widedp.selection._sparse import (
     SparseScores,
     check_count,
     check_positive,
@@ -25,7 +25,7 @@ from selection._sparse import (
     top_k_merge,
     top_log_uniforms,
 )
-from selection.result import Selection
+from widedp.selection.result import Selection
 
 
 def exponential_top_k(

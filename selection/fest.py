@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
-from accounting.events import GaussianDpEvent
-from selection._sparse import (
+from widedp.accounting.events import GaussianDpEvent
+from widedp.selection._sparse import (
     check_count,
     check_positive,
     gaussian_from_log_uniform,
@@ -23,7 +23,7 @@ from selection._sparse import (
     top_k_merge,
     top_log_uniforms,
 )
-from selection.result import Selection
+from widedp.selection.result import Selection
 
 
 def truncated_row_counts(offsets, ids, num_rows: int, max_rows_per_example: int):

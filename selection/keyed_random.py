@@ -117,6 +117,7 @@ def generator_family(rng: np.random.Generator) -> str:
 
 _AES_BLOCK_WORDS = 2  # one 16-byte AES block: two 64-bit words
 _CHUNK_WORDS = 1 << 16  # converted in L2-sized chunks: each torch pass stays in cache
+_BUFFER_VALUES = 1 << 12  # a GaussianStream makes small draws' values this many at a time
 _RADIUS_BITS, _ANGLE_BITS = 40, 24  # fast Box–Muller: u1 from 40 bits (|z| ≤ 7.45), θ from 24
 _TWO_PI = 6.283185307179586
 
@@ -197,21 +198,29 @@ class GaussianStream:
     def __init__(self, key: NoiseKey):
         self.key = key
         self.position = 0
+        self._buffer_start, self._buffer = 0, torch.empty(0)
 
     @property
     def secure(self) -> bool:
         return self.key.secure
 
     def standard_normal(self, count: int) -> torch.Tensor:
-        z = standard_normals(self.key, self.position, count)
-        self.position += count
-        return z
+        """The next `count` values (a new tensor). Small draws are served from values made
+        _BUFFER_VALUES at a time — the same values, since they are addressed by position."""
+        start, self.position = self.position, self.position + count
+        if count >= _BUFFER_VALUES:
+            return standard_normals(self.key, start, count)
+        offset = start - self._buffer_start
+        if offset < 0 or offset + count > self._buffer.numel():
+            self._buffer_start, self._buffer, offset = start, standard_normals(self.key, start, _BUFFER_VALUES), 0
+        return self._buffer[offset: offset + count].clone()
 
     def state_dict(self) -> dict:
         return {"position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
+        self._buffer_start, self._buffer = 0, torch.empty(0)
 
     def __repr__(self) -> str:
         return f"GaussianStream({'secure' if self.key.secure else 'fast'}, position={self.position})"

@@ -17,8 +17,8 @@ from typing import Mapping, Optional
 
 import torch
 
-from accounting.events import GaussianDpEvent
-from selection.keyed_random import GaussianStream, NoiseKey
+from widedp.accounting.events import GaussianDpEvent
+from widedp.selection.keyed_random import GaussianStream, NoiseKey
 
 
 def step_sensitivity(clip_norm: float, expected_batch_size: float, second_clip_norm: Optional[float]) -> float:

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from accounting.events import NoisyMaxTopKDpEvent
-from selection._sparse import (
+from widedp.accounting.events import NoisyMaxTopKDpEvent
+from widedp.selection._sparse import (
     check_count,
     check_positive,
     check_sparse_input,
     sample_untouched,
     top_log_uniforms,
 )
-from selection.exponential import exponential_top_k
-from selection.result import Selection
+from widedp.selection.exponential import exponential_top_k
+from widedp.selection.result import Selection
 
 
 def _laplace_from_log_uniform(log_u: float, scale: float) -> float:

@@ -34,8 +34,8 @@ from typing import Hashable, Iterable
 import numpy as np
 from scipy import special
 
-from accounting.events import GaussianPartitionSelectionDpEvent
-from selection._sparse import check_count, check_positive
+from widedp.accounting.events import GaussianPartitionSelectionDpEvent
+from widedp.selection._sparse import check_count, check_positive
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,8 +39,8 @@ import dataclasses
 
 import numpy as np
 
-from selection._sparse import check_count, check_positive, check_sparse_input
-from selection.exponential import gumbel_top_k
+from widedp.selection._sparse import check_count, check_positive, check_sparse_input
+from widedp.selection.exponential import gumbel_top_k
 
 _MAX_K = np.iinfo(np.int64).max
 

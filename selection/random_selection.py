@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from accounting.events import NoOpDpEvent
-from selection._sparse import check_count, sample_untouched
-from selection.result import Selection
+from widedp.accounting.events import NoOpDpEvent
+from widedp.selection._sparse import check_count, sample_untouched
+from widedp.selection.result import Selection
 
 
 def random_rows(num_rows: int, k: int, rng: np.random.Generator) -> Selection:

@@ -56,8 +56,8 @@ from typing import Any, Callable, ClassVar, Mapping, Optional
 
 import numpy as np
 
-from accounting.events import DpEvent
-from selection.result import Selection
+from widedp.accounting.events import DpEvent
+from widedp.selection.result import Selection
 
 NO_SELECTION = "none"
 
@@ -262,7 +262,7 @@ def unregister_selector(name: str) -> None:
 
 
 def _load() -> None:
-    import selection.selectors  # noqa: F401  (registers the built-in selectors)
+    import widedp.selection.selectors  # noqa: F401  (registers the built-in selectors)
 
 
 def get_selector(name: str) -> Selector:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from accounting.events import DpEvent
+from widedp.accounting.events import DpEvent
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,9 +19,9 @@ import math
 
 import numpy as np
 
-from accounting.calibration import svt_event
-from selection._sparse import check_count, check_positive, check_sparse_input
-from selection.result import Selection
+from widedp.accounting.calibration import svt_event
+from widedp.selection._sparse import check_count, check_positive, check_sparse_input
+from widedp.selection.result import Selection
 
 
 def numeric_sparse_scales(epsilon: float, delta: float, max_answers: int, sensitivity: float, release_values: bool):

@@ -15,9 +15,9 @@ import math
 import numpy as np
 from scipy import special
 
-from accounting.events import GaussianDpEvent
-from selection._sparse import check_positive, check_sparse_input, sample_untouched, unique_ints
-from selection.result import Selection
+from widedp.accounting.events import GaussianDpEvent
+from widedp.selection._sparse import check_positive, check_sparse_input, sample_untouched, unique_ints
+from widedp.selection.result import Selection
 
 
 def contribution_counts(offsets, ids, clip_norm: float, num_rows: int | None = None):

@@ -91,11 +91,11 @@ import numpy as np
 import scipy.sparse as sp
 from scipy import optimize
 
-from accounting import events as ev
-from accounting.base import make_accountant
-from sparse_learners import linear_models as lm
-from sparse_learners import mean_estimation as me
-from sparse_learners.projection import project_l1_ball
+from widedp.accounting import events as ev
+from widedp.accounting.base import make_accountant
+from widedp.sparse_learners import linear_models as lm
+from widedp.sparse_learners import mean_estimation as me
+from widedp.sparse_learners.projection import project_l1_ball
 
 History = list[tuple[ev.DpEvent, int]]
 MEAN_ESTIMATORS = ("gaussian", "projection")

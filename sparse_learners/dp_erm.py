@@ -75,12 +75,12 @@ from typing import Any, Optional
 import numpy as np
 from scipy import optimize
 
-from accounting import events as ev
-from accounting.base import accountant_names, make_accountant
-from accounting.calibration import svt_event
-from accounting.paper import advanced_composition, poisson_amplification
-from selection.sparse_vector import numeric_sparse
-from sparse_learners import linear_models as lm
+from widedp.accounting import events as ev
+from widedp.accounting.base import accountant_names, make_accountant
+from widedp.accounting.calibration import svt_event
+from widedp.accounting.paper import advanced_composition, poisson_amplification
+from widedp.selection.sparse_vector import numeric_sparse
+from widedp.sparse_learners import linear_models as lm
 
 History = list[tuple[ev.DpEvent, int]]
 

@@ -53,7 +53,7 @@ from dp_accounting import dp_event
 from scipy import special
 from scipy.optimize import linprog
 
-from sparse_learners.projection import project_l1_ball
+from widedp.sparse_learners.projection import project_l1_ball
 
 RELATIONS = {"add-remove": 1.0, "replace-one": 2.0}
 

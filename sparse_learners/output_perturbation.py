@@ -45,9 +45,9 @@ from dp_accounting import dp_event
 from scipy.optimize import minimize
 from scipy.sparse.linalg import LinearOperator, cg
 
-from sparse_learners.mean_estimation import (_delta, _positive, _positive_int, _rng, gaussian_noise_multiplier,
+from widedp.sparse_learners.mean_estimation import (_delta, _positive, _positive_int, _rng, gaussian_noise_multiplier,
                                              relation_factor, validate_sparse_rows)
-from sparse_learners.projection import linf_nearest_in_l2_ball
+from widedp.sparse_learners.projection import linf_nearest_in_l2_ball
 
 LOSSES = ("logistic", "squared")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainer.data import synth_ctr
+from widedp.trainer.data import synth_ctr
 
 
 @pytest.fixture(scope="module")

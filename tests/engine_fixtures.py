@@ -9,12 +9,12 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from accounting import PrivacyLedger
-from selection.registry import get_selector, is_selector
-from trainer.engine import Engine, PrivacyPlan
-from trainer.layout import FeatureSpec, ShardLayout, TableSpec
-from trainer.models import MODELS
-from trainer.randomness import PrivacyRandomness
+from widedp.accounting import PrivacyLedger
+from widedp.selection.registry import get_selector, is_selector
+from widedp.trainer.engine import Engine, PrivacyPlan
+from widedp.trainer.layout import FeatureSpec, ShardLayout, TableSpec
+from widedp.trainer.models import MODELS
+from widedp.trainer.randomness import PrivacyRandomness
 
 
 @dataclasses.dataclass
@@ -230,7 +230,7 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
     `dense_tables`: table indices noised densely in sparse mode (trainer/table_policy.py);
     `trainer_actors`: the trainers as Ray actors (backend "ray"); `fuse_selection`: the
     shards select in the row-sum call when they can (one trainer)."""
-    from trainer.shard_group import InProcessShardGroup, RayShardGroup
+    from widedp.trainer.shard_group import InProcessShardGroup, RayShardGroup
 
     layout = layout_for(ds, num_shards, dim)
     torch.manual_seed(seed)

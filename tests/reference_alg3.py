@@ -41,9 +41,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-import selection
-from trainer.layout import public_key, row_block_normal
-from trainer.randomness import PrivacyRandomness
+from widedp import selection
+from widedp.trainer.layout import public_key, row_block_normal
+from widedp.trainer.randomness import PrivacyRandomness
 
 
 

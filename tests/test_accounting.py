@@ -9,10 +9,10 @@ from dp_accounting import dp_event as dpe
 from dp_accounting.pld import pld_privacy_accountant
 from opacus.accountants import PRVAccountant, RDPAccountant
 
-from accounting import InvalidBoundError, UnsupportedEventError, make_accountant, step_event
-from accounting import events as ev
-from accounting.paper import advanced_composition
-from accounting.rdp import DEFAULT_ORDERS, pure_dp_rdp, rdp_curve, zhu_wang_poisson_rdp
+from widedp.accounting import InvalidBoundError, UnsupportedEventError, make_accountant, step_event
+from widedp.accounting import events as ev
+from widedp.accounting.paper import advanced_composition
+from widedp.accounting.rdp import DEFAULT_ORDERS, pure_dp_rdp, rdp_curve, zhu_wang_poisson_rdp
 
 GAUSS_STEP = ev.PoissonSampledDpEvent(0.01, ev.GaussianDpEvent(1.0))
 
@@ -137,7 +137,7 @@ def test_paper_accountant_reproduces_theorem3():
 
 
 def test_poisson_amplification_is_the_tight_bound_not_the_seeds_lemma1():
-    from accounting.paper import poisson_amplification, seed_lemma1_literal
+    from widedp.accounting.paper import poisson_amplification, seed_lemma1_literal
 
     # Hand computation: ε = 1, q = 0.01 → log(1 + 0.01·(e - 1)) = log(1.0171828...) = 0.0170369...
     assert poisson_amplification(1.0, 0.01) == pytest.approx(math.log(1.0171828182845904), rel=1e-12)
@@ -210,8 +210,8 @@ def test_events_serialize_round_trip():
 
 
 def test_numeric_sparse_emits_the_event_calibration_assumes():
-    from accounting.calibration import svt_event
-    from selection import numeric_sparse
+    from widedp.accounting.calibration import svt_event
+    from widedp.selection import numeric_sparse
 
     sel = numeric_sparse([3, 9], [5.0, 0.1], 20, 1.0, 2, 4.0, 1e-5, 1.0, np.random.default_rng(0))
     # numeric_sparse defaults to releasing values; svt_event takes the mode explicitly (no default).
@@ -238,9 +238,9 @@ from typing import ClassVar  # noqa: E402
 import attr  # noqa: E402
 from dp_accounting import NeighboringRelation  # noqa: E402
 
-from accounting import PrivacyLedger  # noqa: E402
-from accounting import base  # noqa: E402
-from accounting.calibration import svt_event  # noqa: E402
+from widedp.accounting import PrivacyLedger  # noqa: E402
+from widedp.accounting import base  # noqa: E402
+from widedp.accounting.calibration import svt_event  # noqa: E402
 
 PARTITION = ev.GaussianPartitionSelectionDpEvent(4.0, 1e-9)
 ACCOUNTANT_NAMES = ("rdp", "pld", "prv", "paper")
@@ -352,20 +352,19 @@ def _no_epsilon(*args, **kwargs):
 def test_record_and_check_never_compute_epsilon(name, monkeypatch):
     """Spy: with every ε entry point of the accountant (and Opacus / dp_accounting underneath) made
     to fail, `supports`, `check` and `PrivacyLedger.record` still work — and still refuse."""
-    import accounting.paper
-    import accounting.pld
-    import accounting.prv
-    import accounting.rdp
-
+    import widedp.accounting.paper
+    import widedp.accounting.pld
+    import widedp.accounting.prv
+    import widedp.accounting.rdp
     acc = make_accountant(name)
     monkeypatch.setattr(type(acc), "epsilon", _no_epsilon)
     monkeypatch.setattr(type(acc), "details", _no_epsilon)
-    monkeypatch.setattr(accounting.rdp.opacus_rdp, "compute_rdp", _no_epsilon)
-    monkeypatch.setattr(accounting.rdp, "rdp_curve", _no_epsilon)
-    monkeypatch.setattr(accounting.pld.pld_privacy_accountant, "PLDAccountant", _no_epsilon)
-    monkeypatch.setattr(accounting.prv, "OpacusPRV", _no_epsilon)
-    monkeypatch.setattr(accounting.paper, "gaussian_epsilon", _no_epsilon)
-    monkeypatch.setattr(accounting.paper, "poisson_amplification", _no_epsilon)
+    monkeypatch.setattr(widedp.accounting.rdp.opacus_rdp, "compute_rdp", _no_epsilon)
+    monkeypatch.setattr(widedp.accounting.rdp, "rdp_curve", _no_epsilon)
+    monkeypatch.setattr(widedp.accounting.pld.pld_privacy_accountant, "PLDAccountant", _no_epsilon)
+    monkeypatch.setattr(widedp.accounting.prv, "OpacusPRV", _no_epsilon)
+    monkeypatch.setattr(widedp.accounting.paper, "gaussian_epsilon", _no_epsilon)
+    monkeypatch.setattr(widedp.accounting.paper, "poisson_amplification", _no_epsilon)
     ledger = PrivacyLedger(acc, delta=1e-6)
     step = step_event(0.01, 1.0, ev.GaussianDpEvent(2.0))
     for _ in range(200):
@@ -451,7 +450,7 @@ def test_prv_goes_through_opacus_public_api():
 
 
 def test_prv_silences_only_the_known_benign_opacus_warnings(monkeypatch):
-    import accounting.prv as prv_module
+    import widedp.accounting.prv as prv_module
 
     acc = make_accountant("prv")
     with warnings.catch_warnings():

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from accounting import events as ev
-from adaptive_clipping.dp_stat import dp_stat_from_noise
+from widedp.accounting import events as ev
+from widedp.adaptive_clipping.dp_stat import dp_stat_from_noise
 from tests.engine_fixtures import ListSampler, make_engine, poisson_batches, wide_ctr
-from trainer.adaptive_clip import AdaptiveClip, adaptive_clip_from_config
-from trainer.config import Config, ConfigError, load_config
+from widedp.trainer.adaptive_clip import AdaptiveClip, adaptive_clip_from_config
+from widedp.trainer.config import Config, ConfigError, load_config
 
 ADAPTIVE = AdaptiveClip(theta=0.01, num_doublings=10, count_noise=0.5, beta=0.1)
 
@@ -109,16 +109,16 @@ def _config(*overrides):
 
 
 def test_calibration_pays_for_the_counts_inside_the_target():
-    from trainer.planning import plan_privacy
+    from widedp.trainer.planning import plan_privacy
 
     fixed_plan, fixed = plan_privacy(_config(), n=10_000, vocabulary=0)
     plan, info = plan_privacy(_config("privacy.clip_norm=adaptive", "privacy.adaptive_clip_noise=3"),
                               n=10_000, vocabulary=0)
     assert plan.adaptive_clip == AdaptiveClip(0.01, 12, 3.0, 0.05) and plan.clip_norm is None
     assert info.noise_multiplier > fixed.noise_multiplier  # the counts cost budget: more gradient noise
-    from accounting.base import make_accountant
+    from widedp.accounting.base import make_accountant
     acc = make_accountant("rdp")
-    from accounting.calibration import sampled_step_event
+    from widedp.accounting.calibration import sampled_step_event
     spent = acc.epsilon([(sampled_step_event(0.01, plan.noise_event()), 100)], info.delta)
     assert spent == pytest.approx(2.0, rel=1e-3) and spent <= 2.0 + 1e-9
     assert info.adaptive_clip["max"] == pytest.approx(0.01 * 2 ** 12)
@@ -148,7 +148,7 @@ def test_adaptive_clip_parameters_are_checked():
     with pytest.raises(ValueError, match="num_doublings"):
         AdaptiveClip(0.1, -1, 1.0)
     with pytest.raises(ValueError, match="fixed clip_norm or an adaptive_clip"):
-        from trainer.engine import PrivacyPlan
+        from widedp.trainer.engine import PrivacyPlan
         PrivacyPlan(1.0, 1.0, None, "none", adaptive_clip=ADAPTIVE)
     assert dataclasses.replace(ADAPTIVE, beta=0.5).threshold < ADAPTIVE.threshold
     assert isinstance(Config(), Config)

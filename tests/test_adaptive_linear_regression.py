@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from accounting.base import make_accountant
-from accounting.events import GaussianDpEvent, NonPrivateDpEvent, SelfComposedDpEvent
-from adaptive_clipping import dp_stat as ds
-from adaptive_clipping import linear_regression as lr
+from widedp.accounting.base import make_accountant
+from widedp.accounting.events import GaussianDpEvent, NonPrivateDpEvent, SelfComposedDpEvent
+from widedp.adaptive_clipping import dp_stat as ds
+from widedp.adaptive_clipping import linear_regression as lr
 from tests import privacy_audit as pa
 
 
@@ -282,8 +282,8 @@ def test_the_laplace_audit_catches_a_wrong_sensitivity(broken, monkeypatch):
 
 
 def test_amplified_laplace_dp_ssgd_reports_the_shuffled_epsilon_and_no_gaussian_event():
-    from accounting.events import LaplaceDpEvent, walk
-    from adaptive_clipping import shuffling as sh
+    from widedp.accounting.events import LaplaceDpEvent, walk
+    from widedp.adaptive_clipping import shuffling as sh
 
     X, y, _ = _problem(n=10_000, d=3)
     out = lr.dp_ssgd(X, y, batch_size=1, lr=0.05, clip_norm=1.0, noise="laplace", eps0=2.0,
@@ -305,7 +305,7 @@ def test_amplified_laplace_dp_ssgd_reports_the_shuffled_epsilon_and_no_gaussian_
 
 
 def test_calibrated_eps0_meets_the_target_after_amplification():
-    from adaptive_clipping import shuffling as sh
+    from widedp.adaptive_clipping import shuffling as sh
 
     X, y, _ = _problem(n=20_000, d=3)
     eps0 = sh.eps0_for_epsilon(1.0, 20_000, 1e-5)

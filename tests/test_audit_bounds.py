@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy import special, stats
 
-from accounting.canary_exposure import (
+from widedp.accounting.canary_exposure import (
     CanaryExposureReport,
     canary_ranks,
     exposure,
@@ -22,7 +22,7 @@ from accounting.canary_exposure import (
     log_perplexity,
     rank_uniformity_test,
 )
-from accounting.one_run_audit import (
+from widedp.accounting.one_run_audit import (
     OneRunAudit,
     audit_from_scores,
     best_guess_counts,

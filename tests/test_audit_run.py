@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-import trainer.engine as engine_module
-from trainer.audit import (GRADIENT_CANARY_SCALE, WithCanaries, as_gradient_canaries, make_canaries, one_run_audit,
+import widedp.trainer.engine as engine_module
+from widedp.trainer.audit import (GRADIENT_CANARY_SCALE, WithCanaries, as_gradient_canaries, make_canaries, one_run_audit,
                            write_audit)
-from trainer.config import load_config
-from trainer.data.dataset import open_dataset
+from widedp.trainer.config import load_config
+from widedp.trainer.data.dataset import open_dataset
 
 from test_train_cli import TINY as CLI_TINY
 
@@ -193,7 +193,7 @@ def test_audit_writes_its_record_and_plot(ctr_dir, tmp_path):
 
 
 def test_the_cli_writes_audit_json_and_refuses_a_bad_flag_by_name(ctr_dir, tmp_path, capsys):
-    from trainer.cli import main
+    from widedp.trainer.cli import main
 
     config = tmp_path / "audit.toml"
     config.write_text(f'[data]\npath = "{ctr_dir}"\n')
@@ -228,7 +228,7 @@ def test_audit_refuses_bad_parameters_naming_them(ctr_dir):
 # ---- the seed's canary exposure test (wide-network-dp §6.5) ---------------------------------------------
 @pytest.fixture(scope="module")
 def text_dir(tmp_path_factory):
-    from trainer.data.synth import synth_text
+    from widedp.trainer.data.synth import synth_text
 
     path = tmp_path_factory.mktemp("text") / "cbow"
     synth_text(path, num_examples=4000, vocab=200, seed=5, negatives=2)
@@ -238,8 +238,8 @@ def text_dir(tmp_path_factory):
 def test_phrase_log_perplexity_is_the_sum_of_the_models_next_word_log_probabilities():
     """The vectorized P(c) equals the slow per-phrase sum −log Pr(c1|c0) − log Pr(c2|c0,c1)
     with Pr(w | context) the softmax of o_w · mean(context input rows)."""
-    from accounting.canary_exposure import log_perplexity
-    from trainer.audit import phrase_log_perplexities
+    from widedp.accounting.canary_exposure import log_perplexity
+    from widedp.trainer.audit import phrase_log_perplexities
 
     rng = np.random.default_rng(0)
     inputs, outputs = rng.normal(size=(30, 5)), rng.normal(size=(30, 5))
@@ -254,7 +254,7 @@ def test_phrase_log_perplexity_is_the_sum_of_the_models_next_word_log_probabilit
 
 
 def test_each_inserted_phrase_is_three_examples_per_insertion(text_dir):
-    from trainer.audit import make_phrase_examples
+    from widedp.trainer.audit import make_phrase_examples
 
     train, _ = open_dataset(text_dir, test_fraction=0.2, seed=0)
     examples = make_phrase_examples(train.meta, np.array([[3, 4, 5]]), 2, np.random.default_rng(0))
@@ -272,8 +272,8 @@ def test_a_phrase_inserted_into_text_is_every_example_within_the_window_of_it(te
     """Placement "text" (seed §6.5): one insertion of (c0, c1, c2) between corpus words gives the
     2w + 3 examples within ±w of it, each with its ±w neighbours as context in text order —
     the same examples the corpus windowing makes of that stretch of text."""
-    from trainer.audit import make_phrase_examples
-    from trainer.data.text import cbow_examples
+    from widedp.trainer.audit import make_phrase_examples
+    from widedp.trainer.data.text import cbow_examples
 
     train, _ = open_dataset(text_dir, test_fraction=0.2, seed=0)
     w = train.meta.extra["window"]
@@ -308,7 +308,7 @@ def test_exposure_flags_nonprivate_training_and_not_a_private_run_at_one_inserti
     1e-6). Private at ε = 1
     with one insertion (the example-level guarantee covers it): ranks look uniform — p > 1e-4,
     not the audit's 0.01, so that a correct run's own 1% false alarms do not fail CI."""
-    from trainer.audit import exposure_audit
+    from widedp.trainer.audit import exposure_audit
 
     loud = exposure_audit(_text_cfg(text_dir, "train.mode=nonprivate"), canaries=100, insertions=9, references=2000,
                           seed=3, placement="line")
@@ -321,7 +321,7 @@ def test_exposure_flags_nonprivate_training_and_not_a_private_run_at_one_inserti
 def test_exposure_flags_nonprivate_training_with_phrases_inserted_into_the_text(text_dir):
     """The seed's placement: each insertion is 11 examples whose contexts mix the phrase with
     corpus words (window 4). Measured over 6 runs of 200 steps: p 2e-6 to 1e-3."""
-    from trainer.audit import exposure_audit
+    from widedp.trainer.audit import exposure_audit
 
     loud = exposure_audit(_text_cfg(text_dir, "train.mode=nonprivate", "train.steps=200"), canaries=100,
                           insertions=9, references=2000, seed=3)
@@ -329,7 +329,7 @@ def test_exposure_flags_nonprivate_training_with_phrases_inserted_into_the_text(
 
 
 def test_exposure_refuses_a_ctr_data_set_by_name(ctr_dir):
-    from trainer.audit import exposure_audit
+    from widedp.trainer.audit import exposure_audit
 
     with pytest.raises(ValueError, match="--kind exposure needs a CBOW"):
         exposure_audit(_cfg(ctr_dir, "train.steps=1"), canaries=10, references=100)

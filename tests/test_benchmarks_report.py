@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.cli import main
+from widedp.trainer.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
@@ -27,7 +27,7 @@ def _sets(items):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from trainer.data import synth_ctr
+    from widedp.trainer.data import synth_ctr
 
     root = tmp_path_factory.mktemp("report")
     synth_ctr(root / "data", num_examples=2000, table_sizes=300, seed=1)
@@ -260,7 +260,7 @@ def test_privacy_overhead_smoke(tmp_path):
 
 
 def test_tune_sweep_smoke_and_results_section(tmp_path):
-    from trainer.data import synth_ctr
+    from widedp.trainer.data import synth_ctr
 
     synth_ctr(tmp_path / "ctr", num_examples=1500, table_sizes=200, seed=2)
     config = tmp_path / "t.toml"

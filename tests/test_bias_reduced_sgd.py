@@ -13,10 +13,10 @@ import pytest
 import scipy.sparse as sp
 from scipy import stats
 
-from accounting import events as ev
-from accounting.base import make_accountant
-from sparse_learners import bias_reduced_sgd as br
-from sparse_learners import linear_models as lm
+from widedp.accounting import events as ev
+from widedp.accounting.base import make_accountant
+from widedp.sparse_learners import bias_reduced_sgd as br
+from widedp.sparse_learners import linear_models as lm
 from tests.privacy_audit import EventCounts, epsilon_lower_bound_both_directions
 
 

@@ -18,13 +18,13 @@ import json
 
 import pytest
 
-from accounting import PrivacyLedger
-from accounting import events as ev
+from widedp.accounting import PrivacyLedger
+from widedp.accounting import events as ev
 from engine_fixtures import make_engine, tiny_ctr
-from trainer.cli import main
-from trainer.config import Config
-from trainer.engine import Engine
-from trainer.train import plan_privacy
+from widedp.trainer.cli import main
+from widedp.trainer.config import Config
+from widedp.trainer.engine import Engine
+from widedp.trainer.train import plan_privacy
 
 SELECTIONS = ("none", "em", "noisy-max", "svt", "threshold", "random", "fest")
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import AUTO, Config, ConfigError, load_config, load_saved_config
-from trainer.data.generators import SYNTHETIC_DATASETS, SyntheticDataset, register_synthetic
-from trainer.train import build_run
+from widedp.trainer.config import AUTO, Config, ConfigError, load_config, load_saved_config
+from widedp.trainer.data.generators import SYNTHETIC_DATASETS, SyntheticDataset, register_synthetic
+from widedp.trainer.train import build_run
 
 from test_train_cli import TINY
 
@@ -62,7 +62,7 @@ def test_config_json_gets_the_type_checks_a_toml_file_gets(tmp_path, section, ke
 
 
 def test_sections_validate_against_the_registries(monkeypatch):
-    from accounting import base
+    from widedp.accounting import base
 
     cfg = load_config(None, ["data.path=x", "privacy.accountant=toy"])
     with pytest.raises(ConfigError, match="privacy.accountant must be one of"):
@@ -156,7 +156,7 @@ def test_changed_computation_keys_ignores_placement_logging_and_recovery_but_not
     """What a benchmark may reuse a saved run for: the same computation, placed or logged
     differently. A key the saved config lacks (written before the key existed) counts as changed
     unless it is one of those."""
-    from trainer.train import changed_computation_keys
+    from widedp.trainer.train import changed_computation_keys
 
     base = load_config("configs/quickstart.toml", []).to_dict()
     moved = load_config("configs/quickstart.toml", ["cluster.backend=local", "cluster.max_actor_restarts=3",

@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from accounting.calibration import calibrate
-from accounting.events import ExponentialTopKDpEvent, NoisyMaxTopKDpEvent
+from widedp.accounting.calibration import calibrate
+from widedp.accounting.events import ExponentialTopKDpEvent, NoisyMaxTopKDpEvent
 from privacy_audit import EventCounts, epsilon_lower_bound
-from selection import exponential_top_k, noisy_max_top_k
-from selection.registry import SelectionContext, get_selector
+from widedp.selection import exponential_top_k, noisy_max_top_k
+from widedp.selection.registry import SelectionContext, get_selector
 
 SELECTORS = {"em-count": (exponential_top_k, ExponentialTopKDpEvent),
              "noisy-max-count": (noisy_max_top_k, NoisyMaxTopKDpEvent)}

@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 from scipy import stats
 
-from trainer.cli import main
-from trainer.data.dataset import hold_out
-from trainer.data import (DataError, PoissonSampler, auc, convert_criteo, convert_text,
+from widedp.trainer.cli import main
+from widedp.trainer.data.dataset import hold_out
+from widedp.trainer.data import (DataError, PoissonSampler, auc, convert_criteo, convert_text,
                           ctr_id_probabilities, ctr_planted_probabilities, ctr_rank_to_id,
                           expected_auc, open_dataset, read_meta, synth_ctr, synth_text,
                           text_planted_topics, text_unigram)
@@ -159,7 +159,7 @@ def test_cache_is_used_invalidated_and_equivalent(tmp_path):
     assert x.sparse.values().tolist() == y.sparse.values().tolist()
     assert x.dense.tolist() == y.dense.tolist() and x.labels.tolist() == y.labels.tolist()
     # no writable cache location: decoded in memory instead, same batches
-    import trainer.data.store as store
+    import widedp.trainer.data.store as store
 
     (d / "blocker").write_text("a file, so mkdir under it fails")
     old = store.CACHE_DIR
@@ -283,7 +283,7 @@ def test_zipf_marginal_matches(tmp_path):
 
 
 def test_zipf_tail_approximation_for_huge_tables():
-    from trainer.data._util import _EXACT_LIMIT as H, Zipf
+    from widedp.trainer.data._util import _EXACT_LIMIT as H, Zipf
 
     size, a = 3 << 22, 1.1
     z = Zipf(size, a)
@@ -453,7 +453,7 @@ def test_text_converter_exact_samples(tmp_path):
 
 
 def test_text_tokenization_and_streaming_are_chunk_independent(tmp_path, monkeypatch):
-    import trainer.data.text as text_mod
+    import widedp.trainer.data.text as text_mod
 
     src = tmp_path / "t.txt"
     src.write_text("Foo_bar foo, BAR2 bar2\n")

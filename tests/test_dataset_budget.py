@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from trainer import dataset_budget
-from trainer.cli import main
-from trainer.data import synth_ctr
+from widedp.trainer import dataset_budget
+from widedp.trainer.cli import main
+from widedp.trainer.data import synth_ctr
 
 from test_ledger_chain import _resume, _train
 

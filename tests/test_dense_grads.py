@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-import trainer.dense_grads as dg
-from trainer.dense_grads import GhostGradients, GhostUnsupported, PerExampleGradients, dense_gradients
-from trainer.models.base import DenseModel
-from trainer.models.cbow import CBOW
-from trainer.models.dlrm import DLRM
+import widedp.trainer.dense_grads as dg
+from widedp.trainer.dense_grads import GhostGradients, GhostUnsupported, PerExampleGradients, dense_gradients
+from widedp.trainer.models.base import DenseModel
+from widedp.trainer.models.cbow import CBOW
+from widedp.trainer.models.dlrm import DLRM
 
 B, F, D = 9, 4, 8
 

@@ -13,8 +13,8 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 
-from trainer.cli import build_parser
-from trainer.config import load_config
+from widedp.trainer.cli import build_parser
+from widedp.trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -94,7 +94,10 @@ def test_dockerfile_installs_exactly_the_pinned_set(variant):
     assert f"startswith('{_ray_prefix()}')" in text
     # the project's sources, its metadata and the configs the manifests inherit from
     copied = {s for line in re.findall(r"^COPY\s+(.+)$", text, re.M) for s in line.split()[:-1]}
-    packages = {p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
+    # the one installed package, widedp/, and the top-level folders its links point to
+    assert PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"] == ["widedp", "widedp.*"]
+    packages = {"widedp"} | {p.name for p in (ROOT / "widedp").iterdir() if p.is_symlink()}
+    assert {"trainer", "selection", "accounting"} <= packages
     assert packages | {"pyproject.toml", "README.md", "configs"} <= copied
     assert re.search(r"^WORKDIR /app$", text, re.M)  # configs at /app/configs (the ConfigMap's base)
     ignore = (DOCKERFILES[variant].parent / f"{DOCKERFILES[variant].name}.dockerignore").read_text().split()

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from accounting import events as ev
-from accounting.base import make_accountant
-from sparse_learners import dp_erm
-from sparse_learners import linear_models as lm
+from widedp.accounting import events as ev
+from widedp.accounting.base import make_accountant
+from widedp.sparse_learners import dp_erm
+from widedp.sparse_learners import linear_models as lm
 from tests.privacy_audit import EventCounts, epsilon_lower_bound_both_directions
 
 

@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from accounting.base import make_accountant
-from accounting.events import GaussianDpEvent, SelfComposedDpEvent
-from accounting.rdp import rdp_curve
-from adaptive_clipping import dp_stat as ds
+from widedp.accounting.base import make_accountant
+from widedp.accounting.events import GaussianDpEvent, SelfComposedDpEvent
+from widedp.accounting.rdp import rdp_curve
+from widedp.adaptive_clipping import dp_stat as ds
 from tests import privacy_audit as pa
 
 

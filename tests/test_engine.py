@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from accounting import make_accountant
+from widedp.accounting import make_accountant
 from engine_fixtures import (
     ListSampler,
     make_engine,
@@ -30,12 +30,12 @@ from engine_fixtures import (
     with_examples,
 )
 from reference_alg3 import ReferenceAlg3
-from selection import exponential_top_k
-from selection.registry import SelectionContext, get_selector
-from trainer.layout import route
-from trainer.shard_group import ShardLostError
-from trainer.trainer_group import RayTrainers
-from trainer.trainer_role import pooled_lookup
+from widedp.selection import exponential_top_k
+from widedp.selection.registry import SelectionContext, get_selector
+from widedp.trainer.layout import route
+from widedp.trainer.shard_group import ShardLostError
+from widedp.trainer.trainer_group import RayTrainers
+from widedp.trainer.trainer_role import pooled_lookup
 
 SEED = 3
 LR, DENSE_LR, DIM, INIT_STD = 0.1, 0.05, 4, 0.3
@@ -212,7 +212,7 @@ def _shard_selection_reference(engine, idx):
     """The selection on the shards, computed the obvious way from the whole batch: each
     shard's contribution counts over its own sparse rows with every example weighted by all its
     rows (`contribution_weights`), thresholded by the library with that shard's stream."""
-    from selection.threshold import contribution_weights, gaussian_threshold, weighted_row_counts
+    from widedp.selection.threshold import contribution_weights, gaussian_threshold, weighted_row_counts
 
     p, vocab, layout = engine.private_plan, engine.sparse_vocabulary, engine.layout
     params = p.selection_params
@@ -267,8 +267,8 @@ def _top_k_on_shards_reference(engine, idx, rows):
     (em: ‖G_r‖ of the step's row sums `rows`, as the coordinator holds them; em-count: how
     many of the batch's examples touch the row), its candidates from the selector with that
     shard's stream, the k best noisy values over all shards."""
-    from selection.partitioned import merge_top_k
-    from selection.selectors.em_count import example_counts
+    from widedp.selection.partitioned import merge_top_k
+    from widedp.selection.selectors.em_count import example_counts
 
     p, vocab, layout = engine.private_plan, engine.sparse_vocabulary, engine.layout
     selector = get_selector(p.selection)
@@ -396,7 +396,7 @@ def _wrong_norms_mutant(group_by):
     `_grouped_sq_norms`), using only the engine's seams: `route` and `_embedding_sq_norms`
     (whose real call still runs, so the shards cache what the row sums need)."""
     def install(mp, engine):
-        import trainer.trainer_role as role_mod
+        import widedp.trainer.trainer_role as role_mod
 
         seen = {}
         role = engine.trainers.roles[0]
@@ -420,17 +420,17 @@ MUTANTS = {
     "wrong_b": lambda mp, engine: setattr(engine, "b", engine.b * 1.05),
     # the paper's later text: sensitivity min(S1/b, S2) instead of min(S1/b, 2·S2)
     "s2_sensitivity": lambda mp, engine: mp.setattr(
-        "selection.noise.step_sensitivity", lambda c, b, s2: min(c / b, s2) if s2 else c / b),
+        "widedp.selection.noise.step_sensitivity", lambda c, b, s2: min(c / b, s2) if s2 else c / b),
     # per-occurrence ("Opacus-style") embedding norms; shared-table rows not merged across features
     "opacus_norms": _wrong_norms_mutant("occurrence"),
     "per_feature_norms": _wrong_norms_mutant("feature"),
     # EM scores scaled with twice the sensitivity (e.g. a replace-one/add-remove mix-up)
     "em_sensitivity": lambda mp, engine: mp.setattr(
-        "selection.selectors.em.exponential_top_k",  # where the engine's em selector calls it
+        "widedp.selection.selectors.em.exponential_top_k",  # where the engine's em selector calls it
         lambda ids, scores, V, k, eps, sens, rng, _f=exponential_top_k: _f(ids, scores, V, k, eps, 2 * sens, rng)),
     # no noise on the selected rows (dense params still noised)
     "no_row_noise": lambda mp, engine: mp.setattr(
-        "selection.noise.gaussian_noise",
+        "widedp.selection.noise.gaussian_noise",
         lambda shape, std, gen, secure=False: torch.zeros(shape) if len(shape) == 2
         else gen.standard_normal(math.prod(shape)).view(shape) * std),
 }
@@ -513,7 +513,7 @@ def ray_cluster():
         # Trainer actors receive the tests' in-memory dataset: its classes travel by value
         # (the workers cannot import tests/engine_fixtures.py).
         cloudpickle.register_pickle_by_value(engine_fixtures)
-        from trainer.ray_runtime import LOCAL_SYSTEM_CONFIG
+        from widedp.trainer.ray_runtime import LOCAL_SYSTEM_CONFIG
 
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  _system_config=dict(LOCAL_SYSTEM_CONFIG))  # as trainer.ray_runtime.ensure_ray starts it
@@ -568,7 +568,7 @@ def test_trainer_actors_calling_shard_actors_equal_the_in_process_engine(ray_clu
     bit: same parameters, ledger, losses and rows; and the same bytes to and from the shards.
     "adaptive-": S1 chosen each step by DP-STAT (privacy.clip_norm = "adaptive"), the trainers'
     shares in two halves around it (`begin_part` / `finish_part`)."""
-    from trainer.adaptive_clip import AdaptiveClip
+    from widedp.trainer.adaptive_clip import AdaptiveClip
 
     ds = dataset()
     batches = batches_with_crafted(ds, 3)
@@ -673,7 +673,7 @@ def test_a_killed_shard_actor_is_replaced_and_the_run_equals_an_uninterrupted_on
 
 
 def test_a_negative_restart_bound_is_refused_naming_the_key():
-    from trainer.config import ConfigError, load_config
+    from widedp.trainer.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"cluster.max_actor_restarts must be >= 0"):
         load_config(None, ["data.path=x", "cluster.max_actor_restarts=-1"]).validate()
@@ -766,7 +766,7 @@ def test_each_shard_is_sent_and_returns_only_its_own_bags_and_examples(mode):
     """Per shard and call, the payload is its own work: partial pools and pooled-output
     gradients for the bags it holds ids of (bags × D floats), clip factors and norms for its
     examples — never the batch's whole B × F × D pooled tensor."""
-    from trainer.shard_group import _nbytes
+    from widedp.trainer.shard_group import _nbytes
 
     ds = dataset()
     batches = batches_with_crafted(ds, 1)
@@ -1193,10 +1193,10 @@ def test_ledger_is_written_before_the_update_is_released(mode, monkeypatch):
 def test_a_step_whose_mechanisms_report_another_event_than_budgeted_is_refused_before_release(mechanism, monkeypatch):
     """One privacy path: the ledger records what the selector and the noise step returned; if
     that differs from the event the budget was checked for, nothing is recorded or released."""
-    import trainer.engine as engine_mod
-    from accounting import events as ev
-    from selection.noise import NoisyStep
-    from selection.result import Selection
+    import widedp.trainer.engine as engine_mod
+    from widedp.accounting import events as ev
+    from widedp.selection.noise import NoisyStep
+    from widedp.selection.result import Selection
 
     ds = dataset()
     batches = batches_with_crafted(ds, 2)
@@ -1204,7 +1204,7 @@ def test_a_step_whose_mechanisms_report_another_event_than_budgeted_is_refused_b
     assert engine.step() is not None
     before = engine_params(engine)
     if mechanism == "selector":  # a selector that spends twice the per-draw ε it was asked for
-        import selection.selectors.em as em_mod  # the engine's em selector calls it from there
+        import widedp.selection.selectors.em as em_mod  # the engine's em selector calls it from there
 
         real = em_mod.exponential_top_k
 
@@ -1265,10 +1265,10 @@ def test_a_selection_of_no_rows_is_a_legal_step():
 def test_weights_of_one_id_bags_equal_the_contribution_weights_of_the_rows(dense_tables):
     """The sort-free weights (one table per feature, ≤ 1 id per bag) are `contribution_weights`
     over each example's rows in sparse tables; a shared table or a two-id bag gets None."""
-    from selection.threshold import contribution_weights
-    from trainer.layout import FeatureSpec, ShardLayout, TableSpec
-    from trainer.table_policy import SparseVocabulary
-    from trainer.trainer_role import weights_of_one_id_bags
+    from widedp.selection.threshold import contribution_weights
+    from widedp.trainer.layout import FeatureSpec, ShardLayout, TableSpec
+    from widedp.trainer.table_policy import SparseVocabulary
+    from widedp.trainer.trainer_role import weights_of_one_id_bags
 
     layout = ShardLayout(tables=(TableSpec("a", 9, 4), TableSpec("b", 6, 4), TableSpec("c", 5, 4)),
                          features=(FeatureSpec("fa", "a", "sum"), FeatureSpec("fb", "b", "sum"),

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.config import load_config
-from trainer.export import export_run
-from trainer.train import evaluate, train
+from widedp.trainer.config import load_config
+from widedp.trainer.export import export_run
+from widedp.trainer.train import evaluate, train
 
-WIDEDP_PACKAGES = ("trainer", "selection", "accounting")
+WIDEDP_PACKAGES = ("widedp", "trainer", "selection", "accounting", "sparse_learners", "adaptive_clipping")
 FORBIDDEN_KEYS = {"rng", "generator", "bit_generator", "noise_gen", "selection_rng", "sampler", "noise_seed",
                   "dpsgd_noise_key", "NoiseKey", "root", "address", "run_dir", "dense_optimizer", "adam", "adagrad",
                   "fixed_rows"}
@@ -36,7 +36,7 @@ def _run(tmp: Path, name: str, data: Path, *sets: str) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from trainer.data import convert_text, synth_ctr
+    from widedp.trainer.data import convert_text, synth_ctr
 
     tmp = tmp_path_factory.mktemp("export")
     ctr = tmp / "ctr"
@@ -71,7 +71,7 @@ def exports(runs):
 
 def _split_npz(run_dir: Path, path: Path) -> None:
     """The run's test split as plain arrays, read with widedp's own dataset reader."""
-    from trainer.data import open_dataset
+    from widedp.trainer.data import open_dataset
 
     cfg = json.loads((run_dir / "config.json").read_text())
     _, test = open_dataset(cfg["data"]["path"], test_fraction=cfg["data"]["test_fraction"], seed=cfg["data"]["seed"])
@@ -100,7 +100,7 @@ SCORER = textwrap.dedent("""
     import numpy as np
     import torch
     try:
-        import trainer
+        from widedp import trainer
     except ImportError:
         pass
     else:
@@ -136,7 +136,7 @@ def _isolated_python(tmp: Path, body: str, *args: str) -> subprocess.CompletedPr
 
 
 def test_export_scores_the_test_split_like_evaluate_without_widedp(runs, exports, tmp_path):
-    from trainer.models import MODELS
+    from widedp.trainer.models import MODELS
 
     # Control: the editable install makes widedp importable from an isolated Python (so the
     # blocker below is what keeps it out).
@@ -255,7 +255,7 @@ def test_export_holds_no_rng_state_or_secret(runs, exports):
 
 
 def test_privacy_report(runs, exports):
-    from accounting import PrivacyLedger
+    from widedp.accounting import PrivacyLedger
 
     dlrm = json.loads((exports["dlrm"][1] / "privacy_report.json").read_text())
     summary = json.loads((runs["dlrm"] / "summary.json").read_text())
@@ -288,15 +288,15 @@ def test_privacy_report(runs, exports):
 
 
 def test_nonprivate_export_through_the_cli(runs, tmp_path, capsys, monkeypatch):
-    import trainer.cli as cli
-    from trainer.data import synth_text
+    import widedp.trainer.cli as cli
+    from widedp.trainer.data import synth_text
 
     data = tmp_path / "text"
     synth_text(data, num_examples=400, vocab=50, seed=1, negatives=2)
     (data / "vocab.tsv").write_text("".join(f"word{i}\n" for i in range(50)))
     run = _run(tmp_path, "run", data, "model.name=cbow", "model.embedding_dim=4", "train.batch_size=16",
                "train.steps=2", "train.mode=nonprivate")
-    assert "trainer.export" in cli._COMMAND_MODULES  # `widedp export` is a registered command
+    assert "widedp.trainer.export" in cli._COMMAND_MODULES  # `widedp export` is a registered command
     assert cli.main(["export", str(run), str(tmp_path / "out")]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["epsilon"] == float("inf") and printed["mode"] == "nonprivate"
@@ -311,7 +311,7 @@ def test_nonprivate_export_through_the_cli(runs, tmp_path, capsys, monkeypatch):
 
 
 def test_bad_inputs(runs, tmp_path, monkeypatch):
-    import trainer.export as export
+    import widedp.trainer.export as export
 
     partial = tmp_path / "partial"
     partial.mkdir()
@@ -351,7 +351,7 @@ def test_export_reports_privacy_only_from_a_ledger_that_extends_the_checkpoints(
     """The privacy report's ε comes from ledger.json, which must be there and extend the ledger
     the checkpoint embeds: a deleted or rolled-back ledger.json is refused (the checkpoint's copy
     misses the steps released after it), as `--resume` refuses it."""
-    from accounting import PrivacyLedger
+    from widedp.accounting import PrivacyLedger
 
     run = tmp_path / "run"
     shutil.copytree(runs["dlrm"], run)

@@ -12,12 +12,12 @@ import json
 import numpy as np
 import pytest
 
-from accounting.events import GaussianDpEvent
+from widedp.accounting.events import GaussianDpEvent
 from privacy_audit import EventCounts, epsilon_lower_bound, gaussian_delta, gaussian_optimal_threshold
-from selection import contribution_counts, fest_top_k, gaussian_threshold
-from selection.registry import SelectionContext, get_selector
-from selection.result import Selection
-from trainer.cli import main
+from widedp.selection import contribution_counts, fest_top_k, gaussian_threshold
+from widedp.selection.registry import SelectionContext, get_selector
+from widedp.selection.result import Selection
+from widedp.trainer.cli import main
 
 SELECTOR = get_selector("fest-threshold")
 

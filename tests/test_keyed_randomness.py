@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from adaptive_clipping.dp_stat import dp_stat
-from selection import NoiseKey, exponential_top_k, gaussian_noise, noisy_step
-from selection.keyed_random import KEY_BITS, GaussianStream, generator_family
-from trainer.data.sampler import PoissonSampler
-from trainer.layout import row_block_normal, row_block_uniform
-from trainer.randomness import DOMAINS, PrivacyRandomness
+from widedp.adaptive_clipping.dp_stat import dp_stat
+from widedp.selection import NoiseKey, exponential_top_k, gaussian_noise, noisy_step
+from widedp.selection.keyed_random import KEY_BITS, GaussianStream, generator_family
+from widedp.trainer.data.sampler import PoissonSampler
+from widedp.trainer.layout import row_block_normal, row_block_uniform
+from widedp.trainer.randomness import DOMAINS, PrivacyRandomness
 
 REPO = Path(__file__).resolve().parents[1]
 BITS = (0, 33, 65, 127)
@@ -208,7 +208,7 @@ def test_the_keystream_is_aes_of_the_counter_under_the_whole_key(secure):
     checked against the block cipher itself (ECB on the counter)."""
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-    from selection.keyed_random import keystream_words
+    from widedp.selection.keyed_random import keystream_words
 
     key = NoiseKey(KEY if not secure else KEY << 100 | 12345, secure)
     block = Cipher(algorithms.AES(int(key.key).to_bytes(key.key_bytes, "little")), modes.ECB()).encryptor()
@@ -219,7 +219,7 @@ def test_the_keystream_is_aes_of_the_counter_under_the_whole_key(secure):
 
 @pytest.mark.parametrize("secure", [False, True], ids=["fast", "secure"])
 def test_values_are_addressable_however_a_range_is_split(secure):
-    from selection.keyed_random import standard_normals, uniforms
+    from widedp.selection.keyed_random import standard_normals, uniforms
 
     key = NoiseKey(KEY, secure)
     whole = standard_normals(key, 0, 200_001)
@@ -233,7 +233,7 @@ def test_values_are_addressable_however_a_range_is_split(secure):
 def test_fast_values_reach_the_documented_tail():
     """The smallest radius uniform (top 40 bits zero) gives |z| = √(2·40·ln 2) ≈ 7.45, beyond
     torch's float32 normal (5.77), and a unit angle cos gives z0 = r."""
-    from selection.keyed_random import _fast_pairs
+    from widedp.selection.keyed_random import _fast_pairs
 
     out = torch.empty((2, 2))
     _fast_pairs(torch.tensor([0, (1 << 24) * 12345 + 7], dtype=torch.int64), out)

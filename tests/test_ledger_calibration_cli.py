@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from accounting import PrivacyLedger, UnsupportedEventError, calibrate, make_accountant, step_event
-from accounting import events as ev
-from trainer.cli import main
+from widedp.accounting import PrivacyLedger, UnsupportedEventError, calibrate, make_accountant, step_event
+from widedp.accounting import events as ev
+from widedp.trainer.cli import main
 
 STEP = step_event(0.01, 1.0)
 
@@ -160,7 +160,7 @@ def test_cli_svt_is_selection_only_unless_asked(capsys):
     """Default: the trainer's selection-only SVT; --svt-release-values: Alg 1 releasing values."""
     run = ["--sample-rate", "0.01", "--steps", "500", "--delta", "4e-5", "--selection", "svt", "--max-answers", "20"]
     sigma, eps_sel = 0.8733, 6.982
-    from accounting import svt_event
+    from widedp.accounting import svt_event
 
     for flag, release in (([], False), (["--svt-release-values"], True)):
         code, out, err = _cli(capsys, "epsilon", "--noise-multiplier", str(sigma), "--selection-epsilon", str(eps_sel),
@@ -231,7 +231,7 @@ V1_LEDGER = {"version": 1, "accountant": "rdp", "delta": 1e-5, "history": [
 
 
 def test_ledger_stores_its_neighbouring_relation_and_reads_version_1(tmp_path):
-    from accounting import NeighboringRelation
+    from widedp.accounting import NeighboringRelation
 
     ledger = PrivacyLedger("rdp", delta=1e-5)
     assert ledger.neighboring_relation is NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -268,7 +268,7 @@ def test_ledger_refuses_another_neighbouring_relation(tmp_path, relation, match)
 def test_calibration_is_frozen_and_to_dict_keeps_the_json_keys():
     import dataclasses
 
-    from accounting import Calibration
+    from widedp.accounting import Calibration
 
     base_keys = ["noise_multiplier", "selection", "selection_params", "selection_fraction", "epsilon",
                  "target_epsilon", "delta", "sample_rate", "steps", "accountant"]

@@ -9,10 +9,10 @@ import shutil
 import pytest
 import torch
 
-from accounting import PrivacyLedger
-from accounting import events as ev
-from accounting.ledger import CHAIN_SEED
-from trainer.cli import main
+from widedp.accounting import PrivacyLedger
+from widedp.accounting import events as ev
+from widedp.accounting.ledger import CHAIN_SEED
+from widedp.trainer.cli import main
 
 from test_train_cli import TINY as CLI_TINY
 

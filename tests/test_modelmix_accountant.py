@@ -12,10 +12,10 @@ from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy import special
 from scipy.optimize import brentq
 
-from accounting import UnsupportedEventError, make_accountant
-from accounting import events as ev
-from accounting.modelmix import (ModelMixDpEvent, _log_q, epsilon_at_order, log_moment_upper, modelmix_rdp)
-from accounting.rdp import DEFAULT_ORDERS
+from widedp.accounting import UnsupportedEventError, make_accountant
+from widedp.accounting import events as ev
+from widedp.accounting.modelmix import (ModelMixDpEvent, _log_q, epsilon_at_order, log_moment_upper, modelmix_rdp)
+from widedp.accounting.rdp import DEFAULT_ORDERS
 from tests import privacy_audit as pa
 
 INT_ORDERS = [float(a) for a in DEFAULT_ORDERS if float(a).is_integer()]
@@ -182,7 +182,7 @@ def test_mixing_never_costs_more_than_the_same_noise_without_it_at_any_order():
 
 
 def test_cli_epsilon_with_modelmix_prints_the_accountants_epsilon_and_others_refuse(capsys):
-    from trainer.cli import main
+    from widedp.trainer.cli import main
 
     args = ["epsilon", "--noise-multiplier", "0.335", "--sample-rate", "0.03", "--steps", "3400",
             "--delta", "1e-5", "--modelmix", "--mix-width", "11.25", "--mix-coordinates", "100"]
@@ -202,7 +202,7 @@ def test_cli_epsilon_with_modelmix_prints_the_accountants_epsilon_and_others_ref
 def test_cli_calibrate_with_modelmix_finds_the_sigma_whose_epsilon_is_the_target(capsys):
     """`calibrate --modelmix`: the σ it returns spends the target (never more) by `epsilon
     --modelmix`, and is far below what the same run needs without mixing."""
-    from trainer.cli import main
+    from widedp.trainer.cli import main
 
     run = ["--sample-rate", "0.03", "--steps", "3400", "--delta", "1e-5"]
     mix = ["--modelmix", "--mix-width", "11.25", "--mix-coordinates", "100"]
@@ -229,7 +229,7 @@ def _one_step(rng, n, grad, mixed):
     is (the same as α public)."""
     import torch
 
-    from trainer.modelmix import mix
+    from widedp.trainer.modelmix import mix
 
     zeros = torch.zeros(n, dtype=torch.float64)
     alpha = torch.from_numpy(rng.uniform(0, 1, n))

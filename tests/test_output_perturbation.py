@@ -17,7 +17,7 @@ import pytest
 import scipy.sparse as sp
 from scipy.optimize import minimize
 
-from sparse_learners import output_perturbation as op
+from widedp.sparse_learners import output_perturbation as op
 from tests.privacy_audit import audit_neighbours as _audit
 
 

@@ -26,14 +26,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from accounting.events import ExponentialTopKDpEvent
+from widedp.accounting.events import ExponentialTopKDpEvent
 from privacy_audit import epsilon_lower_bound, run_trials
-from selection import exponential_top_k
-from selection.exponential import exponential_scale
-from selection.partitioned import ShardCandidates, gumbel_top_k_candidates, merge_top_k
-from selection.registry import SelectionContext, get_selector
-from selection.selectors.em_count import example_counts
-from selection.threshold import weighted_row_counts
+from widedp.selection import exponential_top_k
+from widedp.selection.exponential import exponential_scale
+from widedp.selection.partitioned import ShardCandidates, gumbel_top_k_candidates, merge_top_k
+from widedp.selection.registry import SelectionContext, get_selector
+from widedp.selection.selectors.em_count import example_counts
+from widedp.selection.threshold import weighted_row_counts
 
 ALPHA = 1e-4  # a correct implementation fails a goodness-of-fit test with probability <= ALPHA
 REJECT = 1e-6  # a broken variant must be rejected below this

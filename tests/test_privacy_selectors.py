@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from accounting.events import ExponentialTopKDpEvent, GaussianDpEvent, NoisyMaxTopKDpEvent, NoOpDpEvent, SparseVectorDpEvent
+from widedp.accounting.events import ExponentialTopKDpEvent, GaussianDpEvent, NoisyMaxTopKDpEvent, NoOpDpEvent, SparseVectorDpEvent
 from privacy_audit import (
     EventCounts,
     audit,
@@ -41,7 +41,7 @@ from privacy_audit import (
     gaussian_optimal_threshold,
     run_trials,
 )
-from selection import (
+from widedp.selection import (
     GaussianStream,
     NoiseKey,
     Selection,

@@ -19,17 +19,17 @@ import pyarrow.parquet as pq
 import pytest
 from scipy import special, stats
 
-import selection
-import selection.partition as partition
-from accounting import events as ev
-from accounting.base import UnsupportedEventError, make_accountant, split_additive_delta
-from accounting.ledger import PrivacyLedger
+from widedp import selection
+import widedp.selection.partition as partition
+from widedp.accounting import events as ev
+from widedp.accounting.base import UnsupportedEventError, make_accountant, split_additive_delta
+from widedp.accounting.ledger import PrivacyLedger
 from privacy_audit import EventCounts, epsilon_lower_bound
-from selection.partition import (bounded_key_counts, gaussian_partition_selection,
+from widedp.selection.partition import (bounded_key_counts, gaussian_partition_selection,
                                  partition_selection_threshold, unseen_key_release_probability)
-from trainer.cli import main
-from trainer.data import DataError, convert_criteo, convert_text, read_meta
-from trainer.data.meta import DatasetMeta
+from widedp.trainer.cli import main
+from widedp.trainer.data import DataError, convert_criteo, convert_text, read_meta
+from widedp.trainer.data.meta import DatasetMeta
 
 
 def fresh_rng() -> np.random.Generator:
@@ -225,7 +225,7 @@ def test_event_round_trips_and_validates():
 
 def _rdp_by_hand(delta):
     from opacus.accountants.analysis import rdp as opacus_rdp
-    from accounting.rdp import DEFAULT_ORDERS
+    from widedp.accounting.rdp import DEFAULT_ORDERS
 
     orders = list(DEFAULT_ORDERS)
     rdp = np.asarray(orders) / (2 * 4.0 ** 2) + 1000 * np.asarray(

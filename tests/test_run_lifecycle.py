@@ -11,9 +11,9 @@ import signal
 import pytest
 import torch
 
-from trainer.cli import main
-from trainer.data import synth_ctr
-from trainer.engine import Engine
+from widedp.trainer.cli import main
+from widedp.trainer.data import synth_ctr
+from widedp.trainer.engine import Engine
 
 from test_ledger_chain import TINY, _resume, _sets, _train
 

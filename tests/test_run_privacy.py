@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.cli import main
-from trainer.config import load_config
-from trainer.randomness import PrivacyRandomness
-from trainer.run_outputs import DEBUG_STEP_KEYS, DEBUG_SUMMARY_KEYS
-from trainer.train import build_run, default_delta
+from widedp.trainer.cli import main
+from widedp.trainer.config import load_config
+from widedp.trainer.randomness import PrivacyRandomness
+from widedp.trainer.run_outputs import DEBUG_STEP_KEYS, DEBUG_SUMMARY_KEYS
+from widedp.trainer.train import build_run, default_delta
 
 from test_train_cli import TINY as CLI_TINY
 
@@ -69,7 +69,7 @@ def test_two_builds_of_one_config_draw_different_batches_and_noise(ctr_dir):
 def test_sampler_stream_is_not_a_function_of_the_config(ctr_dir):
     """Whatever config.json says (train.seed, data.seed included), the batches are not those
     of any generator seeded from it — in particular not the old `PoissonSampler(n, q, train.seed)`."""
-    from trainer.data import PoissonSampler
+    from widedp.trainer.data import PoissonSampler
 
     cfg = _cfg(ctr_dir, "train.seed=0")
     run = build_run(cfg)
@@ -209,9 +209,9 @@ def test_secure_mode_refuses_a_reproducible_seed(ctr_dir):
 # ---- private vocabularies reach the training ledger ------------------------------------------------------
 
 def test_a_private_vocabulary_is_charged_to_the_training_ledger_before_the_first_step(capsys, tmp_path):
-    from accounting import PrivacyLedger
-    from accounting import events as ev
-    from trainer.data import convert_text
+    from widedp.accounting import PrivacyLedger
+    from widedp.accounting import events as ev
+    from widedp.trainer.data import convert_text
 
     words = [f"w{i}" for i in range(12)]
     rng = np.random.default_rng(0)

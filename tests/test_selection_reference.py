@@ -20,19 +20,19 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import selection._sparse as sparse_mod
-import selection.exponential as exponential_mod
-import selection.fest as fest_mod
-import selection.noisy_max as noisy_max_mod
-import selection.threshold as threshold_mod
-from accounting.events import (
+import widedp.selection._sparse as sparse_mod
+import widedp.selection.exponential as exponential_mod
+import widedp.selection.fest as fest_mod
+import widedp.selection.noisy_max as noisy_max_mod
+import widedp.selection.threshold as threshold_mod
+from widedp.accounting.events import (
     ExponentialTopKDpEvent,
     GaussianDpEvent,
     NoisyMaxTopKDpEvent,
     NoOpDpEvent,
     SparseVectorDpEvent,
 )
-from selection import (
+from widedp.selection import (
     contribution_counts,
     exponential_top_k,
     fest_top_k,
@@ -42,7 +42,7 @@ from selection import (
     random_rows,
     truncated_row_counts,
 )
-from selection.threshold import contribution_weights, merge_disjoint, weighted_row_counts
+from widedp.selection.threshold import contribution_weights, merge_disjoint, weighted_row_counts
 
 try:  # tests/ on sys.path (rootdir-relative "prepend" import mode, no tests/__init__.py)
     import reference_selectors as ref

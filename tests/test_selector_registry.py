@@ -16,14 +16,14 @@ import math
 import numpy as np
 import pytest
 
-from accounting import PrivacyLedger, calibrate, step_event
-from accounting import events as ev
+from widedp.accounting import PrivacyLedger, calibrate, step_event
+from widedp.accounting import events as ev
 from engine_fixtures import PLAN_DEFAULTS, make_engine, make_plan, tiny_ctr
-from selection.registry import (NO_SELECTION, BudgetInputs, SelectionContext, Selector, get_selector, param,
+from widedp.selection.registry import (NO_SELECTION, BudgetInputs, SelectionContext, Selector, get_selector, param,
                                 register_selector, selector_names, unregister_selector)
-from selection.result import Selection
-from trainer.cli import build_parser, main, selection_choices
-from trainer.config import Config
+from widedp.selection.result import Selection
+from widedp.trainer.cli import build_parser, main, selection_choices
+from widedp.trainer.config import Config
 
 BUILT_IN = ("em", "svt", "noisy-max", "threshold", "random", "fest")
 
@@ -193,7 +193,7 @@ def test_toy_selector_is_accepted_everywhere(toy, capsys):
     cfg.validate()
     assert "toy" in selection_choices()
 
-    from trainer.train import plan_privacy
+    from widedp.trainer.train import plan_privacy
 
     cfg.privacy.noise_multiplier, cfg.privacy.selection_sigma, cfg.privacy.k = 1.0, 2.0, 4
     plan, info = plan_privacy(cfg, 1000, vocabulary=100)

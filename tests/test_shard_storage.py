@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import trainer.shard as shard_module
-from selection.keyed_random import NoiseKey
-from trainer.layout import FeatureSpec, ShardInput, ShardLayout, TableSpec, row_block_normal
-from trainer.shard import EmbeddingShard
+import widedp.trainer.shard as shard_module
+from widedp.selection.keyed_random import NoiseKey
+from widedp.trainer.layout import FeatureSpec, ShardInput, ShardLayout, TableSpec, row_block_normal
+from widedp.trainer.shard import EmbeddingShard
 
 D = 4
 LAYOUT = ShardLayout(
@@ -211,7 +211,7 @@ def test_state_dict_round_trip_keeps_per_table_format_and_optimizer_state():
 @pytest.mark.parametrize("size,upper", [(0, 10), (1, 5), (1000, 50), (5000, 10**6), (20000, 30000)])
 def test_sort_and_marking_uniques_equal_numpy_unique(size, upper):
     """`unique_ints` (one sort, or marking when `upper` is small) is a drop-in np.unique."""
-    from selection._sparse import unique_ints
+    from widedp.selection._sparse import unique_ints
 
     values = np.random.default_rng(size).integers(0, upper, size)
     expected, expected_inverse = np.unique(values, return_inverse=True)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from adaptive_clipping import shuffling as sh
+from widedp.adaptive_clipping import shuffling as sh
 
 
 def _slack(eps0: float) -> float:

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from accounting import make_accountant
-from sparse_learners import mean_estimation as me
+from widedp.accounting import make_accountant
+from widedp.sparse_learners import mean_estimation as me
 from tests.privacy_audit import audit_neighbours as _audit
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy.optimize import minimize
 
-from sparse_learners.projection import (linf_distance_to_l2_ball, linf_nearest_in_box, linf_nearest_in_l2_ball,
+from widedp.sparse_learners.projection import (linf_distance_to_l2_ball, linf_nearest_in_box, linf_nearest_in_l2_ball,
                                         project_l1_ball)
 
 

@@ -12,9 +12,9 @@ import json
 import numpy as np
 import pytest
 
-from trainer.config import ConfigError, load_config
-from trainer.planning import plan_run
-from trainer.table_policy import SparseVocabulary, resolve_table_policy
+from widedp.trainer.config import ConfigError, load_config
+from widedp.trainer.planning import plan_run
+from widedp.trainer.table_policy import SparseVocabulary, resolve_table_policy
 
 ROWS = {"small": 7, "edge": 1024, "above": 1025, "big": 2_000_000}
 
@@ -110,7 +110,7 @@ def test_plan_selects_over_the_sparse_tables_only_and_an_all_dense_sparse_run_is
 
 
 def test_a_run_reports_its_table_policy(tmp_path, capsys):
-    from trainer.cli import main
+    from widedp.trainer.cli import main
 
     config = tmp_path / "ctr.toml"
     config.write_text(f'[data]\npath = "{tmp_path / "ctr"}"\n')
@@ -163,10 +163,10 @@ DENSE_SIGMA, DENSE_EPS, DENSE_ROWS = 1.0, 1.0, 100_000
 def _dense_release(touched: bool, seed: int, apply) -> np.ndarray:
     import torch
 
-    from selection.keyed_random import GaussianStream, NoiseKey
-    from selection.noise import noisy_step
-    from trainer.layout import FeatureSpec, ShardLayout, TableSpec
-    from trainer.shard import EmbeddingShard
+    from widedp.selection.keyed_random import GaussianStream, NoiseKey
+    from widedp.selection.noise import noisy_step
+    from widedp.trainer.layout import FeatureSpec, ShardLayout, TableSpec
+    from widedp.trainer.shard import EmbeddingShard
 
     layout = ShardLayout((TableSpec("t", DENSE_ROWS, 4),), (FeatureSpec("f", "t", "sum"),), 1)
     shard = EmbeddingShard(layout, 0, optimizer="sgd", lr=1.0, seed=0)
@@ -202,8 +202,8 @@ def _untouched_rows_skipped(shard, step, seed, std, table_idx, ids, rows, tables
     """Broken: noise (and updates) only on the rows the batch touched."""
     import torch
 
-    from selection.keyed_random import GaussianStream
-    from selection.noise import gaussian_noise
+    from widedp.selection.keyed_random import GaussianStream
+    from widedp.selection.noise import gaussian_noise
 
     update = torch.from_numpy(rows) + gaussian_noise(rows.shape, std, GaussianStream(seed))
     shard.apply_rows(table_idx, ids, update.numpy())

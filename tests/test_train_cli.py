@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.cli import main
-from trainer.data import synth_text
-from trainer.train import SUMMARY_KEYS
+from widedp.trainer.cli import main
+from widedp.trainer.data import synth_text
+from widedp.trainer.train import SUMMARY_KEYS
 
 TINY = [
     "model.embedding_dim=4", "model.bottom_mlp=[8]", "model.top_mlp=[8]",
@@ -148,9 +148,9 @@ def test_missing_dataset_and_checkpoint_errors(capsys, tmp_path):
 
 def test_ledger_on_disk_before_the_update_is_released(tmp_path, ctr_dir, monkeypatch):
     """A crash while the shards apply a step's update must leave that step on disk."""
-    from trainer.config import load_config
-    from trainer.shard_group import InProcessShardGroup
-    from trainer.train import train
+    from widedp.trainer.config import load_config
+    from widedp.trainer.shard_group import InProcessShardGroup
+    from widedp.trainer.train import train
 
     cfg = load_config(None, [*TINY, f"data.path={ctr_dir}", "train.steps=3"])
     real_call = InProcessShardGroup.call
@@ -174,10 +174,10 @@ def test_ledger_on_disk_before_the_update_is_released(tmp_path, ctr_dir, monkeyp
 def test_threshold_auto_means_the_noise_only_rule(ctr_dir, selection):
     """privacy.threshold = "auto" (the default): about k of p rows pass on noise alone (a literal
     0 would pass ~p/2, and is refused)."""
-    from selection.sparse_vector import numeric_sparse
-    from selection.threshold import gaussian_threshold
-    from trainer.config import load_config
-    from trainer.train import plan_privacy
+    from widedp.selection.sparse_vector import numeric_sparse
+    from widedp.selection.threshold import gaussian_threshold
+    from widedp.trainer.config import load_config
+    from widedp.trainer.train import plan_privacy
 
     cfg = load_config(None, [f"data.path={ctr_dir}", "train.mode=sparse", f"train.selection={selection}",
                              "privacy.k=40", "train.steps=50", "privacy.target_epsilon=4"])
@@ -204,7 +204,7 @@ def test_threshold_auto_means_the_noise_only_rule(ctr_dir, selection):
 
 
 def test_dlrm_cat_interaction_feeds_embeddings_linearly():
-    from trainer.models import DLRM
+    from widedp.trainer.models import DLRM
 
     torch.manual_seed(0)
     model = DLRM(features=[f"c{i}" for i in range(3)], embedding_dim=4, num_dense=2, bottom_mlp=[5], top_mlp=[6],

@@ -14,9 +14,9 @@ import math
 
 import pytest
 
-from accounting import calibrate, make_accountant
-from accounting import events as ev
-from accounting.calibration import UnreachableTargetError
+from widedp.accounting import calibrate, make_accountant
+from widedp.accounting import events as ev
+from widedp.accounting.calibration import UnreachableTargetError
 
 # q = 0.01, 300 steps, δ = 1e-5: with RDP the steps alone never cost less than ≈ 0.1029
 RUN = dict(delta=1e-5, sample_rate=0.01, steps=300)
@@ -54,8 +54,8 @@ def test_a_reachable_target_is_still_calibrated_exactly():
 
 
 def test_the_train_plan_names_privacy_target_epsilon():
-    from trainer.config import load_config
-    from trainer.planning import plan_privacy
+    from widedp.trainer.config import load_config
+    from widedp.trainer.planning import plan_privacy
 
     cfg = load_config(None, ["data.path=/nonexistent", "train.mode=sparse", "train.selection=threshold",
                              "privacy.k=40", "train.steps=300", "train.batch_size=27",
@@ -67,7 +67,7 @@ def test_the_train_plan_names_privacy_target_epsilon():
 
 def test_widedp_calibrate_names_its_flag(capsys):
     """The CLI's refusal names --target-epsilon and the smallest reachable ε, exit 2, one line."""
-    from trainer.cli import main
+    from widedp.trainer.cli import main
 
     code = main(["calibrate", "--target-epsilon", "0.001", "--delta", "1e-5", "--sample-rate", "0.01",
                  "--steps", "300"])

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from dp_accounting import dp_event
 
-from accounting.events import event_to_dict
-from trainer.cli import main
-from trainer.data.dataset import open_dataset
-from trainer.wide_linear import run_wide_linear, wide_features
+from widedp.accounting.events import event_to_dict
+from widedp.trainer.cli import main
+from widedp.trainer.data.dataset import open_dataset
+from widedp.trainer.wide_linear import run_wide_linear, wide_features
 
 
 def _cli(capsys, *args):

@@ -25,8 +25,8 @@ from typing import Optional
 
 import numpy as np
 
-from accounting import events as ev
-from adaptive_clipping.dp_stat import counts_above, dp_stat_event, first_below, grid, stopping_threshold
+from widedp.accounting import events as ev
+from widedp.adaptive_clipping.dp_stat import counts_above, dp_stat_event, first_below, grid, stopping_threshold
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from trainer.data.dataset import Batch, _gather_jagged
+from widedp.trainer.data.dataset import Batch, _gather_jagged
 
 AUDIT_KINDS = ("one-run", "exposure")
 
@@ -52,8 +52,8 @@ AUDIT_KINDS = ("one-run", "exposure")
 @contextlib.contextmanager
 def _noise_scaled(factor: float):
     """Every Gaussian step draws noise of factor·σ while the ledger is told the planned σ."""
-    import trainer.engine as engine_module
-    from accounting.events import GaussianDpEvent
+    import widedp.trainer.engine as engine_module
+    from widedp.accounting.events import GaussianDpEvent
 
     real = engine_module.noisy_step
 
@@ -390,8 +390,8 @@ def exposure_audit(cfg, canaries: int = 1000, insertions: int = 9, references: i
     uniformity). Exposure = log2(references + 1) − log2(rank). A phrase inserted n_c times is a
     group of n_c·3 examples: the example-level ε says nothing about it beyond group privacy
     (seed Table 2: sparse flagged at n_c = 15). `placement`: PHRASE_PLACEMENTS."""
-    from accounting.canary_exposure import canary_ranks, exposure, exposure_report
-    from trainer.train import build_run
+    from widedp.accounting.canary_exposure import canary_ranks, exposure, exposure_report
+    from widedp.trainer.train import build_run
 
     if isinstance(canaries, bool) or not isinstance(canaries, (int, np.integer)) or canaries < 2:
         raise ValueError(f"--canaries must be an integer >= 2, got {canaries!r}")
@@ -492,8 +492,8 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     coins and tie-breaking (default: fresh OS entropy, recorded in the result only after the
     run). `broken`: a name in BROKEN_VARIANTS to train deliberately broken (the record says
     so). `canary_kind`: one of CANARY_KINDS. Returns the audit record (`audit.json`)."""
-    from accounting.one_run_audit import audit_from_scores
-    from trainer.train import build_run
+    from widedp.accounting.one_run_audit import audit_from_scores
+    from widedp.trainer.train import build_run
 
     if not 0 < confidence < 1:
         raise ValueError(f"--confidence must be in (0, 1), got {confidence}")
@@ -567,7 +567,7 @@ def _tie_broken(scores: np.ndarray, tie_break: np.ndarray) -> np.ndarray:
 
 def write_audit(record: dict, out_dir: Path) -> dict:
     """audit.json and audit.png (score distributions of members and non-members) in out_dir."""
-    from accounting.atomic import atomic_write_bytes
+    from widedp.accounting.atomic import atomic_write_bytes
 
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "audit.json", (json.dumps(record, indent=2, default=float) + "\n").encode())
@@ -639,8 +639,8 @@ def add_commands(sub) -> dict:
 
 
 def cmd_audit(args) -> dict:
-    from trainer.config import load_config
-    from trainer.dataset_budget import record_audit
+    from widedp.trainer.config import load_config
+    from widedp.trainer.dataset_budget import record_audit
 
     cfg = load_config(args.config, args.set)
     if args.kind == "exposure":

@@ -26,8 +26,8 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from accounting import events as ev
-from selection.registry import NO_SELECTION, MissingParameter, Selector, get_selector, selector_names
+from widedp.accounting import events as ev
+from widedp.selection.registry import NO_SELECTION, MissingParameter, Selector, get_selector, selector_names
 
 
 def selection_choices() -> tuple[str, ...]:
@@ -98,8 +98,12 @@ def _positive_int(name):
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sample-rate", type=_rate, required=True, help="Poisson sampling rate q = b/n")
-    p.add_argument("--steps", type=_positive_int("--steps"), required=True)
+    p.add_argument("--sample-rate", type=_rate, help="Poisson sampling rate q = b/n (with --steps)")
+    p.add_argument("--steps", type=_positive_int("--steps"), help="steps T (with --sample-rate)")
+    p.add_argument("--batch-size", type=_positive_float("--batch-size"),
+                   help="expected (Poisson) batch B: q = B/n (with --dataset-size and --epochs, as Opacus users state it)")
+    p.add_argument("--dataset-size", type=_positive_int("--dataset-size"), help="training examples n")
+    p.add_argument("--epochs", type=_positive_float("--epochs"), help="epochs E: T = ceil(E·n/B) steps")
     p.add_argument("--delta", type=_delta, required=True)
     p.add_argument("--selection", choices=selection_choices(), default=NO_SELECTION)
     p.add_argument("--k", type=_positive_int("--k"), help="rows selected per step (em, noisy-max)")
@@ -160,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Modules that add subcommands (data conversion/synthesis, training). Imported lazily so the
 # privacy commands stay light.
-_COMMAND_MODULES: list[str] = ["trainer.data.commands", "trainer.train", "trainer.report", "trainer.export",
-                               "trainer.audit", "trainer.wide_linear", "trainer.dataset_budget"]
+_COMMAND_MODULES: list[str] = ["widedp.trainer.data.commands", "widedp.trainer.train", "widedp.trainer.report", "widedp.trainer.export",
+                               "widedp.trainer.audit", "widedp.trainer.wide_linear", "widedp.trainer.dataset_budget"]
 
 
 def _selector(args) -> Optional[Selector]:
@@ -221,7 +225,7 @@ def _one_time_events(args) -> list:
     `--selection random`, which is the same run)."""
     events = []
     if args.dataset is not None:
-        from trainer.data.meta import read_meta
+        from widedp.trainer.data.meta import read_meta
 
         events += [(event, 1) for _, event in read_meta(args.dataset).privacy_events]
     source = _cli_source(args)
@@ -256,7 +260,7 @@ def _selection_event(args) -> Optional[ev.DpEvent]:
 def _modelmix_noise(args):
     """`--modelmix`: σ ↦ the ModelMix event a step's noise becomes (DP-SGD steps only: no
     selection); None without --modelmix."""
-    from accounting.modelmix import ModelMixDpEvent
+    from widedp.accounting.modelmix import ModelMixDpEvent
 
     if not args.modelmix:
         if args.mix_width is not None or args.mix_coordinates != 1:
@@ -274,7 +278,7 @@ def _modelmix_out(args) -> dict:
 
 
 def cmd_epsilon(args) -> dict:
-    from accounting import make_accountant, step_event
+    from widedp.accounting import make_accountant, step_event
 
     mix = _modelmix_noise(args)
     event = (ev.PoissonSampledDpEvent(args.sample_rate, mix(args.noise_multiplier)) if mix is not None
@@ -304,12 +308,12 @@ def cmd_epsilon(args) -> dict:
 
 
 def cmd_calibrate(args) -> dict:
-    from accounting import calibrate
+    from widedp.accounting import calibrate
 
     _check_selection_flags(args)
     mix = _modelmix_noise(args)
     # As trainer.train.plan_privacy calibrates: the steps plus the one-time events (DP-FEST's Gaussian).
-    from accounting.calibration import UnreachableTargetError
+    from widedp.accounting.calibration import UnreachableTargetError
 
     try:
         out = calibrate(
@@ -331,12 +335,33 @@ def cmd_calibrate(args) -> dict:
 COMMANDS = {"epsilon": cmd_epsilon, "calibrate": cmd_calibrate}
 
 
+def _resolve_sampling(args) -> None:
+    """--sample-rate/--steps, or --batch-size/--dataset-size/--epochs (trainer/api.py `sampling`)."""
+    if not hasattr(args, "sample_rate"):
+        return
+    from widedp.trainer.api import sampling
+
+    flags = {k: "--" + k.replace("_", "-") for k in ("sample_rate", "steps", "batch_size", "dataset_size", "epochs")}
+    try:
+        args.sample_rate, args.steps = sampling(sample_rate=args.sample_rate, steps=args.steps,
+                                                batch_size=args.batch_size, dataset_size=args.dataset_size,
+                                                epochs=args.epochs, names=flags)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def main_result(argv: Sequence[str]) -> dict:
+    """The command's result (what `main` prints as JSON); its errors are raised, not printed."""
+    args = build_parser().parse_args(list(argv))
+    _resolve_sampling(args)
+    return COMMANDS[args.command](args)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from accounting.base import UnsupportedEventError
+    from widedp.accounting.base import UnsupportedEventError
 
     try:
-        args = build_parser().parse_args(argv)
-        result = COMMANDS[args.command](args)
+        result = main_result(sys.argv[1:] if argv is None else argv)
     except (UsageError, UnsupportedEventError, ValueError, ArithmeticError) as exc:
         print(f"widedp: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2

@@ -20,9 +20,9 @@ import tomllib
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from selection.registry import is_selector, selector_names
-from trainer.table_policy import DEFAULTS as TABLE_DEFAULTS
-from trainer.table_policy import POLICIES as TABLE_POLICIES
+from widedp.selection.registry import is_selector, selector_names
+from widedp.trainer.table_policy import DEFAULTS as TABLE_DEFAULTS
+from widedp.trainer.table_policy import POLICIES as TABLE_POLICIES
 
 MODES = ("nonprivate", "dpsgd", "sparse")
 # train.selection: any registered selector (selection.registry); DP-SGD is train.mode = "dpsgd".
@@ -78,7 +78,7 @@ class DataConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        from trainer.data.generators import SYNTHETIC_DATASETS
+        from widedp.trainer.data.generators import SYNTHETIC_DATASETS
 
         _require([
             (bool(self.path), "data.path is required"),
@@ -102,8 +102,8 @@ class ModelConfig:
     interaction: str = "dot"  # dlrm: "dot" (pairwise dots) | "cat" (embeddings concatenated into the top MLP)
 
     def validate(self) -> None:
-        from trainer.models import MODELS
-        from trainer.models.dlrm import INTERACTIONS
+        from widedp.trainer.models import MODELS
+        from widedp.trainer.models.dlrm import INTERACTIONS
 
         _require([
             (self.name in MODELS, f"model.name must be one of {sorted(MODELS)}, got {self.name!r}"),
@@ -145,8 +145,8 @@ class TrainConfig:
     checkpoint_every: int = 100
 
     def validate(self) -> None:
-        from trainer.lr_schedule import LR_SCHEDULES
-        from trainer.shard import OPTIMIZERS
+        from widedp.trainer.lr_schedule import LR_SCHEDULES
+        from widedp.trainer.shard import OPTIMIZERS
 
         _require([
             (self.mode in MODES, f"train.mode must be one of {MODES}, got {self.mode!r}"),
@@ -221,7 +221,7 @@ class PrivacyConfig:
     noise_seed: int = 0
 
     def validate(self) -> None:
-        from accounting.base import accountant_names
+        from widedp.accounting.base import accountant_names
 
         names = accountant_names()
         _require([

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from trainer.models.base import DenseModel
+from widedp.trainer.models.base import DenseModel
 
 # ---- ghost norms: per-example squared gradient norms of one layer's own parameters ---------------
 GhostNorm = Callable[..., torch.Tensor]  # (layer, activations, output gradients) -> [B]

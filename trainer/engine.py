@@ -24,25 +24,25 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from accounting import PrivacyLedger
-from accounting import events as ev
-from accounting.calibration import sampled_step_event
-from selection import NoisyStep, noisy_step
-from selection._sparse import unique_ints
-from selection.registry import SelectionContext, Selector, get_selector, is_selector
-from selection.result import Selection
-from trainer.adaptive_clip import AdaptiveClip
-from trainer.dense_grads import DenseGradients, dense_gradients
-from trainer.layout import ShardLayout, row_block_uniform
-from trainer.modelmix import mix
-from trainer.models import DenseModel
-from trainer.randomness import PrivacyRandomness
-from trainer.shard import ShardSelect
-from trainer.shard_group import ShardLostError, StepInterrupted
-from trainer.step_noise import step_noise_event
-from trainer.table_policy import SparseVocabulary
-from trainer.trainer_group import InProcessTrainers, RayTrainers, TrainerGroup
-from trainer.trainer_role import PhaseClock, TrainerOptions, TrainerPart, TrainerRole, example_global_rows, pooled_lookup
+from widedp.accounting import PrivacyLedger
+from widedp.accounting import events as ev
+from widedp.accounting.calibration import sampled_step_event
+from widedp.selection import NoisyStep, noisy_step
+from widedp.selection._sparse import unique_ints
+from widedp.selection.registry import SelectionContext, Selector, get_selector, is_selector
+from widedp.selection.result import Selection
+from widedp.trainer.adaptive_clip import AdaptiveClip
+from widedp.trainer.dense_grads import DenseGradients, dense_gradients
+from widedp.trainer.layout import ShardLayout, row_block_uniform
+from widedp.trainer.modelmix import mix
+from widedp.trainer.models import DenseModel
+from widedp.trainer.randomness import PrivacyRandomness
+from widedp.trainer.shard import ShardSelect
+from widedp.trainer.shard_group import ShardLostError, StepInterrupted
+from widedp.trainer.step_noise import step_noise_event
+from widedp.trainer.table_policy import SparseVocabulary
+from widedp.trainer.trainer_group import InProcessTrainers, RayTrainers, TrainerGroup
+from widedp.trainer.trainer_role import PhaseClock, TrainerOptions, TrainerPart, TrainerRole, example_global_rows, pooled_lookup
 
 
 @dataclasses.dataclass

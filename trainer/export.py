@@ -180,7 +180,7 @@ def _check_out_dir(out_dir: Path) -> None:
 
 
 def _read_dataset_meta(config: dict):
-    from trainer.data.meta import read_meta
+    from widedp.trainer.data.meta import read_meta
 
     path = Path(config["data"]["path"])
     if not (path / "dataset.json").is_file():
@@ -190,7 +190,7 @@ def _read_dataset_meta(config: dict):
 
 
 def _layout(meta, config: dict):
-    from trainer.layout import FeatureSpec, ShardLayout, TableSpec
+    from widedp.trainer.layout import FeatureSpec, ShardLayout, TableSpec
 
     dim = int(config["model"]["embedding_dim"])
     tables = tuple(TableSpec(name, int(rows), dim) for name, rows in meta.table_sizes.items())
@@ -199,7 +199,7 @@ def _layout(meta, config: dict):
 
 
 def _dense_model(config: dict, meta, model_state: dict):
-    from trainer.models import MODELS
+    from widedp.trainer.models import MODELS
 
     m = config["model"]
     with torch.random.fork_rng(devices=[]):  # construction draws initial weights; they are overwritten
@@ -343,7 +343,7 @@ def _ledger(run_dir: Path, engine_state: dict):
     it must extend the ledger the checkpoint embeds: a ledger.json that is missing, rolled back,
     replaced or edited is refused, never replaced by the checkpoint's shorter copy (which would
     forget the steps released after the checkpoint)."""
-    from accounting import PrivacyLedger
+    from widedp.accounting import PrivacyLedger
 
     ledger_file = run_dir / "ledger.json"
     if not ledger_file.is_file():

@@ -13,8 +13,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from selection.keyed_random import NoiseKey, standard_normals, uniforms
-from selection._sparse import unique_ints
+from widedp.selection.keyed_random import NoiseKey, standard_normals, uniforms
+from widedp.selection._sparse import unique_ints
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,16 +11,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
-from accounting import calibrate
-from accounting.calibration import UnreachableTargetError
-from accounting import events as ev
-from selection import k_from_fraction
-from selection.registry import NO_SELECTION, get_selector
-from trainer.adaptive_clip import adaptive_clip_from_config
-from trainer.config import Config
-from trainer.engine import PrivacyPlan
-from trainer.step_noise import step_noise_event
-from trainer.table_policy import TablePolicy, resolve_table_policy
+from widedp.accounting import calibrate
+from widedp.accounting.calibration import UnreachableTargetError
+from widedp.accounting import events as ev
+from widedp.selection import k_from_fraction
+from widedp.selection.registry import NO_SELECTION, get_selector
+from widedp.trainer.adaptive_clip import adaptive_clip_from_config
+from widedp.trainer.config import Config
+from widedp.trainer.engine import PrivacyPlan
+from widedp.trainer.step_noise import step_noise_event
+from widedp.trainer.table_policy import TablePolicy, resolve_table_policy
 
 
 def default_delta(n: int) -> float:

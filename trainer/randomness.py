@@ -35,7 +35,7 @@ import secrets
 
 import numpy as np
 
-from selection.keyed_random import KEY_BITS, GaussianStream, NoiseKey
+from widedp.selection.keyed_random import KEY_BITS, GaussianStream, NoiseKey
 
 DOMAINS = ("sampler", "selection", "noise", "dpsgd", "shard-selection", "clip", "modelmix")
 

@@ -65,7 +65,7 @@ def _truncate(history, steps: int):
 def epsilon_by_accountant(history, delta: float, names: Sequence[str] = ACCOUNTANT_NAMES) -> dict:
     """ε of one history under each accountant: {"rdp": {"epsilon": e}, "paper": {"epsilon": e,
     "valid": bool, "violations": [...]}, "pld": {"unsupported": reason}, ...}."""
-    from accounting import make_accountant
+    from widedp.accounting import make_accountant
 
     out = {}
     for name in names:
@@ -106,7 +106,7 @@ def epsilon_curves(history, delta: float, points: int = 12, names: Sequence[str]
 def ledger_accounting(run_dir, curve_points: int = 12, names: Sequence[str] = ACCOUNTANT_NAMES,
                       curve_names: Sequence[str] = CURVE_ACCOUNTANTS) -> dict:
     """The accountants compared on a run's recorded ledger: ε at the end and ε versus step."""
-    from accounting import PrivacyLedger
+    from widedp.accounting import PrivacyLedger
 
     path = Path(run_dir) / "ledger.json"
     if not path.exists():

@@ -14,10 +14,10 @@ import dataclasses
 import time
 from typing import Any, Optional, Protocol, Sequence
 
-from trainer.config import Config
-from trainer.engine import Engine, StepStats
-from trainer.lr_schedule import lr_multiplier
-from trainer.planning import PrivacyInfo
+from widedp.trainer.config import Config
+from widedp.trainer.engine import Engine, StepStats
+from widedp.trainer.lr_schedule import lr_multiplier
+from widedp.trainer.planning import PrivacyInfo
 
 
 class StepCallback(Protocol):

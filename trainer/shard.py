@@ -29,10 +29,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-from selection._sparse import unique_ints
-from selection.keyed_random import NoiseKey
-from trainer.layout import ShardInput, ShardLayout, public_key, row_block_normal, row_block_uniform
-from trainer.modelmix import mix
+from widedp.selection._sparse import unique_ints
+from widedp.selection.keyed_random import NoiseKey
+from widedp.trainer.layout import ShardInput, ShardLayout, public_key, row_block_normal, row_block_uniform
+from widedp.trainer.modelmix import mix
 
 # The TBE keeps the optimizer state (Adagrad's row-wise accumulator) in its own storage; the
 # updates themselves are applied in place by `_update_weights` (no TBE backward).
@@ -251,7 +251,7 @@ class EmbeddingShard:
                                             else self._clamped_row_sums64(factors, trainer, coordinate_bound))
         if select is None:
             return self._rows_of(keys, sums)
-        from selection.partitioned import ShardCandidates
+        from widedp.selection.partitioned import ShardCandidates
 
         part = self.select_rows(select.selection, select.params, select.dense_tables, select.key, select.step,
                                 select.clip_norm, select.expected_batch_size)
@@ -367,8 +367,8 @@ class EmbeddingShard:
         Returns global ids (thresholding) or `ShardCandidates` with global ids (top-k).
         Randomness: `key.generator(step, shard)` — its own keyed stream per shard and step, so the
         parts are independent."""
-        from selection.partitioned import ShardCandidates
-        from selection.registry import get_selector
+        from widedp.selection.partitioned import ShardCandidates
+        from widedp.selection.registry import get_selector
 
         selector = get_selector(selection)
         statistic = selector.shard_statistic
@@ -413,7 +413,7 @@ class EmbeddingShard:
     def _row_counts(self, base: np.ndarray, weighted: bool) -> tuple[np.ndarray, np.ndarray]:
         """(sorted compact local ids, Σ_j w_j over distinct (example j, row) pairs): contribution
         counts (`weighted`: the trainers' weights) or example counts (w = 1)."""
-        from selection.threshold import weighted_row_counts
+        from widedp.selection.threshold import weighted_row_counts
 
         rows, counts = [], []
         for trainer in sorted(self._caches):

@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from trainer.layout import ShardInput, ShardLayout
-from trainer.shard import EmbeddingShard
+from widedp.trainer.layout import ShardInput, ShardLayout
+from widedp.trainer.shard import EmbeddingShard
 
 
 def _nbytes(obj: Any) -> int:

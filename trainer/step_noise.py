@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from accounting import events as ev
-from accounting.modelmix import ModelMixDpEvent
+from widedp.accounting import events as ev
+from widedp.accounting.modelmix import ModelMixDpEvent
 
 
 def step_noise_event(sigma: float, clip_event: Optional[ev.DpEvent] = None, mix_width: float = 0.0,

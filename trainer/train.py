@@ -44,20 +44,20 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from accounting import PrivacyLedger
-from accounting import events as ev
-from accounting.atomic import atomic_write_bytes
-from trainer import dataset_budget
-from trainer.config import Config, load_config, load_saved_config, saved_config
-from trainer.data.meta import dataset_identity
-from trainer.engine import Engine, StepStats
-from trainer.layout import FeatureSpec, ShardLayout, TableSpec
-from trainer.models import MODELS
-from trainer.planning import PrivacyInfo, default_delta, plan_privacy, plan_run  # noqa: F401  (public here too)
-from trainer.randomness import PrivacyRandomness
-from trainer.run import Run
-from trainer.run_outputs import RunRecorder, eval_line
-from selection.registry import get_selector
+from widedp.accounting import PrivacyLedger
+from widedp.accounting import events as ev
+from widedp.accounting.atomic import atomic_write_bytes
+from widedp.trainer import dataset_budget
+from widedp.trainer.config import Config, load_config, load_saved_config, saved_config
+from widedp.trainer.data.meta import dataset_identity
+from widedp.trainer.engine import Engine, StepStats
+from widedp.trainer.layout import FeatureSpec, ShardLayout, TableSpec
+from widedp.trainer.models import MODELS
+from widedp.trainer.planning import PrivacyInfo, default_delta, plan_privacy, plan_run  # noqa: F401  (public here too)
+from widedp.trainer.randomness import PrivacyRandomness
+from widedp.trainer.run import Run
+from widedp.trainer.run_outputs import RunRecorder, eval_line
+from widedp.selection.registry import get_selector
 
 # docs/DESIGN.md §4 keys of every summary.json (debug-only statistics are in run_outputs.DEBUG_SUMMARY_KEYS).
 SUMMARY_KEYS = ("mode", "selection", "epsilon", "delta", "accountant", "steps", "examples_per_sec",
@@ -81,8 +81,8 @@ def _json_default(o):
 def _ensure_dataset(cfg: Config):
     """The config's train/test splits; a `data.synth` set is generated at data.path first if
     absent (trainer/data/generators.py), and a cached one must match the config."""
-    from trainer import data as data_mod
-    from trainer.data.generators import SYNTHETIC_DATASETS
+    from widedp.trainer import data as data_mod
+    from widedp.trainer.data.generators import SYNTHETIC_DATASETS
 
     path = Path(cfg.data.path)
     synthetic = SYNTHETIC_DATASETS.get(cfg.data.synth) if cfg.data.synth else None
@@ -113,7 +113,7 @@ def _layout(meta, cfg: Config) -> ShardLayout:
 
 
 def _shard_group(cfg: Config, layout: ShardLayout):
-    from trainer.shard_group import InProcessShardGroup, RayShardGroup
+    from widedp.trainer.shard_group import InProcessShardGroup, RayShardGroup
 
     kwargs = dict(optimizer=cfg.train.optimizer, lr=cfg.train.lr, seed=cfg.train.seed, init_std=cfg.model.init_std,
                   ema_decay=cfg.train.ema_decay)
@@ -141,17 +141,17 @@ def build_run(cfg: Config, train_transform=None) -> Run:
     """Everything a run needs (trainer/run.py `Run`): engine, splits, metadata, privacy plan.
     `train_transform(train_split) -> split`: applied to the training split before anything is
     planned from it (the one-run audit adds its canaries there, trainer/audit.py)."""
-    from trainer.data import PoissonSampler
+    from widedp.trainer.data import PoissonSampler
 
     if cfg.cluster.backend == "ray":  # connection problems surface before any data work
-        from trainer.ray_runtime import ensure_ray
+        from widedp.trainer.ray_runtime import ensure_ray
 
         trainer_cpus = cfg.cluster.cpus_per_trainer * cfg.cluster.num_trainers if cfg.cluster.trainer_actors else 0.0
         ensure_ray(cfg.cluster.address, needed_cpus=cfg.cluster.cpus_per_shard * cfg.cluster.num_shards + trainer_cpus)
     train_set, test_set = _ensure_dataset(cfg)
     validation_set = None
     if cfg.data.validation_fraction > 0:
-        from trainer.data.dataset import hold_out
+        from widedp.trainer.data.dataset import hold_out
 
         train_set, validation_set = hold_out(train_set, cfg.data.validation_fraction, cfg.data.seed)
     if train_transform is not None:

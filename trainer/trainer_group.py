@@ -23,8 +23,8 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
-from trainer.shard_group import ShardGroup, StepInterrupted
-from trainer.trainer_role import TrainerOptions, TrainerPart, TrainerRole
+from widedp.trainer.shard_group import ShardGroup, StepInterrupted
+from widedp.trainer.trainer_role import TrainerOptions, TrainerPart, TrainerRole
 
 
 class TrainerActorLost(StepInterrupted):

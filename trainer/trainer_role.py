@@ -24,11 +24,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-from adaptive_clipping.dp_stat import counts_above
-from selection.threshold import contribution_weights
-from trainer.dense_grads import DenseGradients, dense_gradients
-from trainer.layout import ShardLayout, route
-from trainer.table_policy import SparseVocabulary
+from widedp.adaptive_clipping.dp_stat import counts_above
+from widedp.selection.threshold import contribution_weights
+from widedp.trainer.dense_grads import DenseGradients, dense_gradients
+from widedp.trainer.layout import ShardLayout, route
+from widedp.trainer.table_policy import SparseVocabulary
 
 
 class PhaseClock:
@@ -95,7 +95,10 @@ def pooled_lookup(layout: ShardLayout, shards, batch, B: int, example_ids=None, 
     F = len(layout.features)
     pooled = torch.zeros((B * F, layout.dim), dtype=torch.float32)
     for bag, v in zip(bags, values):  # a shard's bags are distinct; shards' parts of one bag add up
-        pooled.index_add_(0, torch.from_numpy(bag.example * F + bag.feature), torch.from_numpy(np.asarray(v)))
+        # Ray hands actors' results over as read-only arrays: copied then (torch needs writable
+        # memory), not in process
+        pooled.index_add_(0, torch.from_numpy(bag.example * F + bag.feature),
+                          torch.from_numpy(np.require(v, requirements="W")))
     return pooled.numpy().reshape(B, F, layout.dim), bags
 
 

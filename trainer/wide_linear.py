@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 import scipy.sparse as sp
 
-from selection.keyed_random import NoiseKey
+from widedp.selection.keyed_random import NoiseKey
 
 ALGORITHMS = ("alg2", "nonprivate")
 
@@ -63,7 +63,7 @@ def wide_features(split) -> tuple[sp.csr_matrix, np.ndarray]:
 
 
 def _metrics(X: sp.csr_matrix, y: np.ndarray, w: np.ndarray) -> dict:
-    from trainer.data._util import auc
+    from widedp.trainer.data._util import auc
 
     z = X @ w
     logloss = float(np.mean(np.logaddexp(0.0, z) - y * z))
@@ -94,8 +94,8 @@ def run_wide_linear(data: str, *, algorithm: str = "alg2", epsilon: float = 8.0,
                     run_dir: Optional[str] = None) -> dict:
     """Train, evaluate on the held-out split and (with `run_dir`) write summary.json and model.npz.
     `num_groups` m defaults to ⌈10√T⌉ (Theorem 1's condition)."""
-    from accounting.base import make_accountant
-    from trainer.data.dataset import open_dataset
+    from widedp.accounting.base import make_accountant
+    from widedp.trainer.data.dataset import open_dataset
 
     if algorithm not in ALGORITHMS:
         raise ValueError(f"--algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -115,7 +115,7 @@ def run_wide_linear(data: str, *, algorithm: str = "alg2", epsilon: float = 8.0,
         w = _nonprivate(X, y, l2)
         out.update(epsilon=math.inf, delta=0.0, accountant=None)
     else:
-        from sparse_learners.dp_erm import dp_erm_sparse
+        from widedp.sparse_learners.dp_erm import dp_erm_sparse
 
         m = num_groups or int(math.ceil(10 * math.sqrt(steps)))
         result = dp_erm_sparse(X, y, epsilon=epsilon, delta=delta, num_groups=m, steps=steps,
@@ -137,7 +137,7 @@ def run_wide_linear(data: str, *, algorithm: str = "alg2", epsilon: float = 8.0,
     out["test_metrics"] = _metrics(X_test, y_test, w)
     out["seconds"] = round(time.time() - started, 3)
     if run_dir is not None:
-        from accounting.atomic import atomic_write_bytes
+        from widedp.accounting.atomic import atomic_write_bytes
 
         directory = Path(run_dir)
         directory.mkdir(parents=True, exist_ok=True)
@@ -148,7 +148,7 @@ def run_wide_linear(data: str, *, algorithm: str = "alg2", epsilon: float = 8.0,
 
 
 def add_commands(sub) -> dict:
-    from trainer.cli import _positive_float, _positive_int
+    from widedp.trainer.cli import _positive_float, _positive_int
 
     p = sub.add_parser("wide-linear", help="wide logistic model on a data set's categorical ids, by seed A's Alg 2")
     p.add_argument("--data", required=True, help="a widedp data directory (dataset.json + data.parquet)")

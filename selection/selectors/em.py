@@ -13,12 +13,12 @@ from typing import ClassVar, Optional
 
 import numpy as np
 
-from accounting.events import ExponentialTopKDpEvent
-from selection._sparse import check_positive
-from selection.exponential import exponential_scale, exponential_top_k
-from selection.partitioned import ShardCandidates, gumbel_top_k_candidates, merge_top_k
-from selection.registry import BudgetInputs, Selector, norm_utilities, param, register_selector
-from selection.result import Selection
+from widedp.accounting.events import ExponentialTopKDpEvent
+from widedp.selection._sparse import check_positive
+from widedp.selection.exponential import exponential_scale, exponential_top_k
+from widedp.selection.partitioned import ShardCandidates, gumbel_top_k_candidates, merge_top_k
+from widedp.selection.registry import BudgetInputs, Selector, norm_utilities, param, register_selector
+from widedp.selection.result import Selection
 
 
 @dataclasses.dataclass(frozen=True)

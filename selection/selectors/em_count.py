@@ -18,11 +18,11 @@ from typing import Callable
 
 import numpy as np
 
-from selection.exponential import exponential_top_k
-from selection.fest import truncated_row_counts
-from selection.registry import param, register_selector
-from selection.result import Selection
-from selection.selectors.em import ExponentialSelector
+from widedp.selection.exponential import exponential_top_k
+from widedp.selection.fest import truncated_row_counts
+from widedp.selection.registry import param, register_selector
+from widedp.selection.result import Selection
+from widedp.selection.selectors.em import ExponentialSelector
 
 #: One example changes each row's count by at most this (add/remove-one).
 COUNT_SENSITIVITY = 1.0

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from accounting.events import GaussianDpEvent, NoOpDpEvent
-from selection.fest import fest_top_k
-from selection.registry import Selector, param, register_selector
-from selection.result import Selection
+from widedp.accounting.events import GaussianDpEvent, NoOpDpEvent
+from widedp.selection.fest import fest_top_k
+from widedp.selection.registry import Selector, param, register_selector
+from widedp.selection.result import Selection
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,11 +23,11 @@ import dataclasses
 
 import numpy as np
 
-from accounting.events import GaussianDpEvent
-from selection.fest import fest_top_k
-from selection.registry import param, register_selector
-from selection.result import Selection
-from selection.selectors.threshold import ThresholdParams, ThresholdSelector
+from widedp.accounting.events import GaussianDpEvent
+from widedp.selection.fest import fest_top_k
+from widedp.selection.registry import param, register_selector
+from widedp.selection.result import Selection
+from widedp.selection.selectors.threshold import ThresholdParams, ThresholdSelector
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,10 +6,10 @@ import dataclasses
 import math
 from typing import ClassVar
 
-from accounting.events import NoisyMaxTopKDpEvent
-from selection.noisy_max import noisy_max_top_k
-from selection.registry import Selector, register_selector
-from selection.selectors.em import EmParams, ExponentialSelector
+from widedp.accounting.events import NoisyMaxTopKDpEvent
+from widedp.selection.noisy_max import noisy_max_top_k
+from widedp.selection.registry import Selector, register_selector
+from widedp.selection.selectors.em import EmParams, ExponentialSelector
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from selection.noisy_max import noisy_max_top_k
-from selection.registry import register_selector
-from selection.selectors.em_count import CountUtility, EmCountParams
-from selection.selectors.noisy_max import NoisyMaxSelector
+from widedp.selection.noisy_max import noisy_max_top_k
+from widedp.selection.registry import register_selector
+from widedp.selection.selectors.em_count import CountUtility, EmCountParams
+from widedp.selection.selectors.noisy_max import NoisyMaxSelector
 
 
 @dataclasses.dataclass(frozen=True)

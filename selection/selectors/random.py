@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from accounting.events import NoOpDpEvent
-from selection.random_selection import random_rows
-from selection.registry import Selector, param, register_selector
+from widedp.accounting.events import NoOpDpEvent
+from widedp.selection.random_selection import random_rows
+from widedp.selection.registry import Selector, param, register_selector
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from accounting.calibration import svt_event
-from selection.registry import BudgetInputs, Selector, param, register_selector
-from selection.sparse_vector import numeric_sparse, numeric_sparse_scales
+from widedp.accounting.calibration import svt_event
+from widedp.selection.registry import BudgetInputs, Selector, param, register_selector
+from widedp.selection.sparse_vector import numeric_sparse, numeric_sparse_scales
 
 
 @dataclasses.dataclass(frozen=True)

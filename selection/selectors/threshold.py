@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from accounting.events import GaussianDpEvent
-from selection.registry import Selector, param, register_selector
-from selection.result import Selection
-from selection.threshold import contribution_counts, gaussian_threshold, merge_disjoint
+from widedp.accounting.events import GaussianDpEvent
+from widedp.selection.registry import Selector, param, register_selector
+from widedp.selection.result import Selection
+from widedp.selection.threshold import contribution_counts, gaussian_threshold, merge_disjoint
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,13 +37,13 @@ def register_synthetic(entry: SyntheticDataset) -> SyntheticDataset:
 
 
 def _ctr(path: Path, d) -> Any:
-    from trainer.data.synth import synth_ctr
+    from widedp.trainer.data.synth import synth_ctr
 
     return synth_ctr(path, num_examples=d.synth_examples, table_sizes=d.synth_table_size, seed=d.seed)
 
 
 def _text(path: Path, d) -> Any:
-    from trainer.data.synth import synth_text
+    from widedp.trainer.data.synth import synth_text
 
     return synth_text(path, num_examples=d.synth_examples, vocab=d.synth_vocab, seed=d.seed)
 
@@ -66,7 +66,7 @@ register_synthetic(SyntheticDataset(
 
 
 def _criteo_like(path: Path, d) -> Any:
-    from trainer.data.realistic import synth_criteo_like
+    from widedp.trainer.data.realistic import synth_criteo_like
 
     return synth_criteo_like(path, num_examples=d.synth_examples, hash_size=d.synth_table_size, seed=d.seed)
 

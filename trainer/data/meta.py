@@ -164,7 +164,7 @@ class DatasetMeta:
 
 def privacy_event_entry(description: str, event) -> dict:
     """One ``privacy_events`` entry of dataset.json."""
-    from accounting.events import event_to_dict
+    from widedp.accounting.events import event_to_dict
 
     return {"description": str(description), "event": event_to_dict(event)}
 
@@ -176,7 +176,7 @@ def parse_privacy_events(entries: Any, source: str = META_FILE) -> list:
         raise DataError(f"{source}: {PRIVACY_EVENTS_KEY} must be a list, got {type(entries).__name__}")
     if not entries:
         return []
-    from accounting.events import DpEvent, event_from_dict  # imports dp_accounting: only when needed
+    from widedp.accounting.events import DpEvent, event_from_dict  # imports dp_accounting: only when needed
 
     out = []
     for i, entry in enumerate(entries):

@@ -59,7 +59,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from selection.keyed_random import KEY_BITS, NoiseKey
+from widedp.selection.keyed_random import KEY_BITS, NoiseKey
 
 from .errors import DataError
 from .meta import PRIVACY_EVENTS_KEY, DatasetMeta, cbow_meta, privacy_event_entry
@@ -226,7 +226,7 @@ def convert_text(input_txt, out_dir, *, vocab: Optional[int] = None, window: int
     ``vocab_file`` the vocabulary is selected privately (its event lands in the meta's
     ``privacy_events``); ``vocab_noise_seed`` makes that selection reproducible (tests only).
     """
-    from selection.partition import check_unseen_delta, gaussian_partition_selection
+    from widedp.selection.partition import check_unseen_delta, gaussian_partition_selection
 
     if vocab is None and vocab_file is None:
         raise ValueError("vocab (the maximum vocabulary size) is required unless vocab_file is given")

@@ -1,8 +1,8 @@
 """Model registry: config name -> dense-part class."""
 
-from trainer.models.base import DenseModel
-from trainer.models.cbow import CBOW
-from trainer.models.dlrm import DLRM
+from widedp.trainer.models.base import DenseModel
+from widedp.trainer.models.cbow import CBOW
+from widedp.trainer.models.dlrm import DLRM
 
 MODELS: dict[str, type[DenseModel]] = {"cbow": CBOW, "dlrm": DLRM}
 

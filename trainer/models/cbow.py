@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainer.models.base import DenseModel
+from widedp.trainer.models.base import DenseModel
 
 
 class CBOW(DenseModel):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.functional.classification import binary_auroc
 
-from trainer.models.base import DenseModel
+from widedp.trainer.models.base import DenseModel
 
 
 def _mlp(sizes: list[int], final_activation: bool) -> nn.Sequential:

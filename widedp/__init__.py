@@ -1,0 +1,25 @@
+"""widedp: differentially private training of wide (embedding-dominated) models.
+
+One namespace: `widedp.trainer` (config, run loop, engine, Ray roles, CLI), `widedp.selection`
+(private row selection, the Gaussian step, keyed randomness), `widedp.accounting` (events,
+accountants, ledger, calibration), `widedp.sparse_learners` and `widedp.adaptive_clipping` (the
+seeds' pure learners). The folders live at the repository's top level (the design card's layout)
+and are linked here, so each module exists under one name only: `widedp.<package>`.
+
+The Python API (trainer/api.py), imported on first use so `import widedp` stays light:
+`load_config`, `train` (-> `RunResult`), `evaluate`, `export`, `epsilon`, `calibrate`, `sampling`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["RunResult", "calibrate", "epsilon", "evaluate", "export", "load_config", "sampling", "train"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("widedp.trainer.api"), name)
+    raise AttributeError(f"module 'widedp' has no attribute {name!r}")
