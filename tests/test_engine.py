@@ -436,17 +436,31 @@ MUTANTS = {
 }
 
 
-# The mutants run from this seed's initialization: there the crafted example's norm grouped the
-# wrong ways differs from the right one by 2-3% (`test_the_norm_mutants_change_the_crafted_norm`);
-# at some seeds the repeated rows' pooled gradients nearly cancel and no grouping shows.
-MUTANT_SEED = 9
+def _crafted_norms(seed: int) -> dict:
+    """The crafted example's norm at `seed`'s initialization, its rows grouped the right way and
+    the two wrong ways (`_grouped_sq_norms`)."""
+    ds = dataset()
+    indices = np.array([0, 5, len(ds) - 1, 7, 12, 30])
+    engine = build(ds, [indices], mode="sparse", seed=seed)
+    _, dense_sq, parts, g_pooled = _engine_norm_pass(engine, indices)
+    return {g: float(np.sqrt(_grouped_sq_norms(engine, parts, g_pooled, indices.size, g) + np.asarray(dense_sq))[2])
+            for g in ("row", "occurrence", "feature")}
+
+
+# The norm mutants run from this initialization seed: a scan of seeds 0..63 (the generator behind
+# the initialization is selection/keyed_random.py's) finds two at which the crafted example is
+# clipped and both wrong groupings miss its norm by more than 2% — 15 and 16 — and 16 clips it
+# hardest (norm 1.43 against S1 = 0.5). At most seeds the dense gradient dominates the norm and
+# no grouping shows. `test_the_norm_mutants_change_the_crafted_norm` keeps the precondition.
+MUTANT_SEED = 16
 
 
 def _run_mutant(install, monkeypatch):
     ds = dataset()
     batches = batches_with_crafted(ds, 4)
-    engine = build(ds, batches, mode="sparse", selection="em", num_shards=2, second_clip=S2, seed=MUTANT_SEED)
-    ref = reference_for(engine, ds, "sparse", seed=MUTANT_SEED)
+    seed = MUTANT_SEED
+    engine = build(ds, batches, mode="sparse", selection="em", num_shards=2, second_clip=S2, seed=seed)
+    ref = reference_for(engine, ds, "sparse", seed=seed)
     install(monkeypatch, engine)
     for idx in batches:
         engine.step()
@@ -455,14 +469,9 @@ def _run_mutant(install, monkeypatch):
 
 
 def test_the_norm_mutants_change_the_crafted_norm():
-    """The precondition of the two norm mutants: at MUTANT_SEED the crafted example (clipped) has
-    a norm that the Opacus-style and per-feature groupings get wrong by more than 1%."""
-    ds = dataset()
-    indices = np.array([0, 5, len(ds) - 1, 7, 12, 30])
-    engine = build(ds, [indices], mode="sparse", seed=MUTANT_SEED)
-    _, dense_sq, parts, g_pooled = _engine_norm_pass(engine, indices)
-    norm = {g: float(np.sqrt(_grouped_sq_norms(engine, parts, g_pooled, indices.size, g) + np.asarray(dense_sq))[2])
-            for g in ("row", "occurrence", "feature")}
+    """The precondition of the two norm mutants: at their seed the crafted example (clipped) has
+    a norm that the Opacus-style and per-feature groupings get wrong by more than 2%."""
+    norm = _crafted_norms(MUTANT_SEED)
     assert norm["row"] > CLIP
     assert abs(norm["occurrence"] / norm["row"] - 1) > 0.01 and abs(norm["feature"] / norm["row"] - 1) > 0.01
 
