@@ -140,7 +140,7 @@ def test_export_scores_the_test_split_like_evaluate_without_widedp(runs, exports
 
     # Control: the editable install makes widedp importable from an isolated Python (so the
     # blocker below is what keeps it out).
-    control = subprocess.run([sys.executable, "-I", "-c", "import trainer"], cwd=tmp_path, capture_output=True)
+    control = subprocess.run([sys.executable, "-I", "-c", "import widedp.trainer"], cwd=tmp_path, capture_output=True)
     assert control.returncode == 0
     jobs = []
     for name, (_, out_dir) in exports.items():

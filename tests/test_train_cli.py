@@ -27,7 +27,8 @@ def _train(capsys, config, *args):
 @pytest.fixture
 def config(tmp_path, ctr_dir):
     path = tmp_path / "run.toml"
-    path.write_text(f'[data]\npath = "{ctr_dir}"\n[train]\nsteps = 6\n')
+    # run_dir: a run without --run-dir goes here, not into the repository's runs/latest
+    path.write_text(f'run_dir = "{tmp_path / "default_run"}"\n[data]\npath = "{ctr_dir}"\n[train]\nsteps = 6\n')
     return path
 
 
@@ -139,7 +140,7 @@ def test_config_errors_exit_2_naming_the_key(capsys, config, override, match):
 
 def test_missing_dataset_and_checkpoint_errors(capsys, tmp_path):
     cfg = tmp_path / "c.toml"
-    cfg.write_text(f'[data]\npath = "{tmp_path / "nothing"}"\n')
+    cfg.write_text(f'run_dir = "{tmp_path / "run"}"\n[data]\npath = "{tmp_path / "nothing"}"\n')
     code, _, err = _train(capsys, cfg, "--set", "cluster.backend=local")
     assert code == 2 and "no dataset.json" in err
     code, _, err = _train(capsys, cfg, "--resume", str(tmp_path))
