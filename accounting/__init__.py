@@ -1,9 +1,12 @@
-"""Privacy accounting (pure library: no Ray, no trainer imports).
+"""Privacy accounting (pure library: no Ray, no trainer or selection imports): what is claimed.
 
 Events (`accounting.events`) are immutable records of what each mechanism did; accountants
 (`rdp`, `pld`, `prv`, `paper`) say structurally whether they `supports` an event (and its
 neighbouring relation) and compose them or raise UnsupportedEventError; the ledger persists
-them; calibration turns a target ε into noise multipliers (a frozen `Calibration`).
+them; `calibrate(build_event, target_epsilon, delta, ...)` turns a target ε into the noise
+multiplier of any mechanism the caller describes as σ ↦ event (in the manner of dp_accounting's
+`calibrate_dp_mechanism`; a selector's sparse step is `selection.calibration`'s). What a
+trained model actually leaks is measured beside this package, in `auditing`.
 """
 
 from widedp.accounting.base import (
@@ -13,17 +16,17 @@ from widedp.accounting.base import (
     UnsupportedEventError,
     make_accountant,
 )
-from widedp.accounting.calibration import Calibration, calibrate, step_event, svt_event
+from widedp.accounting.calibration import UnreachableTargetError, calibrate, step_event, svt_event
 from widedp.accounting.events import NeighboringRelation
 from widedp.accounting.ledger import PrivacyLedger
 
 __all__ = [
     "ACCOUNTANTS",
     "Accountant",
-    "Calibration",
     "InvalidBoundError",
     "NeighboringRelation",
     "PrivacyLedger",
+    "UnreachableTargetError",
     "UnsupportedEventError",
     "calibrate",
     "make_accountant",

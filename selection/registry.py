@@ -4,8 +4,9 @@ In the style of Opacus's `@register_grad_sampler`: a selector is a class registe
 config/CLI name with `@register_selector("name")`; a name can be registered once (a second
 registration raises ValueError naming both classes). Everything that dispatches on a selector
 name reads this registry (trainer config validation, `widedp --selection` choices and argument
-checks, `accounting.calibrate`, `trainer.train.plan_privacy`, `trainer.engine.Engine`, the
-benchmarks), never a list of names of its own.
+checks, `selection.calibration.calibrate` (which builds the step's event for the
+selector-blind `accounting.calibrate`), `trainer.planning.plan_privacy`, `trainer.engine.Engine`,
+the benchmarks), never a list of names of its own.
 
 "none" (DP-SGD: no selection, every row noised) is deliberately *not* a selector: it has no
 parameters, no event and no `select`. `NO_SELECTION = "none"` is the one name for it; the CLI

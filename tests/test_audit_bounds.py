@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy import special, stats
 
-from widedp.accounting.canary_exposure import (
+from widedp.auditing.canary_exposure import (
     CanaryExposureReport,
     canary_ranks,
     exposure,
@@ -22,7 +22,7 @@ from widedp.accounting.canary_exposure import (
     log_perplexity,
     rank_uniformity_test,
 )
-from widedp.accounting.one_run_audit import (
+from widedp.auditing.one_run_audit import (
     OneRunAudit,
     audit_from_scores,
     best_guess_counts,

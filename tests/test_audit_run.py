@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import widedp.trainer.engine as engine_module
-from widedp.trainer.audit import (GRADIENT_CANARY_SCALE, WithCanaries, as_gradient_canaries, make_canaries, one_run_audit,
-                           write_audit)
+from widedp.auditing.canaries import GRADIENT_CANARY_SCALE, as_gradient_canaries, make_canaries
+from widedp.trainer.audit import WithCanaries, one_run_audit, write_audit
 from widedp.trainer.config import load_config
 from widedp.trainer.data.dataset import open_dataset
 
@@ -238,8 +238,8 @@ def text_dir(tmp_path_factory):
 def test_phrase_log_perplexity_is_the_sum_of_the_models_next_word_log_probabilities():
     """The vectorized P(c) equals the slow per-phrase sum −log Pr(c1|c0) − log Pr(c2|c0,c1)
     with Pr(w | context) the softmax of o_w · mean(context input rows)."""
-    from widedp.accounting.canary_exposure import log_perplexity
-    from widedp.trainer.audit import phrase_log_perplexities
+    from widedp.auditing.canary_exposure import log_perplexity
+    from widedp.auditing.scores import phrase_log_perplexities
 
     rng = np.random.default_rng(0)
     inputs, outputs = rng.normal(size=(30, 5)), rng.normal(size=(30, 5))
@@ -254,7 +254,7 @@ def test_phrase_log_perplexity_is_the_sum_of_the_models_next_word_log_probabilit
 
 
 def test_each_inserted_phrase_is_three_examples_per_insertion(text_dir):
-    from widedp.trainer.audit import make_phrase_examples
+    from widedp.auditing.canaries import make_phrase_examples
 
     train, _ = open_dataset(text_dir, test_fraction=0.2, seed=0)
     examples = make_phrase_examples(train.meta, np.array([[3, 4, 5]]), 2, np.random.default_rng(0))
@@ -272,7 +272,7 @@ def test_a_phrase_inserted_into_text_is_every_example_within_the_window_of_it(te
     """Placement "text" (seed §6.5): one insertion of (c0, c1, c2) between corpus words gives the
     2w + 3 examples within ±w of it, each with its ±w neighbours as context in text order —
     the same examples the corpus windowing makes of that stretch of text."""
-    from widedp.trainer.audit import make_phrase_examples
+    from widedp.auditing.canaries import make_phrase_examples
     from widedp.trainer.data.text import cbow_examples
 
     train, _ = open_dataset(text_dir, test_fraction=0.2, seed=0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from widedp.accounting.calibration import calibrate
+from widedp.selection.calibration import calibrate
 from widedp.accounting.events import ExponentialTopKDpEvent, NoisyMaxTopKDpEvent
 from privacy_audit import EventCounts, epsilon_lower_bound
 from widedp.selection import exponential_top_k, noisy_max_top_k

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from widedp.accounting import PrivacyLedger, UnsupportedEventError, calibrate, make_accountant, step_event
+from widedp.accounting import PrivacyLedger, UnsupportedEventError, make_accountant, step_event
 from widedp.accounting import events as ev
+from widedp.selection.calibration import calibrate
 from widedp.trainer.cli import main
 
 STEP = step_event(0.01, 1.0)
@@ -268,7 +269,7 @@ def test_ledger_refuses_another_neighbouring_relation(tmp_path, relation, match)
 def test_calibration_is_frozen_and_to_dict_keeps_the_json_keys():
     import dataclasses
 
-    from widedp.accounting import Calibration
+    from widedp.selection.calibration import Calibration
 
     base_keys = ["noise_multiplier", "selection", "selection_params", "selection_fraction", "epsilon",
                  "target_epsilon", "delta", "sample_rate", "steps", "accountant"]

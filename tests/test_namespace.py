@@ -1,6 +1,7 @@
 """One namespace: `import widedp` (widedp.trainer, widedp.selection, widedp.accounting,
-widedp.sparse_learners, widedp.adaptive_clipping), nothing generic installed at top level, and
-every module — so every registry — under one name only."""
+widedp.auditing, widedp.sparse_learners, widedp.adaptive_clipping), nothing generic installed at
+top level, and every module — so every registry — under one name only; modules that moved are
+imported from their new place only."""
 
 from __future__ import annotations
 
@@ -13,7 +14,20 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OLD_NAMES = ("trainer", "selection", "accounting", "sparse_learners", "adaptive_clipping")
+OLD_NAMES = ("trainer", "selection", "accounting", "auditing", "sparse_learners", "adaptive_clipping")
+#: Modules that moved (issue 28: auditing beside accounting) -> where they are now.
+MOVED = {"widedp.accounting.one_run_audit": "widedp.auditing.one_run_audit",
+         "widedp.accounting.canary_exposure": "widedp.auditing.canary_exposure"}
+#: Names that moved out of a module that still exists: (module, name) -> where the name is now.
+MOVED_NAMES = {("widedp.accounting", "Calibration"): "widedp.selection.calibration",
+               ("widedp.accounting.calibration", "Calibration"): "widedp.selection.calibration",
+               **{("widedp.trainer.audit", n): "widedp.auditing.canaries"
+                  for n in ("Canaries", "CANARY_KINDS", "GRADIENT_CANARY_SCALE", "PHRASE_PLACEMENTS", "canary_features",
+                            "make_canaries", "as_gradient_canaries", "make_phrase_examples")},
+               **{("widedp.trainer.audit", n): "widedp.auditing.scores"
+                  for n in ("white_box_scores", "guess_counts", "phrase_log_perplexities", "tie_broken")}}
+SOURCE_DIRS = ("trainer", "selection", "accounting", "auditing", "sparse_learners", "adaptive_clipping", "tests",
+               "benchmarks", "widedp")
 
 
 def _old_style_imports(path: Path) -> list[str]:
@@ -26,10 +40,49 @@ def _old_style_imports(path: Path) -> list[str]:
 
 
 def test_no_file_imports_a_package_by_its_old_top_level_name():
-    files = [p for d in ("trainer", "selection", "accounting", "sparse_learners", "adaptive_clipping", "tests",
-                         "benchmarks", "widedp") for p in sorted((REPO / d).rglob("*.py")) if ".venv" not in p.parts]
+    files = [p for d in SOURCE_DIRS for p in sorted((REPO / d).rglob("*.py")) if ".venv" not in p.parts]
     offending = [hit for p in files for hit in _old_style_imports(p)]
     assert not offending, "import these through widedp:\n" + "\n".join(offending)
+
+
+def _moved_imports(text: str, name: str) -> list[str]:
+    """Imports of a moved module, or of a moved name from the module it left, in `text`."""
+    found = []
+    for node in ast.walk(ast.parse(text, name)):
+        if isinstance(node, ast.Import):
+            found += [f"{a.name} (now {MOVED[a.name]})" for a in node.names if a.name in MOVED]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module in MOVED:
+                found.append(f"{node.module} (now {MOVED[node.module]})")
+            found += [f"{a.name} from {node.module} (now in {MOVED_NAMES[node.module, a.name]})" for a in node.names
+                      if (node.module, a.name) in MOVED_NAMES]
+            found += [f"{node.module}.{a.name} (now {MOVED[f'{node.module}.{a.name}']})" for a in node.names
+                      if f"{node.module}.{a.name}" in MOVED]
+    return [f"{name}:{node_hit}" for node_hit in found]
+
+
+def _moved_paths(text: str) -> list[str]:
+    """The old module paths in prose or code blocks: dotted, or as files."""
+    old = [*MOVED, *(m.replace("widedp.", "", 1) for m in MOVED),
+           *(m.replace("widedp.", "", 1).replace(".", "/") + ".py" for m in MOVED)]
+    return [o for o in old if o in text]
+
+
+def test_no_file_uses_a_moved_module_or_name():
+    files = [p for d in SOURCE_DIRS for p in sorted((REPO / d).rglob("*.py")) if ".venv" not in p.parts]
+    offending = [hit for p in files for hit in _moved_imports(p.read_text(), str(p.relative_to(REPO)))]
+    here = Path(__file__).resolve()
+    texts = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *(p for p in files if p.resolve() != here)]
+    offending += [f"{p.relative_to(REPO)}: {o}" for p in texts for o in _moved_paths(p.read_text())]
+    assert not offending, "these moved:\n" + "\n".join(offending)
+
+
+def test_the_moved_check_can_fail():
+    src = ("from widedp.accounting.one_run_audit import audit_from_scores\nimport widedp.accounting.canary_exposure\n"
+           "from widedp.accounting import Calibration, one_run_audit\nfrom widedp.trainer.audit import make_canaries\n")
+    hits = _moved_imports(src, "probe.py")
+    assert len(hits) == 5, hits
+    assert _moved_paths("see `accounting/one_run_audit.py`") == ["accounting/one_run_audit.py"]
 
 
 def test_every_module_imports_under_widedp_only(tmp_path):
@@ -72,6 +125,7 @@ def test_the_wheel_holds_widedp_and_its_metadata_only(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert tops == {"widedp", wheel.name.split("-py")[0] + ".dist-info"}, tops
     for module in ("widedp/trainer/cli.py", "widedp/selection/registry.py", "widedp/accounting/ledger.py",
-                   "widedp/sparse_learners/dp_erm.py", "widedp/adaptive_clipping/dp_stat.py",
+                   "widedp/auditing/one_run_audit.py", "widedp/sparse_learners/dp_erm.py",
+                   "widedp/adaptive_clipping/dp_stat.py",
                    "widedp/trainer/export_template/load_model.py"):
         assert module in names, module

@@ -16,9 +16,10 @@ import math
 import numpy as np
 import pytest
 
-from widedp.accounting import PrivacyLedger, calibrate, step_event
+from widedp.accounting import PrivacyLedger, step_event
 from widedp.accounting import events as ev
 from engine_fixtures import PLAN_DEFAULTS, make_engine, make_plan, tiny_ctr
+from widedp.selection.calibration import calibrate
 from widedp.selection.registry import (NO_SELECTION, BudgetInputs, SelectionContext, Selector, get_selector, param,
                                 register_selector, selector_names, unregister_selector)
 from widedp.selection.result import Selection

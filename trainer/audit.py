@@ -1,4 +1,11 @@
-"""One-run privacy audit of a whole training run: canaries with rows of their own, white box.
+"""`widedp audit`: one-run privacy audit of a whole training run (canaries with rows of their
+own, white box) and the canary exposure test — the trainer's glue around `widedp.auditing`.
+
+The measurement is `widedp.auditing`'s (the canaries, the scores, the one-run bound, the exposure
+test: pure, no torch, no Ray). This module drives training with it: it adds the canaries to the
+training split (`WithCanaries`, the engine's data interface), trains through `build_run` (local
+or Ray shards), reads their rows back from the shards, runs the deliberately broken variants,
+and writes audit.json / audit.png.
 
 What is audited: the released model of one `widedp train` run of the user's configuration,
 against the ε the run's ledger claims, for the engine's neighbouring relation (add/remove one
@@ -7,7 +14,7 @@ training run" (NeurIPS 2023): m canary examples, each included in the training s
 independently with probability ½ by the auditor's own secret coins; after training, score
 every canary, guess "member" for the k+ highest scores and "non-member" for the k− lowest,
 and turn the number of correct guesses into an ε lower bound at a stated confidence
-(`accounting.one_run_audit`). If the run is (ε, δ)-DP, the bound exceeds ε with probability
+(`auditing.one_run_audit`). If the run is (ε, δ)-DP, the bound exceeds ε with probability
 at most 1 − confidence: a bound above the claimed ε is evidence the claim is false.
 
 Canaries (white box): canary i is one example whose bag of the audited feature is the single
@@ -43,6 +50,11 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from widedp.auditing.canaries import (CANARY_KINDS, PHRASE_PLACEMENTS, Canaries, as_gradient_canaries, make_canaries,
+                                      make_phrase_examples)
+from widedp.auditing.canary_exposure import canary_ranks, exposure, exposure_report
+from widedp.auditing.one_run_audit import audit_from_scores
+from widedp.auditing.scores import guess_counts, phrase_log_perplexities, tie_broken, white_box_scores
 from widedp.trainer.data.dataset import Batch, _gather_jagged
 
 AUDIT_KINDS = ("one-run", "exposure")
@@ -129,93 +141,6 @@ BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "sigma-over-10"
 #: canary table noised densely (trainer/table_policy.py) would not see them.
 SELECTION_BROKEN = ("every-touched-row", "skip-untouched")
 
-#: How a canary is made: "example" (a data point: its own row read through one feature, its
-#: gradient what the model gives it) or "gradient" (the same example, but the gradient of its
-#: pooled output set to G·u_i: a fixed secret unit direction u_i per canary, G = 1000 S1, so
-#: after clipping its whole gradient is ≈ S1·u_i on its own row — Steinke et al.'s Dirac
-#: gradient canaries, the strongest white-box adversary the clip norm allows).
-CANARY_KINDS = ("example", "gradient")
-#: G / S1 for gradient canaries: the dense part's share of the clipped gradient is ≤ ‖dense‖/G.
-GRADIENT_CANARY_SCALE = 1000.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Canaries:
-    """m canaries: the table of each feature in `features` gets rows [first_row, first_row + m)
-    (`first_rows`, one per feature); canary i reads row first_row + i through each of them and
-    ids[f][i] through every other feature f; `included[i]` is its secret membership coin."""
-
-    features: tuple[str, ...]  # () for inserted phrases (no rows of their own, `make_phrase_examples`)
-    tables: tuple[str, ...]
-    first_rows: tuple[int, ...]
-    ids: dict  # feature -> int64 [m, 0] (empty bags) or [m, 1]
-    dense: np.ndarray  # float32 [m, num_dense]
-    labels: np.ndarray  # float32 [m]
-    included: np.ndarray  # bool [m]
-    directions: Optional[np.ndarray] = None  # float32 [m, len(features), D], unit per canary: gradient canaries
-    gradient_norm: float = 0.0  # G: the injected pooled-output gradient is G · directions[i]
-
-    @property
-    def count(self) -> int:
-        return int(self.included.size)
-
-    def rows(self, j: int) -> np.ndarray:
-        """The canary rows of table `tables[j]`, canary order."""
-        return self.first_rows[j] + np.arange(self.count, dtype=np.int64)
-
-
-def canary_features(meta, feature: Optional[str]) -> tuple[str, ...]:
-    """The features whose tables get the canaries' own rows: `feature` None (the first feature),
-    a name, a comma list, or "all" (every feature: a CTR canary that touches only rows of its own,
-    one per table, so each table's selection gets its own chance to give it away). Each chosen
-    feature must have a table of its own among them."""
-    if feature == "all":
-        if meta.kind == "cbow":
-            raise ValueError("--feature all needs a CTR data set: a CBOW example reads the output table "
-                             "through its target and negatives, which cannot all be rows of its own")
-        chosen = tuple(meta.features)
-    else:
-        chosen = tuple((feature or meta.features[0]).split(","))
-    for f in chosen:
-        if f not in meta.features:
-            raise ValueError(f"audit feature {f!r} is not a feature of the data set; features are {meta.features}")
-    tables = [meta.feature_tables[f] for f in chosen]
-    if len(set(tables)) != len(tables):
-        raise ValueError(f"audit features {list(chosen)} share a table ({tables}); pick features with tables of their own")
-    return chosen
-
-
-def make_canaries(meta, count: int, feature: Optional[str], rng: np.random.Generator) -> Canaries:
-    """`count` canaries for a data set with `meta` (trainer.data.DatasetMeta); `feature`: the
-    one(s) whose tables get the canary rows (`canary_features`). Coins from `rng`."""
-    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 2:
-        raise ValueError(f"--canaries must be an integer >= 2, got {count!r}")
-    features = canary_features(meta, feature)
-    tables = tuple(meta.feature_tables[f] for f in features)
-    first_rows = tuple(int(meta.table_sizes[t]) for t in tables)
-    # Other features: empty bags (CTR), or ids from their own tables (CBOW; never an audited table).
-    ids = {f: (np.empty((count, 0), np.int64) if meta.kind == "ctr" or meta.feature_tables[f] in tables else
-               rng.integers(0, meta.table_sizes[meta.feature_tables[f]], (count, 1)).astype(np.int64))
-           for f in meta.features}
-    for f, first_row in zip(features, first_rows):
-        ids[f] = (first_row + np.arange(count, dtype=np.int64)).reshape(count, 1)
-    dense = np.zeros((count, meta.num_dense), dtype=np.float32)
-    labels = np.ones(count, dtype=np.float32) if meta.kind == "ctr" else np.zeros(count, dtype=np.float32)
-    included = rng.random(count) < 0.5
-    return Canaries(features, tables, first_rows, ids, dense, labels, included)
-
-
-def as_gradient_canaries(canaries: Canaries, dim: int, clip_norm: Optional[float],
-                         rng: np.random.Generator) -> Canaries:
-    """The same canaries with injected gradients: directions uniform on the unit sphere of
-    R^(len(features)·dim), G = GRADIENT_CANARY_SCALE · S1 (S1 = 1 when the run does not clip)."""
-    width = len(canaries.features)
-    u = rng.standard_normal((canaries.count, width * dim))
-    u /= np.linalg.norm(u, axis=1, keepdims=True)
-    return dataclasses.replace(canaries, directions=u.reshape(canaries.count, width, dim).astype(np.float32),
-                               gradient_norm=GRADIENT_CANARY_SCALE * float(clip_norm or 1.0))
-
-
 class WithCanaries:
     """A training split plus the included canaries, as one split (indices [0, n) are the
     base split's, [n, n + included) the included canaries' in canary order). The same
@@ -299,58 +224,6 @@ class WithCanaries:
         return np.concatenate([offsets, more]), np.concatenate([ids, extra.reshape(-1)])
 
 
-# ---- canary phrases: the seed's exposure test (wide-network-dp §6.5) -----------------------------------
-#: Where an inserted phrase goes: "text" (seed §6.5: into the running text, between neighbour
-#: words, so every example within ±window of it — 2·window + 3 per insertion — reads some of its
-#: words among other context words) or "line" (as its own line: three examples whose whole
-#: context is the phrase's other two words, the most the phrase can be memorized per example).
-PHRASE_PLACEMENTS = ("text", "line")
-
-
-def make_phrase_examples(meta, phrases: np.ndarray, insertions: int, rng: np.random.Generator,
-                         placement: str = "line", neighbour_words: Optional[np.ndarray] = None) -> Canaries:
-    """CBOW examples of 3-word phrases (c0, c1, c2) [N, 3], each inserted `insertions` times.
-    `placement` (PHRASE_PLACEMENTS): "line": with a window covering the line, each word is a
-    target once and the other two its context. "text": each insertion sits between 2·w words
-    drawn from `neighbour_words` (the corpus's words, so i.i.d. from its unigram distribution;
-    w = the data set's window, default 4) on each side, and every position within ±w of the
-    phrase is an example (its ±w neighbours as context, text order) — what windowing the
-    corpus with the phrase inserted gives, sentence breaks aside. Negatives uniform over the
-    output table. All are members (included)."""
-    if meta.kind != "cbow" or meta.features[:2] != ["context", "target"]:
-        raise ValueError(f"--kind exposure needs a CBOW (text) data set, got kind {meta.kind!r}")
-    if isinstance(insertions, bool) or not isinstance(insertions, (int, np.integer)) or insertions < 1:
-        raise ValueError(f"--insertions must be an integer >= 1, got {insertions!r}")
-    if placement not in PHRASE_PLACEMENTS:
-        raise ValueError(f"--placement must be one of {list(PHRASE_PLACEMENTS)}, got {placement!r}")
-    phrases = np.repeat(np.asarray(phrases, dtype=np.int64), insertions, axis=0)  # [N·n_c, 3]
-    if placement == "line":
-        target_pos = np.tile(np.arange(3), phrases.shape[0])
-        lines = np.repeat(phrases, 3, axis=0)  # one example per (insertion, target position)
-        context = np.take_along_axis(lines, np.array([[1, 2], [0, 2], [0, 1]])[target_pos], axis=1)
-        targets = lines[np.arange(lines.shape[0]), target_pos]
-    else:
-        if neighbour_words is None or not np.asarray(neighbour_words).size:
-            raise ValueError("placement 'text' needs the corpus's words (neighbour_words)")
-        w = int(meta.extra.get("window", 4))
-        n = phrases.shape[0]
-        # [n, 2w | 3 | 2w] tokens: the phrase at [2w, 2w + 3); examples at positions [w, 3w + 3).
-        words = np.asarray(neighbour_words, dtype=np.int64)
-        text = np.concatenate([words[rng.integers(0, words.size, (n, 2 * w))], phrases,
-                               words[rng.integers(0, words.size, (n, 2 * w))]], axis=1)
-        positions = np.arange(w, 3 * w + 3)
-        offsets = np.concatenate([np.arange(-w, 0), np.arange(1, w + 1)])
-        context = text[:, positions[:, None] + offsets[None, :]].reshape(-1, 2 * w)  # [n·(2w+3), 2w]
-        targets = text[:, positions].reshape(-1)
-    count = targets.size
-    ids = {"context": context, "target": targets.reshape(count, 1)}
-    vocab_out = meta.table_sizes[meta.feature_tables["target"]]
-    for f in meta.features[2:]:
-        ids[f] = rng.integers(0, vocab_out, (count, 1)).astype(np.int64)
-    return Canaries((), (), (), ids, np.zeros((count, meta.num_dense), np.float32), np.zeros(count, np.float32),
-                    np.ones(count, dtype=bool))
-
-
 def table_values(engine, table: str, released: bool) -> np.ndarray:
     """Every row of one table [rows, D] from the shards (released: the averaged weights when
     averaging is on)."""
@@ -363,23 +236,6 @@ def table_values(engine, table: str, released: bool) -> np.ndarray:
     return np.concatenate(parts)[:rows] if rows else np.zeros((0, engine.layout.dim))
 
 
-def phrase_log_perplexities(inputs: np.ndarray, outputs: np.ndarray, phrases: np.ndarray) -> np.ndarray:
-    """P(c) = −log Pr(c1 | c0) − log Pr(c2 | c0, c1) (nats) per phrase [N, 3] under the CBOW
-    model: Pr(w | context) = softmax_w(o_w · h), h = the mean of the context words' input rows
-    (the model's own pooling), over every output row (seed §6.5)."""
-    phrases = np.asarray(phrases, dtype=np.int64)
-
-    def log_prob(h: np.ndarray, word: np.ndarray) -> np.ndarray:
-        logits = h @ outputs.T  # [N, V]
-        top = logits.max(1, keepdims=True)
-        log_z = top[:, 0] + np.log(np.exp(logits - top).sum(1))
-        return logits[np.arange(word.size), word] - log_z
-
-    h1 = inputs[phrases[:, 0]]
-    h2 = (inputs[phrases[:, 0]] + inputs[phrases[:, 1]]) / 2
-    return -log_prob(h1, phrases[:, 1]) - log_prob(h2, phrases[:, 2])
-
-
 def exposure_audit(cfg, canaries: int = 1000, insertions: int = 9, references: int = 10_000,
                    bins: Optional[int] = None, seed: Optional[int] = None, placement: str = "text") -> dict:
     """The seed's canary exposure test (wide-network-dp §6.5; Carlini et al. 2019): `canaries`
@@ -390,7 +246,6 @@ def exposure_audit(cfg, canaries: int = 1000, insertions: int = 9, references: i
     uniformity). Exposure = log2(references + 1) − log2(rank). A phrase inserted n_c times is a
     group of n_c·3 examples: the example-level ε says nothing about it beyond group privacy
     (seed Table 2: sparse flagged at n_c = 15). `placement`: PHRASE_PLACEMENTS."""
-    from widedp.accounting.canary_exposure import canary_ranks, exposure, exposure_report
     from widedp.trainer.train import build_run
 
     if isinstance(canaries, bool) or not isinstance(canaries, (int, np.integer)) or canaries < 2:
@@ -462,29 +317,6 @@ def canary_row_values(engine, canaries: Canaries, released: bool) -> np.ndarray:
     return out.reshape(canaries.count, -1)
 
 
-def white_box_scores(initial: np.ndarray, final: np.ndarray, directions: Optional[np.ndarray] = None) -> np.ndarray:
-    """`initial`, `final`: [m, len(features)·D], each canary's rows side by side. Example
-    canaries: ‖final rows − initial rows‖₂ per canary. Gradient canaries: how far the rows moved
-    against the injected gradient, ⟨initial − final, u_i⟩ (a descent step moves them along −u_i;
-    the noise's share of this projection is one-dimensional)."""
-    if directions is None:
-        return np.linalg.norm(final - initial, axis=1)
-    return np.einsum("ij,ij->i", initial - final, directions.reshape(directions.shape[0], -1))
-
-
-def guess_counts(count: int, member_fraction: float, non_member_fraction: float) -> tuple[int, int]:
-    """(k+, k−) = (⌊member_fraction · m⌋, ⌊non_member_fraction · m⌋), fixed before any score
-    is seen; at least one guess in all."""
-    for name, value in (("--member-guesses", member_fraction), ("--non-member-guesses", non_member_fraction)):
-        if not 0 <= value <= 1:
-            raise ValueError(f"{name} must be a fraction in [0, 1], got {value}")
-    k_pos, k_neg = int(member_fraction * count), int(non_member_fraction * count)
-    if k_pos + k_neg < 1 or k_pos + k_neg > count:
-        raise ValueError(f"--member-guesses + --non-member-guesses must make 1 to {count} guesses, "
-                         f"got {k_pos} + {k_neg}")
-    return k_pos, k_neg
-
-
 def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, member_fraction: float = 0.1,
                   non_member_fraction: float = 0.1, confidence: float = 0.95, seed: Optional[int] = None,
                   broken: Optional[str] = None, canary_kind: str = "example") -> dict:
@@ -492,7 +324,6 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     coins and tie-breaking (default: fresh OS entropy, recorded in the result only after the
     run). `broken`: a name in BROKEN_VARIANTS to train deliberately broken (the record says
     so). `canary_kind`: one of CANARY_KINDS. Returns the audit record (`audit.json`)."""
-    from widedp.accounting.one_run_audit import audit_from_scores
     from widedp.trainer.train import build_run
 
     if not 0 < confidence < 1:
@@ -535,7 +366,7 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         delta = float(run.privacy.delta) if ledger is not None else 0.0
         steps = run.engine.step_count
     scores = white_box_scores(initial, final, c.directions)
-    ranked = _tie_broken(scores, rng.permutation(scores.size))
+    ranked = tie_broken(scores, rng.permutation(scores.size))
     audit = audit_from_scores(ranked, c.included, k_pos, k_neg, delta, confidence)
     return {
         "kind": "one-run", "broken": broken,
@@ -556,15 +387,6 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     }
 
 
-def _tie_broken(scores: np.ndarray, tie_break: np.ndarray) -> np.ndarray:
-    """Scores made distinct without changing their order: equal scores ordered by `tie_break`
-    (a random permutation): the rank of (score, tie_break) as a float."""
-    order = np.lexsort((tie_break, scores))
-    ranks = np.empty(scores.size, dtype=np.float64)
-    ranks[order] = np.arange(scores.size)
-    return ranks
-
-
 def write_audit(record: dict, out_dir: Path) -> dict:
     """audit.json and audit.png (score distributions of members and non-members) in out_dir."""
     from widedp.accounting.atomic import atomic_write_bytes
@@ -583,7 +405,9 @@ def _plot(record: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     if record["kind"] == "exposure":
-        ax.hist(record["ranks"], bins=np.linspace(1, record["references"] + 1, record["bins"] + 1))
+        # matplotlib's stub types `bins` as int | Sequence[float] | str; hist takes any array of edges
+        edges = np.linspace(1, record["references"] + 1, record["bins"] + 1)
+        ax.hist(record["ranks"], bins=edges)  # type: ignore[arg-type]
         ax.set_xlabel(f"rank of the canary's log-perplexity among {record['references']:,} random phrases (+ itself)")
         ax.set_ylabel("canaries")
         ax.set_title(f"{record['mode']}, n_c = {record['insertions']}: χ² p = {record['p_value']:.2g}, "
@@ -593,8 +417,9 @@ def _plot(record: dict, path: Path) -> None:
         top = max(members.max(initial=0), others.max(initial=0)) or 1.0
         bottom = min(members.min(initial=0), others.min(initial=0))
         bins = np.linspace(bottom, top, 40)
-        ax.hist(others, bins=bins, alpha=0.6, label=f"non-members ({others.size})")
-        ax.hist(members, bins=bins, alpha=0.6, label=f"members ({members.size})")
+        # matplotlib's stub types `bins` as int | Sequence[float] | str; hist takes any array of edges
+        ax.hist(others, bins=bins, alpha=0.6, label=f"non-members ({others.size})")  # type: ignore[arg-type]
+        ax.hist(members, bins=bins, alpha=0.6, label=f"members ({members.size})")  # type: ignore[arg-type]
         ax.set_xlabel("‖released row − initial row‖₂" if record.get("canary_kind", "example") == "example"
                       else "⟨initial row − released row, injected direction⟩")
         ax.set_ylabel("canaries")

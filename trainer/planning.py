@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
-from widedp.accounting import calibrate
 from widedp.accounting.calibration import UnreachableTargetError
 from widedp.accounting import events as ev
 from widedp.selection import k_from_fraction
+from widedp.selection.calibration import calibrate
 from widedp.selection.registry import NO_SELECTION, get_selector
 from widedp.trainer.adaptive_clip import adaptive_clip_from_config
 from widedp.trainer.config import Config

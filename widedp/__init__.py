@@ -1,9 +1,10 @@
 """widedp: differentially private training of wide (embedding-dominated) models.
 
 One namespace: `widedp.trainer` (config, run loop, engine, Ray roles, CLI), `widedp.selection`
-(private row selection, the Gaussian step, keyed randomness), `widedp.accounting` (events,
-accountants, ledger, calibration), `widedp.sparse_learners` and `widedp.adaptive_clipping` (the
-seeds' pure learners). The folders live at the repository's top level (the design card's layout)
+(private row selection, the Gaussian step, keyed randomness, a selector's calibration),
+`widedp.accounting` (events, accountants, ledger, calibration: what is claimed),
+`widedp.auditing` (canaries, one-run ε lower bounds, exposure: what is measured),
+`widedp.sparse_learners` and `widedp.adaptive_clipping` (the seeds' pure learners). The folders live at the repository's top level (the design card's layout)
 and are linked here, so each module exists under one name only: `widedp.<package>`.
 
 The Python API (trainer/api.py), imported on first use so `import widedp` stays light:

@@ -1,0 +1,47 @@
+"""Auditing: measuring what a run's privacy claim allows, beside `accounting`, which states the
+claim. Accounting says what is claimed (events, accountants, the ledger's ε); auditing measures
+it — empirical lower bounds on ε from one training run with canaries (`one_run_audit`, Steinke,
+Nasr & Jagielski 2023), the canary exposure test (`canary_exposure`, Carlini et al. 2019), the
+canaries themselves (`canaries`) and the auditor's scores of a released model (`scores`).
+
+Import rule (a pure library, like `selection` and `accounting`): auditing imports the standard
+library, numpy, scipy and `widedp.accounting` (what is claimed) — nothing else of widedp, no
+torch/torchrec and no Ray. It measures from arrays (scores, membership coins, released rows) and
+public data-set metadata; driving a training run with the canaries (the deliberately broken
+variants, reading rows from the shards, `widedp audit`) is the trainer's, in trainer/audit.py,
+which calls auditing. tests/test_package_boundaries.py checks the rule.
+"""
+
+from widedp.auditing.canaries import (
+    CANARY_KINDS,
+    GRADIENT_CANARY_SCALE,
+    PHRASE_PLACEMENTS,
+    Canaries,
+    as_gradient_canaries,
+    canary_features,
+    make_canaries,
+    make_phrase_examples,
+)
+from widedp.auditing.canary_exposure import CanaryExposureReport, exposure_report
+from widedp.auditing.one_run_audit import OneRunAudit, audit_from_scores, epsilon_lower_bound
+from widedp.auditing.scores import guess_counts, phrase_log_perplexities, tie_broken, white_box_scores
+
+__all__ = [
+    "CANARY_KINDS",
+    "GRADIENT_CANARY_SCALE",
+    "PHRASE_PLACEMENTS",
+    "Canaries",
+    "CanaryExposureReport",
+    "OneRunAudit",
+    "as_gradient_canaries",
+    "audit_from_scores",
+    "canary_features",
+    "epsilon_lower_bound",
+    "exposure_report",
+    "guess_counts",
+    "make_canaries",
+    "make_phrase_examples",
+    "phrase_log_perplexities",
+    "tie_broken",
+    "white_box_scores",
+]
