@@ -19,7 +19,11 @@ Bounds used (all for the add/remove-one neighbouring relation):
 - ModelMix step (`accounting.modelmix.ModelMixDpEvent`, seed B): its own Poisson-subsampled
   curve `modelmix.modelmix_rdp` (integer orders; removal direction exact, addition direction
   bounded), also when unsampled (q = 1). Wrapped with other mechanisms it gets Zhu & Wang above.
-RDP → (ε, δ) uses the conversion of Balle et al. 2020 (Opacus's `get_privacy_spent`).
+RDP → (ε, δ) uses the conversion of Balle et al. 2020, Thm 21 (the formula of Opacus's
+  `get_privacy_spent`), minimized over `DEFAULT_ORDERS` (Opacus's grid, so our numbers equal
+  Opacus's) and, when the minimum sits on that grid's edge, over the orders beyond it
+  (`EDGE_ORDERS_ABOVE` / `_BELOW`): a bound holds at every order, so this only tightens it, and
+  there is no "optimal order is the largest alpha" warning a user cannot act on.
 - Events with an additive δ (Gaussian partition selection, at the top level only): their
   Gaussian part is composed as above and their δ is subtracted from the target δ before the
   conversion (`base.split_additive_delta`); ε = inf when nothing is left.
@@ -47,6 +51,24 @@ from widedp.accounting.base import (Accountant, History, Unsupported, Unsupporte
                              register, remaining_delta, split_additive_delta)
 
 DEFAULT_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
+# Searched only when the minimum over DEFAULT_ORDERS is at its largest / smallest order (very small
+# or very large ε per step): integers, as the Zhu–Wang and ModelMix curves need.
+EDGE_ORDERS_ABOVE: tuple[float, ...] = tuple(float(a) for a in (64, 80, 96, 128, 160, 192, 256, 384, 512, 768, 1024,
+                                                                 1536, 2048, 4096, 8192, 16384))
+EDGE_ORDERS_BELOW: tuple[float, ...] = (1.001, 1.002, 1.005, 1.01, 1.02, 1.05)
+
+
+def rdp_to_epsilon(orders, rdp, delta: float) -> tuple[float, Optional[float]]:
+    """(ε, the order attaining it) of a mechanism with RDP curve `rdp` at `orders`, for δ:
+    ε = min_α rdp(α) + log((α-1)/α) − (log δ + log α)/(α−1) (Balle et al. 2020, Thm 21).
+    Orders where the curve is infinite are skipped; (inf, None) if it is infinite everywhere."""
+    a = np.asarray(orders, dtype=np.float64)
+    r = np.asarray(rdp, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        eps = r - (math.log(delta) + np.log(a)) / (a - 1) + np.log((a - 1) / a)
+    eps = np.where(np.isfinite(eps), eps, np.inf)
+    i = int(np.argmin(eps))
+    return (math.inf, None) if not np.isfinite(eps[i]) else (float(eps[i]), float(a[i]))
 
 
 def pure_dp_rdp(epsilon: float, orders: np.ndarray) -> np.ndarray:
@@ -202,16 +224,17 @@ class RdpAccountant(Accountant):
         self.orders = tuple(float(o) for o in orders)
         self._cache: dict[str, np.ndarray] = {}  # keyed by repr: composed events hold lists
 
-    def _curve(self, event: ev.DpEvent) -> np.ndarray:
-        key = repr(event)
+    def _curve(self, event: ev.DpEvent, orders: tuple[float, ...]) -> np.ndarray:
+        key = repr((event, orders))
         if key not in self._cache:
-            self._cache[key] = rdp_curve(event, self.orders)
+            self._cache[key] = rdp_curve(event, orders)
         return self._cache[key]
 
-    def total_rdp(self, history: History) -> np.ndarray:
-        total = np.zeros(len(self.orders))
+    def total_rdp(self, history: History, orders: Optional[tuple[float, ...]] = None) -> np.ndarray:
+        orders = self.orders if orders is None else orders
+        total = np.zeros(len(orders))
         for event, count in history:
-            total = total + count * self._curve(event)
+            total = total + count * self._curve(event, orders)
         return total
 
     def _event_problem(self, event: ev.DpEvent) -> Optional[Unsupported]:
@@ -230,7 +253,12 @@ class RdpAccountant(Accountant):
         delta = remaining_delta(delta, additive_delta)
         if delta is None or not np.any(np.isfinite(rdp)):
             return {"epsilon": math.inf, "order": None, **extra}
-        finite = np.isfinite(rdp)
-        orders = np.asarray(self.orders)[finite]
-        eps, order = opacus_rdp.get_privacy_spent(orders=list(orders), rdp=list(rdp[finite]), delta=delta)
-        return {"epsilon": float(eps), "order": float(order), **extra}
+        eps, order = rdp_to_epsilon(self.orders, rdp, delta)
+        # The minimum on the grid's edge: the orders beyond it may give a tighter bound.
+        if order == max(self.orders) and order < EDGE_ORDERS_ABOVE[-1]:
+            beyond = tuple(a for a in EDGE_ORDERS_ABOVE if a > order)
+            eps, order = min((eps, order), rdp_to_epsilon(beyond, self.total_rdp(history, beyond), delta))
+        elif order == min(self.orders) and order > EDGE_ORDERS_BELOW[0]:
+            below = tuple(a for a in EDGE_ORDERS_BELOW if a < order)
+            eps, order = min((eps, order), rdp_to_epsilon(below, self.total_rdp(history, below), delta))
+        return {"epsilon": float(eps), "order": order, **extra}

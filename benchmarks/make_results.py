@@ -29,7 +29,7 @@ NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "
          "phase_breakdown", "privacy_utility", "paper_fig1", "privacy_audit",
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line",
          "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive",
-         "noise_generators")
+         "noise_generators", "cli_startup")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -1042,6 +1042,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          _own_section("engine_modelmix_adaptive", plot_dir), []),
         ("noise_generators", "15. Noise generators keyed with the full secret: the cost",
          _own_section("noise_generators", plot_dir), []),
+        ("cli_startup", "16. CLI start-up: help, config errors, privacy commands",
+         _own_section("cli_startup", plot_dir), []),
     ]
     machines: dict = {}
     body, goals = _render_sections(sections, docs, plots, machines)

@@ -471,3 +471,25 @@ def test_prv_silences_only_the_known_benign_opacus_warnings(monkeypatch):
         acc.epsilon([(ev.GaussianDpEvent(10.0), 1)], 1e-5)
     messages = {str(w.message) for w in caught}
     assert {"an unrelated warning", "divide by zero encountered in log", "Optimal order is the largest alpha."} <= messages
+
+
+@pytest.mark.parametrize("sigma,q,steps,delta,edge", [
+    (20.0, 0.01, 300, 1e-5, "largest"),  # tiny ε per step: the best order is far above 63
+    (0.1, 1.0, 50, 1e-5, "smallest"),    # huge ε: the best order is near 1
+])
+def test_rdp_searches_past_the_grid_edge_without_a_warning(sigma, q, steps, delta, edge):
+    """Where Opacus's grid puts the optimum on its edge (and Opacus warns "Optimal order is the
+    largest/smallest alpha"), ours searches beyond it: never larger than Opacus's ε, strictly
+    smaller here, no warning; interior optima stay equal to Opacus's (the test above)."""
+    import warnings
+
+    hist = [(ev.PoissonSampledDpEvent(q, ev.GaussianDpEvent(sigma)), steps)]
+    opacus = RDPAccountant()
+    opacus.history = [(sigma, q, steps)]
+    with pytest.warns(UserWarning, match=f"Optimal order is the {edge} alpha"):
+        theirs = opacus.get_epsilon(delta)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        details = make_accountant("rdp").details(hist, delta)
+    assert details["epsilon"] < theirs
+    assert (details["order"] > max(DEFAULT_ORDERS)) if edge == "largest" else (details["order"] < min(DEFAULT_ORDERS))

@@ -21,7 +21,7 @@ from widedp.trainer.config import load_config
 from widedp.trainer.export import export_run
 from widedp.trainer.train import evaluate, train
 
-WIDEDP_PACKAGES = ("widedp", "trainer", "selection", "accounting", "sparse_learners", "adaptive_clipping")
+WIDEDP_PACKAGES = ("widedp", "trainer", "selection", "accounting", "auditing", "sparse_learners", "adaptive_clipping")
 FORBIDDEN_KEYS = {"rng", "generator", "bit_generator", "noise_gen", "selection_rng", "sampler", "noise_seed",
                   "dpsgd_noise_key", "NoiseKey", "root", "address", "run_dir", "dense_optimizer", "adam", "adagrad",
                   "fixed_rows"}
@@ -296,18 +296,22 @@ def test_nonprivate_export_through_the_cli(runs, tmp_path, capsys, monkeypatch):
     (data / "vocab.tsv").write_text("".join(f"word{i}\n" for i in range(50)))
     run = _run(tmp_path, "run", data, "model.name=cbow", "model.embedding_dim=4", "train.batch_size=16",
                "train.steps=2", "train.mode=nonprivate")
-    assert "widedp.trainer.export" in cli._COMMAND_MODULES  # `widedp export` is a registered command
+    assert cli.COMMAND_HELP["export"][0] == "widedp.trainer.export"  # `widedp export` is a registered command
     assert cli.main(["export", str(run), str(tmp_path / "out")]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed["epsilon"] == float("inf") and printed["mode"] == "nonprivate"
+    assert printed["epsilon"] is None and printed["private"] is False and printed["mode"] == "nonprivate"
     report = json.loads((tmp_path / "out" / "privacy_report.json").read_text())
-    assert report["epsilon"] == float("inf") and report["guarantee"] == "no privacy guarantee"
+    assert report["epsilon"] is None and report["private"] is False and report["guarantee"] == "no privacy guarantee"
     assert report["history"] == [] and not report["covered"] and "no privacy guarantee" in report["not_covered"][0]
     assert report["vocabulary"]["status"] == "public" and "taken as public" in report["vocabulary"]["note"]
     assert "No privacy guarantee" in (tmp_path / "out" / "PRIVACY.md").read_text()
-    # through the CLI, errors are one line and exit code 2
+    # through the CLI, errors are one line and exit code 2; --run-dir/--out-dir as `widedp evaluate` spells it
     assert cli.main(["export", str(run), str(tmp_path / "out")]) == 2
     assert "not empty" in capsys.readouterr().err
+    assert cli.main(["export", "--run-dir", str(run), "--out-dir", str(tmp_path / "out2")]) == 0
+    assert json.loads(capsys.readouterr().out)["out_dir"] == str(tmp_path / "out2")
+    assert cli.main(["export", str(run), str(tmp_path / "out3"), "--run-dir", str(run)]) == 2
+    assert "not both" in capsys.readouterr().err
 
 
 def test_bad_inputs(runs, tmp_path, monkeypatch):

@@ -29,6 +29,7 @@ from widedp.selection.partition import (bounded_key_counts, gaussian_partition_s
                                  partition_selection_threshold, unseen_key_release_probability)
 from widedp.trainer.cli import main
 from widedp.trainer.data import DataError, convert_criteo, convert_text, read_meta
+import widedp.trainer.data.text as convert_text_mod
 from widedp.trainer.data.meta import DatasetMeta
 
 
@@ -417,6 +418,97 @@ def test_cli_convert_text_private_and_public(tmp_path, capsys, corpus):
                               + (["--vocab", "3"] if argv else []))
         assert code == 2 and out == "" and len(err.strip().split("\n")) == 1, (argv, err)
     assert not (tmp_path / "x").exists()
+
+
+# ---- too small a private vocabulary (issue 28) -------------------------------------------------
+# The corpus fixture has 402 non-empty lines: its 10 COMMON words are on ≥ 400 lines each (noisy
+# count 400 ± 22.6 against τ ≈ 148.9: they always pass), every other word on 1-2 lines (never).
+
+def _zipf_corpus(path: Path, lines: int, seed: int) -> Path:
+    """Lines of 8-19 words drawn from a Zipf law over 2,000 words (w0 the most common)."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, 2001)
+    p /= p.sum()
+    path.write_text("".join(" ".join(f"w{i}" for i in rng.choice(2000, size=rng.integers(8, 20), p=p)) + "\n"
+                            for _ in range(lines)))
+    return path
+
+
+def test_converter_refuses_a_vocabulary_under_half_of_vocab(tmp_path, corpus):
+    with pytest.raises(convert_text_mod.SmallVocabularyError) as info:
+        convert_text(corpus, tmp_path / "o", vocab=100, window=2)
+    err = info.value
+    assert isinstance(err, DataError)  # the CLI's one line, exit 2
+    assert (err.selected, err.requested, err.lines) == (10, 100, 402)
+    assert err.threshold == pytest.approx(partition_selection_threshold(4.0, 32, 1e-9))
+    assert err.needed_lines > err.lines
+    message = str(err)
+    assert "\n" not in message
+    for needle in ("corpus.txt: private vocabulary too small: 10 words passed the selection",
+                   "--vocab asked 100", "a word needs ≈ 149 occurrences in distinct lines",
+                   "this corpus has 402 lines", f"use a corpus of ≳ {err.needed_lines} lines", "a smaller --vocab",
+                   "--vocab-noise-multiplier", "--allow-small-vocab keeps the 10", "nothing was written"):
+        assert needle in message, needle
+    assert not (tmp_path / "o").exists()  # nothing half-written
+    # the rule's edge: exactly half is kept, one word fewer than half is refused
+    assert convert_text(corpus, tmp_path / "half", vocab=20, window=2).table_sizes["input"] == 10
+    with pytest.raises(convert_text_mod.SmallVocabularyError, match="10 words passed .* --vocab asked 21"):
+        convert_text(corpus, tmp_path / "under", vocab=21, window=2)
+    assert not (tmp_path / "under").exists()
+
+
+def test_allow_small_vocab_keeps_it_and_records_the_charge(tmp_path, corpus):
+    meta = convert_text(corpus, tmp_path / "o", vocab=100, window=2, allow_small_vocab=True)
+    assert meta.table_sizes["input"] == 10 and meta.extra["vocab_requested"] == 100
+    ((_, event),) = read_meta(tmp_path / "o").privacy_events  # charged by every run, as any private vocabulary
+    assert event == ev.GaussianPartitionSelectionDpEvent(4.0, 1e-9)
+    # no word at all stays an error, with or without the flag
+    lonely = tmp_path / "lonely.txt"
+    lonely.write_text("one two\nthree four\n")
+    with pytest.raises(convert_text_mod.SmallVocabularyError,
+                       match=r"no word passed the private vocabulary selection; .* this corpus has 2 lines") as info:
+        convert_text(lonely, tmp_path / "none", vocab=5, allow_small_vocab=True)
+    assert info.value.selected == 0 and "--allow-small-vocab" not in str(info.value)
+    assert not (tmp_path / "none").exists()
+
+
+def test_needed_lines_estimate():
+    needed = convert_text_mod._needed_lines
+    # nothing passed: the most common word is on at most every line, so Zipf gives τ·vocab lines
+    assert needed(np.array([]), 149.0, 100, 300, 32) == 15000
+    # from the released noisy counts: C = max r·c_r = 270, scaled to C' = τ·vocab: 300·149·100/270
+    assert needed(np.array([270.0]), 149.0, 100, 300, 32) == 17000  # 16,556 to two digits, up
+    assert needed(np.array([270.0, 200.0, 180.0]), 149.0, 100, 300, 32) == 8300  # C = 3·180 = 540: 8,278
+    # never below the pigeonhole bound (vocab·τ line-word pairs, m per line) nor the corpus + 1
+    assert needed(np.array([5e4, 4e4]), 149.0, 100, 300, 32) == 470  # Zipf: 56; 100·149/32 = 466
+    assert needed(np.array([5e4, 4e4]), 149.0, 4, 300, 32) == 310  # 301
+
+
+def test_a_corpus_of_the_estimated_size_is_large_enough(tmp_path):
+    # The issue's case: a 300-line corpus at --vocab 100 gave 1-3 words and exit 0. At --vocab 40
+    # here (faster); the vocabulary noise is seeded so the test is deterministic.
+    with pytest.raises(convert_text_mod.SmallVocabularyError) as info:
+        convert_text(_zipf_corpus(tmp_path / "small.txt", 300, 0), tmp_path / "a", vocab=40, vocab_noise_seed=1)
+    assert info.value.selected < 20
+    bigger = _zipf_corpus(tmp_path / "big.txt", info.value.needed_lines, 1)
+    assert convert_text(bigger, tmp_path / "b", vocab=40, vocab_noise_seed=1).table_sizes["input"] >= 20
+
+
+def test_cli_small_vocab_is_one_line_exit_2(tmp_path, capsys):
+    corpus300 = _zipf_corpus(tmp_path / "c300.txt", 300, 0)
+    code, out, err = _cli(capsys, ["convert", "text", corpus300, tmp_path / "o", "--vocab", "100"])
+    assert code == 2 and out == "" and len(err.strip().split("\n")) == 1, err
+    assert "private vocabulary too small" in err and "--vocab asked 100" in err and "this corpus has 300 lines" in err
+    assert not (tmp_path / "o").exists()
+    code, out, err = _cli(capsys, ["convert", "text", corpus300, tmp_path / "o", "--vocab", "100", "--allow-small-vocab"])
+    assert code == 0, err
+    size = json.loads(out)["table_sizes"]["input"]
+    assert 1 <= size < 50 and len(json.loads(out)["privacy_events"]) == 1
+    (tmp_path / "v.txt").write_text("w0\nw1\n")
+    code, out, err = _cli(capsys, ["convert", "text", corpus300, tmp_path / "p", "--vocab-file", tmp_path / "v.txt",
+                                   "--allow-small-vocab"])
+    assert code == 2 and "--allow-small-vocab applies to a private vocabulary only" in err
+    assert not (tmp_path / "p").exists()
 
 
 # ---- dataset.json's privacy_events -----------------------------------------------------------

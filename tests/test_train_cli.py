@@ -2,6 +2,11 @@
 config errors. Small synthetic data; in-process shards except one embedded-Ray run."""
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,13 +119,37 @@ def test_cbow_on_synthetic_text(capsys, tmp_path):
         assert np.isfinite(summary["test_metrics"]["loss"])
 
 
-def test_train_on_embedded_ray(capsys, tmp_path, config):
+# What a warning looks like on stderr: Python's warnings module, torch's/glog's "W1126 09:24:03" lines,
+# Ray's "WARNING" log lines, and any logger's "warning:" prefix.
+WARNING_LINE = re.compile(r"Warning\b|^[WE]\d{4} \d\d:\d\d|\bWARNING\b|: warning:", re.IGNORECASE | re.MULTILINE)
+
+
+def test_warning_pattern_sees_what_a_normal_run_used_to_print():
+    before = [  # stderr of `widedp train` before the warnings' causes were fixed
+        "/x/opacus/accountants/analysis/rdp.py:332: UserWarning: Optimal order is the largest alpha.",
+        "W1126 09:24:03.451000 12001 torch/fx/_symbolic_trace.py:56] is_fx_tracing will return true",
+        "/x/trainer/trainer_role.py:98: UserWarning: The given NumPy array is not writable",
+        "widedp: WARNING: step 3: restored shard(s) [1]",
+    ]
+    assert all(WARNING_LINE.search(line) for line in before)
+    assert not WARNING_LINE.search("widedp: INFO: run dir /tmp/r; ε target 8.0 (rdp)")
+
+
+def test_a_normal_run_on_embedded_ray_prints_no_warning(tmp_path, config):
+    """`widedp train` as a user runs it (its own process, Python's default warning filters, the
+    embedded Ray cluster): JSON on stdout, and nothing on stderr that reads as a warning."""
     run = tmp_path / "ray"
-    code, out, err = _train(capsys, config, "--run-dir", str(run),
-                            *_sets(*TINY, "cluster.backend=ray", "cluster.cpus_per_shard=0.25", "train.steps=3"))
-    assert code == 0, err
-    summary = json.loads(out)
+    widedp = Path(sys.executable).with_name("widedp")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "RAY_ADDRESS")}
+    done = subprocess.run([str(widedp), "--log-level", "info", "train", "--config", str(config), "--no-progress",
+                           "--run-dir", str(run),
+                           *_sets(*TINY, "cluster.backend=ray", "cluster.cpus_per_shard=0.25", "train.steps=3")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
     assert summary["backend"] == "ray" and summary["steps"] == 3
+    assert not WARNING_LINE.search(done.stderr), done.stderr
+    assert "widedp: INFO:" in done.stderr  # --log-level info reaches the 'widedp' logger
 
 
 @pytest.mark.parametrize("override,match", [

@@ -21,17 +21,24 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
+import logging
 import math
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from widedp.accounting import events as ev
-from widedp.selection.registry import NO_SELECTION, MissingParameter, Selector, get_selector, selector_names
+from widedp.trainer import strict_json
+
+# Light on purpose (`widedp --help` and config errors in < 1.5 s, benchmarks/cli_startup.py):
+# torch, Ray, dp_accounting and the selector registry are imported by the command that needs them.
+NO_SELECTION = "none"  # == selection.registry.NO_SELECTION (tests/test_cli_startup.py)
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def selection_choices() -> tuple[str, ...]:
     """`--selection` choices: "none" (DP-SGD) and every registered selector."""
+    from widedp.selection.registry import selector_names
+
     return (NO_SELECTION, *selector_names())
 
 
@@ -132,11 +139,9 @@ def _add_modelmix_args(p) -> None:
                    help="--modelmix: k of Alg 2's refined clipping (clamp each coordinate to c/√k); 1 = ℓ2 clipping only")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="widedp", description="Differentially private training of wide models")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    p = sub.add_parser("epsilon", help="ε spent by T steps of DP-SGD or Algorithm 3")
+def _add_privacy_commands(sub) -> dict:
+    """`epsilon` and `calibrate` (this module's own commands; they read the selector registry)."""
+    p = sub.add_parser("epsilon", help=COMMAND_HELP["epsilon"][1])
     p.add_argument("--accountant", choices=ACCOUNTANT_CHOICES, default="rdp")
     p.add_argument("--noise-multiplier", type=_positive_float("--noise-multiplier"), required=True,
                    help="σ: gradient noise std / ℓ2 sensitivity")
@@ -147,28 +152,78 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threshold: noise multiplier of the noisy counts")
     _add_modelmix_args(p)
 
-    c = sub.add_parser("calibrate", help="noise multiplier (and selection parameters) for a target ε")
+    c = sub.add_parser("calibrate", help=COMMAND_HELP["calibrate"][1])
     c.add_argument("--target-epsilon", type=_positive_float("--target-epsilon"), required=True)
     c.add_argument("--accountant", choices=ACCOUNTANT_CHOICES, default="rdp")
     _add_run_args(c)
     c.add_argument("--selection-fraction", type=float, default=0.0,
                    help="share of the per-step budget given to selection, in (0, 1)")
     _add_modelmix_args(c)
+    return {"epsilon": cmd_epsilon, "calibrate": cmd_calibrate}
 
-    # Commands of other parts register themselves: each module exposes
-    # add_commands(subparsers) -> {name: handler(args) -> dict}.
-    for module in _COMMAND_MODULES:
-        COMMANDS.update(importlib.import_module(module).add_commands(sub))
+
+# Every command: (the module whose `add_commands(subparsers) -> {name: handler(args) -> dict}`
+# defines it, its one-line help), in the order `widedp --help` lists them. `widedp --help` reads
+# only this table; a command's module is imported when that command runs (or its --help is asked).
+# tests/test_cli_startup.py checks that each module registers exactly these names and helps.
+COMMAND_HELP: dict[str, tuple[str, str]] = {
+    "train": ("widedp.trainer.train_commands", "train a model (embedded local Ray unless --address is given)"),
+    "evaluate": ("widedp.trainer.train_commands", "evaluate a run's checkpoint on its test split"),
+    "export": ("widedp.trainer.export", "write a run's releasable model (weights, loader) and privacy report"),
+    "report": ("widedp.trainer.report", "plots and a markdown summary of one or more run directories"),
+    "epsilon": (__name__, "ε spent by T steps of DP-SGD or Algorithm 3"),
+    "calibrate": (__name__, "noise multiplier (and selection parameters) for a target ε"),
+    "budget": ("widedp.trainer.dataset_budget", "every run's privacy spending on a data set, and the total"),
+    "convert": ("widedp.trainer.data.commands", "convert Criteo TSV or plain text to a data set"),
+    "synth": ("widedp.trainer.data.commands", "synthetic data set with planted ground truth"),
+    "audit": ("widedp.trainer.audit", "train once with canaries and bound ε from below (one-run audit)"),
+    "wide-linear": ("widedp.trainer.wide_linear", "wide logistic model on a data set's categorical ids, by seed A's Alg 2"),
+}
+
+
+def _add_commands_of(module_name: str, sub) -> dict:
+    if module_name == __name__:
+        return _add_privacy_commands(sub)
+    return importlib.import_module(module_name).add_commands(sub)
+
+
+def build_parser(command: Optional[str] = None, *, lazy: bool = False) -> argparse.ArgumentParser:
+    """The `widedp` parser with every command fully defined (imports every command's module);
+    lazy=True: only `command`'s module is imported (none for None), the other commands are
+    listed by name and help — what `main` uses, so `widedp --help` and config errors are fast."""
+    parser = _Parser(prog="widedp", description="Differentially private training of wide models")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
+                        help="messages on stderr from this level up (logging's 'widedp' logger; default warning)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    done: set[str] = set()
+    for name, (module, text) in COMMAND_HELP.items():
+        if module in done:
+            continue
+        if not lazy or COMMAND_HELP.get(command or "", ("",))[0] == module:
+            COMMANDS.update(_add_commands_of(module, sub))
+            done.add(module)
+        else:
+            sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
-# Modules that add subcommands (data conversion/synthesis, training). Imported lazily so the
-# privacy commands stay light.
-_COMMAND_MODULES: list[str] = ["widedp.trainer.data.commands", "widedp.trainer.train", "widedp.trainer.report", "widedp.trainer.export",
-                               "widedp.trainer.audit", "widedp.trainer.wide_linear", "widedp.trainer.dataset_budget"]
+def _command_in(argv: Sequence[str]) -> Optional[str]:
+    """The command `argv` runs (the first word that names one, after the global options)."""
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--log-level":
+            skip = True
+        elif not word.startswith("-"):
+            return word if word in COMMAND_HELP else None
+    return None
 
 
-def _selector(args) -> Optional[Selector]:
+def _selector(args) -> Any:
+    """The registered selector `--selection` names (None for "none")."""
+    from widedp.selection.registry import get_selector
+
     return None if args.selection == NO_SELECTION else get_selector(args.selection)
 
 
@@ -180,6 +235,8 @@ def _cli_source(args) -> dict:
 
 def _flag_fields() -> dict[str, list[str]]:
     """{boolean CLI dest: the selectors that read it}."""
+    from widedp.selection.registry import get_selector, selector_names
+
     out: dict[str, list[str]] = {}
     for name in selector_names():
         sel = get_selector(name)
@@ -194,6 +251,8 @@ def _selection_params(args, *, calibrating: bool):
     """The selector's Params from the arguments (None for "none"). `widedp epsilon` needs every
     field the selector's Params reads from the CLI; `widedp calibrate` computes the calibrated
     ones (`record=True`) and needs only the others (e.g. fest's --fest-sigma)."""
+    from widedp.selection.registry import MissingParameter
+
     for dest, owners in _flag_fields().items():
         if getattr(args, dest, False) and args.selection not in owners:
             raise UsageError(f"--{dest.replace('_', '-')} applies only to --selection {' or '.join(owners)}")
@@ -223,6 +282,8 @@ def _one_time_events(args) -> list:
     (`--dataset DIR`: e.g. a private vocabulary, from DIR/dataset.json), then any selector's
     one-time event whose arguments are given (--fest-sigma: DP-FEST's Gaussian, also with
     `--selection random`, which is the same run)."""
+    from widedp.selection.registry import Selector, get_selector, selector_names
+
     events = []
     if args.dataset is not None:
         from widedp.trainer.data.meta import read_meta
@@ -249,7 +310,7 @@ def _one_time_events(args) -> list:
     return events
 
 
-def _selection_event(args) -> Optional[ev.DpEvent]:
+def _selection_event(args) -> Any:
     """The per-step selection event, built as `trainer.engine.Engine._selection_event` builds it:
     the registered selector's `event(params)`."""
     params = _selection_params(args, calibrating=False)
@@ -278,6 +339,7 @@ def _modelmix_out(args) -> dict:
 
 
 def cmd_epsilon(args) -> dict:
+    from widedp.accounting import events as ev
     from widedp.accounting import make_accountant, step_event
 
     mix = _modelmix_noise(args)
@@ -308,7 +370,7 @@ def cmd_epsilon(args) -> dict:
 
 
 def cmd_calibrate(args) -> dict:
-    from widedp.accounting import calibrate
+    from widedp.selection.calibration import calibrate
 
     _check_selection_flags(args)
     mix = _modelmix_noise(args)
@@ -332,7 +394,7 @@ def cmd_calibrate(args) -> dict:
     return out
 
 
-COMMANDS = {"epsilon": cmd_epsilon, "calibrate": cmd_calibrate}
+COMMANDS: dict = {}  # name -> handler, filled by build_parser from the modules it imports
 
 
 def _resolve_sampling(args) -> None:
@@ -352,24 +414,37 @@ def _resolve_sampling(args) -> None:
 
 def main_result(argv: Sequence[str]) -> dict:
     """The command's result (what `main` prints as JSON); its errors are raised, not printed."""
-    args = build_parser().parse_args(list(argv))
+    args = build_parser(_command_in(argv), lazy=True).parse_args(list(argv))
+    _configure_logging(args.log_level)
     _resolve_sampling(args)
     return COMMANDS[args.command](args)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from widedp.accounting.base import UnsupportedEventError
+def _configure_logging(level: str) -> None:
+    """The 'widedp' logger writes `widedp: LEVEL: message` lines on stderr from `level` up."""
+    logger = logging.getLogger("widedp")
+    handler = next((h for h in logger.handlers if getattr(h, "_widedp_cli", False)), None)
+    if handler is None:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("widedp: %(levelname)s: %(message)s"))
+        handler._widedp_cli = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+    else:  # main() called again in one process (tests, notebooks): today's stderr (the old one may be closed)
+        handler.stream = sys.stderr  # type: ignore[attr-defined]
+    logger.setLevel(level.upper())
 
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         result = main_result(sys.argv[1:] if argv is None else argv)
-    except (UsageError, UnsupportedEventError, ValueError, ArithmeticError) as exc:
+    except (UsageError, ValueError, ArithmeticError) as exc:  # accounting's UnsupportedEventError is a ValueError
         print(f"widedp: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # trainer.train.TrainingInterrupted says where and how to resume
         print(f"widedp: {str(exc) or 'interrupted'}".replace("\n", " "), file=sys.stderr)
         return 130
-    json.dump(result, sys.stdout, default=float)
-    sys.stdout.write("\n")
+    sys.stdout.write(strict_json.dumps(result) + "\n")
     return 0
 
 

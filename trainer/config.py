@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import json
 import tomllib
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from widedp.selection.registry import is_selector, selector_names
 from widedp.trainer.table_policy import DEFAULTS as TABLE_DEFAULTS
 from widedp.trainer.table_policy import POLICIES as TABLE_POLICIES
 
@@ -141,11 +141,17 @@ class TrainConfig:
     # true: metrics.jsonl / summary.json / progress also carry raw training statistics (batch loss,
     # realized batch sizes, touched rows, bytes). Outside the guarantee: the privacy report says so.
     debug_metrics: bool = False
+    # true: every metrics.jsonl record is also written to RUN_DIR/tensorboard/ (TensorBoard event
+    # files: the same tags, steps and values, nothing more; raw statistics only with debug_metrics).
+    # Needs the tensorboard package: pip install 'widedp[tensorboard]'.
+    tensorboard: bool = False
     eval_batch_size: int = 4096
     checkpoint_every: int = 100
 
     def validate(self) -> None:
+        from widedp.selection.registry import is_selector, selector_names
         from widedp.trainer.lr_schedule import LR_SCHEDULES
+        from widedp.trainer.run_outputs import TENSORBOARD_MISSING
         from widedp.trainer.shard import OPTIMIZERS
 
         _require([
@@ -162,6 +168,7 @@ class TrainConfig:
             (self.eval_every >= 0, "train.eval_every must be >= 0"),
             (self.eval_batch_size >= 1, "train.eval_batch_size must be >= 1"),
             (self.checkpoint_every >= 1, "train.checkpoint_every must be >= 1"),
+            (not self.tensorboard or importlib.util.find_spec("tensorboard") is not None, TENSORBOARD_MISSING),
         ])
 
 

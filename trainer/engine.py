@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -43,6 +44,8 @@ from widedp.trainer.step_noise import step_noise_event
 from widedp.trainer.table_policy import SparseVocabulary
 from widedp.trainer.trainer_group import InProcessTrainers, RayTrainers, TrainerGroup
 from widedp.trainer.trainer_role import PhaseClock, TrainerOptions, TrainerPart, TrainerRole, example_global_rows, pooled_lookup
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -307,8 +310,8 @@ class Engine:
         trainers = self.trainers.restore_lost() if isinstance(self.trainers, RayTrainers) else []
         self.shards.broadcast("discard_step")
         self.step_restarts += 1
-        print(f"step {step}: {lost}; restored shard(s) {shards or 'none'} and trainer(s) {trainers or 'none'}, "
-              "redoing the step", flush=True)
+        log.warning("step %d: %s; restored shard(s) %s and trainer(s) %s, redoing the step", step, lost,
+                    shards or "none", trainers or "none")
 
     def _step_from(self, samples: list, B: int, clock: PhaseClock) -> StepStats:
         dense_state = None

@@ -36,8 +36,11 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from widedp.trainer import strict_json
 
 FORMAT_VERSION = 1
 TEMPLATE_DIR = Path(__file__).resolve().parent / "export_template"
@@ -131,7 +134,7 @@ def export_run(run_dir, out_dir) -> dict:
         raise
     return {"out_dir": str(out_dir), "files": sorted(p.name for p in out_dir.iterdir()),
             "model": spec["model"], "dense_format": spec["dense"]["format"], "weights": spec["weights"]["file"],
-            "mode": report["mode"], "epsilon": report["epsilon"], "delta": report["delta"],
+            "mode": report["mode"], "private": report["private"], "epsilon": report["epsilon"], "delta": report["delta"],
             "accountant": report["accountant"], "steps": report["steps"]}
 
 
@@ -212,7 +215,7 @@ def _dense_model(config: dict, meta, model_state: dict):
 
 # ---- writing ----------------------------------------------------------------------------------------
 def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    path.write_text(strict_json.dumps(obj, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _write_weights(tmp: Path, weights: dict) -> str:
@@ -246,7 +249,7 @@ def _self_check(tmp: Path, tables: dict, dense_model, layout, num_dense: int) ->
     random batch (ids, bags and dense values drawn here: no data involved)."""
     # exec'd from source: importing it would leave a __pycache__ in the export
     path = tmp / LOADER_FILE
-    namespace = {"__name__": "_widedp_export_check", "__file__": str(path)}
+    namespace: dict[str, Any] = {"__name__": "_widedp_export_check", "__file__": str(path)}
     exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), namespace)
     loaded = namespace["load"](tmp)
     gen = torch.Generator().manual_seed(0)
@@ -387,21 +390,23 @@ def privacy_report(run_dir: Path, summary: dict, config: dict, engine_state: dic
         if caveat not in not_covered:
             not_covered.append(caveat)
 
-    epsilon = ledger.epsilon() if private else math.inf
-    state = ledger.state_dict() if private else None
+    # From here `ledger is not None` exactly when `private` (a private run without one raised above).
+    epsilon = ledger.epsilon() if ledger is not None else math.inf
+    state = ledger.state_dict() if ledger is not None else None
     report = {
         "format_version": FORMAT_VERSION,
         "guarantee": "(ε, δ)-differential privacy" if private else "no privacy guarantee",
         "unit_of_privacy": UNIT_OF_PRIVACY,
+        "private": private,  # false: "epsilon" is null in the JSON (no finite bound; strict JSON has no Infinity)
         "epsilon": epsilon,
-        "delta": state["delta"] if private else summary.get("delta"),
-        "accountant": state["accountant"] if private else summary.get("accountant", priv.get("accountant")),
+        "delta": state["delta"] if state is not None else summary.get("delta"),
+        "accountant": state["accountant"] if state is not None else summary.get("accountant", priv.get("accountant")),
         "epsilon_in_summary": summary.get("epsilon"),
         "target_epsilon": summary.get("target_epsilon", priv.get("target_epsilon")),
         "mode": mode,
         "selection": summary.get("selection", train.get("selection") if mode == "sparse" else None),
         "steps": engine_state.get("step", summary.get("steps")),
-        "events_charged": ledger.steps if private else 0,
+        "events_charged": ledger.steps if ledger is not None else 0,
         "stopped_by_budget": summary.get("stopped_by_budget"),
         "sample_rate": summary.get("sample_rate"),
         "expected_batch_size": summary.get("expected_batch_size"),
@@ -417,13 +422,13 @@ def privacy_report(run_dir: Path, summary: dict, config: dict, engine_state: dic
         "randomness": summary.get("randomness"),
         "reproducible": reproducible,
         "debug_metrics": debug,
-        "history": state["history"] if private else [],
+        "history": state["history"] if state is not None else [],
         "data_preparation_events": data_events,
         "covered": [COVERED] if private else [],
         "not_covered": not_covered,
         "caveats": run_caveats,
     }
-    if private and report["target_epsilon"] is not None and epsilon > float(report["target_epsilon"]) * (1 + 1e-9):
+    if ledger is not None and report["target_epsilon"] is not None and epsilon > float(report["target_epsilon"]) * (1 + 1e-9):
         report["not_covered"].insert(0, f"ε = {epsilon:.6g} exceeds the run's target ε = {report['target_epsilon']} "
                                         f"(the ledger counts {ledger.steps} events for {report['steps']} steps; "
                                         f"events charged by a crashed attempt are counted, never forgotten)")
@@ -517,10 +522,24 @@ def readme(spec: dict, report: dict) -> str:
 # ---- CLI --------------------------------------------------------------------------------------------
 def add_commands(sub) -> dict:
     e = sub.add_parser("export", help="write a run's releasable model (weights, loader) and privacy report")
-    e.add_argument("run_dir", metavar="RUN_DIR")
-    e.add_argument("out_dir", metavar="OUT_DIR", help="new (or empty) directory")
+    e.add_argument("run_dir_pos", nargs="?", metavar="RUN_DIR", help="the run (or --run-dir, as `widedp evaluate`)")
+    e.add_argument("out_dir_pos", nargs="?", metavar="OUT_DIR", help="new (or empty) directory (or --out-dir)")
+    e.add_argument("--run-dir", dest="run_dir_opt", metavar="RUN_DIR")
+    e.add_argument("--out-dir", dest="out_dir_opt", metavar="OUT_DIR")
     return {"export": cmd_export}
 
 
+def _one_of(positional, option, what: str, flag: str):
+    if positional is not None and option is not None:
+        raise ValueError(f"give {what} once: as {flag} or positionally, not both")
+    if positional is None and option is None:
+        raise ValueError(f"{flag} (or {what} positionally) is required")
+    return positional if positional is not None else option
+
+
 def cmd_export(args) -> dict:
-    return export_run(args.run_dir, args.out_dir)
+    if args.run_dir_opt is not None and args.run_dir_pos is not None and args.out_dir_pos is None:
+        args.run_dir_pos, args.out_dir_pos = None, args.run_dir_pos  # `export --run-dir R OUT`
+    run_dir = _one_of(args.run_dir_pos, args.run_dir_opt, "RUN_DIR", "--run-dir")
+    out_dir = _one_of(args.out_dir_pos, args.out_dir_opt, "OUT_DIR", "--out-dir")
+    return export_run(run_dir, out_dir)

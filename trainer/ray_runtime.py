@@ -63,6 +63,22 @@ def ensure_ray(address: str = "", needed_cpus: float = 1.0, *, timeout_s: float 
              _system_config=dict(LOCAL_SYSTEM_CONFIG))
 
 
+#: Options of every actor widedp creates (shards, trainers, their replacements): not detached,
+#: so each is owned by the process that created it — the driver (`widedp train`, the coordinator)
+#: — and Ray's fate-sharing ends it when the driver exits or dies, even by SIGKILL: nothing of a
+#: run (its shards hold the model and the step's private sums) outlives its driver. Explicit, so
+#: that a job-level default (`JobConfig(default_actor_lifetime="detached")`) cannot change it.
+#: No actor has a name, so none can be looked up from another job either.
+#: Measured (tests/test_run_cleanup.py; Ray 2.60, 2 CPUs loaded by other jobs): after a SIGKILL of a
+#: `widedp train` driver (2 shard actors, with or without 2 trainer actors) the actors were gone
+#: 2.1-2.9 s later on the embedded cluster (its GCS and raylet die with the driver at once; the
+#: workers notice their raylet's death) and 0.1-0.2 s later on a `ray start` cluster (the raylet
+#: sees the driver's connection close; the GCS marks the job dead and kills its actors). What
+#: lingers on the embedded cluster, ~60 s, is Ray's own DashboardAgent and RuntimeEnvAgent (not
+#: actors, no run state): they keep trying to report their raylet's death to the GCS that died
+#: with it (RAY_gcs_rpc_server_reconnect_timeout_s=5 did not shorten it).
+ACTOR_OPTIONS = {"lifetime": "non_detached"}
+
 #: Ray settings of the embedded local cluster: a step's shard calls carry 0.1-2 MB each (ids out,
 #: pooled embeddings back, pooled-output gradients out: 26 x 1024 x 16 float32 = 1.7 MB on the CTR
 #: model), above Ray's 100 kB default for passing objects inline, so each went through the
@@ -116,7 +132,7 @@ def _check_token_available(address: str) -> None:
     """With RAY_AUTH_MODE=token, fail now (not after Ray's ~20 s retries) if no token is found."""
     import ray
 
-    from ray._raylet import AuthenticationTokenLoader
+    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # Cython module: no stub lists it
 
     try:
         found = AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
@@ -156,7 +172,7 @@ def check_cluster(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Optiona
     channel = init_grpc_channel(target)  # TLS (RAY_USE_TLS) and the token header, as Ray's own clients
     try:
         reply = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
-            gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+            gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)  # type: ignore[attr-defined]  # generated protobuf
         return reply.cluster_id
     except grpc.RpcError as exc:
         raise ClusterConnectionError(_explain(address, exc.code(), exc.details() or "", token_mode, timeout_s))

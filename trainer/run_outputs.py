@@ -13,6 +13,10 @@ bytes moved (a function of both) — reveal membership directly (a loss that mov
 target example is sampled) and are written only with `train.debug_metrics = true`; the
 summary's `privacy_caveats` then states that the privacy report does not cover them.
 Wall-clock timings are listed as a caveat in every run (a weak side channel on batch sizes).
+
+Every metrics.jsonl record goes through one function, `RunRecorder.log`, to every sink: the
+file itself and, with `train.tensorboard = true`, `TensorBoardSink` (RUN_DIR/tensorboard/),
+which writes the record's numbers and nothing else, so the two hold the same (tag, step, value)s.
 """
 
 from __future__ import annotations
@@ -20,10 +24,14 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
+
+from widedp.trainer import strict_json
 
 # Per-step and summary keys that carry raw training statistics (debug opt-in only).
 DEBUG_STEP_KEYS = ("loss", "batch_size", "rows_touched")
@@ -43,16 +51,137 @@ CAVEAT_VALIDATION_SPLIT = ("validation_metrics are computed on the validation sp
 CAVEAT_DEBUG = ("train.debug_metrics = true: metrics.jsonl, summary.json and the progress output carry raw, "
                 "un-noised training statistics (" + ", ".join(DEBUG_STEP_KEYS + DEBUG_SUMMARY_KEYS) + "). "
                 "The privacy report is VOID for those outputs: do not publish them.")
+CAVEAT_DEBUG_TENSORBOARD = ("train.tensorboard = true with train.debug_metrics = true: the event files in "
+                            "tensorboard/ mirror metrics.jsonl and so carry the same raw training statistics; the "
+                            "privacy report is VOID for them too: do not publish them.")
+TENSORBOARD_MISSING = "train.tensorboard = true needs the tensorboard package: pip install 'widedp[tensorboard]'"
 CAVEAT_NONPRIVATE = "mode = nonprivate: no privacy guarantee at all (ε = inf)."
+
+
+def scalar_items(line: dict, prefix: str = "") -> list[tuple[str, float]]:
+    """A metrics.jsonl record's numbers as (tag, value): each key but "step" is a tag, a nested
+    table's keys are "outer/inner" (test_metrics/auc); None, booleans and strings are not numbers."""
+    out: list[tuple[str, float]] = []
+    for key, value in line.items():
+        if not prefix and key == "step":
+            continue
+        if isinstance(value, dict):
+            out += scalar_items(value, f"{prefix}{key}/")
+        elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
+            out.append((prefix + key, float(value)))
+    return out
+
+
+class JsonlSink:
+    """metrics.jsonl: one JSON line per record, appended (a resumed run continues the file)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, line: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(strict_json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardSink:
+    """metrics.jsonl's records as TensorBoard scalars in `log_dir` (torch.utils.tensorboard's
+    SummaryWriter): per record, `scalar_items` as (tag, the record's step, the value in double
+    precision), nothing else. Each session (a resume too) adds an event file of its own; the
+    steps continue the run's.
+
+    The first record of a session first brings the event files up to metrics.jsonl (which
+    already holds that record, `RunRecorder.log` writes it first): records of sessions that ran
+    without TensorBoard, or whose events a crash cut off, are written then, so turning
+    TensorBoard on at `--resume` mirrors the whole run. Raw training statistics an earlier debug
+    session left in metrics.jsonl are not copied by a session without train.debug_metrics.
+
+    Every event is stamped with the time this session opened its writer, not the time of its
+    step: metrics.jsonl holds no per-step wall-clock times, and neither does this."""
+
+    def __init__(self, log_dir: Path, metrics_path: Path, debug_metrics: bool):
+        try:  # imported here: only runs that ask for TensorBoard pay for (and need) the package
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ValueError(f"{TENSORBOARD_MISSING} ({exc})") from None
+        self.metrics_path, self.debug = metrics_path, bool(debug_metrics)
+        self._written: Optional[Counter] = Counter(_scalar_key(*x) for x in event_file_scalars(log_dir))
+        self.walltime = time.time()
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, line: dict) -> None:
+        if self._written is not None:  # this session's first record: catch up with metrics.jsonl
+            written, self._written = self._written, None
+            for record in _jsonl_records(self.metrics_path):
+                missing = []
+                for tag, value in scalar_items(record):
+                    key = _scalar_key(tag, record["step"], value)
+                    if written[key] > 0:
+                        written[key] -= 1
+                    elif self.debug or tag not in DEBUG_STEP_KEYS:
+                        missing.append((tag, value))
+                self._add(record["step"], missing)
+        else:
+            self._add(line["step"], scalar_items(line))
+        self.writer.flush()  # on disk with its metrics.jsonl line
+
+    def _add(self, step: int, items: list[tuple[str, float]]) -> None:
+        for tag, value in items:
+            self.writer.add_scalar(tag, value, global_step=int(step), walltime=self.walltime,
+                                   new_style=True, double_precision=True)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def event_file_scalars(log_dir: Path) -> list[tuple[str, int, float]]:
+    """(tag, step, value) of every scalar in the event files in `log_dir` (none: [])."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    out = []
+    for path in sorted(Path(log_dir).glob("*tfevents*")):
+        for event in EventFileLoader(str(path)).Load():
+            for v in event.summary.value:
+                kind = v.WhichOneof("value")
+                if kind == "tensor":
+                    out.append((v.tag, event.step, float(tensor_util.make_ndarray(v.tensor).item())))
+                elif kind == "simple_value":
+                    out.append((v.tag, event.step, float(v.simple_value)))
+    return out
+
+
+def _scalar_key(tag: str, step: int, value: float) -> tuple:
+    return tag, int(step), "nan" if math.isnan(value) else float(value)
+
+
+def _jsonl_records(path: Path) -> list[dict]:
+    """metrics.jsonl's records (a line a crash cut off is no record)."""
+    out = []
+    for text in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            out.append(record)
+    return out
 
 
 class RunRecorder:
     """Collects step statistics and writes only what the threat model allows."""
 
     def __init__(self, *, expected_batch_size: float, metrics_path: Path, debug_metrics: bool,
-                 randomness_note: str, reproducible: bool, private: bool):
+                 randomness_note: str, reproducible: bool, private: bool, tensorboard_dir: Optional[Path] = None):
         self.b = float(expected_batch_size)
         self.metrics_path = metrics_path
+        # Every record goes to every sink (`log`), metrics.jsonl first (TensorBoardSink reads it).
+        self.sinks: list = [JsonlSink(metrics_path)]
+        if tensorboard_dir is not None:
+            self.sinks.append(TensorBoardSink(tensorboard_dir, metrics_path, debug_metrics))
+        self.tensorboard = tensorboard_dir is not None
         self.debug = bool(debug_metrics)
         self.randomness_note = randomness_note
         self.reproducible = reproducible
@@ -88,8 +217,15 @@ class RunRecorder:
         return line
 
     def log(self, line: dict) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        """The one way a record leaves the run: to metrics.jsonl and every other sink alike, as
+        metrics.jsonl holds it (strict JSON: a non-finite value is null, so no sink's number)."""
+        record = strict_json.finite_or_none(line)
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
     def progress_postfix(self, stats, elapsed: float) -> dict:
         out = {"eps": f"{stats.epsilon:.3f}", "ex_s": f"{self.b * len(self.step_times) / max(elapsed, 1e-9):.0f}"}
@@ -104,6 +240,8 @@ class RunRecorder:
             out.append(self.randomness_note)
         if self.debug:
             out.append(CAVEAT_DEBUG)
+            if self.tensorboard:
+                out.append(CAVEAT_DEBUG_TENSORBOARD)
         out += [CAVEAT_N_PUBLIC, CAVEAT_TIMINGS, CAVEAT_TEST_SPLIT] + ([CAVEAT_VALIDATION_SPLIT] if validation else [])
         out += [f"Charged before training (in the ledger): {d}" for d in data_event_descriptions]
         return out
@@ -138,3 +276,67 @@ class RunRecorder:
 def eval_line(step: int, test_metrics: Optional[dict]) -> dict:
     """A metrics.jsonl line of held-out test metrics (category (c))."""
     return {"step": step, "test_metrics": test_metrics or {}}
+
+
+# ---- a failed run leaves no empty run directory ----------------------------------------------------
+# What a new run writes before it has recorded anything (trainer/train.py `_start`, the recorder):
+# the config, an empty metrics.jsonl, and with train.tensorboard its writer's directory (event files
+# that mirror metrics.jsonl, so they hold no scalar while it holds no record).
+SCAFFOLD_FILES = ("config.json", "metrics.jsonl")
+SCAFFOLD_DIRS = ("tensorboard",)
+# What makes a directory a run's record: never removed. The ledger above all: it only grows
+# (docs/DESIGN.md §1), and a run dir holding one is kept whatever happened after.
+RECORD_FILES = ("ledger.json", "checkpoint.pt", "summary.json")
+
+
+def holds_a_record(run_dir: Path) -> bool:
+    """Whether `run_dir` holds anything a failed run must keep: a ledger, a checkpoint, a
+    summary, a metrics.jsonl record, or any file the run's own scaffold does not explain."""
+    run_dir = Path(run_dir)
+    for entry in run_dir.iterdir():
+        name = entry.name
+        if name in RECORD_FILES:
+            return True
+        if name == "metrics.jsonl":
+            if not entry.is_file() or entry.read_text(errors="replace").strip():
+                return True
+        elif name in SCAFFOLD_DIRS:
+            if not entry.is_dir() or any(not (f.is_file() and "tfevents" in f.name) for f in entry.iterdir()):
+                return True
+        elif not (name in SCAFFOLD_FILES and entry.is_file()):
+            return True
+    return False
+
+
+def remove_unrecorded_run_dir(run_dir: Path, created_parents: tuple[Path, ...] = ()) -> bool:
+    """After a failed new run: remove `run_dir` (which that run created) if it holds no record
+    (`holds_a_record`), then each of `created_parents` (deepest first, also created by that run)
+    that is left empty. Returns whether `run_dir` was removed. Never raises for the file system:
+    the failure being reported is the run's, not this clean-up's.
+
+    The rule: a run dir created by this process that holds no ledger and no checkpoint (nor a
+    summary or a metrics record) carries no information — nothing was charged, nothing released
+    (every charge persists the ledger first: trainer/engine.py `charge`) — and left in place it
+    would block the same --run-dir ("holds a run"). A run dir with a ledger is never removed.
+    The data set's privacy_budget.jsonl keeps the run's lines (append-only; its "failed" line
+    then names a directory that no longer exists, with nothing spent)."""
+    run_dir = Path(run_dir)
+    try:
+        if not run_dir.is_dir() or holds_a_record(run_dir):
+            return False
+        for name in SCAFFOLD_DIRS:
+            if (run_dir / name).is_dir():
+                for f in (run_dir / name).iterdir():
+                    f.unlink()
+                (run_dir / name).rmdir()
+        for name in SCAFFOLD_FILES:
+            (run_dir / name).unlink(missing_ok=True)
+        run_dir.rmdir()
+    except OSError:
+        return False
+    for parent in created_parents:
+        try:
+            parent.rmdir()
+        except OSError:
+            break
+    return True

@@ -167,13 +167,17 @@ class RayShardGroup(ShardGroup):
     computed from the data, so nothing is charged again) and then answers the call that failed.
     The restored shard equals the lost one exactly, so the run continues as if uninterrupted.
     Up to `max_restarts` attempts per failure; another death during them raises ShardLostError
-    naming the shard and the call. `max_restarts = 0`: no log is kept and a death raises."""
+    naming the shard and the call. `max_restarts = 0`: no log is kept and a death raises.
+    The actors (and their placement group) belong to the driver: they end with it, SIGKILL
+    included (`ray_runtime.ACTOR_OPTIONS`)."""
 
     def __init__(self, layout: ShardLayout, cpus_per_shard: float = 1.0, gpus_per_shard: float = 0.0,
                  placement_strategy: str = "SPREAD", max_restarts: int = 1, **shard_kwargs):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from widedp.trainer.ray_runtime import ACTOR_OPTIONS
 
         super().__init__(layout)
         bundle = {"CPU": cpus_per_shard}
@@ -193,7 +197,7 @@ class RayShardGroup(ShardGroup):
 
         def make_actor(s: int):
             return actor_cls.options(
-                num_cpus=cpus_per_shard, num_gpus=gpus_per_shard or 0,
+                **ACTOR_OPTIONS, num_cpus=cpus_per_shard, num_gpus=gpus_per_shard or 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=s),
             ).remote(layout, s, **shard_kwargs)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import json
 import math
 import pickle
@@ -47,8 +48,8 @@ import torch
 from widedp.accounting import PrivacyLedger
 from widedp.accounting import events as ev
 from widedp.accounting.atomic import atomic_write_bytes
-from widedp.trainer import dataset_budget
-from widedp.trainer.config import Config, load_config, load_saved_config, saved_config
+from widedp.trainer import dataset_budget, strict_json
+from widedp.trainer.config import Config, saved_config
 from widedp.trainer.data.meta import dataset_identity
 from widedp.trainer.engine import Engine, StepStats
 from widedp.trainer.layout import FeatureSpec, ShardLayout, TableSpec
@@ -56,16 +57,18 @@ from widedp.trainer.models import MODELS
 from widedp.trainer.planning import PrivacyInfo, default_delta, plan_privacy, plan_run  # noqa: F401  (public here too)
 from widedp.trainer.randomness import PrivacyRandomness
 from widedp.trainer.run import Run
-from widedp.trainer.run_outputs import RunRecorder, eval_line
+from widedp.trainer.run_outputs import RunRecorder, eval_line, remove_unrecorded_run_dir
 from widedp.selection.registry import get_selector
 
+log = logging.getLogger(__name__)
+
 # docs/DESIGN.md §4 keys of every summary.json (debug-only statistics are in run_outputs.DEBUG_SUMMARY_KEYS).
-SUMMARY_KEYS = ("mode", "selection", "epsilon", "delta", "accountant", "steps", "examples_per_sec",
+SUMMARY_KEYS = ("mode", "selection", "private", "epsilon", "delta", "accountant", "steps", "examples_per_sec",
                 "step_time_ms_median", "rows_selected_mean", "num_shards", "test_metrics", "bayes_auc")
 
 
 def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, default=_json_default) + "\n").encode())
+    atomic_write_bytes(path, (strict_json.dumps(obj, indent=1, default=_json_default) + "\n").encode())
 
 
 def _json_default(o):
@@ -80,7 +83,12 @@ def _json_default(o):
 
 def _ensure_dataset(cfg: Config):
     """The config's train/test splits; a `data.synth` set is generated at data.path first if
-    absent (trainer/data/generators.py), and a cached one must match the config."""
+    absent (trainer/data/generators.py), and a cached one must match the config.
+
+    A data.path that holds a data set no generator made (its dataset.json records no `generator`,
+    as every synthetic set's does: `widedp convert` output, the user's own data) is used as it is
+    even when the config names data.synth (the shipped configs do); an info message says that
+    data.synth is ignored. A synthetic set other than the one asked for is refused."""
     from widedp.trainer import data as data_mod
     from widedp.trainer.data.generators import SYNTHETIC_DATASETS
 
@@ -93,17 +101,30 @@ def _ensure_dataset(cfg: Config):
             raise ValueError(f"data.path {path} has no dataset.json (set data.synth to generate one)")
         synthetic.generate(path, cfg.data)
     elif synthetic is not None:
-        _check_synthetic_matches(path, synthetic.wanted(cfg.data), synthetic.recorded(json.loads((path / "dataset.json").read_text())))
+        try:
+            recorded = json.loads((path / "dataset.json").read_text())
+        except ValueError:
+            recorded = None  # malformed: open_dataset names the file and the problem
+        if isinstance(recorded, dict) and "generator" in recorded:  # a synthetic set: it must be the one asked for
+            _check_synthetic_matches(path, synthetic.wanted(cfg.data), synthetic.recorded(recorded),
+                                     recorded["generator"], cfg.data.synth)
+        elif isinstance(recorded, dict):  # converted: the user's own data
+            source = f" ({recorded['source']})" if recorded.get("source") else ""
+            log.info("data.path %s holds a converted data set%s, not a synthetic one: training on it as it is "
+                     "(data.synth = %r ignored)", path, source, cfg.data.synth)
     return data_mod.open_dataset(path, test_fraction=cfg.data.test_fraction, seed=cfg.data.seed)
 
 
-def _check_synthetic_matches(path: Path, want: dict, have: dict) -> None:
+def _check_synthetic_matches(path: Path, want: dict, have: dict, generator: str = "", synth: str = "") -> None:
     """A cached synthetic data set must be the one the config asks for (else a changed
     synth_* key would silently train on the old data)."""
     diff = [f"{k}={have.get(k)} (config: {want[k]})" for k in want if have.get(k) != want[k]]
     if diff:
-        raise ValueError(f"data.path {path} holds a different synthetic data set: {', '.join(diff)}; "
-                         f"delete that directory or point data.path elsewhere")
+        made_by = f" (made by {generator})" if generator else ""
+        asked = f"data.synth = {synth!r} and the config's data.synth_* keys ask for" if synth else "the config asks for"
+        raise ValueError(f"data.path {path} holds a synthetic data set{made_by} other than the one {asked}: "
+                         f"{', '.join(diff)}; point data.path elsewhere (or delete that directory) to generate the "
+                         f"one asked for, or --set data.synth= (empty) to train on that data set as it is")
 
 
 def _layout(meta, cfg: Config) -> ShardLayout:
@@ -239,7 +260,7 @@ def load_checkpoint(path: Path) -> dict:
 
 # Keys that do not change what a run's steps compute (placement, logging, recovery).
 _COMPUTATION_FREE_KEYS = {("train", "log_every"), ("train", "eval_every"), ("train", "checkpoint_every"),
-                          ("train", "eval_batch_size"), ("train", "debug_metrics"), ("cluster", "address"),
+                          ("train", "eval_batch_size"), ("train", "debug_metrics"), ("train", "tensorboard"), ("cluster", "address"),
                           ("cluster", "backend"), ("cluster", "cpus_per_shard"), ("cluster", "gpus_per_shard"),
                           ("cluster", "placement_strategy"), ("cluster", "max_actor_restarts"), ("cluster", "trainer_placement"),
                           ("cluster", "cpus_per_trainer"), ("run_dir", None)}
@@ -433,6 +454,7 @@ class _TrainCallbacks:
         return self.interrupt.requested
 
     def close(self) -> None:
+        self.recorder.close()
         if self.bar is not None:
             self.bar.close()
 
@@ -501,17 +523,23 @@ def _budget_line(run_state: RunState, run_dir: Path, cfg: Config, engine: Engine
 def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True) -> dict:
     """Train per `cfg`, writing only what docs/THREAT_MODEL.md allows (trainer/run_outputs.py).
     A new run refuses a `run_dir` that holds a run; the directory is created only once the
-    config is valid and the data loaded (and removed again if this call created it and leaves
-    it empty)."""
+    config is valid and the data loaded. A failed new run (any exception, Ctrl-C included)
+    removes the directory it created, and the parents it created, unless it holds a record
+    (a ledger, a checkpoint: `run_outputs.remove_unrecorded_run_dir`): no empty run dirs."""
     cfg.validate()
     if not resume:
         _check_run_dir_is_free(run_dir)
-    created = not run_dir.exists()
+    missing = []  # run_dir and the ancestors this call may create, deepest first
+    p = run_dir.absolute()
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
     try:
         return _train(cfg, run_dir, resume, progress)
-    finally:
-        if created and run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()
+    except BaseException:
+        if missing:
+            remove_unrecorded_run_dir(run_dir, tuple(missing[1:]))
+        raise
 
 
 def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
@@ -531,9 +559,15 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
                 run_state.plan([engine.step_event] if engine.step_event is not None else [], "step")
             run_dir.mkdir(parents=True, exist_ok=True)
         dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "running"))
+        log.info("%s run %s in %s: %s, %d steps of expected batch %g, %s", "resuming" if resume else "starting",
+                 run_state.run_id, run_dir, cfg.train.mode if cfg.train.mode != "sparse" else f"sparse ({cfg.train.selection})",
+                 cfg.train.steps, engine.b, "non-private" if engine.ledger is None else
+                 f"noise multiplier {info.noise_multiplier:.4g}, target ε {cfg.privacy.target_epsilon} at δ {info.delta:.3g} "
+                 f"({info.accountant})")
         recorder = RunRecorder(expected_batch_size=engine.b, metrics_path=run_dir / "metrics.jsonl",
                                debug_metrics=cfg.train.debug_metrics, randomness_note=engine.randomness.describe(),
-                               reproducible=engine.randomness.reproducible, private=engine.plan is not None)
+                               reproducible=engine.randomness.reproducible, private=engine.plan is not None,
+                               tensorboard_dir=run_dir / "tensorboard" if cfg.train.tensorboard else None)
         interrupt = _Interrupt()
         callbacks = _TrainCallbacks(run, recorder, run_dir, progress, run_state, interrupt)
         try:
@@ -564,6 +598,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
         summary = {
             "mode": cfg.train.mode,
             "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
+            # A non-private run: "epsilon": null (strict JSON has no Infinity) and "private": false.
+            "private": engine.ledger is not None,
             "epsilon": engine.ledger.epsilon() if engine.ledger is not None else math.inf,
             "delta": info.delta,
             "accountant": info.accountant,
@@ -617,45 +653,4 @@ def evaluate(run_dir: Path) -> dict:
         return {"run_dir": str(run_dir), "steps": run.engine.step_count, "test_metrics": run.evaluate(),
                 "bayes_auc": run.meta.bayes_auc, "epsilon": run.engine.ledger.epsilon() if run.engine.ledger else None}
 
-
-# ---- CLI ----------------------------------------------------------------------------------------
-def add_commands(sub) -> dict:
-    t = sub.add_parser("train", help="train a model (embedded local Ray unless --address is given)")
-    t.add_argument("--config", help="TOML config (with --resume: defaults to RUN_DIR/config.json)")
-    t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    t.add_argument("--run-dir")
-    t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
-    t.add_argument("--address", help="Ray cluster address (default: embedded local Ray)")
-    t.add_argument("--no-progress", action="store_true")
-    e = sub.add_parser("evaluate", help="evaluate a run's checkpoint on its test split")
-    e.add_argument("--run-dir", required=True)
-    return {"train": cmd_train, "evaluate": cmd_evaluate}
-
-
-def cmd_train(args) -> dict:
-    if args.resume and not args.config:
-        config_path = Path(args.resume) / "config.json"
-        if not config_path.exists():
-            raise ValueError(f"--resume {args.resume}: no config.json there (pass --config)")
-        cfg = load_saved_config(config_path, args.set)
-    elif not args.config:
-        raise ValueError("--config is required (or --resume RUN_DIR)")
-    else:
-        cfg = load_config(args.config, args.set)
-    if args.address:
-        cfg.cluster.address = args.address
-    if args.resume:
-        run_dir = Path(args.resume)
-        if not (run_dir / "checkpoint.pt").exists():
-            raise ValueError(f"--resume {run_dir}: no checkpoint.pt there")
-    else:
-        run_dir = Path(args.run_dir or cfg.run_dir or "runs/latest")
-    summary = train(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
-    return {"run_dir": str(run_dir), **summary}
-
-
-def cmd_evaluate(args) -> dict:
-    run_dir = Path(args.run_dir)
-    if not (run_dir / "checkpoint.pt").exists():
-        raise ValueError(f"--run-dir {run_dir}: no checkpoint.pt there")
-    return evaluate(run_dir)
+# The `train` and `evaluate` commands: trainer/train_commands.py (light, so config errors are fast).

@@ -140,17 +140,21 @@ def _is_actor_death(err: BaseException) -> bool:
 
 
 class RayTrainers(TrainerGroup):
-    """N trainer actors, `cpus_per_trainer` CPUs each, spread over the cluster's nodes."""
+    """N trainer actors, `cpus_per_trainer` CPUs each, spread over the cluster's nodes; owned by
+    the driver, they end with it (`ray_runtime.ACTOR_OPTIONS`)."""
 
     def __init__(self, model, layout, train_set, shards, options: TrainerOptions, *, cpus_per_trainer: float = 1.0):
         import ray
+
+        from widedp.trainer.ray_runtime import ACTOR_OPTIONS
 
         self._ray = ray
         self.layout, self.options, self.shards = layout, options, shards
         self.num_trainers = options.num_trainers
         self._model = model
         self._data_ref = ray.put(train_set)  # one copy in the object store; each trainer takes its own rows
-        self._actor_cls = ray.remote(_TrainerActor).options(num_cpus=cpus_per_trainer, scheduling_strategy="SPREAD")
+        self._actor_cls = ray.remote(_TrainerActor).options(**ACTOR_OPTIONS, num_cpus=cpus_per_trainer,
+                                                            scheduling_strategy="SPREAD")
         self.actors = [self._make(i) for i in range(self.num_trainers)]
         self.restarts = 0
         self._last_dense_state: Optional[dict] = None

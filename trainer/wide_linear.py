@@ -24,7 +24,6 @@ seed stays secret, and the summary says so). Written: `summary.json` (the comman
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -113,7 +112,7 @@ def run_wide_linear(data: str, *, algorithm: str = "alg2", epsilon: float = 8.0,
     data_events = [e for _, e in train.meta.privacy_events]
     if algorithm == "nonprivate":
         w = _nonprivate(X, y, l2)
-        out.update(epsilon=math.inf, delta=0.0, accountant=None)
+        out.update(private=False, epsilon=math.inf, delta=0.0, accountant=None)  # JSON: "epsilon": null
     else:
         from widedp.sparse_learners.dp_erm import dp_erm_sparse
 
@@ -125,7 +124,7 @@ def run_wide_linear(data: str, *, algorithm: str = "alg2", epsilon: float = 8.0,
         w = result.w
         history = list(result.history) + [(e, 1) for e in data_events]
         total = make_accountant("rdp").epsilon(history, delta) if data_events else result.epsilon
-        out.update(epsilon=float(total), delta=delta, accountant="rdp" if data_events else "best valid",
+        out.update(private=True, epsilon=float(total), delta=delta, accountant="rdp" if data_events else "best valid",
                    target_epsilon=epsilon, calibration=calibration, num_groups=m, max_answers=max_answers,
                    epsilon_prime=result.epsilon_prime, delta_prime=result.delta_prime,
                    threshold=result.threshold, sensitivity=result.sensitivity,
@@ -142,7 +141,9 @@ def run_wide_linear(data: str, *, algorithm: str = "alg2", epsilon: float = 8.0,
         directory = Path(run_dir)
         directory.mkdir(parents=True, exist_ok=True)
         np.savez(directory / "model.npz", w=w)
-        atomic_write_bytes(directory / "summary.json", json.dumps(out, indent=2, default=float).encode())
+        from widedp.trainer import strict_json
+
+        atomic_write_bytes(directory / "summary.json", strict_json.dumps(out, indent=2).encode())
         out["run_dir"] = str(directory)
     return out
 

@@ -4,7 +4,7 @@
     widedp convert text INPUT.txt OUT_DIR (--vocab N | --vocab-file PATH [--vocab N])
                         [--window 4 --negatives 8 --seed 0]
                         [--vocab-noise-multiplier 4.0 --vocab-max-words-per-line 32
-                         --vocab-unseen-delta 1e-9 --vocab-noise-seed INT]
+                         --vocab-unseen-delta 1e-9 --vocab-noise-seed INT --allow-small-vocab]
     widedp synth ctr OUT_DIR --examples N [--table-size N | --table-sizes a,b,...] [--seed S]
                               [--zipf-exponent A]
     widedp synth text OUT_DIR --examples N --vocab V [--seed S] [--topics K]
@@ -16,7 +16,8 @@ events dataset.json records for the trainer to charge; [] when none).
 `convert text` without --vocab-file selects the vocabulary from the private text by Gaussian
 partition selection (trainer/data/text.py); its noise comes from fresh OS entropy unless
 --vocab-noise-seed is given (tests only: the vocabulary's ε then holds only while the seed is
-secret). `--seed` only drives the negatives' draws.
+secret). `--seed` only drives the negatives' draws. A private vocabulary of fewer than half of
+--vocab words is an error (exit 2, nothing written) unless --allow-small-vocab.
 
 Importing this module is cheap (no torch, no pyarrow): handlers import what they need.
 """
@@ -125,6 +126,9 @@ def add_commands(subparsers) -> dict:
     t.add_argument("--vocab-noise-seed", type=_int_arg("--vocab-noise-seed", 0),
                    help="TESTS ONLY: fixed seed for the vocabulary noise (its ε holds only while "
                         "the seed is secret); default: fresh OS entropy")
+    t.add_argument("--allow-small-vocab", action="store_true",
+                   help="keep a private vocabulary of fewer than half of --vocab words (default: an error "
+                        "saying what corpus size would do)")
 
     syn = subparsers.add_parser("synth", help="synthetic data set with planted ground truth")
     ssub = syn.add_subparsers(dest="synth_kind", required=True, parser_class=type(syn))
@@ -175,6 +179,9 @@ def cmd_convert(args) -> dict:
     else:
         if args.vocab is None and args.vocab_file is None:
             raise ValueError("convert text: --vocab N is required unless --vocab-file PATH is given")
+        if args.allow_small_vocab and args.vocab_file is not None:
+            raise ValueError("convert text: --allow-small-vocab applies to a private vocabulary only, not with "
+                             "--vocab-file")
         from .text import convert_text
 
         meta = convert_text(args.input, args.out_dir, vocab=args.vocab, window=args.window,
@@ -182,7 +189,7 @@ def cmd_convert(args) -> dict:
                             vocab_noise_multiplier=args.vocab_noise_multiplier,
                             vocab_max_words_per_line=args.vocab_max_words_per_line,
                             vocab_unseen_delta=args.vocab_unseen_delta,
-                            vocab_noise_seed=args.vocab_noise_seed)
+                            vocab_noise_seed=args.vocab_noise_seed, allow_small_vocab=args.allow_small_vocab)
     return _result(meta, args.out_dir, started)
 
 

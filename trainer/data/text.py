@@ -22,6 +22,22 @@ Rules (exactly what the converter does):
   trainer charges it before the first step. Since an example lies within one line, a corpus
   with one example's line added or removed is a neighbour for this mechanism. Lines are the
   documents: a corpus that is one giant line (like text8) selects nothing useful;
+* too small a private vocabulary is an error (``SmallVocabularyError``, a DataError: the CLI
+  prints one line and exits 2), and nothing is written: fewer than half of ``vocab`` words
+  passed (and always when none did). Why half: ``vocab`` is a maximum, so a few words short is
+  normal (the selection keeps only words with ≈ τ lines or more), but a vocabulary under half
+  of it means the corpus is far below what the mechanism needs — its few words (one or two on
+  a 300-line corpus at ``vocab`` 100) make a useless model, and it is almost always a mistake,
+  not a choice. The message says how many words passed, what was asked, that a word needs ≈ τ
+  distinct lines to pass with probability 1/2, how many non-empty lines the corpus has, and a
+  corpus size that would do (a Zipf estimate: ``_needed_lines``).
+  ``allow_small_vocab=True`` (``--allow-small-vocab``) keeps any non-empty vocabulary. Privacy
+  of the refusal: the numbers it prints are post-processing of the same selection (the count
+  of survivors, their noisy counts) except the line count, which like ``num_examples`` is a
+  size treated as public. Nothing is charged anywhere, since no data set exists for a run to
+  charge; but the corpus *was* used once: a rerun on it (smaller ``vocab``, the flag) selects
+  again with fresh noise, and only the rerun's event lands in its dataset.json — count the
+  refused selection too if you report what the corpus has spent;
 * vocabulary, public (``vocab_file``): the words of that file (one per line, ``word`` or
   ``word \\t ...``; lowercased; each must be one token; blank lines skipped; duplicates are an
   error), in file order, the first ``vocab`` of them if ``vocab`` is given. It must not be
@@ -204,6 +220,50 @@ def read_public_vocab(vocab_file, vocab: Optional[int]) -> tuple[list[str], np.n
     return words, 1.0 / np.arange(1, len(words) + 1, dtype=np.float64), "1/(rank+1) by file order"
 
 
+class SmallVocabularyError(DataError):
+    """Too few words passed the private vocabulary selection (module docstring: the rule, and
+    what the numbers reveal). Attributes: ``selected`` (words that passed), ``requested``
+    (``vocab``), ``threshold`` (τ), ``lines`` (non-empty lines of the corpus), ``needed_lines``
+    (the Zipf estimate of a corpus that would do)."""
+
+    def __init__(self, path, selected: int, requested: int, threshold: float, lines: int, needed_lines: int):
+        self.selected, self.requested, self.threshold = selected, requested, threshold
+        self.lines, self.needed_lines = lines, needed_lines
+        need = math.ceil(threshold)
+        what = ("no word passed the private vocabulary selection" if selected == 0 else
+                f"private vocabulary too small: {selected} word{'s' * (selected != 1)} passed the selection, "
+                f"--vocab asked {requested} (at least half is required)")
+        super().__init__(
+            f"{path}: {what}; a word needs ≈ {need} occurrences in distinct lines to pass (with probability 1/2); "
+            f"this corpus has {lines} line{'s' * (lines != 1)} — use a corpus of ≳ {needed_lines} lines (one "
+            f"sentence or document per line), a smaller --vocab, a smaller --vocab-noise-multiplier (a larger ε), or "
+            f"a public --vocab-file" + ("" if selected == 0 else f"; --allow-small-vocab keeps the {selected}")
+            + "; nothing was written")
+
+
+def _needed_lines(noisy_counts: np.ndarray, threshold: float, vocab: int, lines: int, max_words: int) -> int:
+    """A corpus size (lines) at which about ``vocab`` words pass: a rule of thumb, printed as ≳.
+
+    Zipf's law for line counts: the r-th most common word is in ≈ C/r lines, and C grows in
+    proportion to the corpus. The ``vocab``-th word passes with probability ≈ 1/2 at C/vocab = τ.
+    C is estimated from the released noisy counts c_r (post-processing): max_r r·c_r, and at
+    most ``lines`` when nothing passed (no word is on more lines than there are). Scaling the
+    corpus by τ·vocab/C gives the estimate; it is never below the pigeonhole bound
+    ⌈vocab·τ/max_words⌉ (each line counts at most ``max_words`` words) nor below lines + 1.
+    Top words are on nearly every line, so the law overstates the need when only the first few
+    words passed, which errs on the side of enough. Measured on a Zipf text (2,000 words, 8-19
+    per line) at ``vocab`` 100: 300, 1,000 and 3,000 lines gave estimates of 18,000, 9,300 and
+    8,700 lines (1, 9 and 31 words passed); 8,600 lines then gave 96 words.
+    """
+    counts = np.sort(np.asarray(noisy_counts, dtype=np.float64))[::-1]
+    c = max(float(np.max(counts * np.arange(1, len(counts) + 1))) if len(counts) else float(lines), 1.0)
+    estimate = lines * threshold * vocab / c
+    floor = max(vocab * threshold / max_words, lines + 1)
+    needed = max(estimate, floor)
+    digits = max(int(math.floor(math.log10(needed))) - 1, 0)  # two significant digits, rounded up
+    return int(math.ceil(needed / 10 ** digits) * 10 ** digits)
+
+
 def _noise_rng(vocab_noise_seed: Optional[int]) -> np.random.Generator:
     """The vocabulary selection's generator: ChaCha20 keyed with 256 fresh bits from the OS (a
     one-time draw, so the cryptographic generator costs nothing), or Philox keyed with
@@ -219,12 +279,14 @@ def convert_text(input_txt, out_dir, *, vocab: Optional[int] = None, window: int
                  vocab_max_words_per_line: int = DEFAULT_VOCAB_MAX_WORDS_PER_LINE,
                  vocab_unseen_delta: float = DEFAULT_VOCAB_UNSEEN_DELTA,
                  vocab_file=None, vocab_noise_seed: Optional[int] = None,
-                 chunk_tokens: int = 1 << 18) -> DatasetMeta:
+                 allow_small_vocab: bool = False, chunk_tokens: int = 1 << 18) -> DatasetMeta:
     """Convert a plain text file to a cbow data set in ``out_dir`` (see module docstring).
 
     ``vocab`` (maximum vocabulary size) is required unless ``vocab_file`` is given. Without
     ``vocab_file`` the vocabulary is selected privately (its event lands in the meta's
     ``privacy_events``); ``vocab_noise_seed`` makes that selection reproducible (tests only).
+    A private vocabulary of fewer than ``vocab``/2 words raises ``SmallVocabularyError``
+    unless ``allow_small_vocab`` (one of no words always does); nothing is written then.
     """
     from widedp.selection.partition import check_unseen_delta, gaussian_partition_selection
 
@@ -234,6 +296,7 @@ def convert_text(input_txt, out_dir, *, vocab: Optional[int] = None, window: int
                              ("vocab_max_words_per_line", vocab_max_words_per_line, 1)):
         if name == "vocab" and value is None:
             continue
+        assert value is not None  # only vocab may be None (vocab_file given)
         if isinstance(value, bool) or int(value) != value or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value}")
     if not (isinstance(vocab_noise_multiplier, (int, float)) and math.isfinite(vocab_noise_multiplier)
@@ -252,6 +315,7 @@ def convert_text(input_txt, out_dir, *, vocab: Optional[int] = None, window: int
         vocabulary = {"method": "public_file", "path": str(vocab_file), "size": len(words),
                       "negative_weights": weights_from}
     else:
+        assert vocab is not None  # checked above: vocab is required without vocab_file
         lines_with_words = [0]
         selected = gaussian_partition_selection(
             _line_documents(path, int(vocab_max_words_per_line), lines_with_words),
@@ -261,12 +325,10 @@ def convert_text(input_txt, out_dir, *, vocab: Optional[int] = None, window: int
         if lines_with_words[0] == 0:
             raise DataError(f"{path}: no words (empty file?)")
         words = list(selected.keys[:vocab])
-        if not words:
-            raise DataError(
-                f"{path}: no word passed the private vocabulary selection (a word needs a noisy "
-                f"count of lines above {selected.threshold:.1f}; use a larger corpus with one "
-                f"sentence or document per line, a smaller vocab_noise_multiplier, or a public "
-                f"vocab_file)")
+        if not words or (2 * len(words) < vocab and not allow_small_vocab):
+            raise SmallVocabularyError(path, len(words), int(vocab), selected.threshold, lines_with_words[0],
+                                       _needed_lines(selected.noisy_counts, selected.threshold, int(vocab),
+                                                     lines_with_words[0], int(vocab_max_words_per_line)))
         noisy = selected.noisy_counts[:vocab]
         weights = np.maximum(noisy, NEGATIVE_WEIGHT_FLOOR)
         vocab_tsv = "".join(f"{w}\t{int(round(c))}\n" for w, c in zip(words, noisy))

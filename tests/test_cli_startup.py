@@ -1,0 +1,127 @@
+"""The `widedp` command line is light: help and config errors import neither torch, Ray nor
+dp_accounting (benchmarks/cli_startup.py measures the seconds; here the imports are checked,
+which is what makes them fast and does not depend on the machine). Its output is strict JSON,
+and --log-level drives the 'widedp' logger."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from widedp.trainer import cli, strict_json
+
+HEAVY = ("torch", "ray", "dp_accounting", "opacus", "fbgemm_gpu", "torchrec", "scipy")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _modules_after(argv: list[str], tmp_path: Path) -> tuple[set[str], int]:
+    """The heavy top-level modules loaded by `widedp ARGV` in a fresh interpreter, and its exit code."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import sys, json\n"
+        "from widedp.trainer.cli import main\n"
+        "try:\n"
+        f"    code = main({argv!r})\n"
+        "except SystemExit as exc:\n"
+        "    code = exc.code\n"
+        f"print(json.dumps([sorted({{m.split('.')[0] for m in sys.modules}} & set({list(HEAVY)!r})), code]))\n")
+    done = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    loaded, code = json.loads(done.stdout.strip().splitlines()[-1])
+    return set(loaded), code
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, str]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {c.dest: c.help for c in action._choices_actions}
+
+
+def test_command_table_is_what_the_modules_register():
+    """`widedp --help` lists COMMAND_HELP without importing any command's module, so the table
+    must say exactly what each module registers (names, order-independent, and help lines)."""
+    full = _subcommands(cli.build_parser())
+    assert full == {name: text for name, (_, text) in cli.COMMAND_HELP.items()}
+    lazy = _subcommands(cli.build_parser(lazy=True))
+    assert lazy == full
+
+
+def test_the_light_selection_name_is_the_registrys():
+    from widedp.selection.registry import NO_SELECTION
+
+    assert cli.NO_SELECTION == NO_SELECTION
+    assert cli.selection_choices()[0] == NO_SELECTION
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
+def test_help_imports_nothing_heavy(argv, tmp_path):
+    loaded, code = _modules_after(argv, tmp_path)
+    assert code == 0
+    assert loaded == set()
+
+
+def test_the_import_probe_sees_a_heavy_command(tmp_path):
+    """The probe above is not blind: `widedp epsilon --help` reads the selector registry."""
+    loaded, code = _modules_after(["epsilon", "--help"], tmp_path)
+    assert code == 0 and "dp_accounting" in loaded
+
+
+def test_config_errors_are_reported_before_torch_and_ray_load(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nstepz = 3\n")
+    for argv in (["train", "--config", str(bad)],
+                 ["train", "--config", str(tmp_path / "missing.toml")],
+                 ["train", "--config", "configs/quickstart.toml", "--set", "train.steps=abc"],
+                 ["train", "--config", "configs/quickstart.toml", "--set", "nosuch"]):
+        loaded, code = _modules_after(argv, tmp_path)
+        assert code == 2, argv
+        assert loaded == set(), (argv, loaded)
+
+
+def test_a_broken_lazy_table_would_be_caught(monkeypatch):
+    """The table check above fails if a command's help drifts from its module's."""
+    monkeypatch.setitem(cli.COMMAND_HELP, "budget", ("widedp.trainer.dataset_budget", "some other text"))
+    full = _subcommands(cli.build_parser())
+    assert full["budget"] != cli.COMMAND_HELP["budget"][1]
+
+
+def test_the_command_is_found_after_global_options():
+    assert cli._command_in(["--log-level", "debug", "train", "--config", "x"]) == "train"
+    assert cli._command_in(["--help"]) is None
+    assert cli._command_in(["nosuch"]) is None
+
+
+def test_strict_json_has_no_infinity():
+    text = strict_json.dumps({"epsilon": math.inf, "x": [float("nan"), 1.0]})
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict constant {c}")) == {"epsilon": None,
+                                                                                                  "x": [None, 1.0]}
+    with pytest.raises(ValueError):  # what the CLI wrote before: Python's json accepts, strict parsers refuse
+        json.dumps({"epsilon": math.inf}, allow_nan=False)
+
+
+def test_cli_prints_strict_json(capsys):
+    """An ε that is infinite (δ of the data set's one-time events alone) prints as null."""
+    code = cli.main(["epsilon", "--noise-multiplier", "1.0", "--sample-rate", "0.01", "--steps", "10",
+                     "--delta", "1e-5"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    json.loads(out, parse_constant=lambda c: pytest.fail(f"non-strict constant {c}"))
+
+
+def test_log_level_sets_the_widedp_logger(capsys):
+    code = cli.main(["--log-level", "info", "epsilon", "--noise-multiplier", "1.0", "--sample-rate", "0.01",
+              "--steps", "10", "--delta", "1e-5"])
+    assert code == 0, capsys.readouterr().err
+    logger = logging.getLogger("widedp")
+    assert logger.level == logging.INFO
+    logging.getLogger("widedp.trainer.train").info("hello from the trainer")
+    assert "widedp: INFO: hello from the trainer" in capsys.readouterr().err
+    cli.main(["epsilon", "--noise-multiplier", "1.0", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-5"])
+    assert logger.level == logging.WARNING
+    logging.getLogger("widedp.trainer.train").info("not shown")
+    assert "not shown" not in capsys.readouterr().err
