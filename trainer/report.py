@@ -1,13 +1,34 @@
-"""`widedp report RUN_DIR... [--out DIR]`: plots and a short markdown summary of training runs.
+"""`widedp report RUN_DIR... [--run-dir RUN_DIR]... [--out DIR] [--curve-points N] [--accountants rdp,pld,prv,paper]`:
+plots and a short markdown summary of training runs.
 
-For each run directory (what `widedp train` writes): the loss versus step (metrics.jsonl:
-held-out loss from `train.eval_every` lines, or the raw batch loss of a `train.debug_metrics` run), ε versus step under each accountant (the run's ledger.json re-accounted by
-`rdp`, `pld` and the seed paper's Theorem 3 bound `paper`; an accountant that cannot bound the
-run's events is listed as unsupported, never guessed), and the median time per step phase
-(summary.json `phase_ms_median`). With several runs the curves are overlaid and the summary
-table compares them. Writes OUT/report.md and OUT/*.png — OUT defaults to RUN_DIR/report for
-one run and to PARENT/report (the first run's parent directory) for several — and prints
-{"markdown": ..., "plots": [...]}.
+For each run directory (what `widedp train` writes) it draws, against the **training step**
+(the step counter metrics.jsonl uses: step t = after t steps; step 0 = before the first step):
+
+- ε per accountant (the run's ledger.json re-accounted by `rdp`, `pld`, `prv` and the seed
+  paper's Theorem 3 bound `paper`), with the run's target ε as a horizontal line. Only valid
+  bounds are plotted: an accountant that cannot bound the run's events (unsupported) and the
+  paper's bound where its conditions are violated are left off the axes, and the legend and the
+  markdown say which and why — never guessed, never an invalid number beside valid ones.
+  The ledger counts charged events, not steps (accounting/ledger.py): one-time events (a
+  private vocabulary, DP-FEST's one-time selection) are charged before step 0 and a step may
+  charge more than one event, so the events are mapped to steps first (`step_mapping`);
+  one-time charges are marked at the step they were charged at.
+- held-out metrics (`train.eval_every` lines of metrics.jsonl, and summary.json's final
+  test_metrics) as points at the steps the evaluations ran;
+- the loss: held-out loss as points, plus the raw training batch loss of a
+  `train.debug_metrics` run (the only runs that record it, docs/THREAT_MODEL.md);
+- rows noised per step (metrics.jsonl `rows_selected`: the selected rows plus the rows of dense
+  tables, all noised; in a non-private run the rows updated, without noise);
+- the median time per step phase (summary.json `phase_ms_median`).
+
+OUT/summary.png puts the first four on one 2×2 figure (the one to send a colleague);
+OUT/epsilon.png, heldout.png, loss.png, rows_noised.png and phases.png are the single plots;
+OUT/report.md the tables and the notes (which accountants were plotted and why the others were
+not); OUT/report_data.json the series every plot was drawn from. A non-private run (mode
+nonprivate, or no ledger) gets no ε curve and is labelled "non-private". With several runs the
+curves are overlaid and the tables compare them. OUT defaults to RUN_DIR/report for one run and
+to PARENT/report (the first run's parent directory) for several; prints {"markdown": ...,
+"plots": [...], "summary_plot": ..., "data": ...}.
 
 The plotting helpers here are shared with benchmarks/make_results.py.
 """
@@ -20,10 +41,24 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 ACCOUNTANT_NAMES = ("rdp", "pld", "prv", "paper")
-CURVE_ACCOUNTANTS = ("rdp", "pld", "paper")
+CURVE_ACCOUNTANTS = ("rdp", "pld", "prv", "paper")
+ACCOUNTANT_STYLE = {"rdp": ("-", "o"), "pld": ("--", "s"), "prv": ("-.", "^"), "paper": (":", "x")}
+#: held-out metrics shown first when a run has several (the summary's "held-out metric" panel)
+HEADLINE_METRICS = ("auc", "pairwise_accuracy", "accuracy")
+LOSS_METRICS = ("logloss", "loss")
+#: the longest per-step event pattern `step_mapping` looks for, and the most events it expands
+MAX_EVENTS_PER_STEP = 64
+MAX_EXPANDED_EVENTS = 20_000_000
 
 
 # ---- reading runs -------------------------------------------------------------------------------
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+
 
 def load_run(run_dir) -> dict:
     run_dir = Path(run_dir)
@@ -32,15 +67,32 @@ def load_run(run_dir) -> dict:
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise ValueError(f"{run_dir}: no summary.json (not a finished `widedp train` run dir?)")
-    run = {"dir": run_dir, "name": run_dir.name, "summary": json.loads(summary_path.read_text()),
-           "config": {}, "metrics": []}
+    summary = _read_json(summary_path)
+    if not isinstance(summary, dict):
+        raise ValueError(f"{summary_path}: expected a JSON object, got {type(summary).__name__}")
+    run = {"dir": run_dir, "name": run_dir.name, "summary": summary, "config": {}, "metrics": []}
     if (run_dir / "config.json").exists():
-        run["config"] = json.loads((run_dir / "config.json").read_text())
-    if (run_dir / "metrics.jsonl").exists():
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            if line.strip():
-                run["metrics"].append(json.loads(line))
+        run["config"] = _read_json(run_dir / "config.json")
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: line {i} is not valid JSON ({exc})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int) or isinstance(record["step"], bool):
+                raise ValueError(f"{path}: line {i} has no integer \"step\"")
+            run["metrics"].append(record)
     return run
+
+
+def is_private(run: dict) -> bool:
+    """A run with a privacy ledger: not mode nonprivate (nor summary "private": false) and
+    ledger.json present."""
+    s = run["summary"]
+    return s.get("mode") != "nonprivate" and s.get("private") is not False and (Path(run["dir"]) / "ledger.json").exists()
 
 
 def run_label(run: dict) -> str:
@@ -50,9 +102,25 @@ def run_label(run: dict) -> str:
     return f"{run['name']} ({label})"
 
 
+def _last_per_step(lines: list[dict]) -> list[dict]:
+    """One line per step, the last one written (a resumed run re-logs the steps it replays)."""
+    by_step = {}
+    for line in lines:
+        by_step[line["step"]] = line
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _number(v) -> Optional[float]:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
 # ---- accounting -----------------------------------------------------------------------------------
 
 def _truncate(history, steps: int):
+    """The first `steps` charged events of a run-length encoded history."""
     out, left = [], steps
     for event, count in history:
         if left <= 0:
@@ -67,12 +135,15 @@ def epsilon_by_accountant(history, delta: float, names: Sequence[str] = ACCOUNTA
     "valid": bool, "violations": [...]}, "pld": {"unsupported": reason}, ...}."""
     from widedp.accounting import make_accountant
 
-    out = {}
+    out: dict[str, dict] = {}
     for name in names:
+        if not history:  # nothing charged: nothing released that depends on the data
+            out[name] = {"epsilon": 0.0}
+            continue
         try:
             d = make_accountant(name).details(list(history), delta)
             eps = float(d["epsilon"])
-            entry = {"epsilon": eps if math.isfinite(eps) else None}
+            entry: dict = {"epsilon": eps if math.isfinite(eps) else None}
             if "valid" in d:
                 entry["valid"] = bool(d["valid"])
                 entry["violations"] = [str(v) for v in d.get("violations", [])]
@@ -83,7 +154,9 @@ def epsilon_by_accountant(history, delta: float, names: Sequence[str] = ACCOUNTA
 
 
 def epsilon_curves(history, delta: float, points: int = 12, names: Sequence[str] = CURVE_ACCOUNTANTS) -> dict:
-    """ε after t steps on a log-spaced grid of t, per accountant (None where unsupported)."""
+    """ε after t *charged events* on a log-spaced grid of t, per accountant (None where
+    unsupported; the paper's bound whatever its validity). For a history of one event per step
+    and no one-time events (benchmarks/paper_fig1.py); a run's report uses `epsilon_over_steps`."""
     import numpy as np
 
     total = sum(c for _, c in history)
@@ -103,9 +176,177 @@ def epsilon_curves(history, delta: float, points: int = 12, names: Sequence[str]
     return curves
 
 
+def step_mapping(history, steps: Optional[int], resumed: bool = False) -> dict:
+    """How a ledger's charged events map to training steps.
+
+    Returns {"mapped": bool, "steps": T, "events": E, "events_per_step": m,
+    "events_by_step": [events charged by the end of step t, t = 0..T], "one_time": {step: n}
+    (events that are not a step's: charged before step 0 at key 0), "extra_step_charges": r,
+    "note": str}.
+
+    Exact case: the last m·T events are T repetitions of one m-event pattern (the smallest m);
+    what precedes them is charged before step 0. Repetitions beyond T (a run resumed after a
+    crash charges the steps it replays again, accounting/ledger.py: over-counted, never
+    under-counted) are placed at step 1, so ε at a step is never below the ledger's; a run
+    that was never resumed and holds a whole multiple of T repetitions charges them all per
+    step. Otherwise each occurrence of the last event is one step and the other events are
+    one-time charges at the step after which they were charged. With fewer step events than
+    steps (or no step count) the events cannot be mapped: "mapped" is False and the caller
+    plots against charged events, saying so."""
+    import numpy as np
+
+    total = sum(c for _, c in history)
+    base = {"steps": steps, "events": total, "events_per_step": 0, "one_time": {}, "extra_step_charges": 0}
+    if steps is None or steps < 0:
+        return {**base, "mapped": False, "events_by_step": [],
+                "note": "summary.json gives no step count: plotted against charged ledger events"}
+    if steps == 0 or total == 0:
+        return {**base, "mapped": True, "events_by_step": [total] * (steps + 1),
+                "one_time": {0: total} if total else {}, "note": ""}
+    keys: dict[str, int] = {}
+    ids = [keys.setdefault(repr(e), len(keys)) for e, _ in history]
+    counts = [c for _, c in history]
+    T = steps
+    if total <= MAX_EXPANDED_EVENTS:
+        seq = np.repeat(np.asarray(ids, dtype=np.int32), counts)
+        for m in range(1, min(total // T, MAX_EVENTS_PER_STEP) + 1):
+            n0 = total - m * T
+            tail = seq[n0:].reshape(T, m)
+            if not (tail == tail[0]).all():
+                continue
+            head_reps = n0 // m
+            block = seq[n0 - head_reps * m:n0].reshape(head_reps, m)
+            match = (block == tail[0]).all(axis=1)
+            r = int(head_reps - (np.flatnonzero(~match)[-1] + 1 if (~match).any() else 0))
+            if r and not resumed and (T + r) % T == 0 and m * (T + r) // T <= MAX_EVENTS_PER_STEP:
+                m, r = m * (T + r) // T, 0  # e.g. two identical events per step
+            n0 = total - m * (T + r)
+            t = np.arange(T + 1)
+            by_step = np.where(t == 0, n0, n0 + m * np.minimum(t + r, T + r))
+            note = ""
+            if r:
+                note = (f"the ledger holds {T + r} step charges for {T} steps (steps replayed after a resume are "
+                        f"charged again); the {r} extra are placed at step 1, so ε is never under-stated")
+            return {**base, "mapped": True, "events_per_step": m, "events_by_step": by_step.tolist(),
+                    "one_time": {0: n0} if n0 else {}, "extra_step_charges": r, "note": note}
+    # each occurrence of the last event is a step; other events are one-time charges
+    step_id = ids[-1]
+    ends: list = []  # events charged by the end of each step-event occurrence
+    pos, before, occ = 0, 0, 0
+    one_time_at_occ: dict[int, int] = {}
+    for i, c in zip(ids, counts):
+        if i == step_id:
+            ends.append(np.arange(pos + 1, pos + c + 1, dtype=np.int64))
+            pos += c
+            occ += c
+        else:
+            pos += c
+            one_time_at_occ[occ] = one_time_at_occ.get(occ, 0) + c
+            if ends:
+                ends[-1][-1] = pos
+            else:
+                before = pos
+    occurrences = np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64)
+    R = int(occurrences.size)
+    if R < T:
+        return {**base, "mapped": False, "events_by_step": [],
+                "note": f"the ledger's {total} charged events hold {R} repetitions of its last event for {T} steps: "
+                        "they cannot be mapped to training steps; plotted against charged ledger events"}
+    r = R - T
+    by_step = [before] + occurrences[r:].tolist()
+    one_time: dict = {}
+    for k, n in one_time_at_occ.items():  # after the k-th step event: at step k - r (at least 1)
+        step = max(1, k - r) if k else 0
+        one_time[step] = one_time.get(step, 0) + n
+    note = ("one-time charges between steps are placed at the step after which they were charged" if
+            any(k > 0 for k in one_time) else "")
+    if r:
+        note = (note + "; " if note else "") + (f"the ledger holds {R} step charges for {T} steps; the {r} extra "
+                                                "are placed at step 1, so ε is never under-stated")
+    return {**base, "mapped": True, "events_per_step": 1, "events_by_step": by_step, "one_time": one_time,
+            "extra_step_charges": r, "note": note}
+
+
+def _step_grid(T: int, points: int) -> list[int]:
+    import numpy as np
+
+    if T <= 0:
+        return [0]
+    inner = {int(round(x)) for x in np.linspace(1, T, num=max(2, min(points, T)))} if points > 1 else {T}
+    return sorted({0, T} | inner)
+
+
+def _grouped(history):
+    """`history` with identical events merged (first appearance kept). Composition is
+    commutative under every accountant here (rdp, pld, prv, paper), so ε is the same; the
+    PLD and PRV accountants then compose one distribution per distinct event, not one per
+    entry of an alternating history (several events per step)."""
+    out: dict = {}
+    for event, count in history:
+        key = repr(event)
+        out[key] = (event, out[key][1] + count) if key in out else (event, count)
+    return list(out.values())
+
+
+def epsilon_over_steps(history, delta: float, mapping: dict, points: int = 12,
+                       names: Sequence[str] = CURVE_ACCOUNTANTS, final: Optional[dict] = None) -> dict:
+    """ε per accountant on a grid of training steps (0 and T included), from `step_mapping`.
+
+    {"steps": [t...], "events_charged": [...], "x_label": ..., "accountants": {name: {"epsilon":
+    [ε or None...], "plotted": bool, "reason": why not (or why some points are missing)}}}.
+    A point is None where the accountant gives no valid bound (unsupported, or the paper's
+    conditions violated); an accountant is plotted only if its bound at the end of the run is
+    valid (so an invalid final bound never shares the axes with valid ones). `final`: the
+    `epsilon_by_accountant` of the whole history, if already computed (the last point)."""
+    if mapping.get("mapped"):
+        xs = _step_grid(mapping["steps"], points)
+        events = [mapping["events_by_step"][t] for t in xs]
+        x_label = "training step"
+    else:  # the events cannot be mapped to steps: say so on the axis
+        total = mapping["events"]
+        xs = _step_grid(total, points)
+        events = xs
+        x_label = "charged ledger events (not mapped to training steps)"
+    out: dict = {"steps": xs, "events_charged": events, "x_label": x_label, "accountants": {}}
+    total = sum(c for _, c in history)
+    cache: dict = {(name, total): e for name, e in (final or {}).items()}
+    for name in names:
+        values: list[Optional[float]] = []
+        first_problem: Optional[str] = None
+        for n in events:
+            if (name, n) not in cache:
+                cache[(name, n)] = epsilon_by_accountant(_grouped(_truncate(history, n)), delta, [name])[name]
+            e = cache[(name, n)]
+            if "unsupported" in e:
+                values.append(None)
+                first_problem = first_problem or f"unsupported: {e['unsupported']}"
+            elif e.get("valid") is False:
+                values.append(None)
+                first_problem = first_problem or ("conditions violated: " + "; ".join(e.get("violations", [])))
+            else:
+                values.append(e.get("epsilon"))
+        final = cache[(name, events[-1])]
+        if "unsupported" in final:
+            entry = {"plotted": False, "reason": f"unsupported: {final['unsupported']}"}
+        elif final.get("valid") is False:
+            shown = _fmt(final.get("epsilon"))
+            entry = {"plotted": False, "reason": f"conditions violated (its ε would read {shown}, not a valid bound): "
+                                                 + "; ".join(final.get("violations", []))}
+        elif final.get("epsilon") is None:
+            entry = {"plotted": False, "reason": "no finite ε"}
+        else:
+            entry = {"plotted": True, "reason": "" if first_problem is None else
+                     f"no valid bound at some steps (left off): {first_problem}"}
+        out["accountants"][name] = {"epsilon": values if entry["plotted"] else [None] * len(values), **entry}
+    return out
+
+
 def ledger_accounting(run_dir, curve_points: int = 12, names: Sequence[str] = ACCOUNTANT_NAMES,
-                      curve_names: Sequence[str] = CURVE_ACCOUNTANTS) -> dict:
-    """The accountants compared on a run's recorded ledger: ε at the end and ε versus step."""
+                      curve_names: Sequence[str] = CURVE_ACCOUNTANTS, steps: Optional[int] = None,
+                      resumed: bool = False) -> dict:
+    """The accountants compared on a run's recorded ledger: ε at the end ("final") and, with
+    `curve_points`, ε per accountant over the run's training steps ("curves",
+    `epsilon_over_steps`; `steps` defaults to summary.json's). {} without a ledger."""
     from widedp.accounting import PrivacyLedger
 
     path = Path(run_dir) / "ledger.json"
@@ -113,9 +354,85 @@ def ledger_accounting(run_dir, curve_points: int = 12, names: Sequence[str] = AC
         return {}
     ledger = PrivacyLedger.load(path)
     history = ledger.history
-    return {"delta": ledger.delta, "steps": ledger.steps, "recorded_by": ledger.accountant.name,
-            "final": epsilon_by_accountant(history, ledger.delta, names),
-            "curves": epsilon_curves(history, ledger.delta, curve_points, curve_names) if curve_points else {}}
+    if curve_points and steps is None and (Path(run_dir) / "summary.json").exists():
+        summary = _read_json(Path(run_dir) / "summary.json")
+        steps, resumed = summary.get("steps"), bool(summary.get("resumed", resumed))
+    out: dict = {"delta": ledger.delta, "events": ledger.steps, "steps": steps, "recorded_by": ledger.accountant.name,
+           "final": epsilon_by_accountant(history, ledger.delta, names), "curves": {}}
+    if curve_points:
+        mapping = step_mapping(history, steps if isinstance(steps, int) else None, resumed)
+        out["mapping"] = {k: v for k, v in mapping.items() if k != "events_by_step"}
+        out["curves"] = epsilon_over_steps(history, ledger.delta, mapping, curve_points, curve_names, out["final"])
+    return out
+
+
+# ---- series (what the plots are drawn from) --------------------------------------------------------
+
+def heldout_series(run: dict) -> dict:
+    """Held-out metrics at the steps the evaluations ran: {"steps": [...], "metrics": {name: [...]},
+    "source": [...]} from the eval lines of metrics.jsonl, plus summary.json's final
+    test_metrics at the last step when no eval line is there."""
+    lines = _last_per_step([m for m in run["metrics"] if isinstance(m.get("test_metrics"), dict)])
+    points = [(m["step"], m["test_metrics"], "metrics.jsonl") for m in lines]
+    final, T = run["summary"].get("test_metrics"), run["summary"].get("steps")
+    if isinstance(final, dict) and final and isinstance(T, int) and all(s != T for s, _, _ in points):
+        points.append((T, final, "summary.json"))
+    points.sort(key=lambda p: p[0])
+    names: list[str] = []
+    for _, metrics, _ in points:
+        names += [k for k in metrics if k not in names and _number(metrics[k]) is not None]
+    return {"steps": [s for s, _, _ in points], "source": [src for _, _, src in points],
+            "metrics": {k: [_number(m.get(k)) for _, m, _ in points] for k in names}}
+
+
+def headline_metric(metrics: dict) -> Optional[str]:
+    for name in HEADLINE_METRICS + LOSS_METRICS:
+        if name in metrics:
+            return name
+    return next(iter(metrics), None)
+
+
+def loss_metric(metrics: dict) -> Optional[str]:
+    return next((n for n in LOSS_METRICS if n in metrics), None)
+
+
+def train_loss_series(run: dict) -> Optional[dict]:
+    """The raw training batch loss of a `train.debug_metrics` run (None otherwise: it is not
+    released by default, docs/THREAT_MODEL.md), with a trailing moving average."""
+    lines = _last_per_step([m for m in run["metrics"] if "loss" in m])
+    if not lines:
+        return None
+    losses = [_number(m["loss"]) for m in lines]
+    return {"steps": [m["step"] for m in lines], "loss": losses,
+            "smoothed": smooth(losses, max(1, len(losses) // 20))}
+
+
+def rows_noised_series(run: dict) -> dict:
+    """metrics.jsonl `rows_selected` per logged step: the rows a private step noised (selected
+    rows plus dense tables' rows); in a non-private run the rows updated (nothing is noised)."""
+    lines = _last_per_step([m for m in run["metrics"] if _number(m.get("rows_selected")) is not None])
+    return {"steps": [m["step"] for m in lines], "rows": [_number(m["rows_selected"]) for m in lines],
+            "noised": is_private(run)}
+
+
+def run_series(run: dict, curve_points: int, accountants: Sequence[str] = ACCOUNTANT_NAMES) -> dict:
+    """Everything the plots of one run are drawn from."""
+    s = run["summary"]
+    private = is_private(run)
+    out: dict = {"label": run_label(run), "private": private, "steps": s.get("steps"),
+                 "heldout": heldout_series(run), "train_loss": train_loss_series(run),
+                 "rows_noised": rows_noised_series(run), "epsilon": None, "accounting": {}}
+    if not private:
+        out["epsilon_note"] = "non-private: no privacy guarantee (ε = ∞); no ε plotted"
+        return out
+    acc = ledger_accounting(run["dir"], curve_points, accountants, accountants,
+                            steps=s.get("steps") if isinstance(s.get("steps"), int) else None,
+                            resumed=bool(s.get("resumed")))
+    out["accounting"] = acc
+    if curve_points and acc.get("curves"):
+        target = _number(s.get("target_epsilon"))
+        out["epsilon"] = {**acc["curves"], "target_epsilon": target, "mapping": acc["mapping"]}
+    return out
 
 
 # ---- plots ----------------------------------------------------------------------------------------
@@ -131,7 +448,7 @@ def pyplot():
     return plt
 
 
-def smooth(values: Sequence[float], window: int) -> list[float]:
+def smooth(values: Sequence[Optional[float]], window: int) -> list[float]:
     """Trailing moving average (NaNs skipped) — batch losses are noisy."""
     out, buf = [], []
     for v in values:
@@ -195,6 +512,186 @@ def plot_phases(phases: dict, path, *, title: str) -> str:
     return save(fig, path)
 
 
+def _points(xs, ys):
+    pts = [(x, y) for x, y in zip(xs, ys) if y is not None and not (isinstance(y, float) and math.isnan(y))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _note_handle(text: str):
+    from matplotlib.lines import Line2D
+
+    return Line2D([], [], linestyle="none", marker="", label=text)
+
+
+def _legend(ax, extra_notes: Sequence[str] = (), fontsize=7) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    handles += [_note_handle(n) for n in extra_notes]
+    if handles:
+        ax.legend(handles=handles, fontsize=fontsize, loc="best")
+
+
+def _empty(ax, title: str, text: str) -> None:
+    ax.set(title=title, xlabel="", ylabel="")
+    ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True, fontsize=9, transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.grid(False)
+
+
+def _short(reason: str) -> str:
+    return "unsupported" if reason.startswith("unsupported") else \
+        "conditions violated" if reason.startswith("conditions violated") else reason[:40]
+
+
+def draw_epsilon(ax, runs_series: dict, color_by_run: bool) -> dict:
+    """ε per accountant over training steps on `ax`; returns what was drawn:
+    {"plotted": {run: [accountants]}, "not_plotted": {run: {accountant: reason}}, "notes": [...]}."""
+    drawn: dict = {"plotted": {}, "not_plotted": {}, "notes": []}
+    targets: dict[float, str] = {}
+    one_time_labelled = False
+    x_labels = set()
+    for i, (name, rs) in enumerate(runs_series.items()):
+        prefix = "" if len(runs_series) == 1 else f"{name}: "
+        if not rs["private"]:
+            drawn["notes"].append(f"{prefix}non-private (no ε)")
+            continue
+        eps = rs.get("epsilon")
+        if not eps:
+            continue
+        x_labels.add(eps["x_label"])
+        drawn["plotted"][name], drawn["not_plotted"][name] = [], {}
+        for j, (acc, cur) in enumerate(eps["accountants"].items()):
+            if not cur["plotted"]:
+                drawn["not_plotted"][name][acc] = cur["reason"]
+                drawn["notes"].append(f"{prefix}{acc}: not plotted ({_short(cur['reason'])})")
+                continue
+            xs, ys = _points(eps["steps"], cur["epsilon"])
+            linestyle, marker = ACCOUNTANT_STYLE.get(acc, ("-", "o"))
+            color = f"C{i}" if color_by_run else f"C{j}"
+            ax.plot(xs, ys, linestyle=linestyle, marker=marker, markersize=3.5, color=color, label=f"{prefix}{acc}")
+            drawn["plotted"][name].append(acc)
+            if cur["reason"]:
+                drawn["notes"].append(f"{prefix}{acc}: points without a valid bound left off")
+        if eps.get("target_epsilon") is not None:
+            targets.setdefault(eps["target_epsilon"], f"C{i}" if color_by_run else "black")
+        one_time = eps.get("mapping", {}).get("one_time") or {}
+        if one_time and drawn["plotted"][name]:
+            first = drawn["plotted"][name][0]
+            ys_first = dict(zip(eps["steps"], eps["accountants"][first]["epsilon"]))
+            for step, count in sorted(one_time.items()):
+                y = ys_first.get(step)
+                label = None if one_time_labelled else "one-time charges (step 0: before the first step)"
+                one_time_labelled = True
+                ax.axvline(step, color="grey", linewidth=0.8, linestyle=(0, (1, 2)))
+                if y is not None:
+                    ax.plot([step], [y], marker="D", markersize=7, markerfacecolor="none", color="black",
+                            linestyle="none", label=label)
+                drawn.setdefault("one_time_marks", []).append({"run": name, "step": step, "events": count})
+    for target, color in targets.items():
+        ax.axhline(target, color=color, linewidth=1.0, linestyle=(0, (5, 3)), alpha=0.7, label=f"target ε = {_fmt(target)}")
+    ax.set(title="ε over the run, per accountant (valid bounds only)", xlabel=" / ".join(sorted(x_labels)) or "training step",
+           ylabel="ε")
+    if not any(rs["private"] for rs in runs_series.values()):
+        _empty(ax, "ε over the run", "non-private: no privacy guarantee (ε = ∞)")
+        return drawn
+    if not any(drawn["plotted"].values()):
+        _empty(ax, "ε over the run", "\n".join(drawn["notes"]) or "no accountant gives a valid bound")
+        return drawn
+    ax.set_ylim(bottom=0)
+    if x_labels == {"training step"}:
+        _step_axis(ax, runs_series)
+    _legend(ax, drawn["notes"])
+    return drawn
+
+
+def draw_heldout(ax, runs_series: dict, which: str = "headline") -> dict:
+    """Held-out metric(s) as points at the steps the evaluations ran (joined by a thin dashed
+    line); `which`: "headline" (AUC / accuracy, else the loss), "loss", or a metric name."""
+    drawn: dict = {}
+    for i, (name, rs) in enumerate(runs_series.items()):
+        h = rs["heldout"]
+        metric = headline_metric(h["metrics"]) if which == "headline" else \
+            loss_metric(h["metrics"]) if which == "loss" else (which if which in h["metrics"] else None)
+        if metric is None:
+            continue
+        xs, ys = _points(h["steps"], h["metrics"][metric])
+        if not xs:
+            continue
+        prefix = "" if len(runs_series) == 1 else f"{name}: "
+        ax.plot(xs, ys, linestyle="--", linewidth=0.7, marker="o", markersize=5, color=f"C{i}",
+                label=f"{prefix}held-out {metric}")
+        drawn[name] = {"metric": metric, "steps": xs, "values": ys, "style": "points"}
+    return drawn
+
+
+def draw_loss(ax, runs_series: dict) -> dict:
+    """Held-out loss as points plus the debug batch loss (smoothed line) where recorded."""
+    drawn = {"heldout": draw_heldout(ax, runs_series, "loss"), "train": {}}
+    for i, (name, rs) in enumerate(runs_series.items()):
+        tl = rs["train_loss"]
+        if tl is None:
+            continue
+        prefix = "" if len(runs_series) == 1 else f"{name}: "
+        xs, ys = _points(tl["steps"], tl["smoothed"])
+        ax.plot(xs, ys, linestyle="-", linewidth=1.0, color=f"C{i}", alpha=0.8,
+                label=f"{prefix}training batch loss (debug, smoothed)")
+        drawn["train"][name] = {"steps": xs, "values": ys, "style": "line"}
+    return drawn
+
+
+def draw_rows(ax, runs_series: dict) -> dict:
+    drawn = {}
+    for i, (name, rs) in enumerate(runs_series.items()):
+        r = rs["rows_noised"]
+        xs, ys = _points(r["steps"], r["rows"])
+        if not xs:
+            continue
+        prefix = "" if len(runs_series) == 1 else f"{name}: "
+        what = "rows noised" if r["noised"] else "rows updated (non-private: no noise)"
+        ax.plot(xs, ys, linestyle="-", linewidth=0.8, marker=".", color=f"C{i}", label=f"{prefix}{what}")
+        drawn[name] = {"steps": xs, "values": ys, "noised": r["noised"]}
+    return drawn
+
+
+def _step_axis(ax, runs_series: dict) -> None:
+    """Integer training steps from 0 to the longest run's last step (the same x range as ε)."""
+    from matplotlib.ticker import MaxNLocator
+
+    last = max((rs["steps"] for rs in runs_series.values() if isinstance(rs.get("steps"), int)), default=None)
+    if last:
+        ax.set_xlim(-0.02 * last, 1.02 * last)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _finish(ax, drawn, title, xlabel, ylabel, empty_text, notes=(), runs_series=None, y_from_zero=False) -> None:
+    if not drawn:
+        _empty(ax, title, empty_text)
+        return
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if runs_series is not None:
+        _step_axis(ax, runs_series)
+    if y_from_zero:
+        ax.set_ylim(bottom=0)
+    _legend(ax, notes)
+
+
+def _rows_title(runs_series) -> str:
+    if any(rs["private"] for rs in runs_series.values()):
+        return "rows noised per step (logged steps)"
+    return "rows updated per step (non-private: nothing noised)"
+
+
+def _no_loss_text(runs_series) -> str:
+    return ("no loss recorded: held-out loss needs train.eval_every; the training batch loss is written only with "
+            "train.debug_metrics = true (docs/THREAT_MODEL.md)")
+
+
+def _loss_notes(runs_series) -> list[str]:
+    if all(rs["train_loss"] is None for rs in runs_series.values()):
+        return ["training batch loss: not recorded (train.debug_metrics = false)"]
+    return []
+
+
 # ---- the report -----------------------------------------------------------------------------------
 
 def _fmt(v, digits=4) -> str:
@@ -209,60 +706,129 @@ def _fmt(v, digits=4) -> str:
     return str(v)
 
 
-def render(run_dirs: Sequence, out: Optional[Path] = None, curve_points: int = 12) -> dict:
+def _unique_names(runs) -> None:
+    seen: dict = {}
+    for run in runs:
+        seen[run["name"]] = seen.get(run["name"], 0) + 1
+    for run in runs:
+        if seen[run["name"]] > 1:
+            run["name"] = f"{run['dir'].parent.name}/{run['dir'].name}"
+
+
+def render(run_dirs: Sequence, out: Optional[Path] = None, curve_points: int = 12,
+           accountants: Sequence[str] = ACCOUNTANT_NAMES) -> dict:
+    """Write the report of `run_dirs` to `out`; returns {"markdown", "plots", "summary_plot",
+    "data", "runs", "series"} — "series" (also in OUT/report_data.json) is what every plot was
+    drawn from, per run, and "drawn" per plot what it shows (which accountants, which not and why)."""
+    if isinstance(curve_points, bool) or not isinstance(curve_points, int) or curve_points < 2:
+        raise ValueError(f"--curve-points must be an integer >= 2, got {curve_points!r}")
+    accountants = tuple(accountants)
+    unknown = [a for a in accountants if a not in ACCOUNTANT_NAMES]
+    if unknown or not accountants:
+        raise ValueError(f"--accountants must name some of {', '.join(ACCOUNTANT_NAMES)}, got {', '.join(accountants) or 'none'}")
     runs = [load_run(d) for d in run_dirs]
     if not runs:
         raise ValueError("report needs at least one RUN_DIR")
+    _unique_names(runs)
     if out is None:
         out = runs[0]["dir"] / "report" if len(runs) == 1 else runs[0]["dir"].parent / "report"
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    plots = []
-    # loss: held-out loss from `train.eval_every` lines; the raw training batch loss only for
-    # runs that opted into train.debug_metrics (docs/THREAT_MODEL.md)
-    series = [line for line in (_loss_series(run) for run in runs) if line is not None]
-    if series:
-        plots.append(plot_curves(series, out / "loss.png", title="loss versus step (held-out, or debug batch loss)",
-                                 xlabel="step", ylabel="loss"))
-    # ε per accountant
-    accounting = {}
-    eps_series = []
-    styles = {"rdp": "-", "pld": "--", "prv": "-.", "paper": ":"}
-    for run in runs:
-        acc = ledger_accounting(run["dir"], curve_points) if run["summary"].get("mode") != "nonprivate" else {}
-        accounting[run["name"]] = acc
-        for name in CURVE_ACCOUNTANTS:
-            ys = acc.get("curves", {}).get(name)
-            if ys and any(y is not None for y in ys):
-                label = f"{name}" if len(runs) == 1 else f"{run['name']}: {name}"
-                eps_series.append((label, acc["curves"]["steps"], ys, {"linestyle": styles[name]}))
-    if eps_series:
-        plots.append(plot_curves(eps_series, out / "epsilon.png", title="ε versus step, per accountant",
-                                 xlabel="step", ylabel="ε", logx=True, logy=True))
-    # phases
+    series = {run["name"]: run_series(run, curve_points, accountants) for run in runs}
+    color_by_run = len(runs) > 1
+    plt = pyplot()
+    plots, drawn = [], {}
+
+    # the 2×2 summary: ε | held-out metric / loss | rows noised
+    fig, axes = plt.subplots(2, 2, figsize=(12.0, 8.0))
+    drawn["summary"] = {"epsilon": draw_epsilon(axes[0][0], series, color_by_run)}
+    d = draw_heldout(axes[0][1], series)
+    metric_names = sorted({v["metric"] for v in d.values()})
+    _finish(axes[0][1], d, "held-out " + " / ".join(metric_names) + " (points: evaluations)", "training step",
+            " / ".join(metric_names), "no held-out evaluations (train.eval_every = 0)", runs_series=series)
+    drawn["summary"]["heldout"] = d
+    d = draw_loss(axes[1][0], series)
+    _finish(axes[1][0], d["heldout"] or d["train"], "loss (points: held-out evaluations)", "training step", "loss",
+            _no_loss_text(series), _loss_notes(series), runs_series=series)
+    drawn["summary"]["loss"] = d
+    d = draw_rows(axes[1][1], series)
+    _finish(axes[1][1], d, _rows_title(series), "training step", "rows",
+            "no rows_selected in metrics.jsonl", runs_series=series, y_from_zero=True)
+    drawn["summary"]["rows_noised"] = d
+    fig.suptitle("widedp run report: " + ", ".join(rs["label"] for rs in series.values()), fontsize=11)
+    summary_plot = save(fig, out / "summary.png")
+    plots.append(summary_plot)
+
+    # the single plots
+    if any(rs["private"] for rs in series.values()):
+        fig, ax = plt.subplots(figsize=(7.4, 4.6))
+        drawn["epsilon"] = draw_epsilon(ax, series, color_by_run)
+        plots.append(save(fig, out / "epsilon.png"))
+    heldout_names = []
+    for rs in series.values():
+        heldout_names += [k for k in rs["heldout"]["metrics"] if k not in heldout_names]
+    if heldout_names:
+        fig, axs = plt.subplots(1, len(heldout_names), figsize=(5.2 * len(heldout_names), 4.0), squeeze=False)
+        drawn["heldout"] = {}
+        for ax, metric in zip(axs[0], heldout_names):
+            d = draw_heldout(ax, series, metric)
+            _finish(ax, d, f"held-out {metric} (points: evaluations)", "training step", metric, "not evaluated",
+                    runs_series=series)
+            drawn["heldout"][metric] = d
+        plots.append(save(fig, out / "heldout.png"))
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    d = draw_loss(ax, series)
+    if d["heldout"] or d["train"]:
+        _finish(ax, d["heldout"] or d["train"], "loss (points: held-out evaluations)", "training step", "loss", "",
+                _loss_notes(series), runs_series=series)
+        drawn["loss"] = d
+        plots.append(save(fig, out / "loss.png"))
+    else:
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    d = draw_rows(ax, series)
+    if d:
+        _finish(ax, d, _rows_title(series), "training step", "rows", "", runs_series=series,
+                y_from_zero=True)
+        drawn["rows_noised"] = d
+        plots.append(save(fig, out / "rows_noised.png"))
+    else:
+        plt.close(fig)
     phases = {run["name"]: run["summary"]["phase_ms_median"] for run in runs if run["summary"].get("phase_ms_median")}
     if phases:
         plots.append(plot_phases(phases, out / "phases.png", title="where a step's time goes"))
-    md = _markdown(runs, accounting, [Path(p).name for p in plots])
+
+    md = _markdown(runs, series, drawn.get("epsilon") or drawn["summary"]["epsilon"], [Path(p).name for p in plots],
+                   accountants)
     (out / "report.md").write_text(md)
-    return {"markdown": str(out / "report.md"), "plots": plots, "runs": [str(r["dir"]) for r in runs]}
+    data = {name: {k: v for k, v in rs.items() if k != "accounting"} for name, rs in series.items()}
+    for name, rs in series.items():
+        data[name]["final"] = rs["accounting"].get("final", {})
+    (out / "report_data.json").write_text(json.dumps(_strict({"series": data, "drawn": drawn}), indent=1,
+                                                     allow_nan=False))
+    return {"markdown": str(out / "report.md"), "plots": plots, "summary_plot": summary_plot,
+            "data": str(out / "report_data.json"), "runs": [str(r["dir"]) for r in runs], "series": series,
+            "drawn": drawn}
 
 
-def _loss_series(run: dict):
-    """(label, steps, losses, style) of one run: held-out loss if logged, else the debug batch loss."""
-    held = [(m["step"], m["test_metrics"].get("logloss", m["test_metrics"].get("loss")))
-            for m in run["metrics"] if m.get("test_metrics")]
-    if held:
-        return (f"{run_label(run)} held-out", [s for s, _ in held], [v for _, v in held], None)
-    raw = [(m["step"], m["loss"]) for m in run["metrics"] if "loss" in m]
-    if raw:
-        losses = [v for _, v in raw]
-        return (f"{run_label(run)} batch loss (debug)", [s for s, _ in raw], smooth(losses, max(1, len(losses) // 20)),
-                None)
-    return None
+def _strict(v):
+    """Strict JSON: non-finite floats as null, paths and other objects as strings."""
+    if isinstance(v, dict):
+        return {str(k): _strict(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_strict(x) for x in v]
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    return f if math.isfinite(f) else None
 
 
-def _markdown(runs, accounting, plot_names) -> str:
+def _markdown(runs, series, eps_drawn, plot_names, accountants: Sequence[str] = ACCOUNTANT_NAMES) -> str:
     lines = ["# widedp run report", ""]
     lines += ["| run | mode | steps | examples/s | step ms (median) | test metrics | Bayes AUC | ε (recorded) | δ |",
               "|---|---|---:|---:|---:|---|---:|---:|---:|"]
@@ -270,34 +836,76 @@ def _markdown(runs, accounting, plot_names) -> str:
         s = run["summary"]
         mode = f"{s.get('mode')}/{s['selection']}" if s.get("selection") else s.get("mode")
         metrics = ", ".join(f"{k} {_fmt(v)}" for k, v in (s.get("test_metrics") or {}).items())
+        eps = f"{_fmt(s.get('epsilon'))} ({s.get('accountant')})" if series[run["name"]]["private"] else "∞ (non-private)"
         lines.append(f"| {run['name']} | {mode} | {s.get('steps')} | {_fmt(s.get('examples_per_sec'))} | "
                      f"{_fmt(s.get('step_time_ms_median'))} | {metrics} | {_fmt(s.get('bayes_auc'))} | "
-                     f"{_fmt(s.get('epsilon'))} ({s.get('accountant')}) | {_fmt(s.get('delta'), 3)} |")
+                     f"{eps} | {_fmt(s.get('delta'), 3)} |")
     lines += ["", "## Privacy: the same ledger under each accountant", "",
-              "| run | " + " | ".join(ACCOUNTANT_NAMES) + " |", "|---|" + "---:|" * len(ACCOUNTANT_NAMES)]
+              "| run | " + " | ".join(accountants) + " |", "|---|" + "---:|" * len(accountants)]
     for run in runs:
-        acc = accounting.get(run["name"]) or {}
+        acc = series[run["name"]]["accounting"]
         if not acc:
-            lines.append(f"| {run['name']} | " + " | ".join(["(non-private)"] * len(ACCOUNTANT_NAMES)) + " |")
+            lines.append(f"| {run['name']} | " + " | ".join(["(non-private)"] * len(accountants)) + " |")
             continue
         cells = []
-        for name in ACCOUNTANT_NAMES:
+        for name in accountants:
             e = acc["final"].get(name, {})
             if "unsupported" in e:
                 cells.append("unsupported")
             else:
                 cell = _fmt(e.get("epsilon"))
                 if e.get("valid") is False:
-                    cell += " (conditions violated)"
+                    cell += " (conditions violated: not a valid bound)"
                 cells.append(cell)
         lines.append(f"| {run['name']} | " + " | ".join(cells) + " |")
     notes = []
     for run in runs:
-        e = (accounting.get(run["name"]) or {}).get("final", {}).get("paper", {})
+        e = series[run["name"]]["accounting"].get("final", {}).get("paper", {})
         if e.get("violations"):
             notes.append(f"- {run['name']}: paper bound's conditions violated: " + "; ".join(e["violations"]))
     if notes:
         lines += [""] + notes
+    lines += ["", "## ε over the run (epsilon.png, summary.png)", ""]
+    for run in runs:
+        name, rs = run["name"], series[run["name"]]
+        if not rs["private"]:
+            lines.append(f"- {name}: non-private — no privacy guarantee (ε = ∞), no ε plotted.")
+            continue
+        eps = rs.get("epsilon")
+        if not eps:
+            lines.append(f"- {name}: ε curves not computed.")
+            continue
+        plotted = eps_drawn.get("plotted", {}).get(name, [])
+        lines.append(f"- {name}: plotted: {', '.join(plotted) if plotted else 'none'} (x: {eps['x_label']}"
+                     + (f"; target ε = {_fmt(eps['target_epsilon'])} drawn as a horizontal line" if eps.get("target_epsilon")
+                        is not None else "") + ").")
+        for acc, reason in eps_drawn.get("not_plotted", {}).get(name, {}).items():
+            lines.append(f"  - not plotted: {acc} — {reason}")
+        for acc in plotted:
+            if eps["accountants"][acc]["reason"]:
+                lines.append(f"  - {acc}: {eps['accountants'][acc]['reason']}")
+        m = eps["mapping"]
+        if m.get("mapped"):
+            one_time = m.get("one_time") or {}
+            before = one_time.get(0, 0)
+            between = sum(n for k, n in one_time.items() if k > 0)
+            lines.append(f"  - ledger: {m['events']} charged events over {m['steps']} steps: {before} one-time "
+                         f"event(s) charged before step 0" + (f", {between} between steps" if between else "")
+                         + f", {m['events_per_step']} event(s) per step" + (f"; {m['note']}" if m.get("note") else "")
+                         + ".")
+        else:
+            lines.append(f"  - {m.get('note')}")
+    lines += ["", "Held-out metrics are drawn as points at the steps the evaluations ran (`train.eval_every` lines "
+              "of metrics.jsonl and the final evaluation of summary.json); rows noised per step are "
+              "metrics.jsonl's `rows_selected` at the logged steps."]
+    for run in runs:
+        h = series[run["name"]]["heldout"]
+        if h["steps"]:
+            lines.append(f"- {run['name']}: held-out evaluations at steps {', '.join(str(s) for s in h['steps'])}.")
+        else:
+            lines.append(f"- {run['name']}: no held-out evaluations.")
+        if series[run["name"]]["train_loss"] is None:
+            lines.append(f"- {run['name']}: training batch loss not recorded (train.debug_metrics = false).")
     s0 = runs[0]["summary"]
     bytes_rows = [f"| {r['name']} | {_fmt(r['summary'].get('bytes_to_shards'))} | {_fmt(r['summary'].get('bytes_from_shards'))} | "
                   f"{_fmt(r['summary'].get('rows_touched_mean'))} | {_fmt(r['summary'].get('rows_selected_mean'))} |"
@@ -312,12 +920,27 @@ def _markdown(runs, accounting, plot_names) -> str:
 # ---- CLI ------------------------------------------------------------------------------------------
 
 def add_commands(sub) -> dict:
-    r = sub.add_parser("report", help="plots and a markdown summary of one or more run directories")
-    r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    r = sub.add_parser("report", help="plots and a markdown summary of one or more run directories",
+                       description="Plots (OUT/summary.png: ε per accountant, held-out metrics, loss, rows noised per "
+                                   "step; and the single plots) and OUT/report.md for one or more `widedp train` run "
+                                   "directories, given positionally and/or with --run-dir.")
+    r.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="run directories (what `widedp train` writes)")
+    r.add_argument("--run-dir", action="append", default=[], dest="run_dir_opts", metavar="RUN_DIR",
+                   help="a run directory (repeatable; as in `widedp evaluate --run-dir`)")
     r.add_argument("--out", help="output directory (default RUN_DIR/report, or PARENT/report for several runs)")
-    r.add_argument("--curve-points", type=int, default=12, help="steps at which ε is re-accounted per accountant")
+    r.add_argument("--curve-points", type=int, default=12,
+                   help="training steps at which ε is re-accounted per accountant (plus step 0; default 12)")
+    r.add_argument("--accountants", default=",".join(ACCOUNTANT_NAMES),
+                   help=f"comma-separated accountants to re-account the ledger with (default {','.join(ACCOUNTANT_NAMES)}; "
+                        "pld and prv are the slow ones on long or varied ledgers)")
     return {"report": cmd_report}
 
 
 def cmd_report(args) -> dict:
-    return render(args.run_dirs, Path(args.out) if args.out else None, curve_points=args.curve_points)
+    run_dirs = list(args.run_dirs) + list(args.run_dir_opts)
+    if not run_dirs:
+        raise ValueError("report needs at least one run directory: RUN_DIR... or --run-dir RUN_DIR")
+    accountants = [a.strip() for a in args.accountants.split(",") if a.strip()]
+    result = render(run_dirs, Path(args.out) if args.out else None, curve_points=args.curve_points,
+                    accountants=accountants)
+    return {k: v for k, v in result.items() if k not in ("series", "drawn")}
