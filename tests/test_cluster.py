@@ -1,32 +1,35 @@
-"""A real two-node Ray cluster on loopback, driven the way a user drives one.
+"""A real two-node Ray cluster on loopback, started by README "### 1. Try it" as written.
 
-The module fixture starts, from this venv (so the job's driver and workers use the venv's
-python and the editable install):
-  * a head: `ray start --head --block --num-cpus 0` (no shard may land on it, as on KubeRay),
-    GCS and dashboard on free ports of 127.0.0.1, every other port it opens chosen free too;
-  * one worker node: `ray start --block --address 127.0.0.1:<gcs> --num-cpus 1`.
-Both run with token authentication (RAY_AUTH_MODE=token, a fresh token in a temp file named
-by RAY_AUTH_TOKEN_PATH), a dedicated `--temp-dir`, and never touch ~/.ray or /tmp/ray.
-Ray advertises the host's primary IP for node-to-node traffic even when given 127.0.0.1
+The module fixture runs the README's walkthrough block (`<!-- walkthrough: two-node -->`,
+tests/readme_blocks.py) through `bash -e -o pipefail`, from this repository and its venv: token
+generation, `ray start --head --num-cpus 0` (no shard may land on it, as on KubeRay), a worker
+node `ray start --address ... --num-cpus 2 --temp-dir ...`, `ray status`, the quickstart
+submitted with `ray job submit`, `python -m json.tool` on its summary. The test changes the block
+only by the substitutions in `_walkthrough` (each one says why, and fails loudly when the README
+no longer has the text it replaces):
+  * isolation: HOME and RAY_TMPDIR point into a fresh directory (the token lands there, the
+    head's temp dir is <dir>/ray; nothing touches ~/.ray or /tmp/ray), the worker's
+    `--temp-dir` and the run dir move into it, GCS / dashboard / Ray client / dashboard agent
+    ports are free ones, and both nodes get a 200 MB object store;
+  * time: the quickstart runs 20 steps on 5,000 examples (data in that directory);
+  * `make setup &&` is dropped (the tests run in the venv it made) and `ray stop` is not run
+    (it would kill every Ray on the machine, e.g. other tests' embedded clusters).
+The cluster the block leaves running serves the other tests: the job's summary and that both
+shard actors ran on the worker node, and that a too-small cluster, a wrong address and a
+missing / wrong token fail fast with a clear message. Ray advertises the host's primary IP for
+node-to-node traffic even when given 127.0.0.1
 (ray._private.services.resolve_ip_for_localhost); the traffic still stays on this host.
 
-Then the tests submit the quickstart with `ray job submit --no-wait` + `ray job status`
-polling (bounded), check summary.json and that both shard actors ran on the worker node, and
-check that a too-small cluster, a wrong address and a missing / wrong token fail fast with a
-clear message.
-
-Clean-up stops only what this module started: SIGTERM to the two `ray start --block`
-processes (each stops the Ray processes it launched), then SIGTERM / SIGKILL to any process
-still carrying this cluster's marker environment variable (every process of the cluster,
-job drivers and actors included, inherits it). No `ray stop`, which would kill every Ray on
-the machine, e.g. other tests' embedded clusters.
+Clean-up stops only what this module started: SIGTERM, then SIGKILL, to every process carrying
+this cluster's marker environment variable (every process of the cluster, job drivers and
+actors included, inherits it). No `ray stop`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
+import re
 import shutil
 import signal
 import socket
@@ -38,13 +41,14 @@ import time
 from pathlib import Path
 
 import pytest
+from readme_blocks import Walkthrough
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the venv's bin: ray, widedp
 RAY = str(BIN / "ray")
 WIDEDP = str(BIN / "widedp")
 MARKER = "WIDEDP_TEST_CLUSTER"
-START_TIMEOUT_S = 90
+WALKTHROUGH_TIMEOUT_S = 420  # two `ray start`s and a blocking `ray job submit` (~80 s on a loaded 2-core box)
 JOB_TIMEOUT_S = 150
 TIMINGS: dict[str, float] = {}
 
@@ -86,101 +90,82 @@ def _signal_all(pids, sig) -> None:
             pass
 
 
-class LoopbackCluster:
+def _walkthrough(c: "ReadmeCluster") -> Walkthrough:
+    """README's two-node block with this test's (only) substitutions."""
+    free = "free ports: other Ray clusters may run on this machine"
+    return (Walkthrough("two-node")
+            .replace("make setup && ", "", 1, "the tests run in the venv `make setup` made; here it could reinstall "
+                     "it under the other tests")
+            .replace("6379", str(c.gcs_port), 3, free)
+            .replace("8265", str(c.dashboard_port), 2, free)
+            .append_to_line("ray start --head", f"--ray-client-server-port {c.client_port} --dashboard-agent-listen-port "
+                            f"{c.agent_port} --object-store-memory 200000000",
+                            f"{free} (the head's defaults 10001, 52365); a small object store")
+            .append_to_line("ray start --address", "--object-store-memory 200000000", "a small object store")
+            .replace("/tmp/ray-worker", f"{c.tmp}/ray-worker", 1, "the worker's temp dir in this test's directory")
+            .replace("/tmp/widedp/", f"{c.tmp}/widedp/", 1, "the run dir in this test's directory")
+            .append_to_line("    widedp train", f"--set data.path={c.data} --set train.steps=20 "
+                            "--set data.synth_examples=5000", "a smaller quickstart, on data in this test's directory")
+            .replace("\nray stop ", "\n: ray stop ", 1, "`ray stop` stops every Ray on the machine; the fixture stops "
+                     "this cluster's processes"))
+
+
+class ReadmeCluster:
     def __init__(self):
         self.tmp = Path(tempfile.mkdtemp(prefix="wdp", dir="/tmp"))  # short: Unix socket paths
-        self.token = secrets.token_hex(32)
-        token_file = self.tmp / "token"
-        token_file.write_text(self.token)
-        token_file.chmod(0o600)
-        self.token_file = str(token_file)
-        (self.gcs_port, self.dashboard_port, *self.head_ports) = _free_ports(9)
-        self.worker_ports = _free_ports(7)
+        self.home = self.tmp / "home"
+        self.home.mkdir()
+        self.gcs_port, self.dashboard_port, self.client_port, self.agent_port = _free_ports(4)
         self.gcs = f"127.0.0.1:{self.gcs_port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         self.data = str(self.tmp / "data")
-        self.procs: list[subprocess.Popen] = []
+        self.token = ""
+        self.walkthrough = _walkthrough(self)
+        self.walkthrough_rc: int | None = None
+        self.walkthrough_log = ""
 
     # Environments ------------------------------------------------------------------------
     def base_env(self) -> dict:
         env = {k: v for k, v in os.environ.items()
                if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",
-                            "RAY_API_SERVER_ADDRESS")}
+                            "RAY_API_SERVER_ADDRESS", "RAY_TMPDIR")}
         env.update({"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0",
                     "PYTHONUNBUFFERED": "1", MARKER: str(self.tmp)})
         return env
 
-    def node_env(self) -> dict:
-        """How a node is started with token auth: mode explicit, token from a file."""
-        return {**self.base_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_file}
+    def walkthrough_env(self) -> dict:
+        """The user's shell, isolated: ~ and Ray's default temp root are this test's directory."""
+        return {**self.base_env(), "HOME": str(self.home), "RAY_TMPDIR": str(self.tmp)}
 
     def client_env(self) -> dict:
         """How a user's shell talks to the cluster: mode explicit, token in the environment."""
         return {**self.base_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
 
     # Lifecycle ---------------------------------------------------------------------------
-    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "wb")
-        proc = subprocess.Popen([RAY, "start", "--block", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env=self.node_env(), cwd=self.tmp, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def _wait_started(self, name: str, proc: subprocess.Popen, deadline: float) -> None:
-        log = self.tmp / f"{name}.log"
-        while time.monotonic() < deadline:
-            if "Ray runtime started" in log.read_text(errors="replace"):
-                return
-            if proc.poll() is not None:
-                break
-            time.sleep(0.5)
-        raise RuntimeError(f"{name} did not start (exit {proc.poll()}):\n{log.read_text(errors='replace')[-3000:]}")
-
     def start(self) -> None:
+        """Runs the walkthrough; it must leave two alive nodes (whether its job succeeded is the
+        first test's business)."""
         t0 = time.monotonic()
-        deadline = t0 + START_TIMEOUT_S
-        p = self.head_ports
-        head = self._start("head", [
-            "--head", "--node-ip-address=127.0.0.1", f"--port={self.gcs_port}",
-            "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
-            f"--ray-client-server-port={p[0]}", f"--dashboard-agent-listen-port={p[1]}",
-            f"--dashboard-agent-grpc-port={p[2]}", f"--runtime-env-agent-port={p[3]}",
-            f"--metrics-export-port={p[4]}", f"--node-manager-port={p[5]}", f"--object-manager-port={p[6]}",
-            "--min-worker-port=0", "--max-worker-port=0",
-            "--num-cpus=0", "--num-gpus=0", "--object-store-memory=200000000",
-            f"--temp-dir={self.tmp / 'ray'}", "--disable-usage-stats"])
-        self._wait_started("head", head, deadline)
-        w = self.worker_ports
-        worker = self._start("worker", [
-            f"--address={self.gcs}", "--node-ip-address=127.0.0.1",
-            f"--dashboard-agent-listen-port={w[0]}", f"--dashboard-agent-grpc-port={w[1]}",
-            f"--runtime-env-agent-port={w[2]}", f"--metrics-export-port={w[3]}",
-            f"--node-manager-port={w[4]}", f"--object-manager-port={w[5]}",
-            "--min-worker-port=0", "--max-worker-port=0",
-            "--num-cpus=1", "--num-gpus=0", "--object-store-memory=200000000",
-            # Its own temp dir: two nodes on one host would otherwise share runtime_resources/,
-            # and one node's runtime-env agent can delete the working_dir package the other's
-            # driver is still importing from (seen: ModuleNotFoundError mid-job under load).
-            f"--temp-dir={self.tmp / 'ray-worker'}", "--disable-usage-stats"])
-        self._wait_started("worker", worker, deadline)
-        while time.monotonic() < deadline:  # both nodes registered and alive
-            nodes = self.nodes()
-            if len([n for n in nodes if n["state"] == "ALIVE"]) == 2:
-                TIMINGS["cluster_start_s"] = time.monotonic() - t0
-                return
-            time.sleep(1)
-        raise RuntimeError(f"the worker node did not join: {self.nodes()}")
+        log_path = self.tmp / "walkthrough.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(["bash", "-c", self.walkthrough.bash()], stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=ROOT, env=self.walkthrough_env(), start_new_session=True)
+            try:
+                self.walkthrough_rc = proc.wait(timeout=WALKTHROUGH_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        TIMINGS["readme_walkthrough_s"] = time.monotonic() - t0
+        self.walkthrough_log = log_path.read_text(errors="replace")
+        token_file = self.home / ".ray" / "auth_token"
+        self.token = token_file.read_text().strip() if token_file.exists() else ""
+        alive = [n for n in self.nodes() if n["state"] == "ALIVE"] if self.token else []
+        if len(alive) != 2:
+            raise RuntimeError(f"README walkthrough 'two-node' did not leave a two-node cluster (exit "
+                               f"{self.walkthrough_rc}, alive nodes {len(alive)}); changes: {self.walkthrough.changes}"
+                               f"\n{self.walkthrough_log[-5000:]}")
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):  # worker first, then head: each stops what it launched
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
         leftovers = _marked_pids(str(self.tmp))
         _signal_all(leftovers, signal.SIGTERM)
         end = time.monotonic() + 5
@@ -227,7 +212,9 @@ class LoopbackCluster:
 def cluster():
     for exe in (RAY, WIDEDP):
         assert os.access(exe, os.X_OK), f"{exe} not found: run the tests with the venv's python (make test)"
-    c = LoopbackCluster()
+    assert Path(sys.executable).parent.parent.resolve() == (ROOT / ".venv").resolve(), \
+        "the README walkthrough sources .venv/bin/activate: run the tests with the repository's .venv (make test)"
+    c = ReadmeCluster()
     try:
         c.start()
         yield c
@@ -243,21 +230,23 @@ def _train_args(run_dir: str, data: str, *extra: str) -> list[str]:
             "--set", "cluster.cpus_per_shard=0.5", *extra]
 
 
-def test_job_submit_quickstart_runs_shards_on_the_worker(cluster):
-    run_dir = str(cluster.tmp / "runs" / "quickstart")
-    t0 = time.monotonic()
-    cluster.submit("quickstart", _train_args(run_dir, cluster.data))
-    status = cluster.wait_job("quickstart")
-    TIMINGS["job_quickstart_s"] = time.monotonic() - t0
-    assert status == "SUCCEEDED", cluster.logs("quickstart")
+def test_readme_two_node_walkthrough_runs_as_written(cluster):
+    """The block's every command succeeded, its job's summary, and both shards on the worker."""
+    log = cluster.walkthrough_log
+    assert cluster.walkthrough_rc == 0, f"README walkthrough 'two-node' failed ({cluster.walkthrough_rc}):\n{log[-5000:]}"
+    assert re.search(r"Job '[^']+' succeeded", log), log[-5000:]
+    runs = sorted((cluster.tmp / "widedp" / "runs").glob("quickstart-*"))
+    assert len(runs) == 1, runs
+    run_dir = runs[0]
 
-    summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["backend"] == "ray" and summary["num_shards"] == 2 and summary["steps"] == 20
     assert summary["mode"] == "sparse" and summary["selection"] == "threshold" and summary["threshold"] > 0
     assert 0 < summary["epsilon"] <= summary["target_epsilon"] + 1e-9
     assert 0 < summary["test_metrics"]["auc"] <= 1 and summary["privacy_caveats"] and not summary["debug_metrics"]
     for name in ("config.json", "metrics.jsonl", "ledger.json", "checkpoint.pt"):
-        assert (Path(run_dir) / name).exists(), name
+        assert (run_dir / name).exists(), name
+    assert f'"epsilon": {json.dumps(summary["epsilon"])}' in log, "the block's json.tool line printed the summary"
 
     # Both shard actors ran on the worker node (the head offers 0 CPUs).
     nodes = {n["node_id"]: n for n in cluster.nodes()}
@@ -268,16 +257,33 @@ def test_job_submit_quickstart_runs_shards_on_the_worker(cluster):
     assert {a["node_id"] for a in actors}.isdisjoint(head) and all(a["node_id"] in nodes for a in actors)
 
 
+def test_walkthrough_substitutions_fail_loudly_when_the_block_changes(tmp_path):
+    """A README edit that drops or repeats a substituted text stops the test with a message."""
+    readme = (ROOT / "README.md").read_text()
+    marker = "<!-- walkthrough: two-node"
+    assert readme.count(marker) == 1, "README lacks the two-node walkthrough marker"
+    changed = tmp_path / "README.md"
+    changed.write_text(readme.replace("--temp-dir /tmp/ray-worker", "--temp-dir /var/tmp/rw", 1))
+    w = Walkthrough("two-node", changed)
+    with pytest.raises(AssertionError, match=r"changed shape: expected 1 × '/tmp/ray-worker', found 0"):
+        w.replace("/tmp/ray-worker", "/x", 1, "why")
+    with pytest.raises(AssertionError, match="changed shape: expected 1 × line starting 'ray start --nope'"):
+        w.append_to_line("ray start --nope", "--x", "why")
+    changed.write_text(readme.replace(marker, "<!-- walkthrough: other"))
+    with pytest.raises(AssertionError, match="expected one ```bash block after <!-- walkthrough: two-node -->"):
+        Walkthrough("two-node", changed)
+
+
 def test_too_small_cluster_fails_fast_with_the_numbers(cluster):
     t0 = time.monotonic()
-    # 2 shards × 1 CPU on a cluster with 1 CPU (head 0 + worker 1).
+    # 2 shards × 1.5 CPU on a cluster with 2 CPUs (head 0 + worker 2, as the README starts them).
     cluster.submit("too-small", _train_args(str(cluster.tmp / "runs" / "too-small"), cluster.data,
-                                            "--set", "cluster.cpus_per_shard=1"))
+                                            "--set", "cluster.cpus_per_shard=1.5"))
     status = cluster.wait_job("too-small", timeout=90)
     TIMINGS["job_too_small_to_failed_s"] = time.monotonic() - t0
     logs = cluster.logs("too-small")
     assert status == "FAILED", logs
-    assert "widedp: error: the Ray cluster is too small: 2 shards × (1 CPU) need 2 CPU but the cluster has 1" in logs
+    assert "widedp: error: the Ray cluster is too small: 2 shards × (1.5 CPU) need 3 CPU but the cluster has 2" in logs
     assert "Traceback" not in logs
 
 
@@ -330,7 +336,7 @@ def test_connection_failures_are_clear_and_fast(cluster):
     plain = cluster.base_env()
     srv, held = _silent_server()
     cases = {
-        "ok": (cluster.gcs, cluster.client_env(), "OK 1.0"),
+        "ok": (cluster.gcs, cluster.client_env(), "OK 2.0"),
         "wrong_address": (f"127.0.0.1:{unused}", cluster.client_env(), "nothing is listening there"),
         "dashboard_port_as_gcs": (f"127.0.0.1:{cluster.dashboard_port}", cluster.client_env(), "speaks HTTP"),
         "dashboard_url": (cluster.dashboard, cluster.client_env(), "is a dashboard / Jobs API URL"),
