@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -66,8 +66,8 @@ class ShardSelect:
 
 class EmbeddingShard:
     def __init__(self, layout: ShardLayout, shard_index: int, optimizer: str = "sgd", lr: float = 0.1,
-                 seed: int = 0, init_std: float = 0.01, adam_betas=(0.9, 0.999), eps: float = 1e-8,
-                 ema_decay: float = 0.0):
+                 seed: int = 0, init_std: float = 0.01, adam_betas: Sequence[float] = (0.9, 0.999),
+                 eps: float = 1e-8, ema_decay: float = 0.0):
         """`ema_decay` β > 0 keeps an exponential moving average of every row's iterates
         (`averaged_weights`), updated lazily: only rows written in a step cost anything."""
         if optimizer not in OPTIMIZERS:
@@ -227,8 +227,8 @@ class EmbeddingShard:
         n_tables = len(self.ranges)
         key = (bags.id_example * n_tables + table) * self.max_rows + inp.local_id
         uniq, group = np.unique(key, return_inverse=True)
-        group = torch.from_numpy(group.astype(np.int64).reshape(-1))
-        sums = torch.zeros((uniq.size, contrib.shape[1]), dtype=torch.float64).index_add_(0, group, contrib.double())
+        group_t = torch.from_numpy(group.astype(np.int64).reshape(-1))
+        sums = torch.zeros((uniq.size, contrib.shape[1]), dtype=torch.float64).index_add_(0, group_t, contrib.double())
         sq = torch.zeros(bags.examples.size, dtype=torch.float64).index_add_(
             0, torch.from_numpy(uniq // (n_tables * self.max_rows)), sums.pow(2).sum(1))
         return sq.numpy()
@@ -584,7 +584,8 @@ class EmbeddingShard:
                 self.flat[rows] -= lr * update / (acc.sqrt() + self.eps).unsqueeze(1)
             else:
                 assert self.adam_state is not None
-                st, b1, b2 = self.adam_state, *self.adam_betas
+                st = self.adam_state
+                b1, b2 = self.adam_betas
                 m = st["m"][rows].mul_(b1).add_(update, alpha=1 - b1)
                 v = st["v"][rows].mul_(b2).addcmul_(update, update, value=1 - b2)
                 steps = st["t"][rows] + 1
@@ -608,7 +609,7 @@ class EmbeddingShard:
         return self.tbe.momentum1_dev if self.flat.is_cuda else self.tbe.momentum1_host
 
     def state_dict(self) -> dict:
-        state = {"weights": self._per_table(self.flat)}
+        state: dict[str, Any] = {"weights": self._per_table(self.flat)}
         if self.optimizer == "adagrad":
             state["adagrad"] = self._per_table(self._adagrad_state())
         if self.adam_state is not None:

@@ -132,6 +132,7 @@ class ParquetDataset:
         kind, ref = self._layout[self.meta.features.index(feature)]
         rows = self._file_rows(np.arange(len(self), dtype=np.int64))
         if kind == "fixed":
+            assert isinstance(ref, int)  # a "fixed" entry's ref is its column
             return np.arange(len(self) + 1, dtype=np.int64), np.array(self._cols.fixed[rows, ref])
         offsets, flat = self._cols.jagged[ref]
         values, lengths = _gather_jagged(offsets, flat, rows)

@@ -329,8 +329,8 @@ class _Model:
         Row-major draws from per-component streams: row r does not depend on b."""
         u = _rng(self.seed, stream, block, _C_RAW).random((b, CRITEO_NUM_SPARSE))
         raw = np.empty((b, CRITEO_NUM_SPARSE), dtype=np.int64)
-        for f, z in enumerate(self.zipfs):
-            raw[:, f] = z.sample(u[:, f])
+        for f, zipf in enumerate(self.zipfs):
+            raw[:, f] = zipf.sample(u[:, f])
         z = _rng(self.seed, stream, block, _C_DENSE).standard_normal((b, CRITEO_NUM_DENSE))
         dense = np.log1p(np.floor(np.exp(self.mu + self.sigma * z))).astype(np.float32)
         label_u = _rng(self.seed, stream, block, _C_LABEL).random(b)

@@ -102,9 +102,9 @@ def load_columns(directory, meta: DatasetMeta, *, cache: bool = True) -> Columns
                 sink.close()
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-    sink = _MemSink()
-    _validate_and_decode(path, meta, sink)
-    return _columns_from(sink.arrays(), meta)
+    mem_sink = _MemSink()
+    _validate_and_decode(path, meta, mem_sink)
+    return _columns_from(mem_sink.arrays(), meta)
 
 
 # ---- validation ----------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Sequence, Union
+from typing import Sequence, Union, cast
 
 import numpy as np
 
@@ -82,7 +82,10 @@ def synth_ctr(out_dir, *, num_examples: int, table_sizes: Union[int, Sequence[in
     seed = _check_seed(seed)
     if int(num_examples) != num_examples or num_examples < 1:
         raise ValueError(f"num_examples must be an integer >= 1, got {num_examples}")
-    sizes = [int(table_sizes)] * CRITEO_NUM_SPARSE if np.isscalar(table_sizes) else [int(t) for t in table_sizes]
+    if np.isscalar(table_sizes):
+        sizes = [int(cast(int, table_sizes))] * CRITEO_NUM_SPARSE
+    else:
+        sizes = [int(t) for t in cast(Sequence[int], table_sizes)]
     if len(sizes) != CRITEO_NUM_SPARSE:
         raise ValueError(f"table_sizes needs {CRITEO_NUM_SPARSE} values (or one), got {len(sizes)}")
     if any(t < 1 or t > MAX_TABLE for t in sizes):

@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +73,7 @@ class ExportedModel(nn.Module):
         self.dense = dense_module
 
     def table(self, name: str) -> nn.EmbeddingBag:
-        return self.embeddings[self.table_names.index(name)]
+        return cast(nn.EmbeddingBag, self.embeddings[self.table_names.index(name)])
 
     def train(self, mode: bool = True):
         # A torch.export module refuses train()/eval(); the model has no train-time behaviour
@@ -94,7 +95,7 @@ class ExportedModel(nn.Module):
             values, offsets = features[name]
             values = torch.as_tensor(values).reshape(-1).long()
             offsets = torch.as_tensor(offsets).reshape(-1).long()
-            bag = self.embeddings[ti]
+            bag = cast(nn.EmbeddingBag, self.embeddings[ti])
             if offsets.numel() == batch_size + 1:
                 last = True
                 if int(offsets[-1]) != values.numel():
@@ -143,7 +144,7 @@ def _load_dense(out_dir: Path, spec: dict, weights: dict) -> nn.Module:
     if dense_spec["format"] != "torch.export":
         raise ValueError(f"unknown dense format {dense_spec['format']!r}")
     module = torch.export.load(str(out_dir / dense_spec["file"])).module()
-    tensors = dict(module.named_parameters())
+    tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
     tensors.update(module.named_buffers())
     for key, value in weights.items():
         if not key.startswith("dense."):
@@ -172,7 +173,7 @@ def load(out_dir) -> ExportedModel:
             if tuple(w.shape) != (int(t["num_rows"]), int(t["dim"])):
                 raise ValueError(f"embeddings.{t['name']}: shape {tuple(w.shape)}, model.json says "
                                  f"[{t['num_rows']}, {t['dim']}]")
-            model.embeddings[i].weight.copy_(w)
+            cast(nn.EmbeddingBag, model.embeddings[i]).weight.copy_(w)
     return model.eval()
 
 

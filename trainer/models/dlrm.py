@@ -11,6 +11,8 @@ Interactions (the two of the original DLRM's ``arch_interaction_op``):
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,7 +21,7 @@ from torchmetrics.functional.classification import binary_auroc
 from widedp.trainer.models.base import DenseModel
 
 
-def _mlp(sizes: list[int], final_activation: bool) -> nn.Sequential:
+def _mlp(sizes: Sequence[int], final_activation: bool) -> nn.Sequential:
     layers: list[nn.Module] = []
     for i in range(len(sizes) - 1):
         layers.append(nn.Linear(sizes[i], sizes[i + 1]))
@@ -32,8 +34,10 @@ INTERACTIONS = ("dot", "cat")
 
 
 class DLRM(DenseModel):
+    pairs: torch.Tensor  # buffer (register_buffer in __init__): the i < j index pairs of `dot`
+
     def __init__(self, features: list[str], embedding_dim: int, num_dense: int = 13,
-                 bottom_mlp: list[int] = (64,), top_mlp: list[int] = (64,), interaction: str = "dot", **_):
+                 bottom_mlp: Sequence[int] = (64,), top_mlp: Sequence[int] = (64,), interaction: str = "dot", **_):
         super().__init__()
         if interaction not in INTERACTIONS:
             raise ValueError(f"model.interaction must be one of {INTERACTIONS}, got {interaction!r}")
