@@ -125,3 +125,19 @@ def test_log_level_sets_the_widedp_logger(capsys):
     assert logger.level == logging.WARNING
     logging.getLogger("widedp.trainer.train").info("not shown")
     assert "not shown" not in capsys.readouterr().err
+
+
+def test_out_of_range_values_are_reported_before_torch_and_ray_load(tmp_path):
+    for override in ("train.mode=fast", "train.batch_size=0", "privacy.delta=2", "train.lr_schedule=nope"):
+        loaded, code = _modules_after(["train", "--config", "configs/quickstart.toml", "--set", override], tmp_path)
+        assert code == 2 and loaded == set(), (override, loaded)
+
+
+def test_the_light_pass_accepts_any_name_and_the_full_pass_checks_it():
+    from widedp.trainer.config import ConfigError, load_config, names_unchecked
+
+    cfg = load_config("configs/quickstart.toml", ["train.optimizer=nope", "data.path=/nonexistent"])
+    with names_unchecked():
+        cfg.validate()
+    with pytest.raises(ConfigError, match="train.optimizer must be one of"):
+        cfg.validate()

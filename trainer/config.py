@@ -13,6 +13,8 @@ config.json). A literal 0 never means "automatic" and is refused with a message 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import importlib.util
@@ -58,6 +60,61 @@ class ConfigError(ValueError):
     """A config value or structure is wrong; the message names the source and the key."""
 
 
+class _AnyName:
+    """A registry's stand-in in the light pass (`names_unchecked`): holds every name, lists none."""
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+    def __iter__(self):
+        return iter(())
+
+
+_NAMES_UNCHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("names_unchecked", default=False)
+
+
+@contextlib.contextmanager
+def names_unchecked():
+    """Within: `validate()` accepts any registered-looking name (model, selector, optimizer,
+    accountant, synthetic data set, lr schedule) without importing the registries (torch, FBGEMM,
+    dp_accounting), so every other check runs in well under a second (trainer/train_commands.py
+    runs this pass first; `train()` runs the full one)."""
+    token = _NAMES_UNCHECKED.set(True)
+    try:
+        yield
+    finally:
+        _NAMES_UNCHECKED.reset(token)
+
+
+def registry(kind: str) -> Any:
+    """The names a config key is checked against (the registries themselves; `_AnyName` in the
+    light pass). kind: synthetic, models, interactions, selectors, lr_schedules, optimizers, accountants."""
+    if _NAMES_UNCHECKED.get() and kind not in ("synthetic", "lr_schedules"):  # those two are light: always checked
+        return _AnyName()
+    if kind == "synthetic":
+        from widedp.trainer.data.generators import SYNTHETIC_DATASETS
+        return SYNTHETIC_DATASETS
+    if kind == "models":
+        from widedp.trainer.models import MODELS
+        return MODELS
+    if kind == "interactions":
+        from widedp.trainer.models.dlrm import INTERACTIONS
+        return INTERACTIONS
+    if kind == "selectors":
+        from widedp.selection.registry import selector_names
+        return selector_names()
+    if kind == "lr_schedules":
+        from widedp.trainer.lr_schedule import LR_SCHEDULES
+        return LR_SCHEDULES
+    if kind == "optimizers":
+        from widedp.trainer.shard import OPTIMIZERS
+        return OPTIMIZERS
+    if kind == "accountants":
+        from widedp.accounting.base import accountant_names
+        return accountant_names()
+    raise KeyError(kind)
+
+
 def _require(checks: Sequence[tuple[bool, str]]) -> None:
     for ok, message in checks:
         if not ok:
@@ -78,8 +135,7 @@ class DataConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        from widedp.trainer.data.generators import SYNTHETIC_DATASETS
-
+        SYNTHETIC_DATASETS = registry("synthetic")
         _require([
             (bool(self.path), "data.path is required"),
             (not self.synth or self.synth in SYNTHETIC_DATASETS,
@@ -102,9 +158,7 @@ class ModelConfig:
     interaction: str = "dot"  # dlrm: "dot" (pairwise dots) | "cat" (embeddings concatenated into the top MLP)
 
     def validate(self) -> None:
-        from widedp.trainer.models import MODELS
-        from widedp.trainer.models.dlrm import INTERACTIONS
-
+        MODELS, INTERACTIONS = registry("models"), registry("interactions")
         _require([
             (self.name in MODELS, f"model.name must be one of {sorted(MODELS)}, got {self.name!r}"),
             (self.interaction in INTERACTIONS, f"model.interaction must be one of {INTERACTIONS}, got {self.interaction!r}"),
@@ -149,14 +203,12 @@ class TrainConfig:
     checkpoint_every: int = 100
 
     def validate(self) -> None:
-        from widedp.selection.registry import is_selector, selector_names
-        from widedp.trainer.lr_schedule import LR_SCHEDULES
         from widedp.trainer.run_outputs import TENSORBOARD_MISSING
-        from widedp.trainer.shard import OPTIMIZERS
 
+        selectors, LR_SCHEDULES, OPTIMIZERS = registry("selectors"), registry("lr_schedules"), registry("optimizers")
         _require([
             (self.mode in MODES, f"train.mode must be one of {MODES}, got {self.mode!r}"),
-            (is_selector(self.selection), f"train.selection must be one of {selector_names()}, got {self.selection!r}"),
+            (self.selection in selectors, f"train.selection must be one of {tuple(selectors)}, got {self.selection!r}"),
             (self.batch_size >= 1, "train.batch_size must be >= 1"),
             (self.steps >= 1, "train.steps must be >= 1"),
             (self.optimizer in OPTIMIZERS, f"train.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"),
@@ -228,9 +280,7 @@ class PrivacyConfig:
     noise_seed: int = 0
 
     def validate(self) -> None:
-        from widedp.accounting.base import accountant_names
-
-        names = accountant_names()
+        names = registry("accountants")
         _require([
             (self.target_epsilon > 0, "privacy.target_epsilon must be > 0"),
             (is_auto(self.delta) or 0 < float(self.delta) < 1, "privacy.delta must be \"auto\" or in (0, 1)"),
