@@ -17,6 +17,7 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
+import importlib
 import importlib.util
 import json
 import tomllib
@@ -86,33 +87,27 @@ def names_unchecked():
         _NAMES_UNCHECKED.reset(token)
 
 
+# kind -> (module, attribute): a collection of names, or a function returning one.
+_REGISTRIES = {
+    "synthetic": ("widedp.trainer.data.generators", "SYNTHETIC_DATASETS"),
+    "models": ("widedp.trainer.models", "MODELS"),
+    "interactions": ("widedp.trainer.models.dlrm", "INTERACTIONS"),
+    "selectors": ("widedp.selection.registry", "selector_names"),
+    "lr_schedules": ("widedp.trainer.lr_schedule", "LR_SCHEDULES"),
+    "optimizers": ("widedp.trainer.shard", "OPTIMIZERS"),
+    "accountants": ("widedp.accounting.base", "accountant_names"),
+}
+_LIGHT_REGISTRIES = ("synthetic", "lr_schedules")  # import nothing heavy: checked in the light pass too
+
+
 def registry(kind: str) -> Any:
     """The names a config key is checked against (the registries themselves; `_AnyName` in the
-    light pass). kind: synthetic, models, interactions, selectors, lr_schedules, optimizers, accountants."""
-    if _NAMES_UNCHECKED.get() and kind not in ("synthetic", "lr_schedules"):  # those two are light: always checked
+    light pass, except the light registries)."""
+    if _NAMES_UNCHECKED.get() and kind not in _LIGHT_REGISTRIES:
         return _AnyName()
-    if kind == "synthetic":
-        from widedp.trainer.data.generators import SYNTHETIC_DATASETS
-        return SYNTHETIC_DATASETS
-    if kind == "models":
-        from widedp.trainer.models import MODELS
-        return MODELS
-    if kind == "interactions":
-        from widedp.trainer.models.dlrm import INTERACTIONS
-        return INTERACTIONS
-    if kind == "selectors":
-        from widedp.selection.registry import selector_names
-        return selector_names()
-    if kind == "lr_schedules":
-        from widedp.trainer.lr_schedule import LR_SCHEDULES
-        return LR_SCHEDULES
-    if kind == "optimizers":
-        from widedp.trainer.shard import OPTIMIZERS
-        return OPTIMIZERS
-    if kind == "accountants":
-        from widedp.accounting.base import accountant_names
-        return accountant_names()
-    raise KeyError(kind)
+    module, attribute = _REGISTRIES[kind]
+    names = getattr(importlib.import_module(module), attribute)
+    return names() if callable(names) else names
 
 
 def _require(checks: Sequence[tuple[bool, str]]) -> None:
