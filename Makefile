@@ -23,10 +23,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps torchrec==1.8.0
 	touch $(STAMP)
 
+# Both cores (CI has 2): pytest-xdist, tests dealt one by one except the modules marked
+# xdist_group (a shared cluster or trained runs), which stay on one worker.
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 # A run directory is never written twice (docs/DESIGN.md §1): each demo trains into a new one.
 DEMO_RUN = runs/quickstart-$(shell date +%Y%m%d-%H%M%S)

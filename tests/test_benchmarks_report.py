@@ -14,6 +14,9 @@ import pytest
 
 from widedp.trainer.cli import main
 
+# make test runs on two xdist workers (--dist loadgroup): the module's trained runs stay on one worker.
+pytestmark = pytest.mark.xdist_group("test_benchmarks_report")
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

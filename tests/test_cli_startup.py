@@ -127,17 +127,57 @@ def test_log_level_sets_the_widedp_logger(capsys):
     assert "not shown" not in capsys.readouterr().err
 
 
-def test_out_of_range_values_are_reported_before_torch_and_ray_load(tmp_path):
-    for override in ("train.mode=fast", "train.batch_size=0", "privacy.delta=2", "train.lr_schedule=nope"):
+def test_out_of_range_values_and_unknown_names_are_reported_before_torch_and_ray_load(tmp_path):
+    for override in ("train.mode=fast", "train.batch_size=0", "privacy.delta=2", "train.lr_schedule=nope",
+                     "train.optimizer=nope", "model.name=nope", "model.interaction=nope", "train.selection=nope",
+                     "privacy.accountant=nope", "data.synth=nope"):
         loaded, code = _modules_after(["train", "--config", "configs/quickstart.toml", "--set", override], tmp_path)
         assert code == 2 and loaded == set(), (override, loaded)
 
 
-def test_the_light_pass_accepts_any_name_and_the_full_pass_checks_it():
-    from widedp.trainer.config import ConfigError, load_config, names_unchecked
+def test_the_light_name_lists_are_the_registries():
+    """trainer/names.py mirrors or is each registry the config is checked against."""
+    from widedp.accounting.base import accountant_names
+    from widedp.selection.registry import selector_names
+    from widedp.trainer import names
+    from widedp.trainer.models import MODELS
+    from widedp.trainer.models import dlrm
+    from widedp.trainer import shard
 
-    cfg = load_config("configs/quickstart.toml", ["train.optimizer=nope", "data.path=/nonexistent"])
-    with names_unchecked():
+    assert names.selectors() == tuple(sorted(selector_names()))
+    assert names.ACCOUNTANTS == accountant_names()
+    assert names.MODELS == tuple(sorted(MODELS))
+    assert shard.OPTIMIZERS is names.OPTIMIZERS and dlrm.INTERACTIONS is names.INTERACTIONS
+
+
+def test_a_selector_file_added_without_its_registration_is_seen(tmp_path, monkeypatch):
+    """The light selector list reads selection/selectors/'s files: a new file shows up there, so
+    the equality above would fail until the selector registers under that name."""
+    import importlib.util
+
+    from widedp.trainer import names
+
+    real = importlib.util.find_spec
+
+    class Spec:
+        submodule_search_locations = [str(tmp_path)]
+
+    (tmp_path / "selectors").mkdir()
+    for stem in ("__init__", "em", "my_new_one"):
+        (tmp_path / "selectors" / f"{stem}.py").write_text("")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: Spec() if name == "widedp.selection" else real(name))
+    assert names.selectors() == ("em", "my-new-one")
+
+
+def test_the_full_pass_checks_the_registries_themselves(monkeypatch):
+    """A name the light list holds but the registry does not (a stale mirror) is still refused by train()."""
+    from widedp.trainer import names, shard
+    from widedp.trainer.config import ConfigError, light_names, load_config
+
+    assert shard.OPTIMIZERS is names.OPTIMIZERS  # imported before the mirror goes stale
+    monkeypatch.setattr(names, "OPTIMIZERS", (*names.OPTIMIZERS, "stale"))
+    cfg = load_config("configs/quickstart.toml", ["train.optimizer=stale", "data.path=/nonexistent"])
+    with light_names():
         cfg.validate()
     with pytest.raises(ConfigError, match="train.optimizer must be one of"):
         cfg.validate()

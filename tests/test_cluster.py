@@ -43,6 +43,10 @@ from pathlib import Path
 import pytest
 from readme_blocks import Walkthrough
 
+# make test runs on two xdist workers (--dist loadgroup): the module's one Ray cluster (README's walkthrough)
+# stays on one worker.
+pytestmark = pytest.mark.xdist_group("test_cluster")
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the venv's bin: ray, widedp
 RAY = str(BIN / "ray")
@@ -290,6 +294,7 @@ def test_too_small_cluster_fails_fast_with_the_numbers(cluster):
 _CHECK = """
 import sys, time
 from widedp.trainer.ray_runtime import ensure_ray, ClusterConnectionError
+
 t = time.monotonic()
 try:
     ensure_ray(sys.argv[1], timeout_s=float(sys.argv[2]))

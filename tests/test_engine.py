@@ -37,6 +37,9 @@ from widedp.trainer.shard_group import ShardLostError
 from widedp.trainer.trainer_group import RayTrainers
 from widedp.trainer.trainer_role import pooled_lookup
 
+# make test runs on two xdist workers (--dist loadgroup): the module's in-process Ray stays on one worker.
+pytestmark = pytest.mark.xdist_group("test_engine")
+
 SEED = 3
 LR, DENSE_LR, DIM, INIT_STD = 0.1, 0.05, 4, 0.3
 Q = 0.3

@@ -21,6 +21,9 @@ from widedp.trainer.config import load_config
 from widedp.trainer.export import export_run
 from widedp.trainer.train import evaluate, train
 
+# make test runs on two xdist workers (--dist loadgroup): the module's trained runs stay on one worker.
+pytestmark = pytest.mark.xdist_group("test_export")
+
 WIDEDP_PACKAGES = ("widedp", "trainer", "selection", "accounting", "auditing", "sparse_learners", "adaptive_clipping")
 FORBIDDEN_KEYS = {"rng", "generator", "bit_generator", "noise_gen", "selection_rng", "sampler", "noise_seed",
                   "dpsgd_noise_key", "NoiseKey", "root", "address", "run_dir", "dense_optimizer", "adam", "adagrad",

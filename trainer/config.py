@@ -61,30 +61,19 @@ class ConfigError(ValueError):
     """A config value or structure is wrong; the message names the source and the key."""
 
 
-class _AnyName:
-    """A registry's stand-in in the light pass (`names_unchecked`): holds every name, lists none."""
-
-    def __contains__(self, name: object) -> bool:
-        return True
-
-    def __iter__(self):
-        return iter(())
-
-
-_NAMES_UNCHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("names_unchecked", default=False)
+_LIGHT_NAMES: contextvars.ContextVar[bool] = contextvars.ContextVar("light_names", default=False)
 
 
 @contextlib.contextmanager
-def names_unchecked():
-    """Within: `validate()` accepts any registered-looking name (model, selector, optimizer,
-    accountant, synthetic data set, lr schedule) without importing the registries (torch, FBGEMM,
-    dp_accounting), so every other check runs in well under a second (trainer/train_commands.py
-    runs this pass first; `train()` runs the full one)."""
-    token = _NAMES_UNCHECKED.set(True)
+def light_names():
+    """Within: `validate()` checks names against trainer/names.py (lists read without importing
+    torch, FBGEMM or dp_accounting) instead of the registries, so the whole config is checked in
+    well under a second (trainer/train_commands.py runs this pass first; `train()` the full one)."""
+    token = _LIGHT_NAMES.set(True)
     try:
         yield
     finally:
-        _NAMES_UNCHECKED.reset(token)
+        _LIGHT_NAMES.reset(token)
 
 
 # kind -> (module, attribute): a collection of names, or a function returning one.
@@ -97,15 +86,18 @@ _REGISTRIES = {
     "optimizers": ("widedp.trainer.shard", "OPTIMIZERS"),
     "accountants": ("widedp.accounting.base", "accountant_names"),
 }
-_LIGHT_REGISTRIES = ("synthetic", "lr_schedules")  # import nothing heavy: checked in the light pass too
+# The light pass's lists (trainer/names.py) for the registries that import torch/FBGEMM/dp_accounting;
+# the others import nothing heavy and are read as they are.
+_LIGHT = {"models": "MODELS", "interactions": "INTERACTIONS", "selectors": "selectors", "optimizers": "OPTIMIZERS",
+          "accountants": "ACCOUNTANTS"}
 
 
 def registry(kind: str) -> Any:
-    """The names a config key is checked against (the registries themselves; `_AnyName` in the
-    light pass, except the light registries)."""
-    if _NAMES_UNCHECKED.get() and kind not in _LIGHT_REGISTRIES:
-        return _AnyName()
+    """The names a config key is checked against: the registry itself, or in the light pass
+    (`light_names`) its list in trainer/names.py."""
     module, attribute = _REGISTRIES[kind]
+    if _LIGHT_NAMES.get() and kind in _LIGHT:
+        module, attribute = "widedp.trainer.names", _LIGHT[kind]
     names = getattr(importlib.import_module(module), attribute)
     return names() if callable(names) else names
 

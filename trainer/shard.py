@@ -37,7 +37,7 @@ from widedp.trainer.modelmix import mix
 # The TBE keeps the optimizer state (Adagrad's row-wise accumulator) in its own storage; the
 # updates themselves are applied in place by `_update_weights` (no TBE backward).
 TBE_OPTIMIZER_STATE = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
-OPTIMIZERS = ("sgd", "adagrad", "adam")
+from widedp.trainer.names import OPTIMIZERS  # noqa: E402  (the one list: config checks it before torch loads)
 UPDATE_CHUNK = 1 << 16
 
 

@@ -1,11 +1,10 @@
 """`widedp train` and `widedp evaluate`: arguments and handlers.
 
 Kept apart from trainer/train.py so that a command's config is read and checked (TOML syntax,
-unknown sections and keys, types, `--set` syntax, a missing file, values out of range) before
+unknown sections and keys, types, `--set` syntax, a missing file, values out of range, unknown names) before
 torch, Ray and the engine are imported: such a mistake is reported in well under a second
-(benchmarks/cli_startup.py), not after the ~5 s of imports a training run needs. Only a name
-checked against a registry (model, selector, optimizer, accountant, ...) waits for the
-registries' imports (`config.names_unchecked`).
+(benchmarks/cli_startup.py), not after the ~5 s of imports a training run needs; names of
+models, selectors, optimizers and accountants too, from trainer/names.py (`config.light_names`).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ def add_commands(sub) -> dict:
 
 
 def cmd_train(args) -> dict:
-    from widedp.trainer.config import load_config, load_saved_config, names_unchecked
+    from widedp.trainer.config import light_names, load_config, load_saved_config
 
     if args.resume and not args.config:
         config_path = Path(args.resume) / "config.json"
@@ -40,7 +39,7 @@ def cmd_train(args) -> dict:
         cfg = load_config(args.config, args.set)
     if args.address:
         cfg.cluster.address = args.address
-    with names_unchecked():  # every check but the registries' names, before torch/Ray load; train() checks all
+    with light_names():  # the whole config, names from trainer/names.py, before torch/Ray load; train() again
         cfg.validate()
     if args.resume:
         run_dir = Path(args.resume)

@@ -30,7 +30,7 @@ def _mlp(sizes: Sequence[int], final_activation: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-INTERACTIONS = ("dot", "cat")
+from widedp.trainer.names import INTERACTIONS  # noqa: E402  (the one list: config checks it before torch loads)
 
 
 class DLRM(DenseModel):
