@@ -72,7 +72,8 @@ def measure(repeats: int) -> list[dict]:
         for name, cmd in commands(bad).items():
             _seconds(cmd)  # warm-up
             times, codes = zip(*(_seconds(cmd) for _ in range(repeats)))
-            rows.append({"command": name, "argv": " ".join(Path(cmd[0]).name if i == 0 else a for i, a in enumerate(cmd)),
+            shown = [Path(cmd[0]).name, *("BAD.toml" if a == str(bad) else a for a in cmd[1:])]
+            rows.append({"command": name, "argv": " ".join(shown),
                          "median_s": statistics.median(times), "min_s": min(times), "exit_code": codes[0]})
             print(f"{name}: {statistics.median(times):.2f} s", flush=True)
     return rows
