@@ -264,7 +264,7 @@ def register(cls: type[Accountant]) -> type[Accountant]:
 
 def _import_accountants() -> None:
     # Import for registration side effects (each accountant lives in its own module).
-    from widedp.accounting import paper, pld, prv, rdp  # noqa: F401
+    from widedp.accounting import auto, paper, pld, prv, rdp  # noqa: F401
 
 
 def accountant_names() -> tuple[str, ...]:

@@ -13,6 +13,16 @@ conversion's floor of about log(1/δ)/(α_max − 1) — is refused by `Unreacha
 ValueError) with the smallest reachable ε, before any accountant is asked about a σ beyond its
 numerical range.
 
+With a PLD accountant (`pld`, or `auto` where it resolves to PLD) each ε costs ~0.1–1 s at
+the default discretization (1e-4), and a bisection takes ~15–25 of them. The search then runs
+on a coarse twin (`COARSE_PLD_INTERVAL`, ~5–10× cheaper; only a guide, its values are never
+returned) and is finished on the accountant itself: its ε at the coarse answer, then a short
+bracketed search from there (`refine_increasing`, ~5–8 evaluations). Every σ returned was
+verified with the accountant the caller named, so the answer still never spends above the
+target; it spends it to a relative tolerance of about 1e-7 in ρ. A PLD (or PRV) search tries no
+ρ above `RHO_CEILING_GRID` (σ ≈ 0.071), beyond which its grid grows costly and then outgrows
+memory; a target no ρ below that reaches (ε ≳ 166 for one Gaussian) gets that σ.
+
 What a σ means is the builder's: σ of the one Gaussian of a DP-SGD step, or (selection's
 `selection.calibration`) the σ whose budget ρ a sparse step splits between its row selection and
 its noise. The step structure every caller shares is here too: `sampled_step_event`
@@ -126,11 +136,13 @@ def _round_up(x: float) -> str:
 
 
 def bisect_increasing(f: Callable[[float], float], target: float, lo: float, hi: float,
-                      floor: Optional[float] = None) -> float:
-    """Largest x (to ~1e-9 relative) with f(x) ≤ target, for f increasing in x.
+                      floor: Optional[float] = None, log_xtol: float = 1e-10,
+                      ceiling: Optional[float] = None) -> float:
+    """Largest x (to ~1e-9 relative; `log_xtol` in log x) with f(x) ≤ target, for f increasing in x.
 
     `floor`: the least x tried (default lo / 1e22); if even f(floor) > target, the target is
     unreachable: UnreachableTargetError with f(floor), the smallest value reachable.
+    `ceiling`: the largest x tried (default 1e12): if f(ceiling) ≤ target, that is the answer.
     Brent's method on log x brackets the crossing in ~10 evaluations (PLD evaluations cost
     ~0.3 s each); the answer is then nudged down until f(x) ≤ target, so it never overspends.
     """
@@ -139,16 +151,91 @@ def bisect_increasing(f: Callable[[float], float], target: float, lo: float, hi:
         if lo <= floor:
             raise UnreachableTargetError(target, value)
         lo = max(lo / 100, floor)
+    ceiling = 1e12 if ceiling is None else ceiling
+    hi = min(hi, ceiling)
     while f(hi) <= target:
-        lo, hi = hi, hi * 100
-        if hi > 1e12:
-            return lo
-    x = math.exp(optimize.brentq(lambda t: f(math.exp(t)) - target, math.log(lo), math.log(hi), xtol=1e-10, rtol=1e-12))
+        if hi >= ceiling:
+            return hi
+        lo, hi = hi, min(hi * 100, ceiling)
+    x = math.exp(optimize.brentq(lambda t: f(math.exp(t)) - target, math.log(lo), math.log(hi), xtol=log_xtol,
+                                 rtol=min(1e-12, log_xtol)))
     for i in range(60):  # brentq may land a hair above the crossing
         if f(x) <= target:
             return x
-        x = max(lo, x * (1 - 1e-10 * 2**i))
+        x = max(lo, x * (1 - log_xtol * 2**i))
     return lo
+
+
+def refine_increasing(f: Callable[[float], float], target: float, lo: float, f_lo: float,
+                      rtol: float = 1e-7, ceiling: float = 1e12) -> float:
+    """Largest x (to `rtol` relative) with f(x) ≤ target, for f increasing, from a point `lo`
+    already known to fit (f(lo) = `f_lo` ≤ target) and close below the crossing.
+
+    The bracket's upper end assumes f grows at least like √x near the crossing (ε in ρ = 1/(2σ²)
+    does: ε ≈ c√ρ for small ε, ≈ cρ for large), and widens itself if not. Returns an x at which
+    f was evaluated and found ≤ target (`lo` at worst): never one that overspends. No x above
+    `ceiling` is tried."""
+    if not f_lo <= target:
+        raise ValueError(f"refine_increasing needs f(lo) <= target, got {f_lo} > {target}")
+    seen = {lo: f_lo}
+
+    def value(x: float) -> float:
+        if x not in seen:
+            seen[x] = f(x)
+        return seen[x]
+
+    ratio = max((target / f_lo) ** 2 * (1 + 1e-3), 1 + 10 * rtol) if f_lo > 0 else 100.0
+    if lo >= ceiling:
+        return lo
+    hi = min(lo * ratio, ceiling)
+    while value(hi) <= target:
+        if hi >= ceiling:
+            return hi
+        lo, hi = hi, min(hi * ratio, ceiling)
+        ratio *= ratio
+    optimize.brentq(lambda x: value(x) - target, lo, hi, xtol=lo * rtol, rtol=1e-14)
+    return max(x for x, v in seen.items() if v <= target)
+
+
+#: The discretization of the coarse twin a PLD calibration searches with (module docstring).
+COARSE_PLD_INTERVAL = 1e-3
+#: The largest per-step budget ρ a PLD or PRV calibration tries (σ = 1/√(2ρ) ≈ 0.071): their
+#: grids span the privacy loss, so the cost grows with ρ — PLD, one Gaussian at interval 1e-4:
+#: ~0.5 s at ρ = 1, ~12 s at ρ = 10², ~80 s at 10³, and at 10⁶ (which a target like 5·10⁷
+#: reaches) 15 GiB: out of memory (PRV: 5.6 GiB there). A target that even ρ = 10² does not reach
+#: — ε ≳ 166 for one Gaussian at δ = 1e-6, no privacy to speak of — gets σ = 1/√(2·RHO_CEILING_GRID):
+#: more noise than needed, never more ε. (RDP's cost does not grow with ρ: no ceiling.)
+RHO_CEILING_GRID = 1e2
+
+
+def grid_delegate(acc: Accountant, history) -> Optional[Accountant]:
+    """The discretizing accountant (PLD or PRV) that computes `acc`'s ε on histories like
+    `history`: `acc` itself if it is one, the PLD delegate of "auto" where it resolves to PLD;
+    None otherwise."""
+    from widedp.accounting.auto import AutoAccountant
+    from widedp.accounting.base import UnsupportedEventError
+    from widedp.accounting.gaussian_reduction import GaussianReducibleAccountant
+
+    if isinstance(acc, GaussianReducibleAccountant):
+        return acc
+    if isinstance(acc, AutoAccountant):
+        try:
+            return acc.pld if acc.resolve(history) == "pld" else None
+        except UnsupportedEventError:
+            return None  # the search with `acc` itself raises it
+    return None
+
+
+def coarse_twin(acc: Accountant, history) -> Optional[Accountant]:
+    """A cheaper accountant to guide the search for `acc` on histories like `history`: PLD at
+    `COARSE_PLD_INTERVAL` when `acc` computes by PLD (`grid_delegate`) at a finer interval; None
+    otherwise (search with `acc` itself)."""
+    from widedp.accounting.pld import PldAccountant
+
+    pld = grid_delegate(acc, history)
+    if not isinstance(pld, PldAccountant) or pld.value_discretization_interval >= COARSE_PLD_INTERVAL:
+        return None
+    return PldAccountant(value_discretization_interval=COARSE_PLD_INTERVAL)
 
 
 def sigma_of_rho(rho: float) -> float:
@@ -161,7 +248,7 @@ def calibrate(
     target_epsilon: float,
     delta: float,
     *,
-    accountant: Union[str, Accountant] = "rdp",
+    accountant: Union[str, Accountant] = "auto",
     steps: int = 1,
     extra_history: Optional[Sequence[tuple[ev.DpEvent, int]]] = None,
 ) -> float:
@@ -178,15 +265,67 @@ def calibrate(
     Raises `UnreachableTargetError` (a ValueError naming `target_epsilon` and the smallest ε
     reachable) when even σ = 1/√(2·RHO_FLOOR) spends more than the target, and the accountant's
     UnsupportedEventError for an event it cannot bound."""
+    return calibrate_with_epsilon(build_event, target_epsilon, delta, accountant=accountant, steps=steps,
+                                  extra_history=extra_history)[0]
+
+
+def calibrate_with_epsilon(
+    build_event: Callable[[float], ev.DpEvent],
+    target_epsilon: float,
+    delta: float,
+    *,
+    accountant: Union[str, Accountant] = "auto",
+    steps: int = 1,
+    extra_history: Optional[Sequence[tuple[ev.DpEvent, int]]] = None,
+) -> tuple[float, float]:
+    """`calibrate`'s σ and the accountant's ε at it (the value the search verified, so the
+    caller need not compute it again)."""
     check_target(target_epsilon)
     _check_steps_delta(steps, delta)
     acc = accountant if isinstance(accountant, Accountant) else make_accountant(accountant)
     extra = list(extra_history or [])
 
-    def spent(rho: float) -> float:
-        return acc.epsilon(extra + [(build_event(sigma_of_rho(rho)), steps)], delta)
+    def spent_by(accountant: Accountant) -> Callable[[float], float]:
+        return lambda rho: accountant.epsilon(extra + [(build_event(sigma_of_rho(rho)), steps)], delta)
 
-    return sigma_of_rho(bisect_increasing(spent, target_epsilon, 1e-8, 1.0, floor=RHO_FLOOR))
+    seen: dict[float, float] = {}
+
+    def spent(rho: float) -> float:
+        if rho not in seen:
+            seen[rho] = spent_by(acc)(rho)
+        return seen[rho]
+
+    def found(rho: float) -> tuple[float, float]:
+        return sigma_of_rho(rho), spent(rho)
+
+    probe = extra + [(build_event(1.0), steps)]
+    ceiling = RHO_CEILING_GRID if grid_delegate(acc, probe) is not None else None
+    coarse = coarse_twin(acc, probe)
+    if coarse is not None:
+        try:
+            # A guide only: to well within the coarse/fine gap (~1% in ρ), not to the final tolerance.
+            rho = bisect_increasing(spent_by(coarse), target_epsilon, 1e-8, 1.0, floor=RHO_FLOOR, log_xtol=1e-4,
+                                    ceiling=ceiling)
+        except UnreachableTargetError:
+            rho = None  # the coarse bound may miss a target the fine one reaches: search with `acc`
+        if rho is not None and (value := spent(rho)) <= target_epsilon:
+            return found(refine_increasing(spent, target_epsilon, rho, value, ceiling=ceiling or 1e12))
+    return found(bisect_increasing(spent, target_epsilon, 1e-8, 1.0, floor=RHO_FLOOR, ceiling=ceiling))
+
+
+def one_time_gaussian_sigma(useful: float, budget_share: float, delta: float,
+                             accountant: Union[str, Accountant] = "auto") -> tuple[float, float]:
+    """(σ, σ_affordable) of a one-time Gaussian release sized by two public rules: σ = max(useful,
+    σ_affordable), σ_affordable being the least σ at which `GaussianDpEvent(σ)` alone spends at
+    most `budget_share` at δ. As much noise as the caller's usefulness rule allows when that is
+    cheap; never a one-time cost above the share when it is not (used by DP-FEST's count and the
+    recalibration histogram). When `useful` already spends no more than the share, no search runs
+    (then σ_affordable ≤ useful and is reported as `useful`)."""
+    acc = accountant if isinstance(accountant, Accountant) else make_accountant(accountant)
+    if acc.epsilon([(ev.GaussianDpEvent(useful), 1)], delta) <= budget_share:
+        return useful, useful
+    affordable = calibrate(ev.GaussianDpEvent, budget_share, delta, accountant=acc)
+    return max(useful, affordable), affordable
 
 
 def invert_advanced_composition(target: float, k: int, delta: float) -> float:
@@ -194,6 +333,7 @@ def invert_advanced_composition(target: float, k: int, delta: float) -> float:
     return bisect_increasing(lambda e: advanced_composition(e, k, delta), target, 1e-12, 1.0)
 
 
-__all__ = ["RHO_FLOOR", "InvalidBoundError", "UnreachableTargetError", "bisect_increasing", "calibrate", "check_run",
-           "check_target", "invert_advanced_composition", "sampled_step_event", "sel_event_of", "sigma_of_rho",
-           "step_event", "svt_event"]
+__all__ = ["COARSE_PLD_INTERVAL", "InvalidBoundError", "RHO_CEILING_GRID", "RHO_FLOOR", "UnreachableTargetError",
+           "bisect_increasing", "calibrate", "calibrate_with_epsilon", "check_run", "check_target", "coarse_twin",
+           "grid_delegate", "invert_advanced_composition", "refine_increasing", "sampled_step_event", "sel_event_of",
+           "sigma_of_rho", "step_event", "svt_event"]

@@ -7,6 +7,11 @@ entries vanish. Anything else raises UnsupportedEventError naming the event.
 `gaussian_problem` is the structural twin used by the accountants' `supports` / `check`: it
 walks types and parameters only (no ε), and `gaussian_pieces` succeeds exactly when it finds
 no problem.
+
+`merge_pieces` sums the counts of identical (q, σ) pieces (first-appearance order) before an
+accountant composes them: composition is commutative, so ε is unchanged, and a history written
+as T separate (event, 1) entries costs what one (event, T) entry does (PLD and PRV build one
+distribution per piece and self-compose it, instead of T convolutions).
 """
 
 from __future__ import annotations
@@ -75,13 +80,26 @@ def gaussian_pieces(history: History, accountant: str) -> list[tuple[float, floa
     return pieces
 
 
+def merge_pieces(pieces: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
+    """`pieces` with identical (q, σ) merged: counts summed, in the order of first appearance.
+
+    Sound because composition is commutative: the composed privacy loss of a multiset of
+    mechanisms does not depend on their order, so the history reordered and grouped has the
+    same privacy curve (and the same ε under every accountant composing these pieces)."""
+    merged: dict[tuple[float, float], int] = {}
+    for q, sigma, count in pieces:
+        merged[(q, sigma)] = merged.get((q, sigma), 0) + int(count)
+    return [(q, sigma, count) for (q, sigma), count in merged.items()]
+
+
 class GaussianReducibleAccountant(Accountant):
     """Base of the accountants that compose Poisson-sampled Gaussian pieces (pld, prv).
 
     It owns the part they share: the structural check (additive-δ events only at the top level,
     everything else Gaussian-reducible), the additive-δ split (their Gaussian part composed,
-    their δ taken out of the target; ε = inf when nothing is left). A subclass gives
-    `pieces_epsilon(pieces, delta)` for the (q, σ, count) pieces at the remaining δ.
+    their δ taken out of the target; ε = inf when nothing is left), the merge of identical
+    pieces (`merge_pieces`). A subclass gives `pieces_epsilon(pieces, delta)` for the (q, σ,
+    count) pieces at the remaining δ, each (q, σ) once.
     """
 
     def _event_problem(self, event: ev.DpEvent) -> Optional[Unsupported]:
@@ -91,7 +109,7 @@ class GaussianReducibleAccountant(Accountant):
         delta = check_delta(delta)
         self.check(history)
         history, additive_delta = split_additive_delta(history, self.name)
-        pieces = gaussian_pieces(history, self.name)
+        pieces = merge_pieces(gaussian_pieces(history, self.name))
         rest = remaining_delta(delta, additive_delta)
         if rest is None:
             return math.inf

@@ -21,17 +21,30 @@ recomputes the chain from the events and refuses a file whose events do not hash
 edit). A checkpoint records `chain()` = (events charged, digest) and a resume refuses a ledger
 that is not an extension of it (trainer/train.py). The chain detects accidents and edits, not
 an adversary who rewrites the checkpoint too: neither file is signed.
+
+Speed (in memory only, never in `state_dict`): a step's budget check costs one accountant call
+(PLD: ~0.5 s) unless a *certificate* covers it. `certify(event, count, target)` computes
+ε(history + count × event) once and, if it is ≤ target, remembers it; `would_exceed(event,
+target)` then answers False without computing while everything recorded since is that same
+event and the steps asked for stay within the certified count, at the same δ and accountant,
+for a target ≥ the certified ε. Sound because composition is monotone: the history then is a
+prefix of the certified one, and a prefix is a post-processing of the whole (drop the later
+outputs), so its ε is at most the whole's — at most the certified bound, at most the target.
+Recording any other event voids the certificate; so does `load_state_dict`. `epsilon()` is
+cached by (charged events, chain digest, δ, accountant) — the digest names the history — and
+`epsilon_snapshot()` hands out ε at the current history, computed only if and when asked.
 """
 
 from __future__ import annotations
 
 import hashlib
+import dataclasses
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from widedp.accounting.atomic import atomic_write_bytes
-from widedp.accounting.base import Accountant, check_delta, make_accountant
+from widedp.accounting.base import Accountant, InvalidBoundError, check_delta, make_accountant
 from widedp.accounting.events import DpEvent, NeighboringRelation, event_from_dict, event_to_dict
 
 #: Format written by `state_dict`. 3: adds the hash chain ("digest" per entry and in all).
@@ -57,12 +70,36 @@ def extend_chain(digest: str, event_dict: dict, count: int = 1) -> str:
     return d.hex()
 
 
+@dataclasses.dataclass
+class Certificate:
+    """ε(history at certification + `count` × `event`) = `epsilon` ≤ the target it was made for,
+    by `accountant` at `delta`; `used`: applications of `event` recorded since (nothing else was)."""
+
+    event: DpEvent
+    key: str  # repr(event): the ledger's identity of events (as its run-length encoding)
+    count: int
+    epsilon: float
+    delta: float
+    accountant: Accountant
+    used: int = 0
+
+    def covers(self, event: DpEvent, target_epsilon: float, delta: float, accountant: Accountant, count: int) -> bool:
+        return (accountant is self.accountant and delta == self.delta and self.epsilon <= target_epsilon
+                and self.used + count <= self.count and repr(event) == self.key)
+
+
+#: How many ε values `PrivacyLedger` keeps (by charged events, digest, δ, accountant).
+_EPSILON_CACHE_SIZE = 16
+
+
 class PrivacyLedger:
     def __init__(self, accountant: str | Accountant = "rdp", delta: float = 1e-6):
         self.accountant = make_accountant(accountant) if isinstance(accountant, str) else accountant
         self.delta = check_delta(delta)
         self._history: list[list] = []  # [event, count], run-length encoded
         self._digests: list[str] = []  # the chain digest after each entry's last event
+        self._certificate: Optional[Certificate] = None  # in memory only (module docstring)
+        self._epsilon_cache: dict[tuple, float] = {}
 
     # -- recording ----------------------------------------------------------------------------
     @property
@@ -87,7 +124,12 @@ class PrivacyLedger:
         # Refuse what cannot be accounted, before spending (structural: no ε computed here).
         self.accountant.check([(event, count)])
         extended = extend_chain(self.digest, event_to_dict(event), count)
-        if self._history and repr(self._history[-1][0]) == repr(event):
+        cert, key = self._certificate, repr(event)
+        if cert is not None:
+            cert.used += count
+            if key != cert.key or cert.used > cert.count:
+                self._certificate = None  # something it did not certify was recorded
+        if self._history and repr(self._history[-1][0]) == key:
             self._history[-1][1] += count
             self._digests[-1] = extended
         else:
@@ -123,14 +165,82 @@ class PrivacyLedger:
 
     # -- querying -----------------------------------------------------------------------------
     def epsilon(self, delta: Optional[float] = None) -> float:
-        if not self._history:
-            return 0.0
-        return self.accountant.epsilon(self.history, self.delta if delta is None else delta)
+        """ε of everything charged, at δ (default the ledger's); cached, so asking again is free."""
+        return self.epsilon_snapshot(delta)()
+
+    def epsilon_snapshot(self, delta: Optional[float] = None) -> Callable[[], float]:
+        """A function returning ε of the history as it is now (whatever is recorded later),
+        computed on its first call only (and shared with `epsilon()` through the cache)."""
+        delta = self.delta if delta is None else check_delta(delta)
+        history, accountant = self.history, self.accountant
+        key = (self.steps, self.digest, delta, accountant)  # the accountant by identity
+
+        def epsilon() -> float:
+            if not history:
+                return 0.0
+            value = self._epsilon_cache.get(key)
+            if value is None:
+                value = float(accountant.epsilon(history, delta))
+                if len(self._epsilon_cache) >= _EPSILON_CACHE_SIZE:
+                    self._epsilon_cache.pop(next(iter(self._epsilon_cache)))  # the oldest
+                self._epsilon_cache[key] = value
+            return value
+
+        return epsilon
 
     def would_exceed(self, event: DpEvent, target_epsilon: float, delta: Optional[float] = None, count: int = 1) -> bool:
-        """True if recording `event` (count times) would make ε exceed target_epsilon."""
-        hist = self.history + [(event, count)]
-        return self.accountant.epsilon(hist, self.delta if delta is None else delta) > target_epsilon
+        """True if recording `event` (count times) would make ε exceed target_epsilon. Free (no
+        accountant call) when a certificate covers it (`certify`), else computed."""
+        delta = self.delta if delta is None else check_delta(delta)
+        if self.certified(event, target_epsilon, delta, count):
+            return False
+        return self.accountant.epsilon(self.history + [(event, count)], delta) > target_epsilon
+
+    # -- certificates (module docstring; in memory only) -------------------------------------------
+    @property
+    def certificate(self) -> Optional[Certificate]:
+        return self._certificate
+
+    def certified(self, event: DpEvent, target_epsilon: float, delta: Optional[float] = None, count: int = 1) -> bool:
+        """Whether the certificate shows that `count` more applications of `event` stay within
+        `target_epsilon` (no ε computed)."""
+        cert = self._certificate
+        delta = self.delta if delta is None else delta
+        return cert is not None and cert.covers(event, target_epsilon, delta, self.accountant, count)
+
+    def certify(self, event: DpEvent, count: int, target_epsilon: float, delta: Optional[float] = None) -> bool:
+        """Compute ε(history + count × event) once; if it is ≤ target_epsilon, keep it as the
+        certificate (replacing any other) and return True. False (certificate unchanged) if it
+        exceeds the target or the accountant's bound does not hold there (InvalidBoundError).
+        An event the accountant does not support raises UnsupportedEventError."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be an integer >= 1, got {count!r}")
+        delta = self.delta if delta is None else check_delta(delta)
+        try:
+            eps = float(self.accountant.epsilon(self.history + [(event, count)], delta))
+        except InvalidBoundError:
+            return False
+        if not eps <= target_epsilon:
+            return False
+        self._certificate = Certificate(event, repr(event), count, eps, delta, self.accountant)
+        return True
+
+    def certify_most(self, event: DpEvent, max_count: int, target_epsilon: float,
+                     delta: Optional[float] = None) -> int:
+        """Certify as many applications of `event` as possible, up to `max_count`: `max_count`
+        itself if it fits (one accountant call), else the largest count found by bisection
+        (about log2(max_count) calls; ε grows with the count). Returns the count certified, 0 if
+        not even one application fits (the certificate is then unchanged)."""
+        if self.certify(event, max_count, target_epsilon, delta):
+            return max_count
+        lo, hi = 0, max_count  # certified lo (0: trivially), hi does not fit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.certify(event, mid, target_epsilon, delta):
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     # -- persistence ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -178,6 +288,7 @@ class PrivacyLedger:
             raise ValueError("the ledger's events do not hash to its recorded chain digest (or their count differs "
                              "from its recorded events): the ledger was edited or damaged after it was written")
         self.accountant, self.delta, self._history, self._digests = accountant, delta, history, digests
+        self._certificate = None  # it certified the history it replaced
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically (temp file, fsync, rename): never a half-written ledger."""

@@ -414,6 +414,42 @@ def section_overhead(doc) -> tuple[list, list]:
     return lines, goals
 
 
+def section_calibration_study(doc) -> tuple[list, list]:
+    """Why the private CTR models were miscalibrated (runs without train.recalibrate, measured on
+    the training split) and what the private recalibration buys (runs with it)."""
+    lines, goals = [], []
+    lines += ["Without `train.recalibrate` (diagnosis on the **training** split; test metrics on the test split):", "",
+              "| data set | mode | ε | train mean p / base rate | train Platt a, b | test AUC | test logloss | "
+              "with the train-fitted Platt | base-rate logloss |", "|---|---|---:|---|---|---:|---:|---:|---:|"]
+    for r in doc["rows"]:
+        d, raw = r["diagnosis"], r["raw"]["test_metrics"]
+        lines.append(f"| {r['dataset']} | {r['mode']}{'/' + r['selection'] if r.get('selection') else ''} | "
+                     f"{f(r['target_epsilon'])} | {d['train_mean_prediction']:.3f} / {d['train_base_rate']:.3f} | "
+                     f"{d['train_platt_a']:.2f}, {d['train_platt_b']:+.2f} | {raw['auc']:.4f} | {raw['logloss']:.4f} | "
+                     f"{d['test_logloss_with_train_platt']:.4f} | {d['test_base_rate_logloss']:.4f} |")
+    lines += ["", "With it (the default: one noisy histogram of the training logits, Platt fitted to it, inside the "
+              "same target ε):", "",
+              "| data set | mode | ε | test AUC | test logloss | ECE | σ of the histogram | a, b | accountant |",
+              "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in doc["rows"]:
+        rec, m = r["recalibrated"], r["recalibrated"]["test_metrics"]
+        cal = rec.get("recalibration") or {}
+        lines.append(f"| {r['dataset']} | {r['mode']}{'/' + r['selection'] if r.get('selection') else ''} | "
+                     f"{f(r['target_epsilon'])} | {m['auc']:.4f} | {m['logloss']:.4f} | {m.get('ece', float('nan')):.4f} | "
+                     f"{f(cal.get('noise_multiplier'))} | {cal.get('a', float('nan')):.2f}, {cal.get('b', float('nan')):+.2f} | "
+                     f"{rec.get('accountant')} |")
+        d = r["diagnosis"]
+        below = d["train_mean_prediction"] < d["train_base_rate"] - 0.02
+        goals.append((f"{r['dataset']} {r['mode']} ε = {f(r['target_epsilon'])}: recalibrated test logloss below the "
+                      "base-rate predictor's", f"{m['logloss']:.4f} vs {d['test_base_rate_logloss']:.4f} "
+                      f"(without: {r['raw']['test_metrics']['logloss']:.4f})",
+                      met(m["logloss"] < d["test_base_rate_logloss"]),
+                      ("clipping bias: the mean prediction on the training split is "
+                       f"{d['train_mean_prediction']:.3f} against its base rate {d['train_base_rate']:.3f}; " if below else "")
+                      + f"logit spread: Platt slope {d['train_platt_a']:.2f} on the training split"))
+    return lines, goals
+
+
 def section_communication(doc, plots, out_dir) -> tuple[list, list]:
     from widedp.trainer.report import pyplot, save
 
@@ -484,57 +520,97 @@ def section_phases(doc, plots, out_dir) -> tuple[list, list]:
     return lines, []
 
 
-def section_utility(doc, plots, out_dir) -> tuple[list, list]:
+MISSING = "—"  # a metric the results do not carry (written before it was measured)
+
+
+def _m4(point: dict, metric: str, key: str = "median") -> str:
+    v = (point["metrics"].get(metric) or {}).get(key)
+    return MISSING if v is None else f"{v:.4f}"
+
+
+def _plot_vs_eps(pts: list, dataset: str, metric: str, plots: dict, out_dir: Path, references: list) -> None:
+    """`metric` (median over seeds, bars min–max) against target ε per (mode, selection); the
+    nonprivate point and `references` ((value, label, style)) as horizontal lines."""
     from widedp.trainer.report import pyplot, save
 
+    pts = [p for p in pts if (p["metrics"].get(metric) or {}).get("median") is not None]
+    if not pts:
+        return
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    keys = []
+    for p in pts:
+        k = (p["mode"], p["selection"])
+        if k not in keys and p["mode"] != "nonprivate":
+            keys.append(k)
+    for i, (mode, sel) in enumerate(keys):
+        ps = sorted([p for p in pts if (p["mode"], p["selection"]) == (mode, sel)], key=lambda p: p["target_epsilon"])
+        xs = [p["target_epsilon"] for p in ps]
+        ys = [p["metrics"][metric]["median"] for p in ps]
+        lo = [y - p["metrics"][metric]["min"] for y, p in zip(ys, ps)]
+        hi = [p["metrics"][metric]["max"] - y for y, p in zip(ys, ps)]
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="-o", capsize=3, label=mode + (f"/{sel}" if sel else ""), color=f"C{i}")
+    nonp = [p for p in pts if p["mode"] == "nonprivate"]
+    if nonp:
+        ax.axhline(nonp[0]["metrics"][metric]["median"], color="k", linestyle="--", label="nonprivate")
+    for value, label, style in references:
+        ax.axhline(value, color="gray", linestyle=style, label=label)
+    eps_ticks = sorted({p["target_epsilon"] for p in pts if p["target_epsilon"] is not None})
+    ax.set_xscale("log")
+    ax.set_xticks(eps_ticks, [f(e) for e in eps_ticks])
+    ax.minorticks_off()
+    ax.set(xlabel="target ε (δ = 1/n)", ylabel=f"test {metric} (median over seeds; bars min–max)",
+           title=f"{dataset}: test {metric} vs ε")
+    ax.legend(fontsize=7)
+    plots[f"{metric}_vs_eps_{dataset}"] = save(fig, out_dir / f"{metric}_vs_eps_{dataset}.png")
+
+
+def _base_rate_text(pts: list) -> str:
+    """The base-rate predictor's test log loss (one test split: one value) from the points, and
+    what ECE is."""
+    vals = sorted({round(p["metrics"]["base_rate_logloss"]["median"], 4) for p in pts
+                   if (p["metrics"].get("base_rate_logloss") or {}).get("median") is not None})
+    value = (f"{MISSING} (not measured: these results predate it)" if not vals else
+             f"{vals[0]:.4f}" if len(vals) == 1 else f"{vals[0]:.4f}–{vals[-1]:.4f}")
+    return (f"Base-rate log loss (always predicting the test split's mean label; a model's log loss must be below it): "
+            f"{value}. ECE: expected calibration error over 15 equal-width probability bins, "
+            "Σ_b (n_b/n)·|mean(y)_b − mean(p)_b|.")
+
+
+def section_utility(doc, plots, out_dir) -> tuple[list, list]:
     lines, goals = [], []
     points = doc["points"]
-    for dataset, metric, better in (("criteo_like", "auc", "max"), ("ctr", "auc", "max"), ("cbow", "loss", "min")):
+    for dataset, metric, better in (("criteo_like", "auc", "max"), ("heavytail", "auc", "max"), ("ctr", "auc", "max"),
+                                    ("cbow", "loss", "min")):
         pts = [p for p in points if p["dataset"] == dataset and metric in p["metrics"]]
         if not pts:
             continue
-        plt = pyplot()
-        fig, ax = plt.subplots(figsize=(6.4, 4.0))
-        keys = []
-        for p in pts:
-            k = (p["mode"], p["selection"])
-            if k not in keys and p["mode"] != "nonprivate":
-                keys.append(k)
-        for i, (mode, sel) in enumerate(keys):
-            ps = sorted([p for p in pts if (p["mode"], p["selection"]) == (mode, sel)], key=lambda p: p["target_epsilon"])
-            xs = [p["target_epsilon"] for p in ps]
-            ys = [p["metrics"][metric]["median"] for p in ps]
-            lo = [y - p["metrics"][metric]["min"] for y, p in zip(ys, ps)]
-            hi = [p["metrics"][metric]["max"] - y for y, p in zip(ys, ps)]
-            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="-o", capsize=3, label=mode + (f"/{sel}" if sel else ""), color=f"C{i}")
-        nonp = [p for p in pts if p["mode"] == "nonprivate"]
-        if nonp:
-            ax.axhline(nonp[0]["metrics"][metric]["median"], color="k", linestyle="--", label="nonprivate")
-        if metric == "auc" and pts[0].get("bayes_auc"):
-            ax.axhline(pts[0]["bayes_auc"], color="gray", linestyle=":", label="Bayes AUC (planted)")
-        eps_ticks = sorted({p["target_epsilon"] for p in pts if p["target_epsilon"] is not None})
-        ax.set_xscale("log")
-        ax.set_xticks(eps_ticks, [f(e) for e in eps_ticks])
-        ax.minorticks_off()
-        ax.set(xlabel="target ε (δ = 1/n)", ylabel=f"test {metric} (median over seeds; bars min–max)",
-               title=f"{dataset}: test {metric} vs ε")
-        ax.legend(fontsize=7)
-        plots[f"{metric}_vs_eps_{dataset}"] = save(fig, out_dir / f"{metric}_vs_eps_{dataset}.png")
+        ctr = metric == "auc"
+        bayes = [(pts[0]["bayes_auc"], "Bayes AUC (planted)", ":")] if ctr and pts[0].get("bayes_auc") else []
+        _plot_vs_eps(pts, dataset, metric, plots, out_dir, bayes)
+        if ctr:
+            base = [p["metrics"]["base_rate_logloss"]["median"] for p in pts
+                    if (p["metrics"].get("base_rate_logloss") or {}).get("median") is not None]
+            _plot_vs_eps(pts, dataset, "logloss", plots, out_dir,
+                         [(max(base), "base-rate predictor (test mean label)", ":")] if base else [])
         settings = doc.get("settings", {}).get(dataset, {})
+        extra = " test logloss median | ECE median |" if ctr else ""
         lines += [f"**{dataset}** (`{settings.get('config', '')}`{(' ' + ' '.join('`' + o + '`' for o in settings.get('overrides', []))) if settings.get('overrides') else ''}); "
                   f"seeds {doc['seeds']}.", "",
-                  f"| mode | target ε | seeds | test {metric} median | min | max | steps | rows noised/step | dpsgd/sparse rows "
-                  "| ε spent (rdp ledger) | ε by paper's Thm 3 |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  f"| mode | target ε | seeds | test {metric} median | min | max |{extra} steps | rows noised/step | "
+                  "dpsgd/sparse rows | ε spent (rdp ledger) | ε by paper's Thm 3 |",
+                  "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if ctr else "") + "---:|---:|---:|---:|---:|"]
         for p in pts:
-            m = p["metrics"][metric]
             noised = p.get("rows_noised_median") if p["mode"] != "nonprivate" else None
             ratio = p.get("rows_noised_ratio") if p["mode"] == "sparse" else None
+            cells = f" {_m4(p, 'logloss')} | {_m4(p, 'ece')} |" if ctr else ""
             lines.append(f"| {p['mode']}{'/' + p['selection'] if p['selection'] else ''} | {f(p['target_epsilon'])} | {p['seeds']} | "
-                         f"{m['median']:.4f} | {m['min']:.4f} | {m['max']:.4f} | {f(p['steps_median'])} | {f(noised)} | "
+                         f"{_m4(p, metric)} | {_m4(p, metric, 'min')} | {_m4(p, metric, 'max')} |{cells} {f(p['steps_median'])} | {f(noised)} | "
                          f"{f(ratio) + '×' if ratio else '–'} | {f(p['epsilon_spent_median'])} | {f(p['paper_epsilon_median'])} |")
-        if metric == "auc" and pts[0].get("bayes_auc"):
+        if ctr and pts[0].get("bayes_auc"):
             lines.append(f"\nBayes AUC of the planted model: {pts[0]['bayes_auc']:.4f}.")
+        if ctr:
+            lines.append(("" if pts[0].get("bayes_auc") else "\n") + _base_rate_text(pts))
         lines.append("")
     tuned = sorted({(r["dataset"], r["mode"], r["target_epsilon"], " ".join(r["tuned"]), r["tuned_from"])
                     for r in doc.get("records", []) if r.get("tuned_from")}, key=str)
@@ -571,7 +647,81 @@ def section_utility(doc, plots, out_dir) -> tuple[list, list]:
         for sel, v in g.get("gap_to_nonprivate_at_eps8", {}).items():
             goals.append((f"{dataset}: sparse/{sel} at ε = 8 within 0.01 AUC of nonprivate ({g['nonprivate']:.4f})",
                           f"gap {v['gap']:+.4f}", met(v["met"]), why.nonprivate_gap(sel, g["nonprivate"])))
+        if g["metric"] == "auc":
+            goals += calibration_goal_rows(doc, dataset, g.get("calibration"))
     return lines, goals
+
+
+def measured(flag) -> str:
+    """met / missed, or "not measured" (None: the results lack the numbers the goal needs)."""
+    return "**not measured**" if flag is None else met(flag)
+
+
+def calibration_goal_rows(doc: dict, dataset: str, cal: "dict | None") -> list:
+    """The CTR calibration goals' rows: the JSON's `goals[dataset]["calibration"]`, or computed from
+    its points (privacy_utility.calibration_goals) when the results were written before those
+    goals; with the reason beside each, from the points' seed ranges, ECE and AUC."""
+    if cal is None:
+        from privacy_utility import calibration_goals
+
+        cal = calibration_goals(doc["points"], dataset)
+    pts = {(p["mode"], p["selection"], p["target_epsilon"]): p for p in doc["points"] if p["dataset"] == dataset}
+
+    def metric(key, name, stat="median"):
+        v = (pts[key]["metrics"].get(name) or {}).get(stat) if key in pts else None
+        return None if v is None else float(v)
+
+    def q(v, digits=4):
+        return MISSING if v is None else f"{v:.{digits}f}"
+
+    rows = []
+    best = cal["best_sparse_logloss"]
+    per = best["per_epsilon"]
+    detail = "; ".join(f"ε={f(float(e))}: {v['selection']} {v['sparse']:.4f} vs {v['dpsgd']:.4f}" for e, v in per.items())
+    why = []
+    for e, v in per.items():
+        s_key, d_key = ("sparse", v["selection"], float(e)), ("dpsgd", None, float(e))
+        calib = ", ".join(f"{label} {q(metric(s_key, name), digits)} vs {q(metric(d_key, name), digits)}"
+                          for name, label, digits in (("ece", "ECE", 3), ("auc", "AUC", 4))
+                          if metric(s_key, name) is not None or metric(d_key, name) is not None)
+        if v["ok"]:
+            why.append(f"ε={f(float(e))}: {v['dpsgd'] + best['tolerance'] - v['sparse']:.4f} to spare"
+                       + (f"; {calib}" if calib else ""))
+        else:
+            why.append(f"ε={f(float(e))}: short by {v['sparse'] - v['dpsgd'] - best['tolerance']:.4f} beyond the tolerance "
+                       f"(seeds {q(metric(s_key, 'logloss', 'min'))}–{q(metric(s_key, 'logloss', 'max'))} vs dpsgd "
+                       f"{q(metric(d_key, 'logloss', 'min'))}–{q(metric(d_key, 'logloss', 'max'))})"
+                       + (f"; {calib}" if calib else ""))
+    rows.append((f"{dataset}: best sparse test logloss ≤ dpsgd's + {best['tolerance']:g} at every ε", detail or MISSING,
+                 measured(best["all"]), "; ".join(why) if per else "no test log loss in the results"))
+    below = cal["below_base_rate"]["per_epsilon"]
+    cells, why = [], []
+    for e, v in below.items():
+        eps = f(float(e))
+        if not v["measured"]:
+            cells.append(f"ε={eps}: {MISSING}")
+            continue
+        cells.append(f"ε={eps}: worst {v['worst']} {v['worst_logloss']:.4f} vs base rate {v['base_rate']:.4f}")
+        if v["ok"]:
+            why.append(f"ε={eps}: all {v['models']} below, the worst by {v['base_rate'] - v['worst_logloss']:.4f}")
+        else:
+            above = ", ".join(f"{k} +{ll - v['base_rate']:.4f} (ECE {q(metric(_key(k, float(e)), 'ece'), 3)})"
+                              for k, ll in sorted(v["above"].items(), key=lambda kv: -kv[1]))
+            why.append(f"ε={eps}: {len(v['above'])} of {v['models']} at or above: {above}")
+    unmeasured = [e for e, v in below.items() if not v["measured"]]
+    if unmeasured:
+        why.append(f"ε={', '.join(f(float(e)) for e in unmeasured)}: not measured — the results predate "
+                   "base_rate_logloss/ECE (rerunning benchmarks/privacy_utility.py re-evaluates reused runs' checkpoints)")
+    rows.append((f"{dataset}: every private model's test logloss below the base-rate predictor's at every ε",
+                 "; ".join(cells) or MISSING, measured(cal["below_base_rate"]["all"]),
+                 "; ".join(why) or "no private points in the results"))
+    return rows
+
+
+def _key(label: str, eps: float) -> tuple:
+    """(mode, selection, ε) of a "mode[/selection]" label."""
+    mode, _, sel = label.partition("/")
+    return mode, sel or None, eps
 
 
 class _UtilityReasons:
@@ -1014,7 +1164,10 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
         ("phase_breakdown", "5. Where the time of a sparse step goes", lambda d: section_phases(d, plots, plot_dir),
          ["phase_breakdown"]),
         ("privacy_utility", "6. Privacy-utility", lambda d: section_utility(d, plots, plot_dir),
-         ["auc_vs_eps_ctr", "loss_vs_eps_cbow"]),
+         ["auc_vs_eps_criteo_like", "logloss_vs_eps_criteo_like", "auc_vs_eps_heavytail", "logloss_vs_eps_heavytail",
+          "auc_vs_eps_ctr", "logloss_vs_eps_ctr", "loss_vs_eps_cbow"]),
+        ("calibration_study", "6b. Why the private CTR models were miscalibrated, and the recalibration",
+         section_calibration_study, []),
         ("paper_fig1", "7. The seed paper's Fig 1 setting, and the accountants compared", lambda d: section_fig1(d, plots, plot_dir),
          ["fig1_loss_curves", "epsilon_vs_step"]),
         ("privacy_audit", "7b. One-run privacy audits of whole training runs",

@@ -9,21 +9,28 @@ for those modes when they exist, so hyperparameters tuned there are used — at 
 ε ∈ {1, 3, 8} (δ = 1/n, σ and the selection budget calibrated by the config's accountant for
 the run's steps), for dpsgd and for sparse with em, em-count, svt, threshold, fest-threshold and random selection;
 nonprivate once per seed. Each point is the median over seeds (default 3). Metrics: CTR test
-AUC (and log loss), CBOW test loss (and pairwise accuracy). Each private run's ledger is also
-re-accounted by the seed paper's Theorem 3 bound and the other accountants.
+AUC, log loss, expected calibration error (ECE, 15 bins) and the base-rate predictor's log loss
+(always predicting the test split's mean label: trainer/models/calibration_metrics.py); CBOW
+test loss (and pairwise accuracy). A reused CTR run whose summary.json predates ECE is
+re-evaluated from its checkpoint for the missing keys only (the record lists them in
+`metrics_from_checkpoint`). Each private run's ledger is also re-accounted by the seed paper's
+Theorem 3 bound and the other accountants.
 
 Goals (issue 10): on both CTR sets the best sparse selector >= dpsgd - 0.003 AUC at every ε, and
 at ε = 8 within 0.01 AUC of nonprivate; CBOW: best sparse test loss <= dpsgd's at every ε; em-count
-(EM on example counts) beats random at every ε (em, on min(‖G_r‖, S0), is reported beside it). Beside each sparse point: rows noised per step and the ratio
+(EM on example counts) beats random at every ε (em, on min(‖G_r‖, S0), is reported beside it).
+Calibration, on both CTR sets: the best sparse test log loss <= dpsgd's + 0.005 at every ε, and
+every private model's (dpsgd's and each sparse selector's) test log loss below the base-rate
+predictor's at every ε. Beside each sparse point: rows noised per step and the ratio
 dpsgd / sparse (dpsgd noises every row; sparse noises the selected rows plus its dense tables').
 
-Tuning protocol: when benchmarks/results/tuning/{dataset}_{mode}_eps{ε}.json exists (a
-benchmarks/tune.py sweep that chose its best point on a validation split carved from the
-training data), that point's values (e.g. train.lr, train.dense_lr) are used for the runs of
-that data set, mode and ε — for every sparse selector alike — and each record says which file
-(`tuned_from`); the runs themselves train on the whole training split and report on the test
-split. Tuning is not charged to ε (docs/THREAT_MODEL.md). `--tuning-dir ''` uses the configs as
-they are.
+Tuning protocol: the shipped configs carry their values per target ε ([by_epsilon] rows,
+chosen by benchmarks/tune.py sweeps on a validation split carved from the training data), so by
+default the grid runs the configs as they are (`privacy.target_epsilon` picks the row; each
+record says which row: `tuned_for_epsilon`). `--tuning-dir DIR` instead applies
+DIR/{dataset}_{mode}_eps{ε}.json's best point (a sweep's output) on top, for every sparse
+selector alike (`tuned_from`). The runs train on the whole training split and report on the test
+split. Tuning is not charged to ε (docs/THREAT_MODEL.md).
 
 Runs are kept under runs/bench/privacy_utility[/quick]/ and reused when their config is
 unchanged up to keys of placement, logging and recovery (an interrupted grid resumes; --fresh
@@ -48,13 +55,20 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (announce_machine, DATA_DIR, REPO, RESULTS_DIR, default_selection_threshold, format_table,
+from _common import (announce_machine, DATA_DIR, REPO, default_selection_threshold, format_table,
                      set_aside_stale_run, write_results)
 
-DATASETS = {"criteo_like": "configs/ctr_criteo_like.toml", "ctr": "configs/ctr.toml", "cbow": "configs/cbow.toml"}
-PRIMARY = {"criteo_like": ("auc", "max"), "ctr": ("auc", "max"), "cbow": ("loss", "min")}
+DATASETS = {"criteo_like": "configs/ctr_criteo_like.toml", "heavytail": "configs/ctr_heavytail.toml",
+            "ctr": "configs/ctr.toml", "cbow": "configs/cbow.toml"}
+PRIMARY = {"criteo_like": ("auc", "max"), "heavytail": ("auc", "max"), "ctr": ("auc", "max"), "cbow": ("loss", "min")}
+CTR_DATASETS = tuple(d for d, (metric, _) in PRIMARY.items() if metric == "auc")
+# held-out metrics of the CTR model added after runs of the grid were trained: a reused run's
+# summary.json without them is re-evaluated from its checkpoint (run_one)
+CALIBRATION_METRICS = ("ece", "base_rate_logloss")
+LOGLOSS_TOLERANCE = 0.005  # best sparse log loss <= dpsgd's + this, at every ε
 QUICK = {  # a tiny grid: small data, few steps, in-process shards
     "criteo_like": ["data.synth_table_size=4096", "privacy.k=2000", "train.batch_size=256"],
+    "heavytail": ["data.synth_table_size=4096", "privacy.k=2000", "train.batch_size=256"],
     "ctr": ["data.synth_table_size=2000", "privacy.k=2000", "train.batch_size=256"],
     "cbow": ["train.batch_size=128"],
 }
@@ -102,7 +116,8 @@ def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, ove
         cfg.privacy.threshold = rule["threshold"]
     record = {"dataset": dataset, "mode": mode, "selection": selection, "target_epsilon": eps, "seed": seed,
               "run_dir": str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir),
-              "config": variant(config, mode), "threshold_rule": rule, "tuned": tuned, "tuned_from": tuned_from}
+              "config": variant(config, mode), "threshold_rule": rule, "tuned": tuned, "tuned_from": tuned_from,
+              "tuned_for_epsilon": cfg.tuned_for_epsilon}
     summary_path = run_dir / "summary.json"
     saved = run_dir / "config.json"
     t0 = time.perf_counter()
@@ -123,16 +138,45 @@ def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, ove
     record["wall_s"] = time.perf_counter() - t0
     for key in ("epsilon", "delta", "steps", "stopped_by_budget", "test_metrics", "bayes_auc", "noise_multiplier",
                 "selection_epsilon", "k", "examples_per_sec", "step_time_ms_median", "rows_selected_mean",
-                "rows_touched_mean", "vocabulary_size"):
+                "rows_touched_mean", "vocabulary_size", "accountant", "recalibration", "selection_params"):
         record[key] = summary.get(key)
+    if record.get("reused") and dataset in CTR_DATASETS:
+        _add_missing_metrics(record, run_dir)
     if accountants and mode != "nonprivate":
         acc = ledger_accounting(run_dir, curve_points=0)
         record["accountants"] = acc.get("final", {})
-    metrics = summary.get("test_metrics") or {}
+    metrics = record.get("test_metrics") or {}
     print(f"  {dataset} {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
           + (f", ε {summary['epsilon']:.3g}" if summary.get("epsilon") not in (None, math.inf) else "")
           + (" (reused)" if record.get("reused") else f" ({record['wall_s']:.0f} s)"))
     return record
+
+
+def _add_missing_metrics(record: dict, run_dir: Path) -> None:
+    """Fill the CALIBRATION_METRICS a reused run's summary.json lacks (it predates them) by
+    evaluating its checkpoint on the test split (trainer/train.py:evaluate, as `widedp evaluate`).
+    Only the missing keys are added, and only when the re-evaluation reproduces the summary's
+    log loss (the same checkpoint and split); otherwise the record says why in
+    `metrics_from_checkpoint_error` and the keys stay missing ("—" in RESULTS)."""
+    metrics = dict(record.get("test_metrics") or {})
+    missing = [k for k in CALIBRATION_METRICS if k not in metrics]
+    if not missing or not (run_dir / "checkpoint.pt").exists():
+        return
+    try:
+        from widedp.trainer.train import evaluate
+
+        fresh = evaluate(run_dir)["test_metrics"]
+    except Exception as exc:  # a stale or unreadable checkpoint: the point is kept without the new keys
+        record["metrics_from_checkpoint_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        return
+    old, new = metrics.get("logloss"), fresh.get("logloss")
+    if old is not None and (new is None or not math.isclose(old, new, rel_tol=1e-4, abs_tol=1e-6)):
+        record["metrics_from_checkpoint_error"] = (f"the checkpoint's test log loss {new} is not the summary's {old}: "
+                                                   "not the run's final model")
+        return
+    added = [k for k in missing if k in fresh]
+    record["test_metrics"] = {**metrics, **{k: fresh[k] for k in added}}
+    record["metrics_from_checkpoint"] = added
 
 
 def _run_job(job: tuple) -> dict:
@@ -165,8 +209,11 @@ def aggregate(records: list) -> list:
     for (dataset, mode, selection, eps), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]),
                                                                                        kv[0][3] or 0)):
         metrics = {}
-        for m in rs[0]["test_metrics"] or {}:
-            vals = [r["test_metrics"][m] for r in rs if m in (r["test_metrics"] or {})]
+        names = list(dict.fromkeys(m for r in rs for m in (r["test_metrics"] or {})))  # every seed's, in order
+        for m in names:
+            vals = [r["test_metrics"][m] for r in rs if (r["test_metrics"] or {}).get(m) is not None]
+            if not vals:
+                continue
             metrics[m] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
         spent = [r["epsilon"] for r in rs if r.get("epsilon") is not None and math.isfinite(r["epsilon"])]
         paper = [r["accountants"]["paper"]["epsilon"] for r in rs
@@ -227,7 +274,56 @@ def goals(points: list) -> dict:
             out[dataset]["gap_to_nonprivate_at_eps8"] = {
                 sel: {"gap": g, "met": g <= 0.01} for sel, g in gaps.items()}
             out[dataset]["nonprivate"] = nonp
+        if dataset in CTR_DATASETS:
+            out[dataset]["calibration"] = calibration_goals(points, dataset)
     return out
+
+
+def _median(point: dict, metric: str) -> Optional[float]:
+    m = point["metrics"].get(metric)
+    return None if m is None or m.get("median") is None else m["median"]
+
+
+def calibration_goals(points: list, dataset: str) -> dict:
+    """The CTR calibration goals of `dataset` from the points (medians over seeds):
+
+    `best_sparse_logloss`: at each ε the sparse selector of least test log loss against dpsgd's,
+    ok when <= dpsgd's + LOGLOSS_TOLERANCE; `all` None when no ε has both (not measured).
+    `below_base_rate`: at each ε every private model's (dpsgd and each sparse selector) test log
+    loss against its own base-rate log loss (the test split's mean-label predictor), ok when every
+    one is below; an ε where a private point lacks either key is not measured (`measured` False,
+    results written before the metric). `all`: False when a measured ε is missed, None when none
+    is missed but some ε (or all) is not measured, else True.
+    """
+    pts = [p for p in points if p["dataset"] == dataset and p["mode"] in ("dpsgd", "sparse")
+           and p["target_epsilon"] is not None]
+    eps_list = sorted({p["target_epsilon"] for p in pts})
+    best: dict = {}
+    below: dict = {}
+    for e in eps_list:
+        at = [p for p in pts if p["target_epsilon"] == e]
+        sparse = [(_median(p, "logloss"), p["selection"]) for p in at if p["mode"] == "sparse"]
+        sparse = [(v, sel) for v, sel in sparse if v is not None]
+        d = next((_median(p, "logloss") for p in at if p["mode"] == "dpsgd"), None)
+        if sparse and d is not None:
+            v, sel = min(sparse)
+            best[str(e)] = {"selection": sel, "sparse": v, "dpsgd": d, "ok": v <= d + LOGLOSS_TOLERANCE}
+        models = {p["mode"] + (f"/{p['selection']}" if p["selection"] else ""):
+                  (_median(p, "logloss"), _median(p, "base_rate_logloss")) for p in at}
+        if any(ll is None or base is None for ll, base in models.values()):
+            below[str(e)] = {"measured": False, "ok": None,
+                             "missing": sorted(k for k, (ll, base) in models.items() if ll is None or base is None)}
+            continue
+        base = max(b for _, b in models.values())  # one test split: the same value in every run
+        above = {k: ll for k, (ll, b) in models.items() if ll >= b}
+        worst = max(models, key=lambda k: models[k][0] - models[k][1])
+        below[str(e)] = {"measured": True, "ok": not above, "base_rate": base, "models": len(models),
+                         "worst": worst, "worst_logloss": models[worst][0], "above": above}
+    flags = [v["ok"] for v in below.values()]
+    return {"best_sparse_logloss": {"tolerance": LOGLOSS_TOLERANCE, "per_epsilon": best,
+                                    "all": all(v["ok"] for v in best.values()) if best else None},
+            "below_base_rate": {"per_epsilon": below,
+                                "all": False if False in flags else (True if flags and None not in flags else None)}}
 
 
 def main(argv=None) -> dict:
@@ -238,6 +334,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--cbow-config", default=DATASETS["cbow"])
     parser.add_argument("--eps", default=None, help="target ε list (default 1,3,8; quick 1,8)")
     parser.add_argument("--seeds", default=None, help="default 0,1,2 (quick 0)")
+    parser.add_argument("--dataset-seeds", action="append", default=[], metavar="DATASET=SEEDS",
+                        help="seeds for one data set instead of --seeds (e.g. criteo_like=0 where a run takes minutes)")
     parser.add_argument("--modes", default="nonprivate,dpsgd,sparse")
     parser.add_argument("--selections", default="em,em-count,svt,threshold,fest-threshold,random")
     parser.add_argument("--steps", type=int, default=None, help="train.steps for every run (default: the configs')")
@@ -250,9 +348,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at a time, each in its own process with one torch thread (on 2 cores, 2 jobs "
                              "finish the grid sooner than 1 job with 2 threads: much of a step is single-threaded)")
-    parser.add_argument("--tuning-dir", default=str(RESULTS_DIR / "tuning"),
-                        help="use each (data set, mode, ε)'s tuned values from DIR/{dataset}_{mode}_eps{ε}.json "
-                             "(benchmarks/tune.py, chosen on validation) when present; '' to use the configs as they are")
+    parser.add_argument("--tuning-dir", default="",
+                        help="apply each (data set, mode, ε)'s tuned values from DIR/{dataset}_{mode}_eps{ε}.json "
+                             "(benchmarks/tune.py, chosen on validation) on top of the configs' [by_epsilon] rows; "
+                             "default '': the configs as they are")
     parser.add_argument("--runs-dir", default=None)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -260,6 +359,12 @@ def main(argv=None) -> dict:
     quick = args.quick
     eps_list = [float(e) for e in (args.eps or ("1,8" if quick else "1,3,8")).split(",")]
     seeds = [int(s) for s in (args.seeds or ("0" if quick else "0,1,2")).split(",")]
+    seeds_for: dict[str, list[int]] = {}
+    for item in args.dataset_seeds:
+        name, _, values = item.partition("=")
+        if name not in DATASETS or not values:
+            parser.error(f"--dataset-seeds expects DATASET=SEEDS with DATASET in {sorted(DATASETS)}, got {item!r}")
+        seeds_for[name] = [int(s) for s in values.split(",")]
     modes = args.modes.split(",")
     selections = args.selections.split(",")
     root = Path(args.runs_dir) if args.runs_dir else REPO / "runs" / "bench" / ("privacy_utility_quick" if quick else "privacy_utility")
@@ -291,7 +396,7 @@ def main(argv=None) -> dict:
         print(f"\n{dataset}: {config} {' '.join(over)}")
         if args.jobs > 1:
             _prepare_data(config, over)  # parallel runs must not generate the same data set twice
-        for seed in seeds:
+        for seed in seeds_for.get(dataset, seeds):
             if "nonprivate" in modes:
                 jobs.append((dataset, config, "nonprivate", None, None, seed, over, root, args.fresh, False, tuning_dir))
             for eps in eps_list:
@@ -316,12 +421,14 @@ def main(argv=None) -> dict:
         pts = [p for p in points if p["dataset"] == dataset]
         if not pts:
             continue
+        extra = ["logloss", "ece", "base_rate_logloss"] if dataset in CTR_DATASETS else []
         print(format_table(
-            ["dataset", "mode", "target ε", "seeds", f"test {metric} (median)", "min", "max", "rows noised/step",
-             "dpsgd/sparse rows", "ε spent (rdp)", "ε paper Thm 3"],
+            ["dataset", "mode", "target ε", "seeds", f"test {metric} (median)", "min", "max",
+             *[f"{m} (median)" for m in extra], "rows noised/step", "dpsgd/sparse rows", "ε spent (rdp)", "ε paper Thm 3"],
             [[dataset, p["mode"] + (f"/{p['selection']}" if p["selection"] else ""), p["target_epsilon"], p["seeds"],
               p["metrics"].get(metric, {}).get("median"), p["metrics"].get(metric, {}).get("min"),
-              p["metrics"].get(metric, {}).get("max"), p["rows_noised_median"] if p["mode"] != "nonprivate" else None,
+              p["metrics"].get(metric, {}).get("max"), *[_median(p, m) for m in extra],
+              p["rows_noised_median"] if p["mode"] != "nonprivate" else None,
               p["rows_noised_ratio"] if p["mode"] == "sparse" else None, p["epsilon_spent_median"],
               p["paper_epsilon_median"]]
              for p in pts]))
@@ -356,6 +463,26 @@ def goal_lines(g: dict) -> list[str]:
         for sel, v in d.get("gap_to_nonprivate_at_eps8", {}).items():
             lines.append(f"{dataset}: sparse/{sel} at ε=8 within 0.01 AUC of nonprivate ({d['nonprivate']:.4f}): "
                          f"{'met' if v['met'] else 'missed'} (gap {v['gap']:+.4f})")
+        lines += calibration_goal_lines(dataset, d.get("calibration"))
+    return lines
+
+
+def goal_status(flag: Optional[bool]) -> str:
+    return "not measured" if flag is None else "met" if flag else "missed"
+
+
+def calibration_goal_lines(dataset: str, cal: Optional[dict]) -> list[str]:
+    if not cal:
+        return []
+    best, below = cal["best_sparse_logloss"], cal["below_base_rate"]
+    detail = ", ".join(f"ε={e}: {v['selection']} {v['sparse']:.4f} vs {v['dpsgd']:.4f}"
+                       for e, v in best["per_epsilon"].items())
+    lines = [f"{dataset}: best sparse logloss <= dpsgd + {best['tolerance']:g} at every ε: "
+             f"{goal_status(best['all'])}" + (f" ({detail})" if detail else "")]
+    detail = ", ".join(f"ε={e}: worst {v['worst']} {v['worst_logloss']:.4f} vs base rate {v['base_rate']:.4f}"
+                       if v["measured"] else f"ε={e}: not measured" for e, v in below["per_epsilon"].items())
+    lines.append(f"{dataset}: every private model's logloss below the base-rate predictor's at every ε: "
+                 f"{goal_status(below['all'])}" + (f" ({detail})" if detail else ""))
     return lines
 
 

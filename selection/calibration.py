@@ -49,7 +49,8 @@ class Calibration:
     Optional fields are None where a path does not produce them, and `to_dict()` leaves them
     out: `effective_noise_multiplier` (threshold selection with a tight accountant: the one
     Gaussian σ_eff that selection and noise compose to), and the paper accountant's `valid`,
-    `violations`, `delta_prime`, `epsilon_seed_lemma_literal`, `seed_lemma_literal_note`.
+    `violations`, `delta_prime`, `epsilon_seed_lemma_literal`, `seed_lemma_literal_note`;
+    `accountant_used`: the accountant the "auto" accountant resolved to ("pld" or "rdp").
     """
 
     noise_multiplier: float
@@ -70,6 +71,7 @@ class Calibration:
     delta_prime: Optional[float] = None
     epsilon_seed_lemma_literal: Optional[float] = None
     seed_lemma_literal_note: Optional[str] = None
+    accountant_used: Optional[str] = None
 
     def __post_init__(self):
         object.__setattr__(self, "selection_params", MappingProxyType(dict(self.selection_params)))
@@ -152,7 +154,7 @@ def calibrate(
     steps: int,
     selection: str = NO_SELECTION,
     fraction: float = 0.0,
-    accountant: str = "rdp",
+    accountant: str = "auto",
     k: Optional[int] = None,
     max_answers: Optional[int] = None,
     selection_delta: Optional[float] = None,
@@ -185,14 +187,15 @@ def calibrate(
             raise UnsupportedEventError("paper accountant: Theorem 3 covers only T identical steps")
         return _calibrate_paper(acc, target_epsilon, delta, sample_rate, steps, step.selector, selection, fraction, k)
     extra = list(extra_history or [])
-    sigma_total = cal.calibrate(step, target_epsilon, delta, accountant=acc, steps=steps, extra_history=extra)
-    event, sigma, params = step.parts(sigma_total)
+    sigma_total, spent = cal.calibrate_with_epsilon(step, target_epsilon, delta, accountant=acc, steps=steps,
+                                                    extra_history=extra)
+    event, sigma, params = step.parts(sigma_total)  # `step(sigma_total)` is the event whose ε was `spent`
     return Calibration(
         noise_multiplier=sigma,
         selection=selection,
         selection_params=params,
         selection_fraction=step.selection_fraction,
-        epsilon=acc.epsilon(extra + [(event, steps)], delta),
+        epsilon=spent,
         target_epsilon=target_epsilon,
         delta=delta,
         sample_rate=sample_rate,
@@ -201,7 +204,15 @@ def calibrate(
         # Set when selection and noise compose to one Gaussian (threshold selection).
         effective_noise_multiplier=(ev.gaussian_noise_multiplier(event.event)
                                     if isinstance(cal.sel_event_of(event), ev.GaussianDpEvent) else None),
+        accountant_used=_accountant_used(acc, extra + [(event, steps)]),
     )
+
+
+def _accountant_used(acc, history) -> Optional[str]:
+    """The accountant "auto" resolved to for `history` (None for any other accountant)."""
+    from widedp.accounting.auto import AutoAccountant  # dp_accounting loads with it: only when calibrating
+
+    return acc.resolve(history) if isinstance(acc, AutoAccountant) else None
 
 
 def _paper_em(fE: float, k: int, delta_prime: float):

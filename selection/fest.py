@@ -82,3 +82,36 @@ def fest_top_k(
     chosen_untouched = sample_untouched(int(num_rows), rows, n_from_untouched, rng)
     selected = np.sort(np.concatenate([rows[touched_idx], chosen_untouched]))
     return Selection(selected, GaussianDpEvent(noise_multiplier))
+
+
+#: privacy.fest_noise_multiplier = "auto" (`auto_fest_noise_multiplier`): the count noise's std
+#: may reach this fraction of n·L/k, ...
+FEST_USEFUL_NOISE_RATIO = 0.1
+#: ... and the one-time event alone may spend up to this fraction of the target ε.
+FEST_BUDGET_FRACTION = 0.05
+
+
+def auto_fest_noise_multiplier(n: int, max_rows_per_example: int, k: int, target_epsilon: float, delta: float,
+                               accountant: str) -> tuple[float, str]:
+    """DP-FEST's one-time σ from the data's public shape and the target ε: (σ, the rule in words).
+
+    Public inputs only: n (training examples), L (`max_rows_per_example`), k, the target ε and δ.
+    Each example adds ≤ L to the counts, so the k-th largest count is at most n·L/k (pigeonhole)
+    and n·L/k is the scale of the counts the top-k must rank. The count noise has std σ√L:
+      σ_useful     = FEST_USEFUL_NOISE_RATIO · n·√L / k   (noise std = that fraction of n·L/k)
+      σ_affordable = the σ at which GaussianDpEvent(σ) alone spends FEST_BUDGET_FRACTION · ε at δ
+    and σ = max(σ_useful, σ_affordable): as much noise as keeps the ranking useful when that is
+    cheap (large n), and never a one-time cost above the fraction of the budget (small n or
+    small ε), where the ranking gets noisier instead. The run's calibration then sizes the
+    per-step noise around whatever the one-time event costs, so the total stays at the target."""
+    from widedp.accounting.calibration import one_time_gaussian_sigma  # accounting imports no selection module
+
+    n, L, k = int(n), int(max_rows_per_example), int(k)
+    if n < 1 or L < 1 or k < 1:
+        raise ValueError(f"auto DP-FEST σ needs n, L, k >= 1, got n = {n}, L = {L}, k = {k}")
+    useful = FEST_USEFUL_NOISE_RATIO * n * math.sqrt(L) / k
+    sigma, affordable = one_time_gaussian_sigma(useful, FEST_BUDGET_FRACTION * target_epsilon, delta, accountant)
+    which = "count noise std = 0.1·n·L/k" if useful >= affordable else f"{FEST_BUDGET_FRACTION:g}·ε alone"
+    spend = "≤" if affordable == useful else "="
+    return sigma, (f"auto: max({FEST_USEFUL_NOISE_RATIO:g}·n·√L/k = {useful:.4g}, σ spending "
+                   f"{FEST_BUDGET_FRACTION:g}·ε {spend} {affordable:.4g}) = {sigma:.4g} ({which})")

@@ -104,15 +104,15 @@ def test_the_ledger_charges_dp_stat_with_every_step_and_the_budget_is_the_one_re
 
 def _config(*overrides):
     cfg = load_config(None, ["data.path=x", "train.mode=dpsgd", "train.steps=100", "train.batch_size=100",
-                             "privacy.target_epsilon=2", *overrides])
+                             "privacy.target_epsilon=2", "train.recalibrate=false", *overrides])
     return cfg
 
 
 def test_calibration_pays_for_the_counts_inside_the_target():
     from widedp.trainer.planning import plan_privacy
 
-    fixed_plan, fixed = plan_privacy(_config(), n=10_000, vocabulary=0)
-    plan, info = plan_privacy(_config("privacy.clip_norm=adaptive", "privacy.adaptive_clip_noise=3"),
+    fixed_plan, fixed = plan_privacy(_config("privacy.accountant=rdp"), n=10_000, vocabulary=0)
+    plan, info = plan_privacy(_config("privacy.clip_norm=adaptive", "privacy.adaptive_clip_noise=3", "privacy.accountant=rdp"),
                               n=10_000, vocabulary=0)
     assert plan.adaptive_clip == AdaptiveClip(0.01, 12, 3.0, 0.05) and plan.clip_norm is None
     assert info.noise_multiplier > fixed.noise_multiplier  # the counts cost budget: more gradient noise

@@ -492,3 +492,143 @@ def test_noise_generators_smoke_and_results_section(tmp_path):
     ratio = after["dpsgd_every_row_ms"] / before["dpsgd_every_row_ms"]
     assert any(line.startswith("| AES-128-CTR") and f"| {ratio:.2f} |" in line for line in lines)
     assert goals == []
+
+
+# ---- privacy-utility calibration: logloss, ECE and the base-rate predictor beside AUC ------------
+
+BASE_RATE = 0.5674
+
+
+def _ctr_records(calibrated: bool = True) -> list:
+    """Two seeds per point of a small CTR grid (medians: the values below). ε = 1: dpsgd's logloss
+    is above the base rate; ε = 8: the best sparse logloss is 0.005 beyond dpsgd + 0.005."""
+    grid = {("nonprivate", None, None): (0.76, 0.50, 0.01), ("dpsgd", None, 1.0): (0.73, 0.570, 0.05),
+            ("sparse", "threshold", 1.0): (0.728, 0.560, 0.02), ("sparse", "random", 1.0): (0.71, 0.565, 0.03),
+            ("dpsgd", None, 8.0): (0.75, 0.540, 0.01), ("sparse", "threshold", 8.0): (0.745, 0.550, 0.04),
+            ("sparse", "random", 8.0): (0.72, 0.552, 0.02)}
+    records = []
+    for (mode, sel, eps), (auc, logloss, ece) in grid.items():
+        for seed, d in ((0, -0.001), (1, 0.001)):
+            metrics = {"logloss": logloss + d, "auc": auc + d}
+            if calibrated:
+                metrics.update(ece=ece + d / 10, base_rate_logloss=BASE_RATE)
+            records.append({"dataset": "ctr", "mode": mode, "selection": sel, "target_epsilon": eps, "seed": seed,
+                            "epsilon": eps if eps else float("inf"), "steps": 10, "test_metrics": metrics,
+                            "bayes_auc": 0.8, "rows_selected_mean": 100.0 if mode == "sparse" else 5000.0,
+                            "vocabulary_size": 5000, "tuned": [], "tuned_from": None})
+    return records
+
+
+def _utility_doc(records: list, goals: bool = True) -> dict:
+    import privacy_utility
+
+    points = privacy_utility.aggregate(records)
+    doc = {"benchmark": "privacy_utility", "quick": False, "machine": _machine(), "eps": [1.0, 8.0], "seeds": [0, 1],
+           "settings": {"ctr": {"config": "configs/ctr.toml", "overrides": []}}, "records": records, "points": points,
+           "goals": privacy_utility.goals(points)}
+    if not goals:  # results written before the calibration goals existed
+        for g in doc["goals"].values():
+            g.pop("calibration", None)
+    return doc
+
+
+def _goal_row(md: str, start: str) -> str:
+    rows = [line for line in md.splitlines() if line.startswith(start)]
+    assert len(rows) == 1, (start, rows)
+    return rows[0]
+
+
+def test_privacy_utility_calibration_goals_from_the_points():
+    sys.path.insert(0, str(BENCH))
+    import privacy_utility
+
+    points = privacy_utility.aggregate(_ctr_records())
+    dpsgd1 = next(p for p in points if p["mode"] == "dpsgd" and p["target_epsilon"] == 1.0)
+    assert {"auc", "logloss", "ece", "base_rate_logloss"} <= set(dpsgd1["metrics"])
+    assert dpsgd1["metrics"]["logloss"]["median"] == pytest.approx(0.570)
+    cal = privacy_utility.goals(points)["ctr"]["calibration"]
+    best = cal["best_sparse_logloss"]
+    assert best["per_epsilon"]["1.0"]["selection"] == "threshold" and best["per_epsilon"]["1.0"]["ok"]
+    assert best["per_epsilon"]["8.0"]["selection"] == "threshold" and not best["per_epsilon"]["8.0"]["ok"]
+    assert best["all"] is False
+    below = cal["below_base_rate"]
+    assert below["per_epsilon"]["1.0"]["above"] == {"dpsgd": pytest.approx(0.570)}
+    assert below["per_epsilon"]["1.0"]["worst"] == "dpsgd" and below["per_epsilon"]["1.0"]["models"] == 3
+    assert below["per_epsilon"]["8.0"]["ok"] and below["all"] is False
+    lines = privacy_utility.goal_lines(privacy_utility.goals(points))
+    assert "ctr: best sparse logloss <= dpsgd + 0.005 at every ε: missed (ε=1.0: threshold 0.5600 vs 0.5700, " \
+           "ε=8.0: threshold 0.5500 vs 0.5400)" in lines
+    assert any(line.startswith("ctr: every private model's logloss below the base-rate predictor's at every ε: missed")
+               for line in lines)
+    # Every logloss below the base rate (shift all down): met.
+    low = _ctr_records()
+    for r in low:
+        r["test_metrics"]["logloss"] -= 0.03
+    assert privacy_utility.calibration_goals(privacy_utility.aggregate(low), "ctr")["below_base_rate"]["all"] is True
+    # Old records (no ECE, no base rate): the base-rate goal is not measured, the logloss goal still is.
+    old = privacy_utility.calibration_goals(privacy_utility.aggregate(_ctr_records(calibrated=False)), "ctr")
+    assert old["below_base_rate"]["all"] is None and not old["below_base_rate"]["per_epsilon"]["1.0"]["measured"]
+    assert old["best_sparse_logloss"]["all"] is False
+    # One seed without the new keys (a reused old run beside a new one): the point still carries them.
+    mixed = _ctr_records()
+    for r in mixed:
+        if r["seed"] == 0:
+            del r["test_metrics"]["ece"]
+    dp = next(p for p in privacy_utility.aggregate(mixed) if p["mode"] == "dpsgd" and p["target_epsilon"] == 1.0)
+    assert dp["metrics"]["ece"]["n"] == 1 and dp["metrics"]["auc"]["n"] == 2
+
+
+def test_results_show_logloss_and_ece_beside_auc_and_the_calibration_goals(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import make_results
+
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "privacy_utility.json").write_text(json.dumps(_utility_doc(_ctr_records())))
+    md = make_results.render(res, tmp_path / "docs").read_text()
+    assert "| test auc median | min | max | test logloss median | ECE median |" in md
+    assert "| dpsgd | 1 | 2 | 0.7300 | 0.7290 | 0.7310 | 0.5700 | 0.0500 |" in md
+    assert f"Base-rate log loss (always predicting the test split's mean label; a model's log loss must be below it): {BASE_RATE:.4f}." in md
+    best = _goal_row(md, "| ctr: best sparse test logloss ≤ dpsgd's + 0.005 at every ε |")
+    assert "ε=1: threshold 0.5600 vs 0.5700; ε=8: threshold 0.5500 vs 0.5400 | **missed** |" in best
+    assert "ε=8: short by 0.0050 beyond the tolerance" in best and "ECE 0.040 vs 0.010" in best
+    below = _goal_row(md, "| ctr: every private model's test logloss below the base-rate predictor's at every ε |")
+    assert f"ε=1: worst dpsgd 0.5700 vs base rate {BASE_RATE:.4f}" in below and "| **missed** |" in below
+    assert f"ε=1: 1 of 3 at or above: dpsgd +{0.570 - BASE_RATE:.4f} (ECE 0.050)" in below
+    assert "ε=8: all 3 below" in below
+    for name in ("auc_vs_eps_ctr", "logloss_vs_eps_ctr"):
+        assert f"![{name}](plots/{name}.png)" in md and _is_png(tmp_path / "docs" / "plots" / f"{name}.png")
+
+
+def test_results_from_json_written_before_calibration_say_not_measured(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import make_results
+
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "privacy_utility.json").write_text(json.dumps(_utility_doc(_ctr_records(calibrated=False), goals=False)))
+    md = make_results.render(res, tmp_path / "docs").read_text()
+    assert "| dpsgd | 1 | 2 | 0.7300 | 0.7290 | 0.7310 | 0.5700 | — |" in md
+    assert "predicting the test split's mean label; a model's log loss must be below it): — (not measured" in md
+    below = _goal_row(md, "| ctr: every private model's test logloss below the base-rate predictor's at every ε |")
+    assert "| ε=1: —; ε=8: — | **not measured** |" in below
+    # the logloss goal needs only logloss, which old results carry: computed from their points
+    assert "| **missed** |" in _goal_row(md, "| ctr: best sparse test logloss ≤ dpsgd's + 0.005 at every ε |")
+
+
+def test_a_reused_run_without_ece_gets_the_missing_metrics_from_its_checkpoint(tmp_path, monkeypatch):
+    sys.path.insert(0, str(BENCH))
+    import privacy_utility
+
+    import widedp.trainer.train as train_mod
+
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    fresh = {"logloss": 0.5, "auc": 0.71, "ece": 0.02, "base_rate_logloss": 0.56}
+    monkeypatch.setattr(train_mod, "evaluate", lambda run_dir: {"test_metrics": dict(fresh)})
+    record = {"test_metrics": {"logloss": 0.5, "auc": 0.7}}
+    privacy_utility._add_missing_metrics(record, tmp_path)
+    assert record["test_metrics"] == {"logloss": 0.5, "auc": 0.7, "ece": 0.02, "base_rate_logloss": 0.56}
+    assert record["metrics_from_checkpoint"] == ["ece", "base_rate_logloss"]
+    other = {"test_metrics": {"logloss": 0.6, "auc": 0.7}}  # the checkpoint is not the summary's model
+    privacy_utility._add_missing_metrics(other, tmp_path)
+    assert other["test_metrics"] == {"logloss": 0.6, "auc": 0.7} and "not the summary's" in other["metrics_from_checkpoint_error"]

@@ -86,7 +86,8 @@ def test_a_sampled_composed_gaussian_matches_dp_accountings_rdp_calibration():
     """T Poisson-sampled Gaussian steps, our RDP accountant against dp_accounting's RdpAccountant
     calibrated by `calibrate_dp_mechanism` on the self-composed event."""
     q, steps, eps, delta = 0.01, 200, 2.0, 1e-6
-    ours = calibrate(lambda s: ev.PoissonSampledDpEvent(q, ev.GaussianDpEvent(s)), eps, delta, steps=steps)
+    ours = calibrate(lambda s: ev.PoissonSampledDpEvent(q, ev.GaussianDpEvent(s)), eps, delta, steps=steps,
+                     accountant="rdp")
     theirs = mechanism_calibration.calibrate_dp_mechanism(
         rdp_privacy_accountant.RdpAccountant,
         lambda s: dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(s)), steps),
@@ -124,7 +125,7 @@ def test_an_unreachable_target_is_refused_with_the_smallest_epsilon():
     """A one-time Gaussian(1) alone spends more than ε = 1: no σ of the steps reaches it."""
     extra = [(ev.GaussianDpEvent(1.0), 1)]
     with pytest.raises(UnreachableTargetError) as info:
-        calibrate(ev.GaussianDpEvent, 1.0, 1e-5, extra_history=extra)
+        calibrate(ev.GaussianDpEvent, 1.0, 1e-5, extra_history=extra, accountant="rdp")
     smallest = make_accountant("rdp").epsilon(extra + [(ev.GaussianDpEvent(1 / math.sqrt(2 * RHO_FLOOR)), 1)], 1e-5)
     assert info.value.smallest == pytest.approx(smallest) and info.value.smallest > 1.0
     assert "target_epsilon" in str(info.value)

@@ -40,6 +40,9 @@ def _config(selection, *, sigma, n_batch, steps, delta, accountant="rdp", k=50, 
     p.noise_multiplier, p.delta, p.accountant, p.k = sigma, delta, accountant, k
     p.selection_epsilon, p.selection_sigma, p.fest_noise_multiplier = selection_epsilon, selection_sigma, fest_sigma
     p.target_epsilon = target_epsilon
+    # The CLI's epsilon/calibrate describe the steps and the one-time selection; the trainer's
+    # recalibration after the last step (its own event) is tested in test_recalibration.py.
+    cfg.train.recalibrate = False
     return cfg.validate()
 
 

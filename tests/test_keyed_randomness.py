@@ -23,6 +23,7 @@ from widedp.selection.keyed_random import KEY_BITS, GaussianStream, generator_fa
 from widedp.trainer.data.sampler import PoissonSampler
 from widedp.trainer.layout import row_block_normal, row_block_uniform
 from widedp.trainer.randomness import DOMAINS, PrivacyRandomness
+from widedp.trainer.recalibration import noisy_histogram
 
 REPO = Path(__file__).resolve().parents[1]
 BITS = (0, 33, 65, 127)
@@ -70,7 +71,14 @@ def _dp_stat_noise(key: NoiseKey) -> np.ndarray:
                      for _ in range(40)])
 
 
+def _recalibration_noise(key: NoiseKey) -> np.ndarray:
+    """The recalibration histogram's noise after step 7 (`PrivacyRandomness.recalibration_rng`)."""
+    hist = noisy_histogram(np.linspace(-3.0, 3.0, 50), np.arange(50) % 2, 1.0, key.generator(7))
+    return np.concatenate([hist.totals, hist.positives])
+
+
 PATHS = {
+    "recalibration": _recalibration_noise,
     "noise": _selected_row_and_dense_noise,
     "dpsgd": _dpsgd_row_noise,
     "modelmix": _modelmix_weights,
@@ -128,7 +136,7 @@ def test_secure_runs_draw_every_stream_from_chacha20():
     r = PrivacyRandomness.fresh(secure=True)
     assert r.noise_generator().secure and not PrivacyRandomness.fresh().noise_generator().secure
     for rng in (r.sampler_rng(), r.selection_rng(), r.clip_rng(),
-                r.dpsgd_noise_key().generator(1), r.shard_selection_key().generator(1, 0), r.mix_key().generator(1)):
+                r.dpsgd_noise_key().generator(1), r.shard_selection_key().generator(1, 0), r.mix_key().generator(1), r.recalibration_rng(3)):
         assert generator_family(rng) == "secure"
     fast = PrivacyRandomness.fresh()
     assert generator_family(fast.selection_rng()) == "fast" and generator_family(fast.sampler_rng()) == "fast"

@@ -79,7 +79,8 @@ def test_ledger_load_errors_name_the_file_and_entry(tmp_path):
 @pytest.mark.parametrize("selection", ["none", "em", "svt", "noisy-max", "threshold", "random"])
 def test_calibration_spends_the_target_and_no_more(selection):
     target = 2.0
-    out = calibrate(target, 1e-6, 0.005, 2000, selection=selection, fraction=0.25, k=50, max_answers=50)
+    out = calibrate(target, 1e-6, 0.005, 2000, selection=selection, fraction=0.25, k=50, max_answers=50,
+                    accountant="rdp")
     assert target * (1 - 1e-6) <= out.epsilon <= target
     # Re-account the returned parameters independently of the calibrator.
     params = out.selection_params
@@ -97,8 +98,8 @@ def test_calibration_spends_the_target_and_no_more(selection):
 
 
 def test_threshold_split_keeps_one_gaussian():
-    plain = calibrate(3.0, 1e-6, 0.01, 1000)
-    split = calibrate(3.0, 1e-6, 0.01, 1000, selection="threshold", fraction=0.3)
+    plain = calibrate(3.0, 1e-6, 0.01, 1000, accountant="rdp")
+    split = calibrate(3.0, 1e-6, 0.01, 1000, selection="threshold", fraction=0.3, accountant="rdp")
     s_sel, s_noise = split.selection_params["noise_multiplier"], split.noise_multiplier
     assert s_sel**-2 + s_noise**-2 == pytest.approx(split.effective_noise_multiplier ** -2)
     assert split.effective_noise_multiplier == pytest.approx(plain.noise_multiplier, rel=1e-6)
@@ -109,7 +110,7 @@ def test_pld_and_prv_calibration_hit_target():
     for name in ("pld", "prv"):
         out = calibrate(3.0, 1e-6, 0.01, 1000, accountant=name)
         assert 3.0 * 0.999 <= out.epsilon <= 3.0
-        assert out.noise_multiplier < calibrate(3.0, 1e-6, 0.01, 1000).noise_multiplier  # tighter than RDP
+        assert out.noise_multiplier < calibrate(3.0, 1e-6, 0.01, 1000, accountant="rdp").noise_multiplier  # tighter than RDP
 
 
 def test_paper_calibration_hits_target_and_reports_validity():
@@ -273,7 +274,7 @@ def test_calibration_is_frozen_and_to_dict_keeps_the_json_keys():
 
     base_keys = ["noise_multiplier", "selection", "selection_params", "selection_fraction", "epsilon",
                  "target_epsilon", "delta", "sample_rate", "steps", "accountant"]
-    out = calibrate(2.0, 1e-6, 0.005, 200, selection="em", fraction=0.25, k=50)
+    out = calibrate(2.0, 1e-6, 0.005, 200, selection="em", fraction=0.25, k=50, accountant="rdp")
     assert isinstance(out, Calibration)
     with pytest.raises(dataclasses.FrozenInstanceError):
         out.noise_multiplier = 1.0
@@ -284,8 +285,11 @@ def test_calibration_is_frozen_and_to_dict_keeps_the_json_keys():
     assert d["selection_params"] == {"epsilon_per_draw": out.selection_params["epsilon_per_draw"], "k": 50}
     assert json.loads(json.dumps(d)) == d
     assert hash(out) == hash(dataclasses.replace(out))  # frozen and hashable
-    threshold = calibrate(2.0, 1e-6, 0.005, 200, selection="threshold", fraction=0.25).to_dict()
+    threshold = calibrate(2.0, 1e-6, 0.005, 200, selection="threshold", fraction=0.25, accountant="rdp").to_dict()
     assert list(threshold) == base_keys + ["effective_noise_multiplier"]
+    auto = calibrate(2.0, 1e-6, 0.005, 200, selection="em", fraction=0.25, k=50)  # the default: "auto"
+    assert list(auto.to_dict()) == base_keys + ["accountant_used"]
+    assert (auto.accountant, auto.accountant_used, auto.noise_multiplier) == ("auto", "rdp", out.noise_multiplier)
     paper = calibrate(0.1, 1e-6, 1e-4, 1000, selection="em", fraction=0.2, k=1, accountant="paper")
     assert list(paper.to_dict()) == base_keys + ["valid", "violations", "delta_prime", "epsilon_seed_lemma_literal",
                                                  "seed_lemma_literal_note"]

@@ -16,7 +16,10 @@ from widedp.trainer.cli import main
 
 from test_train_cli import TINY as CLI_TINY
 
-TINY = [*CLI_TINY, "train.steps=6", "privacy.noise_multiplier=0.9", "privacy.selection_epsilon=0.05"]
+# No recalibration: the chain of the steps alone (its event after the last step is tested in
+# test_recalibration.py).
+TINY = [*CLI_TINY, "train.steps=6", "privacy.noise_multiplier=0.9", "privacy.selection_epsilon=0.05",
+        "train.recalibrate=false"]
 STEP = ev.PoissonSampledDpEvent(0.02, ev.GaussianDpEvent(1.1))
 
 

@@ -127,7 +127,7 @@ def test_calibration_with_mixing_needs_less_noise_for_the_same_target():
     from widedp.trainer.planning import plan_privacy
 
     base = ["data.path=x", "train.mode=dpsgd", "train.optimizer=sgd", "train.steps=200", "train.batch_size=100",
-            "privacy.target_epsilon=3"]
+            "privacy.target_epsilon=3", "privacy.accountant=rdp"]  # the same accountant for both (auto: pld vs rdp)
     _, plain = plan_privacy(load_config(None, base).validate(), n=10_000, vocabulary=0)
     plan, mixed = plan_privacy(load_config(None, base + ["train.modelmix=true", "privacy.mix_width=4"]).validate(),
                                n=10_000, vocabulary=0)

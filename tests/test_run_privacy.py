@@ -243,7 +243,7 @@ def test_a_private_vocabulary_is_charged_to_the_training_ledger_before_the_first
     code = main(["epsilon", "--noise-multiplier", repr(summary["noise_multiplier"]), "--sample-rate",
                  repr(summary["sample_rate"]), "--steps", "3", "--delta", repr(summary["delta"]),
                  "--selection", "threshold", "--selection-sigma", repr(summary["selection_sigma"]),
-                 "--dataset", str(tmp_path / "text")])
+                 "--accountant", summary["accountant"], "--dataset", str(tmp_path / "text")])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert json.loads(out)["epsilon"] == pytest.approx(summary["epsilon"], rel=1e-12)

@@ -104,7 +104,7 @@ TODAY = {
 @pytest.mark.parametrize("name", list(TODAY))
 def test_from_budget_reproduces_todays_calibration(name):
     sigma, params = TODAY[name]
-    out = calibrate(3.0, 1e-6, 0.01, 300, selection=name, fraction=0.3, k=20, max_answers=20)
+    out = calibrate(3.0, 1e-6, 0.01, 300, selection=name, fraction=0.3, k=20, max_answers=20, accountant="rdp")
     assert out.noise_multiplier == pytest.approx(sigma, rel=1e-9)
     assert dict(out.selection_params).keys() == params.keys()
     for key, value in params.items():
@@ -123,8 +123,8 @@ def test_from_budget_reproduces_todays_calibration(name):
 def test_fest_calibrates_as_free_steps_plus_its_one_time_event():
     fest = get_selector("fest")
     one_time = [(fest.one_time_event(fest.Params(noise_multiplier=5.0)), 1)]
-    a = calibrate(3.0, 1e-6, 0.01, 300, selection="fest", extra_history=one_time)
-    b = calibrate(3.0, 1e-6, 0.01, 300, selection="random", extra_history=one_time)
+    a = calibrate(3.0, 1e-6, 0.01, 300, selection="fest", extra_history=one_time, accountant="rdp")
+    b = calibrate(3.0, 1e-6, 0.01, 300, selection="random", extra_history=one_time, accountant="rdp")
     assert a.noise_multiplier == b.noise_multiplier and dict(a.selection_params) == {}
 
 
@@ -204,7 +204,7 @@ def test_toy_selector_is_accepted_everywhere(toy, capsys):
     assert info.calibrated and plan.selection_params.noise_multiplier > 0
 
     code = main(["epsilon", "--noise-multiplier", "1.0", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-6",
-                 "--selection", "toy", "--selection-sigma", "2.0"])
+                 "--selection", "toy", "--selection-sigma", "2.0", "--accountant", "rdp"])
     out, err = capsys.readouterr()
     assert code == 0, err
     ledger = PrivacyLedger("rdp", 1e-6)

@@ -73,8 +73,10 @@ def test_train_writes_the_run_dir_contract(capsys, tmp_path, config):
 def test_resume_equals_uninterrupted(capsys, tmp_path, config, optimizer):
     common = _sets(*TINY, f"train.optimizer={optimizer}", "privacy.target_epsilon=2", "privacy.reproducible=true")
     # Explicit σ: the privacy parameters do not depend on train.steps, so a 5-step run resumed
-    # to 8 must equal an uninterrupted 8-step run (parameters and ε). Reproducible mode: only
-    # there does a checkpoint carry generator states (a secret run resumes with fresh noise).
+    # to 8 must equal an uninterrupted 8-step run (parameters). Reproducible mode: only there
+    # does a checkpoint carry generator states (a secret run resumes with fresh noise). The
+    # 5-step run released a recalibrated model (charged); the resumed steps go on from the
+    # training iterate and recalibrate again after step 8 (its own stream per step).
     part2 = tmp_path / "part2"
     assert _train(capsys, config, "--run-dir", str(part2), *common, *_sets("train.steps=5"),
                   *_sets("privacy.noise_multiplier=0.9", "privacy.selection_epsilon=0.05"))[0] == 0
@@ -86,7 +88,9 @@ def test_resume_equals_uninterrupted(capsys, tmp_path, config, optimizer):
     assert code == 0, err
     resumed, uninterrupted = json.loads((part2 / "summary.json").read_text()), json.loads((full2 / "summary.json").read_text())
     assert resumed["steps"] == uninterrupted["steps"] == 8 and resumed["resumed"]
-    assert resumed["epsilon"] == pytest.approx(uninterrupted["epsilon"], rel=1e-12)
+    assert resumed["events_charged"] == uninterrupted["events_charged"] + 1  # the release after step 5
+    assert resumed["epsilon"] > uninterrupted["epsilon"]
+    assert resumed["recalibration"]["a"] == uninterrupted["recalibration"]["a"]
     (ta, ma), (tb, mb) = _weights(part2), _weights(full2)
     for a, b in zip(ta, tb):
         np.testing.assert_array_equal(a, b)
@@ -160,7 +164,7 @@ def test_a_normal_run_on_embedded_ray_prints_no_warning(tmp_path, config):
     ("privacy.selection_fraction=1.5", "selection_fraction"),
     ("privacy.delta=0", 'privacy.delta must be > 0 or "auto" (0 does not mean automatic or off)'),
     ("privacy.second_clip_norm=0", 'privacy.second_clip_norm must be > 0 or "none"'),
-    ("privacy.accountant=moments", "privacy.accountant must be one of ('paper', 'pld', 'prv', 'rdp')"),
+    ("privacy.accountant=moments", "privacy.accountant must be one of ('auto', 'paper', 'pld', 'prv', 'rdp')"),
 ])
 def test_config_errors_exit_2_naming_the_key(capsys, config, override, match):
     code, out, err = _train(capsys, config, "--set", override)

@@ -61,7 +61,7 @@ def test_the_train_plan_names_privacy_target_epsilon():
 
     cfg = load_config(None, ["data.path=/nonexistent", "train.mode=sparse", "train.selection=threshold",
                              "privacy.k=40", "train.steps=300", "train.batch_size=27",
-                             "privacy.target_epsilon=0.001", "privacy.delta=1e-5"])
+                             "privacy.target_epsilon=0.001", "privacy.delta=1e-5", "privacy.accountant=rdp"])
     with pytest.raises(ValueError, match=r"privacy\.target_epsilon = 0\.001 is unreachable: the smallest ε this run "
                                          r"can reach is 0\.003\d+.*set privacy\.target_epsilon to at least 0\.003"):
         plan_privacy(cfg, 2700, vocabulary=26 * 500)
@@ -72,7 +72,7 @@ def test_widedp_calibrate_names_its_flag(capsys):
     from widedp.trainer.cli import main
 
     code = main(["calibrate", "--target-epsilon", "0.001", "--delta", "1e-5", "--sample-rate", "0.01",
-                 "--steps", "300"])
+                 "--steps", "300", "--accountant", "rdp"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err
     assert "--target-epsilon = 0.001 is unreachable: the smallest ε this run can reach is 0.003501" in err

@@ -52,7 +52,8 @@ def test_cli_trains_writes_summary_and_model_and_spends_exactly_the_target(ctr_d
     assert summary["epsilon"] == pytest.approx(2.0, rel=1e-3) and summary["epsilon"] <= 2.0 + 1e-9
     assert summary["accounting"]["rdp"] == summary["epsilon"]
     assert "reproducible" in summary["randomness"]
-    assert {"auc", "logloss"} <= set(summary["test_metrics"]) and printed["test_metrics"] == summary["test_metrics"]
+    assert {"auc", "logloss", "ece", "base_rate_logloss"} <= set(summary["test_metrics"])
+    assert printed["test_metrics"] == summary["test_metrics"]
     w = np.load(tmp_path / "run" / "model.npz")["w"]
     assert w.shape == (summary["features"],) and np.isfinite(w).all()
 

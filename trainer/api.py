@@ -133,7 +133,7 @@ def _command(argv: list[str], sample_rate, steps, batch_size, dataset_size, epoc
     return main_result(argv + ["--sample-rate", repr(q), "--steps", str(t)])
 
 
-def epsilon(*, noise_multiplier: float, delta: float, accountant: str = "rdp", sample_rate: Optional[float] = None,
+def epsilon(*, noise_multiplier: float, delta: float, accountant: str = "auto", sample_rate: Optional[float] = None,
             steps: Optional[int] = None, batch_size: Optional[float] = None, dataset_size: Optional[int] = None,
             epochs: Optional[float] = None) -> dict:
     """ε of T Poisson-subsampled Gaussian steps (no selection), as `widedp epsilon` prints it."""
@@ -141,7 +141,7 @@ def epsilon(*, noise_multiplier: float, delta: float, accountant: str = "rdp", s
                      "--accountant", accountant], sample_rate, steps, batch_size, dataset_size, epochs)
 
 
-def calibrate(*, target_epsilon: float, delta: float, accountant: str = "rdp", sample_rate: Optional[float] = None,
+def calibrate(*, target_epsilon: float, delta: float, accountant: str = "auto", sample_rate: Optional[float] = None,
               steps: Optional[int] = None, batch_size: Optional[float] = None, dataset_size: Optional[int] = None,
               epochs: Optional[float] = None) -> dict:
     """The noise multiplier that spends exactly `target_epsilon` (no selection), as `widedp calibrate`."""

@@ -42,7 +42,9 @@ def selection_choices() -> tuple[str, ...]:
     return (NO_SELECTION, *selector_names())
 
 
-ACCOUNTANT_CHOICES = ("paper", "rdp", "pld", "prv")
+ACCOUNTANT_CHOICES = ("auto", "paper", "rdp", "pld", "prv")
+#: The default of --accountant: PLD where it applies, RDP elsewhere (accounting/auto.py).
+DEFAULT_ACCOUNTANT = "auto"
 
 
 class UsageError(Exception):
@@ -131,7 +133,7 @@ def _add_modelmix_args(p) -> None:
     """`--modelmix --mix-width W [--mix-coordinates K]` (epsilon and calibrate)."""
     p.add_argument("--modelmix", action="store_true",
                    help="steps are ModelMix steps (seed B, Alg 1): secret mixing of the two latest states over an "
-                        "enforced gap; only the rdp accountant supports them (accounting/modelmix.py)")
+                        "enforced gap; only the rdp accountant supports them (accounting/modelmix.py; auto resolves to rdp)")
     p.add_argument("--mix-width", type=_nonnegative_float("--mix-width"),
                    help="--modelmix: enforced gap τ in units of the update's ℓ2 sensitivity (τ = r·η with "
                         "gradients averaged over the expected batch b: r·b/c)")
@@ -142,7 +144,8 @@ def _add_modelmix_args(p) -> None:
 def _add_privacy_commands(sub) -> dict:
     """`epsilon` and `calibrate` (this module's own commands; they read the selector registry)."""
     p = sub.add_parser("epsilon", help=COMMAND_HELP["epsilon"][1])
-    p.add_argument("--accountant", choices=ACCOUNTANT_CHOICES, default="rdp")
+    p.add_argument("--accountant", choices=ACCOUNTANT_CHOICES, default=DEFAULT_ACCOUNTANT,
+                   help="auto (default): pld where it applies, else rdp")
     p.add_argument("--noise-multiplier", type=_positive_float("--noise-multiplier"), required=True,
                    help="σ: gradient noise std / ℓ2 sensitivity")
     _add_run_args(p)
@@ -154,7 +157,8 @@ def _add_privacy_commands(sub) -> dict:
 
     c = sub.add_parser("calibrate", help=COMMAND_HELP["calibrate"][1])
     c.add_argument("--target-epsilon", type=_positive_float("--target-epsilon"), required=True)
-    c.add_argument("--accountant", choices=ACCOUNTANT_CHOICES, default="rdp")
+    c.add_argument("--accountant", choices=ACCOUNTANT_CHOICES, default=DEFAULT_ACCOUNTANT,
+                   help="auto (default): pld where it applies, else rdp")
     _add_run_args(c)
     c.add_argument("--selection-fraction", type=float, default=0.0,
                    help="share of the per-step budget given to selection, in (0, 1)")

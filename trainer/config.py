@@ -172,6 +172,12 @@ class TrainConfig:
     # (ema_t = β·ema_{t-1} + (1-β)·w_t over tables and dense parameters): post-processing, free
     # in privacy. 0: the last iterate.
     ema_decay: float = 0.0
+    # Private runs of binary models (dlrm): after the last step, one noisy histogram of the
+    # training logits by label (privacy.recalibration_noise_multiplier; charged like DP-FEST's
+    # count, and planned inside the target ε) and Platt scaling fitted to it, folded into the
+    # output layer (trainer/recalibration.py). Fixes the intercept that per-example clipping
+    # biases and the logit spread the noise adds; the ranking (AUC) is unchanged.
+    recalibrate: bool = True
     # ModelMix (seed B Alg 1, trainer/modelmix.py): each step starts from a secret random mix of
     # the two latest states (gap enforced to privacy.mix_width update sensitivities). dpsgd mode,
     # sgd, rdp accountant; the amplification is claimed only because every coordinate is mixed.
@@ -217,7 +223,10 @@ class PrivacyConfig:
     delta: Auto = auto_or(float, "auto: min(1/(10n), n^-1.1), clearly below 1/n (docs/THREAT_MODEL.md)")
     noise_multiplier: Auto = auto_or(
         float, "auto: calibrated to target_epsilon; a number: that σ (ε reported, training stops at target_epsilon)")
-    accountant: str = "rdp"
+    # "auto" (accounting/auto.py): PLD where every event reduces to Gaussians (DP-SGD, threshold
+    # selectors, DP-FEST, recalibration: 3x tighter than RDP at ε = 1 here), RDP where one does not
+    # (exponential mechanism, SVT, ModelMix). "rdp", "pld", "prv": that accountant only.
+    accountant: str = "auto"
     clip_norm: Union[float, str] = keyword_or(
         float, ADAPTIVE, 1.0, "S1; \"adaptive\": chosen privately each step by DP-STAT on the batch's per-example "
                               "gradient norms (trainer/adaptive_clip.py; its counts are charged with the step)")
@@ -251,8 +260,13 @@ class PrivacyConfig:
     false_positive_ratio: Optional[float] = none_or(
         float, "threshold = auto (threshold selectors): τ lets about this fraction of b·(sparse-table features) "
                "pure-noise rows pass per step; none: about k rows")
-    fest_noise_multiplier: float = 5.0
+    fest_noise_multiplier: Auto = auto_or(
+        float, "DP-FEST's one-time σ on the training set's row counts; auto: from n, L, k and the target ε "
+               "(selection.fest.auto_fest_noise_multiplier)")
     fest_max_rows_per_example: int = 32
+    recalibration_noise_multiplier: Auto = auto_or(
+        float, "σ of train.recalibrate's histogram counts (sensitivity √2); auto: from n and the target ε "
+               "(trainer/recalibration.auto_noise_multiplier)")
     # Per-table policy of sparse mode (trainer/table_policy.py): "dense" tables are noised and
     # updated every step like DP-SGD, "sparse" ones go through the selection. "auto": dense when
     # the table has at most dense_max_rows rows. [privacy.tables] name = "dense" | "sparse" overrides.
@@ -285,7 +299,6 @@ class PrivacyConfig:
             (0 < self.gamma <= 1, "privacy.gamma must be in (0, 1]"),
             (self.score_clip > 0, "privacy.score_clip must be > 0"),
             (self.contribution_clip > 0, "privacy.contribution_clip must be > 0"),
-            (self.fest_noise_multiplier > 0, "privacy.fest_noise_multiplier must be > 0"),
             (self.fest_max_rows_per_example >= 1, "privacy.fest_max_rows_per_example must be >= 1"),
             (self.accountant in names, f"privacy.accountant must be one of {names}, got {self.accountant!r}"),
             (self.table_default in TABLE_DEFAULTS,
@@ -359,6 +372,11 @@ class ClusterConfig:
 
 
 SECTIONS = ("data", "model", "train", "privacy", "cluster")
+#: The sections a [by_epsilon] row may set: what a tuning at one target ε chooses (learning
+#: rates, schedules, the selection and its budget split, the model's size). Not the data, the
+#: cluster, nor privacy.target_epsilon / delta / accountant (the row is picked by them).
+BY_EPSILON_SECTIONS = ("model", "train", "privacy")
+BY_EPSILON_FIXED = ("privacy.target_epsilon", "privacy.delta", "privacy.accountant", "train.mode")
 
 
 @dataclasses.dataclass
@@ -369,6 +387,12 @@ class Config:
     privacy: PrivacyConfig = dataclasses.field(default_factory=PrivacyConfig)
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     run_dir: str = ""
+    # [by_epsilon."ε"] rows: values tuned at that target ε ({"1": {"train": {"lr": 3.0}}, ...}).
+    # The row picked for privacy.target_epsilon (`by_epsilon_row`) is already applied to the
+    # sections above; kept so config.json says what was tuned where.
+    by_epsilon: dict = dataclasses.field(default_factory=dict)
+    # The key of the row applied (None: no table, or a non-private run).
+    tuned_for_epsilon: Optional[float] = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -385,8 +409,8 @@ class Config:
                                     "are not (docs/DESIGN.md §6)"),
                 (t.optimizer == "sgd", f'train.modelmix needs train.optimizer = "sgd" (got {t.optimizer!r}): its '
                                        "analysis covers θ_t = mix − lr·(clipped sum + noise), not a rescaled step"),
-                (p.accountant == "rdp", f'train.modelmix needs privacy.accountant = "rdp" (got {p.accountant!r}): '
-                                        "only it accounts ModelMix steps"),
+                (p.accountant in ("rdp", "auto"), f'train.modelmix needs privacy.accountant = "rdp" or "auto" (got '
+                                                  f'{p.accountant!r}): only RDP accounts ModelMix steps'),
                 (p.mix_width > 0, "train.modelmix needs privacy.mix_width > 0 (the enforced gap; 0 is no mixing)"),
                 (t.ema_decay == 0, "train.modelmix with train.ema_decay > 0 is not supported"),
             ])
@@ -485,7 +509,9 @@ def _read_toml(path: Path, seen: tuple = ()) -> dict:
         return raw
     merged = _read_toml(path.parent / base, seen + (path.resolve(),))
     for key, value in raw.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+        # A file's [by_epsilon] table replaces its base's whole: rows tuned on another data set
+        # must not leak into this one's missing ε.
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key != "by_epsilon":
             merged[key] = {**merged[key], **value}
         else:
             merged[key] = value
@@ -498,6 +524,9 @@ def _apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
             raise ConfigError(f"--set expects section.key=value, got {item!r}")
         dotted, value = item.split("=", 1)
         section, key = dotted.split(".", 1)
+        if section == "by_epsilon":
+            raise ConfigError(f"--set {item}: [by_epsilon] rows are not set from the command line; set the key "
+                              f"itself (e.g. --set train.lr=3), which wins over the row")
         target = raw.setdefault(section, {})
         if not isinstance(target, dict):
             raise ConfigError(f"--set {item}: [{section}] is not a config section")
@@ -505,14 +534,84 @@ def _apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
     return raw
 
 
-def config_from_dict(raw: Mapping[str, Any], source: str, overrides: Sequence[str] = ()) -> Config:
+def config_from_dict(raw: Mapping[str, Any], source: str, overrides: Sequence[str] = (),
+                     apply_by_epsilon: bool = True) -> Config:
     """The one path from plain data to a Config: `raw` (a TOML file's tables, a config.json)
     with `--set` overrides applied on top, every key and type checked against the dataclasses.
     Errors name `source` (or `--set`) and the key. Does not run `validate()` (callers may still
-    change fields, e.g. benchmarks); `train()` validates."""
+    change fields, e.g. benchmarks); `train()` validates.
+
+    A `by_epsilon` table (rows keyed by target ε, each `{section: {key: value}}`) is checked
+    like the sections; with `apply_by_epsilon` the row for the resolved privacy.target_epsilon
+    (`pick_epsilon_row`) is applied on top, except the keys given with `--set`, which win. A
+    saved config (config.json) already holds the applied values and is read without it."""
     data = _apply_overrides(copy.deepcopy(dict(raw)), overrides)
     overridden = {o.split("=", 1)[0] for o in overrides}
+    table = data.pop("by_epsilon", None)
+    tuned_for = data.pop("tuned_for_epsilon", None)
+    cfg = _sections_from_dict(data, source, overridden)
+    if table is None:
+        return cfg
+    cfg.by_epsilon = _checked_by_epsilon(table, source)
+    if not apply_by_epsilon:
+        cfg.tuned_for_epsilon = None if tuned_for is None else _number(f"{source}: tuned_for_epsilon", float, tuned_for)
+        return cfg
+    if cfg.train.mode == "nonprivate" or not cfg.by_epsilon:
+        return cfg
+    key = pick_epsilon_row(cfg.by_epsilon, cfg.privacy.target_epsilon)
+    row = {section: {k: v for k, v in values.items() if f"{section}.{k}" not in overridden}
+           for section, values in cfg.by_epsilon[key].items()}
+    _sections_into(cfg, row, f"{source}: by_epsilon.{key}", set())
+    cfg.tuned_for_epsilon = float(key)
+    return cfg
+
+
+def pick_epsilon_row(table: Mapping[str, Any], target_epsilon: float) -> str:
+    """The key of the row for `target_epsilon`: the largest ε ≤ the target (values tuned for at
+    least as much noise as the run will have), else the smallest (the target is below every row).
+    Public: a function of the config only."""
+    keys = sorted(table, key=float)
+    at_or_below = [k for k in keys if float(k) <= target_epsilon * (1 + 1e-12)]
+    return at_or_below[-1] if at_or_below else keys[0]
+
+
+def _checked_by_epsilon(table: Any, source: str) -> dict:
+    """[by_epsilon] as {"ε": {section: {key: value}}}, each row's keys and types checked (on a
+    throw-away Config) and refused where a row may not set them (`BY_EPSILON_FIXED`)."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: by_epsilon must be a table of rows keyed by target ε, e.g. [by_epsilon.1]")
+    out: dict = {}
+    for key, row in table.items():
+        where = f"{source}: by_epsilon.{key}"
+        try:
+            eps = float(key)
+        except (TypeError, ValueError):
+            eps = float("nan")
+        if not (eps > 0 and eps < float("inf")):
+            raise ConfigError(f"{where}: a row's key is a target ε > 0 (e.g. [by_epsilon.1] or [by_epsilon.\"0.5\"]), "
+                              f"got {key!r}")
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where} must be a table of section.key = value")
+        for section, values in row.items():
+            if section not in BY_EPSILON_SECTIONS or not isinstance(values, dict):
+                raise ConfigError(f"{where}: a row may set keys of {BY_EPSILON_SECTIONS} (e.g. train.lr = 3), "
+                                  f"got {section!r}")
+            for name in values:
+                if f"{section}.{name}" in BY_EPSILON_FIXED:
+                    raise ConfigError(f"{where}: {section}.{name} cannot be set per ε (it picks the row or is the "
+                                      "run's kind)")
+        _sections_into(Config(), copy.deepcopy(row), where, set())  # keys and types, as in the sections
+        out[str(key)] = copy.deepcopy(row)
+    return out
+
+
+def _sections_from_dict(data: Mapping[str, Any], source: str, overridden: set) -> Config:
     cfg = Config()
+    _sections_into(cfg, data, source, overridden)
+    return cfg
+
+
+def _sections_into(cfg: Config, data: Mapping[str, Any], source: str, overridden: set) -> None:
     for section, values in data.items():
         if section == "run_dir":
             cfg.run_dir = "" if values is None else str(values)
@@ -532,7 +631,6 @@ def config_from_dict(raw: Mapping[str, Any], source: str, overrides: Sequence[st
             if key not in fields:
                 raise ConfigError(f"{origin}: unknown key {section}.{key}")
             setattr(target, key, _coerce(f"{origin}: {section}.{key}", fields[key], getattr(target, key), value))
-    return cfg
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[Sequence[str]] = None) -> Config:
@@ -545,7 +643,7 @@ def saved_config(raw: Any, source: str, overrides: Sequence[str] = ()) -> Config
     """A config a run saved (config.json, a checkpoint's "config") through `config_from_dict`."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a JSON object of config sections")
-    return config_from_dict(raw, source, overrides)
+    return config_from_dict(raw, source, overrides, apply_by_epsilon=False)
 
 
 def load_saved_config(path: Path, overrides: Sequence[str] = ()) -> Config:

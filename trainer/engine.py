@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -86,11 +86,26 @@ class StepStats:
     loss: float
     rows_touched: int
     rows_selected: int
-    epsilon: float
+    # ε spent after this step, or a function computing it (`PrivacyLedger.epsilon_snapshot`: the
+    # ledger as it was after this step): read `epsilon`, computed on first read only — an
+    # accountant call costs up to ~1 s (PLD), so only the steps whose ε is shown pay for it.
+    spent: Union[float, Callable[[], float]]
     phases: dict = dataclasses.field(default_factory=dict)  # seconds per phase of this step
     trainer_cpu_s: tuple = ()  # CPU seconds of each trainer's share of this step (its own process)
     clip_norm: Optional[float] = None  # this step's S1
     adaptive_clip: bool = False  # S1 was DP-STAT's choice (privacy.clip_norm = "adaptive")
+
+    @property
+    def epsilon(self) -> float:
+        """ε spent after this step (exact: the run's accountant on the ledger after this step)."""
+        if callable(self.spent):
+            self.spent = float(self.spent())
+        return self.spent
+
+    @property
+    def epsilon_if_computed(self) -> Optional[float]:
+        """`epsilon` if it was already computed (or given), else None — never computes it."""
+        return None if callable(self.spent) else self.spent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +153,10 @@ class Engine:
         self.train_set, self.sampler = train_set, sampler
         self.mode, self.b, self.q = mode, float(expected_batch_size), float(sample_rate)
         self.plan, self.ledger, self.target_epsilon = plan, ledger, target_epsilon
+        # The run's planned number of steps (train.steps), if the driver told (`plan_steps`):
+        # what the budget check certifies at once (`would_exceed_budget`).
+        self.planned_steps: Optional[int] = None
+        self._budget_limit: Optional[int] = None  # step_count past which certifying found no room
         self.ledger_path = ledger_path  # if set, the ledger is persisted before each release
         self.dense_optimizer = dense_optimizer
         self._dense_base_lrs = [group["lr"] for group in dense_optimizer.param_groups]
@@ -172,6 +191,9 @@ class Engine:
         self.fuse_selection = bool(fuse_selection)
         self._keep_rows: Optional[tuple] = None  # (fixed rows it was made from, per-shard global ids)
         self.step_count = 0
+        self.recalibrated_at: Optional[int] = None  # the step after which train.recalibrate last ran
+        # the logit layer before that recalibration folded (a, b) into it (trainer/recalibration.py)
+        self.pre_recalibration: Optional[dict] = None
         self.table_offsets = layout.table_offsets
         all_tables = tuple(range(len(layout.tables)))
         if any(t not in all_tables for t in dense_tables):
@@ -258,10 +280,43 @@ class Engine:
             self.ledger.save(self.ledger_path)
 
     # ---- one step ---------------------------------------------------------------------------------
+    def plan_steps(self, total_steps: int) -> None:
+        """Tell the budget check the run's planned number of steps (train.steps, counted from
+        step 0 as `step_count` is): it then certifies the remaining steps in one accountant call
+        (`would_exceed_budget`). Optional: without it the check certifies in growing chunks."""
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0:
+            raise ValueError(f"total_steps must be an integer >= 0, got {total_steps!r}")
+        self.planned_steps = total_steps
+
+    #: Without `plan_steps`: the least number of steps certified at once.
+    BUDGET_CHUNK = 64
+
     def would_exceed_budget(self) -> bool:
-        if self._event is None or self.ledger is None:
+        """Whether one more step would spend past the target ε (then the step is not taken).
+
+        The ledger answers for free while a certificate covers the step (accounting/ledger.py:
+        ε(ledger + n steps) ≤ target computed once covers each of those n steps, as ε only
+        grows with composition). Without one, this certifies the steps still planned
+        (`plan_steps`; else a chunk of max(BUDGET_CHUNK, step_count) steps), or as many of them
+        as fit (bisection, ~log2 n accountant calls), so a run costs a few accountant calls in
+        all instead of one per step; when not even one more step fits, the ledger computes the
+        answer as before (raising the accountant's error, if its bound does not hold)."""
+        event, ledger = self._event, self.ledger
+        if event is None or ledger is None:
             return False
-        return self.ledger.would_exceed(self._event, self.target_epsilon)
+        if ledger.certified(event, self.target_epsilon):
+            return False
+        if self._budget_limit is None or self.step_count < self._budget_limit:
+            if self.planned_steps is not None and self.planned_steps > self.step_count:
+                wanted = self.planned_steps - self.step_count
+            else:
+                wanted = max(self.BUDGET_CHUNK, self.step_count)
+            fits = ledger.certify_most(event, wanted, self.target_epsilon)
+            if fits < wanted:  # a hint only (the ledger decides below): no need to search again there
+                self._budget_limit = self.step_count + fits
+            if fits > 0:
+                return False
+        return ledger.would_exceed(event, self.target_epsilon)
 
     def dense_gradients(self, pooled: torch.Tensor, dense: torch.Tensor, labels: torch.Tensor) -> DenseGradients:
         """Pass 1 of the dense part (trainer/dense_grads.py): per-example losses, pooled-output
@@ -342,11 +397,12 @@ class Engine:
         self._dense_update(noisy.dense if noisy is not None else dense_grads, self._mix_gap(noisy))
         clock.mark("dense_update")
         self.step_count += 1
-        eps = self.ledger.epsilon() if noisy is not None and self.ledger is not None else 0.0
+        # ε of the ledger as it is now, computed only if someone reads `StepStats.epsilon`.
+        spent = self.ledger.epsilon_snapshot() if noisy is not None and self.ledger is not None else 0.0
         losses = torch.cat([part.losses for part in parts])
         touched = sum(s[4] for s in fused) if fused is not None else int(rows.global_ids.size)
         return StepStats(self.step_count, B, float(losses.mean()) if B else float("nan"), touched,
-                         int(selected.size) + self.dense_table_rows, eps, clock.phases,
+                         int(selected.size) + self.dense_table_rows, spent, clock.phases,
                          tuple(part.cpu_seconds for part in parts), self.step_clip, self._clip_event is not None)
 
     # ---- the phases of one step ---------------------------------------------------------------------
@@ -644,18 +700,32 @@ class Engine:
     def evaluate(self, dataset, batch_size: int, averaged: Optional[bool] = None) -> dict:
         """The model's metrics on `dataset`: with `averaged` (default: when ema_decay > 0) the
         averaged tables and dense parameters, else the last iterate."""
+        outputs = self.outputs(dataset, batch_size, averaged)
+        return {} if outputs is None else self.model.metrics(*outputs)
+
+    def released_dense_params(self, averaged: Optional[bool] = None) -> dict:
+        """The dense parameters evaluated and exported: the averaged ones (ema_decay > 0, the
+        default there) or the last iterate's."""
         averaged = self.dense_ema is not None if averaged is None else averaged
         if averaged and self.dense_ema is None:
             raise ValueError("averaged evaluation needs ema_decay > 0")
-        dense_params = (self.dense_ema if averaged else None) or dict(self.model.named_parameters())
+        return (self.dense_ema if averaged else None) or dict(self.model.named_parameters())
+
+    @torch.no_grad()
+    def outputs(self, dataset, batch_size: int, averaged: Optional[bool] = None
+                ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(model outputs, labels) over `dataset` with the released parameters (see `evaluate`);
+        None for an empty dataset."""
+        averaged = self.dense_ema is not None if averaged is None else averaged
+        dense_params = self.released_dense_params(averaged)
         outputs, labels = [], []
         for batch in dataset.iter_batches(batch_size):
             pooled = torch.from_numpy(self._lookup(batch, batch.size, averaged=averaged))
             outputs.append(torch.func.functional_call(self.model, dense_params, (pooled, batch.dense)))
             labels.append(batch.labels)
         if not outputs:
-            return {}
-        return self.model.metrics(torch.cat(outputs), torch.cat(labels))
+            return None
+        return torch.cat(outputs), torch.cat(labels)
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs. Generator states only in reproducible mode: a secret
@@ -669,7 +739,10 @@ class Engine:
             "ledger": self.ledger.state_dict() if self.ledger is not None else None,
             "fixed_rows": self.fixed_rows,
             "reproducible": self.randomness.reproducible,
+            "recalibrated_at": self.recalibrated_at,
         }
+        if self.pre_recalibration is not None:
+            state["pre_recalibration"] = {n: v.clone() for n, v in self.pre_recalibration.items()}
         if self._mix_previous is not None:  # ModelMix's θ_{t-2} of the dense parameters (a released state)
             state["mix_previous"] = {n: v.clone() for n, v in self._mix_previous.items()}
         if self.dense_ema is not None:
@@ -707,7 +780,11 @@ class Engine:
             self.clip_rng.bit_generator.state = rng["clip_rng"]
         if self.ledger is not None and state["ledger"] is not None:
             self.ledger.load_state_dict(state["ledger"])
+        self._budget_limit = None
         self.fixed_rows = state["fixed_rows"]
+        self.recalibrated_at = state.get("recalibrated_at")
+        saved = state.get("pre_recalibration")
+        self.pre_recalibration = None if saved is None else {n: v.clone() for n, v in saved.items()}
         previous = state.get("mix_previous")
         self._mix_previous = None if previous is None else {n: v.clone() for n, v in previous.items()}
         if self.dense_ema is not None:

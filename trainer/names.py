@@ -21,7 +21,7 @@ INTERACTIONS = ("dot", "cat")
 #: trainer.models.MODELS's keys.
 MODELS = ("cbow", "dlrm")
 #: accounting.base.accountant_names().
-ACCOUNTANTS = ("paper", "pld", "prv", "rdp")
+ACCOUNTANTS = ("auto", "paper", "pld", "prv", "rdp")
 
 
 def selectors() -> tuple[str, ...]:

@@ -15,10 +15,13 @@ from widedp.accounting.calibration import UnreachableTargetError
 from widedp.accounting import events as ev
 from widedp.selection import k_from_fraction
 from widedp.selection.calibration import calibrate
+from widedp.selection.fest import auto_fest_noise_multiplier
 from widedp.selection.registry import NO_SELECTION, get_selector
 from widedp.trainer.adaptive_clip import adaptive_clip_from_config
 from widedp.trainer.config import Config
 from widedp.trainer.engine import PrivacyPlan
+from widedp.trainer.models import MODELS, DenseModel
+from widedp.trainer.recalibration import auto_noise_multiplier
 from widedp.trainer.step_noise import step_noise_event
 from widedp.trainer.table_policy import TablePolicy, resolve_table_policy
 
@@ -57,6 +60,10 @@ class PrivacyInfo:
     adaptive_clip: Optional[dict] = None
     mix_width: Optional[float] = None  # train.modelmix: the enforced gap in update sensitivities
     mix_coordinates: Optional[int] = None  # train.modelmix: k of the refined clipping (1: ℓ2 only)
+    fest_noise_rule: Optional[str] = None  # privacy.fest_noise_multiplier = "auto": how σ was sized
+    # train.recalibrate (private runs of binary models): {"noise_multiplier", "rule"}; its
+    # GaussianDpEvent is planned inside the target ε with the one-time events
+    recalibration: Optional[dict] = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -71,6 +78,22 @@ def table_policy(cfg: Config, table_rows: Mapping[str, int], n: int) -> Optional
     return resolve_table_policy(table_rows, expected_batch_size=min(cfg.train.batch_size, n),
                                 default=p.table_default, dense_max_rows=p.resolved("dense_max_rows"),
                                 overrides=p.tables)
+
+
+def recalibration_plan(cfg: Config, n: int, delta: float) -> Optional[dict]:
+    """train.recalibrate's σ for a private run of a binary model (explicit, or
+    `recalibration.auto_noise_multiplier` from n and the target ε), else None."""
+    if cfg.train.mode == "nonprivate" or not cfg.train.recalibrate:
+        return None
+    if getattr(MODELS[cfg.model.name], "logit_layer") is DenseModel.logit_layer:
+        return None  # no single logit to recalibrate (CBOW)
+    if cfg.privacy.accountant == "paper":
+        return None  # Theorem 3 composes T identical steps only: no event after them
+    explicit = cfg.privacy.resolved("recalibration_noise_multiplier")
+    if explicit is not None:
+        return {"noise_multiplier": float(explicit), "rule": "privacy.recalibration_noise_multiplier"}
+    sigma, rule = auto_noise_multiplier(n, cfg.privacy.target_epsilon, delta, cfg.privacy.accountant)
+    return {"noise_multiplier": sigma, "rule": rule}
 
 
 def plan_run(cfg: Config, n: int, table_rows: Mapping[str, int], data_events: Sequence[ev.DpEvent] = (),
@@ -114,10 +137,18 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
     # Params default), k resolved from gamma, and δ.
     source: dict[str, Any] = {f.name: p.resolved(f.name) for f in dataclasses.fields(p)}
     source.update(k=k, delta=delta)
+    fest_rule = None
+    if selector is not None and "fest_noise_multiplier" in selector.config_fields().values() \
+            and source.get("fest_noise_multiplier") is None and k is not None:
+        source["fest_noise_multiplier"], fest_rule = auto_fest_noise_multiplier(
+            n, p.fest_max_rows_per_example, k, p.target_epsilon, delta, p.accountant)
     if selector is not None:  # budget fields left "auto" are 0 until calibration fills them in
         budget_keys = {selector.config_fields()[f] for f in selector.budget_fields()}
         source.update({key: 0.0 for key in budget_keys if source.get(key) is None})
     extra = [(event, 1) for event in data_events]
+    recalibration = recalibration_plan(cfg, n, delta)
+    if recalibration is not None:
+        extra.append((ev.GaussianDpEvent(recalibration["noise_multiplier"]), 1))
     params: Any = None
     if selector is not None:
         params = selector.params_from(source, "config")
@@ -176,5 +207,6 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
         adaptive_clip=None if adaptive is None else {
             "min": adaptive.theta, "doublings": adaptive.num_doublings, "count_noise": adaptive.count_noise,
             "beta": adaptive.beta, "stop_width": adaptive.threshold, "max": float(adaptive.candidates[-1])},
-        mix_width=mix_width or None, mix_coordinates=mix_coordinates if mix_width else None)
+        mix_width=mix_width or None, mix_coordinates=mix_coordinates if mix_width else None,
+        fest_noise_rule=fest_rule, recalibration=recalibration)
     return plan, info

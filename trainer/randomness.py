@@ -37,7 +37,7 @@ import numpy as np
 
 from widedp.selection.keyed_random import KEY_BITS, GaussianStream, NoiseKey
 
-DOMAINS = ("sampler", "selection", "noise", "dpsgd", "shard-selection", "clip", "modelmix")
+DOMAINS = ("sampler", "selection", "noise", "dpsgd", "shard-selection", "clip", "modelmix", "recalibration")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +95,12 @@ class PrivacyRandomness:
     def clip_rng(self) -> np.random.Generator:
         """Generator of DP-STAT's count noise (privacy.clip_norm = "adaptive")."""
         return self.key("clip").generator()
+
+    def recalibration_rng(self, step: int) -> np.random.Generator:
+        """Generator of the recalibration histogram's noise after step `step`
+        (trainer/recalibration.py): its own stream per step, so a run recalibrated again after
+        more steps draws fresh noise."""
+        return self.key("recalibration").generator(int(step))
 
     def mix_key(self) -> NoiseKey:
         """Key of ModelMix's mixing weights α (train.modelmix): counter-based per

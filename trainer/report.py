@@ -46,6 +46,9 @@ ACCOUNTANT_STYLE = {"rdp": ("-", "o"), "pld": ("--", "s"), "prv": ("-.", "^"), "
 #: held-out metrics shown first when a run has several (the summary's "held-out metric" panel)
 HEADLINE_METRICS = ("auc", "pairwise_accuracy", "accuracy")
 LOSS_METRICS = ("logloss", "loss")
+# The CTR model's "ece" and "base_rate_logloss" (trainer/models/calibration_metrics.py) get no panel
+# of their own: they are listed with the other test metrics in report.md, and the base rate is a
+# constant of the test split (benchmarks/make_results.py draws it on the logloss-vs-ε plots).
 #: the longest per-step event pattern `step_mapping` looks for, and the most events it expands
 MAX_EVENTS_PER_STEP = 64
 MAX_EXPANDED_EVENTS = 20_000_000
@@ -177,6 +180,30 @@ def epsilon_curves(history, delta: float, points: int = 12, names: Sequence[str]
 
 
 def step_mapping(history, steps: Optional[int], resumed: bool = False) -> dict:
+    """How a ledger's charged events map to training steps (`_step_mapping`), after setting
+    aside the events charged once after the last step (train.recalibrate's release: an entry of
+    count 1 at the end whose event occurs nowhere else), which are one-time charges at step T."""
+    history = list(history)
+    tail = 0
+    while tail < len(history) - 1:
+        event, count = history[len(history) - 1 - tail]
+        if count != 1 or sum(repr(e) == repr(event) for e, _ in history) != 1:
+            break
+        tail += 1
+    if not tail or steps is None or steps <= 0:
+        return _step_mapping(history, steps, resumed)
+    out = _step_mapping(history[:-tail], steps, resumed)
+    if not out["mapped"]:
+        return _step_mapping(history, steps, resumed)
+    one_time = dict(out["one_time"])
+    one_time[steps] = one_time.get(steps, 0) + tail
+    by_step = list(out["events_by_step"])
+    by_step[-1] += tail
+    note = "; ".join(n for n in (out["note"], "the release after the last step is charged at the last step") if n)
+    return {**out, "events": out["events"] + tail, "events_by_step": by_step, "one_time": one_time, "note": note}
+
+
+def _step_mapping(history, steps: Optional[int], resumed: bool = False) -> dict:
     """How a ledger's charged events map to training steps.
 
     Returns {"mapped": bool, "steps": T, "events": E, "events_per_step": m,

@@ -11,13 +11,18 @@ train command's recorder enforces it; benchmarks may record debug statistics of 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Optional, Protocol, Sequence
 
+from widedp.accounting.events import GaussianDpEvent
 from widedp.trainer.config import Config
 from widedp.trainer.engine import Engine, StepStats
 from widedp.trainer.lr_schedule import lr_multiplier
 from widedp.trainer.planning import PrivacyInfo
+from widedp.trainer.recalibration import recalibrate_engine, undo_recalibration
+
+log = logging.getLogger(__name__)
 
 
 class StepCallback(Protocol):
@@ -55,6 +60,9 @@ class Run:
         selection (DP-FEST) that has not run yet runs it first (`prepare`)."""
         self.prepare()
         engine = self.engine
+        engine.plan_steps(steps)  # the budget is certified for the planned steps once (accounting/ledger.py)
+        if engine.step_count < steps:
+            undo_recalibration(engine)  # go on from the training iterate, not the recalibrated release
         start = time.perf_counter()
         taken, by_budget, by_callback = 0, False, False
         while engine.step_count < steps:
@@ -78,6 +86,23 @@ class Run:
         restores it from the checkpoint); nothing for other plans."""
         if self.engine.needs_one_time_selection() and self.engine.fixed_rows is None:
             self.engine.prepare_fest(self.train_set.feature_rows)
+
+    def recalibrate(self) -> Optional[dict]:
+        """train.recalibrate's release (trainer/recalibration.py) after the last step of a private
+        run of a binary model, unless it already ran after this step; None when the plan has no
+        recalibration, it already ran, or it would spend past privacy.target_epsilon (then the
+        model is released as trained, with a warning)."""
+        plan = self.privacy.recalibration
+        engine = self.engine
+        if plan is None or engine.ledger is None or engine.step_count == 0 or engine.recalibrated_at == engine.step_count:
+            return None
+        event = GaussianDpEvent(plan["noise_multiplier"])
+        if engine.ledger.would_exceed(event, self.config.privacy.target_epsilon):
+            log.warning("train.recalibrate skipped: its release (σ = %.4g) would spend past privacy.target_epsilon = "
+                        "%g; the model is released as trained", plan["noise_multiplier"],
+                        self.config.privacy.target_epsilon)
+            return None
+        return recalibrate_engine(engine, self.train_set, plan["noise_multiplier"], self.config.train.eval_batch_size)
 
     def evaluate(self, split: Any = None) -> dict:
         """Metrics on `split` (default: the test split) with the config's eval batch size."""

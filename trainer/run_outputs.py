@@ -190,6 +190,7 @@ class RunRecorder:
         self.selected: list[int] = []
         self.clip_norms: list[float] = []  # DP-STAT's S1 per step (privacy.clip_norm = "adaptive")
         self.phases: dict[str, list[float]] = {}
+        self._last_epsilon: Optional[float] = None  # ε of the last metrics line (the progress bar's)
         # Raw statistics: kept in memory only; written only in debug mode.
         self._examples = 0
         self._touched: list[int] = []
@@ -209,7 +210,9 @@ class RunRecorder:
             self._losses.append(stats.loss)
 
     def metrics_line(self, stats) -> dict:
+        # The exact ε after this step (computing it if the engine left it for later: StepStats.epsilon).
         line = {"step": stats.step, "epsilon": stats.epsilon, "rows_selected": stats.rows_selected}
+        self._last_epsilon = stats.epsilon
         if getattr(stats, "adaptive_clip", False):  # DP-STAT's S1: a private output, covered by ε
             line["clip_norm"] = stats.clip_norm
         if self.debug:
@@ -228,7 +231,12 @@ class RunRecorder:
             sink.close()
 
     def progress_postfix(self, stats, elapsed: float) -> dict:
-        out = {"eps": f"{stats.epsilon:.3f}", "ex_s": f"{self.b * len(self.step_times) / max(elapsed, 1e-9):.0f}"}
+        # ε only where already computed (a log step), else the last logged one: computing it on
+        # every step would cost an accountant call per step (~0.5 s with PLD).
+        known = stats.epsilon_if_computed if hasattr(stats, "epsilon_if_computed") else stats.epsilon
+        known = self._last_epsilon if known is None else known
+        out = {"eps": f"{known:.3f}" if known is not None else "-",
+               "ex_s": f"{self.b * len(self.step_times) / max(elapsed, 1e-9):.0f}"}
         if self.debug:
             out["loss"] = f"{stats.loss:.4f}"
         return out

@@ -263,7 +263,9 @@ _COMPUTATION_FREE_KEYS = {("train", "log_every"), ("train", "eval_every"), ("tra
                           ("train", "eval_batch_size"), ("train", "debug_metrics"), ("train", "tensorboard"), ("cluster", "address"),
                           ("cluster", "backend"), ("cluster", "cpus_per_shard"), ("cluster", "gpus_per_shard"),
                           ("cluster", "placement_strategy"), ("cluster", "max_actor_restarts"), ("cluster", "trainer_placement"),
-                          ("cluster", "cpus_per_trainer"), ("run_dir", None)}
+                          ("cluster", "cpus_per_trainer"), ("run_dir", None),
+                          # the [by_epsilon] table and the row's key: its values are in the sections
+                          ("by_epsilon", None), ("tuned_for_epsilon", None)}
 # Keys a resume may change without changing what the replayed steps compute.
 _RESUME_FREE_KEYS = _COMPUTATION_FREE_KEYS | {("train", "steps")}
 
@@ -273,8 +275,10 @@ def changed_computation_keys(saved: dict, now: dict, free: frozenset | set = fro
     `Config.to_dict()`s), ignoring the keys in `free`; a key `saved` lacks counts as changed."""
     changed = []
     for section, values in now.items():
+        if (section, None) in free:
+            continue
         if not isinstance(values, dict):
-            if (section, None) not in free and saved.get(section) != values:
+            if saved.get(section) != values:
                 changed.append(section)
             continue
         for key, value in values.items():
@@ -306,7 +310,13 @@ def _planned_one_time(engine: Engine) -> list:
     return [] if event is None else [event]
 
 
-def _restore(engine: Engine, run_dir: Path, cfg: Config, data_events: list) -> RunState:
+def _planned_recalibration(info) -> list:
+    """train.recalibrate's event (charged after the last step), if the plan has one."""
+    plan = info.recalibration
+    return [] if plan is None else [ev.GaussianDpEvent(plan["noise_multiplier"])]
+
+
+def _restore(engine: Engine, run_dir: Path, cfg: Config, data_events: list, info=None) -> RunState:
     """Resume from checkpoint.pt and the ledger on disk (see the module docstring: the checks
     and what they refuse). The ledger resumed is ledger.json once verified: it may be longer than
     the checkpoint's (steps released after the checkpoint are replayed with fresh secret
@@ -332,7 +342,8 @@ def _restore(engine: Engine, run_dir: Path, cfg: Config, data_events: list) -> R
     run_state = RunState(state.get("run_id") or uuid.uuid4().hex, state.get("started") or dataset_budget.now(),
                          identity, list(planned.get("one_time", [])), list(planned.get("step", [])))
     if engine.ledger is not None:
-        run_state.plan(_planned_one_time(engine), "one_time")
+        run_state.plan(_planned_one_time(engine) + (_planned_recalibration(info) if info is not None else []),
+                       "one_time")
         run_state.plan([engine.step_event] if engine.step_event is not None else [], "step")
         engine.ledger.load_state_dict(_verified_ledger(run_dir, state, data_events, run_state).state_dict())
     return run_state
@@ -548,14 +559,14 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
         data_events = list(run.meta.privacy_events)
         engine.ledger_path = run_dir / "ledger.json" if engine.ledger is not None else None
         if resume:
-            run_state = _restore(engine, run_dir, cfg, [e for _, e in data_events])
+            run_state = _restore(engine, run_dir, cfg, [e for _, e in data_events], info)
             _check_a_step_fits(engine, cfg, run_dir, [])
         else:
             run_state = RunState(uuid.uuid4().hex, dataset_budget.now(), dataset_identity(cfg.data.path), [], [])
             one_time = [e for _, e in data_events] + _planned_one_time(engine) if engine.ledger is not None else []
             _check_a_step_fits(engine, cfg, run_dir, one_time)
             if engine.ledger is not None:
-                run_state.plan(_planned_one_time(engine), "one_time")
+                run_state.plan(_planned_one_time(engine) + _planned_recalibration(info), "one_time")
                 run_state.plan([engine.step_event] if engine.step_event is not None else [], "step")
             run_dir.mkdir(parents=True, exist_ok=True)
         dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "running"))
@@ -575,6 +586,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
                 if not resume:
                     _start(engine, cfg, run_dir, run.train_set, data_events)
                 result = run.run(cfg.train.steps, [callbacks])
+                recalibrated = None
+                if engine.step_count >= cfg.train.steps or result.stopped_by_budget:
+                    recalibrated = run.recalibrate()  # after the last step, before the final checkpoint
                 callbacks.checkpoint(engine)
         except KeyboardInterrupt:
             # a second Ctrl-C (or one outside the main thread): mid-step, so no checkpoint of this state
@@ -609,6 +623,12 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
             "test_metrics": run.evaluate(),
             "bayes_auc": run.meta.bayes_auc,
             "target_epsilon": cfg.privacy.target_epsilon,
+            # the [by_epsilon] row applied (config.pick_epsilon_row); None: no table or non-private
+            "tuned_for_epsilon": cfg.tuned_for_epsilon,
+            # train.recalibrate: what this session released (σ, Platt's a and b), or the plan with
+            # "applied": false (it ran in an earlier session, or would have spent past the target)
+            "recalibration": None if info.recalibration is None else
+            {**info.recalibration, "applied": recalibrated is not None, **(recalibrated or {})},
             "noise_multiplier": info.noise_multiplier,
             "calibrated": info.calibrated,
             "selection_epsilon": info.selection_epsilon,

@@ -62,11 +62,14 @@ def wide_features(split) -> tuple[sp.csr_matrix, np.ndarray]:
 
 
 def _metrics(X: sp.csr_matrix, y: np.ndarray, w: np.ndarray) -> dict:
+    """AUC, logloss and calibration (ECE over 15 bins, the base-rate predictor's logloss) on the
+    held-out split: the DLRM model's metrics (trainer/models/calibration_metrics.py)."""
     from widedp.trainer.data._util import auc
+    from widedp.trainer.models.calibration_metrics import calibration_metrics, logloss_from_logits
 
     z = X @ w
-    logloss = float(np.mean(np.logaddexp(0.0, z) - y * z))
-    return {"auc": float(auc(z, y)), "logloss": logloss, "examples": int(y.size)}
+    return {"auc": float(auc(z, y)), "logloss": logloss_from_logits(z, y), **calibration_metrics(z, y),
+            "examples": int(y.size)}
 
 
 def _nonprivate(X: sp.csr_matrix, y: np.ndarray, l2: float) -> np.ndarray:

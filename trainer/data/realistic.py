@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -91,6 +91,17 @@ CRITEO_KAGGLE_CARDINALITIES = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
     14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 )
+# A second shape for the same pipeline (data.synth = "heavytail", the held-out check that the
+# configs tuned on the Criteo-like set are not tuned to it): other cardinalities (more mid-sized
+# features, four above the hash size), flatter Zipf tails, a lower positive rate, a steeper
+# informativeness decay and more crosses (HEAVYTAIL_PARAMS).
+HEAVYTAIL_CARDINALITIES = (
+    7, 4737, 7745, 26, 8552, 559, 36, 2686408, 6729486, 8251, 5, 4, 2626, 8, 9, 435, 4, 68, 172, 60,
+    1000000, 3000000, 120000, 450000, 15, 900,
+)
+HEAVYTAIL_PARAMS: dict[str, Any] = {"cardinalities": HEAVYTAIL_CARDINALITIES, "zipf_exponents": (0.9, 1.2),
+                                    "theta_scale": 0.8, "scale_decay": 0.8, "num_crosses": 6, "cross_scale": 0.4,
+                                    "positive_rate": 0.17}
 DEFAULT_HASH_SIZE = 262_144
 BLOCK_ROWS = 1 << 16  # rows per RNG block: part of the data's definition (stored in dataset.json)
 WRITE_ROWS = 1 << 16  # rows per Parquet row group: does not change the data

@@ -10,6 +10,7 @@ metrics. Keeping the model free of embedding storage is what lets the same model
 from __future__ import annotations
 
 import abc
+from typing import Optional
 
 import torch
 from torch import nn
@@ -31,3 +32,8 @@ class DenseModel(nn.Module, abc.ABC):
     @abc.abstractmethod
     def metrics(self, outputs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         """Test metrics over a whole evaluation set (outputs concatenated over batches)."""
+
+    def logit_layer(self) -> Optional[nn.Linear]:
+        """A binary model's last layer, whose one output is the logit (train.recalibrate folds
+        z ↦ a·z + b into it); None for a model without one logit (e.g. CBOW's softmax)."""
+        return None

@@ -1,5 +1,6 @@
 """DLRM-style CTR model: bottom MLP on 13 dense features, one embedding per categorical
-feature (pooled on the shards), an interaction, top MLP, logloss and AUC.
+feature (pooled on the shards), an interaction, top MLP; held-out logloss, AUC and calibration
+(ECE and the base-rate predictor's logloss: trainer/models/calibration_metrics.py).
 
 Interactions (the two of the original DLRM's ``arch_interaction_op``):
   ``dot``  top MLP input = [x, (v_i · v_j)_{i<j}] over v = (x, pooled_1..F): pairwise dots only.
@@ -19,6 +20,7 @@ from torch import nn
 from torchmetrics.functional.classification import binary_auroc
 
 from widedp.trainer.models.base import DenseModel
+from widedp.trainer.models.calibration_metrics import calibration_metrics
 
 
 def _mlp(sizes: Sequence[int], final_activation: bool) -> nn.Sequential:
@@ -61,8 +63,18 @@ class DLRM(DenseModel):
     def loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.binary_cross_entropy_with_logits(outputs, labels, reduction="none")
 
+    def logit_layer(self) -> nn.Linear:
+        last = self.top[-1]
+        assert isinstance(last, nn.Linear) and last.out_features == 1
+        return last
+
     def metrics(self, outputs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+        """Over the evaluated (held-out) set: "logloss" (mean BCE), "auc" (when both classes
+        occur), "ece" (Σ_b (n_b/n)·|mean(y)_b − mean(p)_b| over 15 equal-width bins of p = σ(z))
+        and "base_rate_logloss" (the logloss of predicting this set's mean label: what "logloss"
+        must beat). Definitions: trainer/models/calibration_metrics.py."""
         out = {"logloss": float(self.loss(outputs, labels).mean())}
         if labels.numel() and 0 < labels.sum() < labels.numel():
             out["auc"] = float(binary_auroc(torch.sigmoid(outputs), labels.long()))
+        out.update(calibration_metrics(outputs, labels))
         return out

@@ -1,0 +1,169 @@
+"""train.recalibrate: the noisy logit histogram (one Gaussian mechanism, sensitivity √2) and the
+Platt fit on it, as specifications — the fast path against a loop, the audit of the real
+mechanism against broken ones, the fit against known answers, and a run that uses it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from widedp.trainer import recalibration
+from widedp.trainer.recalibration import exact_histogram, fit_platt, noisy_histogram
+
+AUDIT_SIGMA = 1.0  # μ = 1/σ = 1 for the real mechanism (GaussianDpEvent(σ))
+AUDIT_EPS = 1.0
+AUDIT_TRIALS = 60_000
+AUDIT_BINS = 4
+
+
+def _reference_histogram(logits, labels, bins, clip):
+    """The obvious loop: each example's clipped logit to its bin, +1 total, +y positives."""
+    totals, positives = [0.0] * bins, [0.0] * bins
+    width = 2 * clip / bins
+    for z, y in zip(logits, labels):
+        z = min(max(float(z), -clip), clip)
+        index = min(int((z + clip) / width), bins - 1)
+        totals[index] += 1
+        positives[index] += float(y)
+    return np.array(totals), np.array(positives)
+
+
+def test_histogram_agrees_with_the_loop_at_every_bin_and_edge():
+    rng = np.random.default_rng(3)
+    logits = np.concatenate([rng.normal(0, 5, 3000), [-8.0, 8.0, -100.0, 100.0, 0.0, 7.999999, -7.75]])
+    labels = (rng.random(logits.size) < 0.3).astype(float)
+    for bins in (1, 7, 64):
+        fast = exact_histogram(logits, labels, bins, 8.0)
+        slow = _reference_histogram(logits, labels, bins, 8.0)
+        np.testing.assert_array_equal(fast[0], slow[0])
+        np.testing.assert_allclose(fast[1], slow[1])
+        assert fast[0].sum() == logits.size
+
+
+def test_histogram_refuses_non_binary_labels_and_misaligned_inputs():
+    with pytest.raises(ValueError, match="0 or 1"):
+        exact_histogram([0.0, 1.0], [0.0, 0.5])
+    with pytest.raises(ValueError, match="aligned"):
+        exact_histogram([0.0, 1.0], [0.0])
+    with pytest.raises(ValueError, match="noise multiplier"):
+        noisy_histogram([0.0], [1.0], 0.0, np.random.default_rng(0))
+
+
+def _releases(with_extra: bool, seed: int) -> np.ndarray:
+    """The projection (total + positives)/√2 of the bin the differing example lands in, over
+    AUDIT_TRIALS runs of the mechanism on D (3 examples) or D' = D + one positive in bin 2."""
+    logits, labels = [-7.0, -1.0, 5.0], [0.0, 1.0, 0.0]
+    if with_extra:
+        logits, labels = logits + [1.0], labels + [1.0]  # bin 2 of 4 over [-8, 8]
+    rng = np.random.default_rng(seed)
+    out = np.empty(AUDIT_TRIALS)
+    for i in range(AUDIT_TRIALS):
+        hist = noisy_histogram(logits, labels, AUDIT_SIGMA, rng, bins=AUDIT_BINS)
+        out[i] = (hist.totals[2] + hist.positives[2]) / math.sqrt(2.0)
+    return out
+
+
+def _audit():
+    from privacy_audit import EventCounts, epsilon_lower_bound, gaussian_delta, gaussian_optimal_threshold
+
+    mu = 1.0 / AUDIT_SIGMA
+    # D' shifts the projection by √2 (1 on the total, 1 on the positives) over noise std σ√2:
+    # the lower mean is the projection of D's exact counts (bin 2: no example), 0.
+    threshold = AUDIT_SIGMA * math.sqrt(2.0) * gaussian_optimal_threshold(AUDIT_EPS, mu)
+    on_d = EventCounts(int(np.sum(_releases(True, 11) >= threshold)), AUDIT_TRIALS)
+    on_dp = EventCounts(int(np.sum(_releases(False, 12) >= threshold)), AUDIT_TRIALS)
+    return epsilon_lower_bound(on_d, on_dp, delta=gaussian_delta(AUDIT_EPS, mu))
+
+
+def test_the_histogram_passes_the_audit_at_its_claimed_gaussian():
+    result = _audit()
+    assert result.eps_lb <= AUDIT_EPS, str(result)
+    assert result.eps_lb > AUDIT_EPS - 0.6, f"audit no longer near-tight: {result}"
+
+
+def test_a_histogram_noised_for_sensitivity_one_is_caught(monkeypatch):
+    """Broken: noise std σ instead of σ·√2 (forgetting that one example moves two counts)."""
+    monkeypatch.setattr(recalibration, "SENSITIVITY", 1.0)
+    result = _audit()
+    assert result.eps_lb > AUDIT_EPS, str(result)
+
+
+def test_platt_fit_recovers_a_known_miscalibration_from_exact_counts():
+    rng = np.random.default_rng(0)
+    z_true = rng.normal(-1.0, 1.2, 400_000)
+    labels = (rng.random(z_true.size) < 1 / (1 + np.exp(-z_true))).astype(float)
+    model = (z_true - 0.8) / 0.5  # the model's logit: scaled ×2 and shifted
+    totals, positives = exact_histogram(model, labels, 256, 8.0)
+    centers = (recalibration.bin_edges(256, 8.0)[:-1] + recalibration.bin_edges(256, 8.0)[1:]) / 2
+    a, b = fit_platt(centers, totals, positives)
+    assert a == pytest.approx(0.5, abs=0.02) and b == pytest.approx(0.8, abs=0.03)
+
+
+def test_platt_fit_makes_no_change_without_both_classes():
+    assert fit_platt([0.0, 1.0], [10.0, 10.0], [0.0, 0.0]) == (1.0, 0.0)
+    assert fit_platt([0.0, 1.0], [10.0, 10.0], [10.0, 10.0]) == (1.0, 0.0)
+
+
+def test_noisy_fit_lowers_the_logloss_of_an_overconfident_biased_model():
+    rng = np.random.default_rng(1)
+    z_true = rng.normal(-1.2, 1.0, 100_000)
+    labels = (rng.random(z_true.size) < 1 / (1 + np.exp(-z_true))).astype(float)
+    model = 2 * z_true - 1.5 + rng.normal(0, 0.5, z_true.size)
+    hist = noisy_histogram(model, labels, 50.0, rng)
+    a, b = fit_platt(hist.centers, hist.totals, hist.positives)
+
+    def logloss(z):
+        return float(np.mean(np.logaddexp(0, z) - labels * z))
+
+    base = labels.mean()
+    base_rate = -(base * math.log(base) + (1 - base) * math.log(1 - base))
+    assert logloss(model) > base_rate  # the miscalibrated model is worse than the base rate ...
+    assert logloss(a * model + b) < logloss(z_true) + 0.01  # ... and recalibrated near the truth
+
+
+def test_auto_noise_multiplier_takes_the_larger_of_its_two_rules():
+    small_n, rule_small = recalibration.auto_noise_multiplier(1_000, 1.0, 1e-6, "rdp")
+    big_n, rule_big = recalibration.auto_noise_multiplier(10_000_000, 1.0, 1e-6, "rdp")
+    assert "ε" in rule_small and small_n > 0.01 * (1_000 / 64) / math.sqrt(2)  # the budget rule wins
+    assert big_n == pytest.approx(0.01 * (10_000_000 / 64) / math.sqrt(2))  # the usefulness rule wins
+    from widedp.accounting import make_accountant
+    from widedp.accounting.events import GaussianDpEvent
+
+    spent = make_accountant("rdp").epsilon([(GaussianDpEvent(small_n), 1)], 1e-6)
+    assert spent <= 0.05 * 1.0 * (1 + 1e-9)
+
+
+@pytest.fixture(scope="module")
+def recalibrated_run(tmp_path_factory):
+    import widedp
+
+    run_dir = tmp_path_factory.mktemp("recal") / "run"
+    result = widedp.train("configs/quickstart.toml", run_dir, overrides=[
+        "cluster.backend=local", "train.steps=20", "privacy.target_epsilon=4", "train.log_every=5"])
+    return run_dir, result
+
+
+def test_a_private_ctr_run_charges_and_reports_its_recalibration(recalibrated_run):
+    run_dir, result = recalibrated_run
+    summary = result.summary
+    recal = summary["recalibration"]
+    assert recal["applied"] and recal["after_step"] == 20 and math.isfinite(recal["a"])
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    events = [entry["event"] for entry in ledger["history"]]
+    last = events[-1]
+    assert last.get("noise_multiplier") == pytest.approx(recal["noise_multiplier"])
+    assert summary["epsilon"] <= summary["target_epsilon"] * (1 + 1e-9)
+    assert summary["events_charged"] == 20 + 1  # the steps and the histogram
+
+
+def test_recalibration_is_not_run_twice_for_the_same_step(recalibrated_run, tmp_path):
+    import widedp
+
+    run_dir, result = recalibrated_run
+    again = widedp.train("configs/quickstart.toml", run_dir, resume=True, overrides=[
+        "cluster.backend=local", "train.steps=20", "privacy.target_epsilon=4", "train.log_every=5"])
+    assert again.summary["recalibration"]["applied"] is False
+    assert again.summary["events_charged"] == result.summary["events_charged"]
