@@ -336,6 +336,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--seeds", default=None, help="default 0,1,2 (quick 0)")
     parser.add_argument("--dataset-seeds", action="append", default=[], metavar="DATASET=SEEDS",
                         help="seeds for one data set instead of --seeds (e.g. criteo_like=0 where a run takes minutes)")
+    parser.add_argument("--dataset-eps", action="append", default=[], metavar="DATASET=EPS",
+                        help="target ε list for one data set instead of --eps")
     parser.add_argument("--modes", default="nonprivate,dpsgd,sparse")
     parser.add_argument("--selections", default="em,em-count,svt,threshold,fest-threshold,random")
     parser.add_argument("--steps", type=int, default=None, help="train.steps for every run (default: the configs')")
@@ -365,6 +367,12 @@ def main(argv=None) -> dict:
         if name not in DATASETS or not values:
             parser.error(f"--dataset-seeds expects DATASET=SEEDS with DATASET in {sorted(DATASETS)}, got {item!r}")
         seeds_for[name] = [int(s) for s in values.split(",")]
+    eps_for: dict[str, list[float]] = {}
+    for item in args.dataset_eps:
+        name, _, values = item.partition("=")
+        if name not in DATASETS or not values:
+            parser.error(f"--dataset-eps expects DATASET=EPS with DATASET in {sorted(DATASETS)}, got {item!r}")
+        eps_for[name] = [float(e) for e in values.split(",")]
     modes = args.modes.split(",")
     selections = args.selections.split(",")
     root = Path(args.runs_dir) if args.runs_dir else REPO / "runs" / "bench" / ("privacy_utility_quick" if quick else "privacy_utility")
@@ -399,7 +407,7 @@ def main(argv=None) -> dict:
         for seed in seeds_for.get(dataset, seeds):
             if "nonprivate" in modes:
                 jobs.append((dataset, config, "nonprivate", None, None, seed, over, root, args.fresh, False, tuning_dir))
-            for eps in eps_list:
+            for eps in eps_for.get(dataset, eps_list):
                 if "dpsgd" in modes:
                     jobs.append((dataset, config, "dpsgd", None, eps, seed, over, root, args.fresh,
                                  not args.no_accountants, tuning_dir))

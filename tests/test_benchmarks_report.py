@@ -62,7 +62,7 @@ def test_report_one_run_writes_plots_and_markdown(runs, capsys):
     summary = json.loads((runs["sparse"] / "summary.json").read_text())
     assert "sparse/em" in md and "![loss.png](loss.png)" in md
     # numbers in the markdown are the summary's, and the ledger is re-accounted per accountant
-    assert f"{summary['epsilon']:.4g} (rdp)" in md
+    assert f"{summary['epsilon']:.4g} ({summary['accountant']})" in md  # the accountant the run recorded with
     assert "| sparse | " in md and "unsupported" in md  # PLD/PRV cannot bound the EM event
 
 
