@@ -26,7 +26,7 @@ from _common import REPO, fmt_bytes, machine_line  # noqa: E402
 from run_all import VARIANTS as RUN_VARIANTS  # noqa: E402
 
 NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "privacy_overhead", "communication",
-         "phase_breakdown", "privacy_utility", "paper_fig1", "privacy_audit",
+         "phase_breakdown", "privacy_utility", "calibration_study", "paper_fig1", "privacy_audit",
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line",
          "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive",
          "noise_generators", "cli_startup")
