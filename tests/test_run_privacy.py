@@ -123,7 +123,7 @@ def test_a_resumed_secret_run_draws_fresh_noise_and_charges_replayed_steps_again
     # Roll the checkpoint back to step 3 (as if the process died after releasing step 4).
     state = torch.load(run / "checkpoint.pt", weights_only=False)
     rerun = tmp_path / "rerun"
-    _train(capsys, ctr_dir, rerun, "train.steps=3")
+    _train(capsys, ctr_dir, rerun, "train.steps=3", "train.recalibrate=false")  # its ledger: the 3 steps only
     state3 = torch.load(rerun / "checkpoint.pt", weights_only=False)
     state3["config"] = state["config"]
     torch.save(state3, run / "checkpoint.pt")
@@ -132,8 +132,9 @@ def test_a_resumed_secret_run_draws_fresh_noise_and_charges_replayed_steps_again
     assert code == 0, err
     summary = json.loads(out)
     assert summary["steps"] == 6
-    assert sum(e["count"] for e in ledger_after_4["history"]) == 4
-    assert summary["events_charged"] == 4 + 3  # steps 1-4 released before, then 4, 5, 6 again
+    assert sum(e["count"] for e in ledger_after_4["history"]) == 4 + 1  # and the recalibration after step 4
+    # steps 1-4 and the recalibration released before, then 4, 5, 6 again and a new recalibration
+    assert summary["events_charged"] == 5 + 3 + 1
 
 
 def test_a_reproducible_resume_that_changes_the_computation_is_refused(capsys, tmp_path, ctr_dir):
