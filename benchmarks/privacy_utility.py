@@ -326,6 +326,17 @@ def calibration_goals(points: list, dataset: str) -> dict:
                                 "all": False if False in flags else (True if flags and None not in flags else None)}}
 
 
+def _per_dataset(parser, option: str, items: list, kind: type) -> dict:
+    """{data set: [values]} from `option DATASET=V1,V2` items (--dataset-seeds, --dataset-eps)."""
+    out = {}
+    for item in items:
+        name, _, values = item.partition("=")
+        if name not in DATASETS or not values:
+            parser.error(f"{option} expects DATASET=V1,V2 with DATASET in {sorted(DATASETS)}, got {item!r}")
+        out[name] = [kind(v) for v in values.split(",")]
+    return out
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny grid: ε 1 and 8, one seed, small data, 15 steps")
@@ -361,18 +372,8 @@ def main(argv=None) -> dict:
     quick = args.quick
     eps_list = [float(e) for e in (args.eps or ("1,8" if quick else "1,3,8")).split(",")]
     seeds = [int(s) for s in (args.seeds or ("0" if quick else "0,1,2")).split(",")]
-    seeds_for: dict[str, list[int]] = {}
-    for item in args.dataset_seeds:
-        name, _, values = item.partition("=")
-        if name not in DATASETS or not values:
-            parser.error(f"--dataset-seeds expects DATASET=SEEDS with DATASET in {sorted(DATASETS)}, got {item!r}")
-        seeds_for[name] = [int(s) for s in values.split(",")]
-    eps_for: dict[str, list[float]] = {}
-    for item in args.dataset_eps:
-        name, _, values = item.partition("=")
-        if name not in DATASETS or not values:
-            parser.error(f"--dataset-eps expects DATASET=EPS with DATASET in {sorted(DATASETS)}, got {item!r}")
-        eps_for[name] = [float(e) for e in values.split(",")]
+    seeds_for = _per_dataset(parser, "--dataset-seeds", args.dataset_seeds, int)
+    eps_for = _per_dataset(parser, "--dataset-eps", args.dataset_eps, float)
     modes = args.modes.split(",")
     selections = args.selections.split(",")
     root = Path(args.runs_dir) if args.runs_dir else REPO / "runs" / "bench" / ("privacy_utility_quick" if quick else "privacy_utility")
