@@ -13,8 +13,10 @@ conversion's floor of about log(1/δ)/(α_max − 1) — is refused by `Unreacha
 ValueError) with the smallest reachable ε, before any accountant is asked about a σ beyond its
 numerical range.
 
-With a PLD accountant (`pld`, or `auto` where it resolves to PLD) each ε costs ~0.1–1 s at
-the default discretization (1e-4), and a bisection takes ~15–25 of them. The search then runs
+With a PLD accountant (`pld`, or `auto` where it resolves to PLD) each ε costs ~0.05–0.5 s at
+the default discretization (1e-4; the distributions come from `pld_gaussian`, ~5–8× faster
+than dp_accounting's builder, the rest is its convolution and ε search), and a bisection
+takes ~15–25 of them. The search then runs
 on a coarse twin (`COARSE_PLD_INTERVAL`, ~5–10× cheaper; only a guide, its values are never
 returned) and is finished on the accountant itself: its ε at the coarse answer, then a short
 bracketed search from there (`refine_increasing`, ~5–8 evaluations). Every σ returned was
@@ -200,8 +202,9 @@ def refine_increasing(f: Callable[[float], float], target: float, lo: float, f_l
 #: The discretization of the coarse twin a PLD calibration searches with (module docstring).
 COARSE_PLD_INTERVAL = 1e-3
 #: The largest per-step budget ρ a PLD or PRV calibration tries (σ = 1/√(2ρ) ≈ 0.071): their
-#: grids span the privacy loss, so the cost grows with ρ — PLD, one Gaussian at interval 1e-4:
-#: ~0.5 s at ρ = 1, ~12 s at ρ = 10², ~80 s at 10³, and at 10⁶ (which a target like 5·10⁷
+#: grids span the privacy loss, so the cost grows with ρ — PLD, one Gaussian at interval 1e-4
+#: (dp_accounting's builder; `pld_gaussian`'s is a few times faster): ~0.5 s at ρ = 1, ~12 s at
+#: ρ = 10², ~80 s at 10³, and at 10⁶ (which a target like 5·10⁷
 #: reaches) 15 GiB: out of memory (PRV: 5.6 GiB there). A target that even ρ = 10² does not reach
 #: — ε ≳ 166 for one Gaussian at δ = 1e-6, no privacy to speak of — gets σ = 1/√(2·RHO_CEILING_GRID):
 #: more noise than needed, never more ε. (RDP's cost does not grow with ρ: no ceiling.)
@@ -302,9 +305,10 @@ def calibrate_with_epsilon(
     ceiling = RHO_CEILING_GRID if grid_delegate(acc, probe) is not None else None
     coarse = coarse_twin(acc, probe)
     if coarse is not None:
+        lo, hi = _rdp_bracket(spent_by, target_epsilon, ceiling)
         try:
             # A guide only: to well within the coarse/fine gap (~1% in ρ), not to the final tolerance.
-            rho = bisect_increasing(spent_by(coarse), target_epsilon, 1e-8, 1.0, floor=RHO_FLOOR, log_xtol=1e-4,
+            rho = bisect_increasing(spent_by(coarse), target_epsilon, lo, hi, floor=RHO_FLOOR, log_xtol=1e-4,
                                     ceiling=ceiling)
         except UnreachableTargetError:
             rho = None  # the coarse bound may miss a target the fine one reaches: search with `acc`
@@ -313,19 +317,40 @@ def calibrate_with_epsilon(
     return found(bisect_increasing(spent, target_epsilon, 1e-8, 1.0, floor=RHO_FLOOR, ceiling=ceiling))
 
 
+def _rdp_bracket(spent_by: Callable[[Accountant], Callable[[float], float]], target_epsilon: float,
+                 ceiling: Optional[float]) -> tuple[float, float]:
+    """Where the coarse PLD search starts: [ρ_rdp, 4ρ_rdp], ρ_rdp being the budget RDP's (looser,
+    ~ms per ε) calibration finds — PLD's answer lies a little above it, so Brent's method starts
+    from a bracket ~5× narrower in log ρ than [1e-8, 1] and saves ~5–8 PLD evaluations. Only a
+    starting bracket: `bisect_increasing` widens it when it misses, and the answer is verified on
+    the caller's accountant. [1e-8, 1] when RDP cannot bound the history or finds no answer."""
+    from widedp.accounting.base import UnsupportedEventError
+    from widedp.accounting.rdp import RdpAccountant
+
+    try:
+        rho = bisect_increasing(spent_by(RdpAccountant()), target_epsilon, 1e-8, 1.0, floor=RHO_FLOOR,
+                                log_xtol=1e-2, ceiling=ceiling)
+    except (UnsupportedEventError, UnreachableTargetError, InvalidBoundError, ValueError, OverflowError):
+        return 1e-8, 1.0
+    return rho, rho * 4
+
+
 def one_time_gaussian_sigma(useful: float, budget_share: float, delta: float,
                              accountant: Union[str, Accountant] = "auto") -> tuple[float, float]:
     """(σ, σ_affordable) of a one-time Gaussian release sized by two public rules: σ = max(useful,
     σ_affordable), σ_affordable being the least σ at which `GaussianDpEvent(σ)` alone spends at
     most `budget_share` at δ. As much noise as the caller's usefulness rule allows when that is
     cheap; never a one-time cost above the share when it is not (used by DP-FEST's count and the
-    recalibration histogram). When `useful` already spends no more than the share, no search runs
-    (then σ_affordable ≤ useful and is reported as `useful`)."""
+    recalibration histogram). When `useful` ≥ σ_affordable, `useful` spends no more than the
+    share (ε falls as σ grows) and is returned for both.
+
+    σ_affordable is searched first and ε is never asked at `useful`: a small `useful` (a small
+    data set) is a Gaussian of large ρ, whose PLD grid costs seconds to minutes (RHO_CEILING_GRID)."""
     acc = accountant if isinstance(accountant, Accountant) else make_accountant(accountant)
-    if acc.epsilon([(ev.GaussianDpEvent(useful), 1)], delta) <= budget_share:
-        return useful, useful
     affordable = calibrate(ev.GaussianDpEvent, budget_share, delta, accountant=acc)
-    return max(useful, affordable), affordable
+    if useful >= affordable:
+        return useful, useful
+    return affordable, affordable
 
 
 def invert_advanced_composition(target: float, k: int, delta: float) -> float:
@@ -335,5 +360,5 @@ def invert_advanced_composition(target: float, k: int, delta: float) -> float:
 
 __all__ = ["COARSE_PLD_INTERVAL", "InvalidBoundError", "RHO_CEILING_GRID", "RHO_FLOOR", "UnreachableTargetError",
            "bisect_increasing", "calibrate", "calibrate_with_epsilon", "check_run", "check_target", "coarse_twin",
-           "grid_delegate", "invert_advanced_composition", "refine_increasing", "sampled_step_event", "sel_event_of",
+           "grid_delegate", "invert_advanced_composition", "one_time_gaussian_sigma", "refine_increasing", "sampled_step_event", "sel_event_of",
            "sigma_of_rho", "step_event", "svt_event"]

@@ -101,7 +101,10 @@ def main(argv=None) -> dict:
     results = []
     for n_c in [int(x) for x in args.insertions.split(",") if x]:
         for mode in [m for m in args.modes.split(",") if m]:
-            r = run_worker(__file__, {"config": args.config, "overrides": [*base, f"train.mode={mode}"],
+            # the seed's sparse model selects over every row: no table noised densely by the table
+            # policy (configs/cbow.toml's would make both 1,000-row tables dense, i.e. DP-SGD)
+            sparse_tables = ["privacy.table_default=sparse"] if mode == "sparse" else []
+            r = run_worker(__file__, {"config": args.config, "overrides": [*sparse_tables, *base, f"train.mode={mode}"],
                                       "canaries": canaries, "insertions": n_c, "references": references,
                                       "placement": args.placement}, timeout=3600)
             r.update(mode=mode, insertions=n_c)

@@ -361,7 +361,7 @@ def test_record_and_check_never_compute_epsilon(name, monkeypatch):
     monkeypatch.setattr(type(acc), "details", _no_epsilon)
     monkeypatch.setattr(widedp.accounting.rdp.opacus_rdp, "compute_rdp", _no_epsilon)
     monkeypatch.setattr(widedp.accounting.rdp, "rdp_curve", _no_epsilon)
-    monkeypatch.setattr(widedp.accounting.pld.pld_privacy_accountant, "PLDAccountant", _no_epsilon)
+    monkeypatch.setattr(widedp.accounting.pld, "gaussian_pld", _no_epsilon)
     monkeypatch.setattr(widedp.accounting.prv, "OpacusPRV", _no_epsilon)
     monkeypatch.setattr(widedp.accounting.paper, "gaussian_epsilon", _no_epsilon)
     monkeypatch.setattr(widedp.accounting.paper, "poisson_amplification", _no_epsilon)

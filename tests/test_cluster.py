@@ -212,7 +212,7 @@ class ReadmeCluster:
         return self.ray("job", "logs", submission_id, "--address", self.dashboard, check=False).stdout
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not "module": xdist may run another module between two of these tests, which tears a module fixture down (the cluster was started twice)
 def cluster():
     for exe in (RAY, WIDEDP):
         assert os.access(exe, os.X_OK), f"{exe} not found: run the tests with the venv's python (make test)"
