@@ -211,3 +211,39 @@ def test_cli_calibrate_equals_the_trainers_calibration(capsys, selection):
         assert getattr(plan.selection_params, name) == pytest.approx(value, rel=1e-12)
     if selection == "svt":
         assert sp["release_values"] is False
+
+
+# ---- train.recalibrate: its one release after the last step, on both sides ------------------------
+
+def test_cli_charges_the_recalibration_the_trainer_plans(capsys):
+    """A private run of a binary model plans its recalibration inside the target: `widedp calibrate
+    --recalibration-sigma auto` (with the data set's size) finds the trainer's σ and the
+    histogram's σ, and `widedp epsilon` with both spends the target."""
+    cfg = _config("none", sigma="auto", n_batch=100, steps=300, delta=1e-6, target_epsilon=3.0)
+    cfg.train.recalibrate = True
+    plan, info = plan_privacy(cfg, 10_000, vocabulary=10_000)
+    assert info.recalibration is not None and info.calibrated
+    recal_sigma = info.recalibration["noise_multiplier"]
+    sampling = ["--batch-size", "100", "--dataset-size", "10000", "--epochs", "3", "--delta", "1e-06",
+                "--accountant", "rdp"]
+    cli = _cli(capsys, "calibrate", "--target-epsilon", "3.0", *sampling, "--recalibration-sigma", "auto")
+    assert cli["recalibration_sigma"] == pytest.approx(recal_sigma, rel=1e-12)
+    assert cli["noise_multiplier"] == pytest.approx(plan.noise_multiplier, rel=1e-12)
+    without = _cli(capsys, "calibrate", "--target-epsilon", "3.0", *sampling)
+    assert without["noise_multiplier"] < cli["noise_multiplier"]  # the histogram's share costs step noise
+    spent = _cli(capsys, "epsilon", "--noise-multiplier", repr(cli["noise_multiplier"]), *sampling,
+                 "--recalibration-sigma", repr(recal_sigma))
+    assert spent["epsilon"] == pytest.approx(3.0, rel=1e-6) and spent["recalibration_sigma"] == recal_sigma
+    assert _cli(capsys, "epsilon", "--noise-multiplier", repr(cli["noise_multiplier"]), *sampling)["epsilon"] < 3.0
+
+
+def test_recalibration_sigma_auto_names_what_it_needs(capsys):
+    assert main(["epsilon", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-6",
+                 "--recalibration-sigma", "auto"]) == 2
+    assert "--recalibration-sigma auto needs a target ε" in capsys.readouterr().err
+    assert main(["calibrate", "--target-epsilon", "1", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-6",
+                 "--recalibration-sigma", "auto"]) == 2
+    assert "--recalibration-sigma auto needs --dataset-size" in capsys.readouterr().err
+    assert main(["epsilon", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-6",
+                 "--recalibration-sigma", "-3"]) == 2
+    assert "--recalibration-sigma must be finite and > 0" in capsys.readouterr().err

@@ -68,6 +68,14 @@ def _positive_float(name):
     return parse
 
 
+def _sigma_or_auto(name):
+    number = _positive_float(name)
+
+    def parse(text):
+        return "auto" if text == "auto" else number(text)
+    return parse
+
+
 def _rate(text):
     value = _positive_float("--sample-rate")(text)
     if value > 1:
@@ -127,6 +135,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", metavar="DIR",
                    help="also charge the one-time events recorded in DIR/dataset.json (e.g. a private "
                         "vocabulary), as the trainer does before its first step")
+    p.add_argument("--recalibration-sigma", type=_sigma_or_auto("--recalibration-sigma"), metavar="SIGMA|auto",
+                   help="also charge train.recalibrate's one release after the last step (a Gaussian of this "
+                        "noise multiplier; trainer/recalibration.py), as the trainer plans a private run of a "
+                        "binary model by default; auto (calibrate only, needs --dataset-size): the trainer's rule")
 
 
 def _add_modelmix_args(p) -> None:
@@ -314,6 +326,29 @@ def _one_time_events(args) -> list:
     return events
 
 
+def _recalibration(args, target_epsilon: Optional[float]) -> tuple[list, dict]:
+    """--recalibration-sigma: ([(its GaussianDpEvent, 1)], what the output reports), or ([], {}).
+    "auto" is the trainer's rule (`recalibration.auto_noise_multiplier`: n = --dataset-size, the
+    target ε, δ, the accountant), so it needs a target and the data set's size."""
+    sigma = args.recalibration_sigma
+    if sigma is None:
+        return [], {}
+    from widedp.accounting import events as ev
+
+    out: dict = {}
+    if sigma == "auto":
+        if target_epsilon is None:
+            raise UsageError("--recalibration-sigma auto needs a target ε (widedp calibrate); give a number here")
+        if args.dataset_size is None:
+            raise UsageError("--recalibration-sigma auto needs --dataset-size (its σ grows with the training examples n)")
+        from widedp.trainer.recalibration import auto_noise_multiplier
+
+        sigma, out["recalibration_rule"] = auto_noise_multiplier(args.dataset_size, target_epsilon, args.delta,
+                                                                 args.accountant)
+    out["recalibration_sigma"] = sigma
+    return [(ev.GaussianDpEvent(sigma), 1)], out
+
+
 def _selection_event(args) -> Any:
     """The per-step selection event, built as `trainer.engine.Engine._selection_event` builds it:
     the registered selector's `event(params)`."""
@@ -349,7 +384,8 @@ def cmd_epsilon(args) -> dict:
     mix = _modelmix_noise(args)
     event = (ev.PoissonSampledDpEvent(args.sample_rate, mix(args.noise_multiplier)) if mix is not None
              else step_event(args.sample_rate, args.noise_multiplier, _selection_event(args)))
-    history = _one_time_events(args) + [(event, args.steps)]
+    recalibration, recalibration_out = _recalibration(args, None)
+    history = _one_time_events(args) + [(event, args.steps)] + recalibration
     details = make_accountant(args.accountant).details(history, args.delta)
     out = {
         "epsilon": details.pop("epsilon"),
@@ -366,6 +402,7 @@ def cmd_epsilon(args) -> dict:
     if args.fest_sigma is not None:
         out["fest_sigma"] = args.fest_sigma
     out.update(_modelmix_out(args))
+    out.update(recalibration_out)
     sigma_eff = ev.gaussian_noise_multiplier(event.event)
     if sigma_eff is not None:
         out["effective_noise_multiplier"] = sigma_eff
@@ -381,12 +418,14 @@ def cmd_calibrate(args) -> dict:
     # As trainer.train.plan_privacy calibrates: the steps plus the one-time events (DP-FEST's Gaussian).
     from widedp.accounting.calibration import UnreachableTargetError
 
+    recalibration, recalibration_out = _recalibration(args, args.target_epsilon)
+    extra = _one_time_events(args) + recalibration
     try:
         out = calibrate(
             args.target_epsilon, args.delta, args.sample_rate, args.steps,
             selection=args.selection, fraction=args.selection_fraction, accountant=args.accountant,
             k=args.k, max_answers=args.max_answers, selection_delta=args.selection_delta,
-            svt_release_values=args.svt_release_values, extra_history=_one_time_events(args) or None,
+            svt_release_values=args.svt_release_values, extra_history=extra or None,
             **({"noise_event": mix} if mix is not None else {}),
         ).to_dict()
     except UnreachableTargetError as exc:
@@ -395,6 +434,7 @@ def cmd_calibrate(args) -> dict:
     out.update(_modelmix_out(args))
     if args.fest_sigma is not None:
         out["fest_sigma"] = args.fest_sigma
+    out.update(recalibration_out)
     return out
 
 
