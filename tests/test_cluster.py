@@ -212,20 +212,66 @@ class ReadmeCluster:
         return self.ray("job", "logs", submission_id, "--address", self.dashboard, check=False).stdout
 
 
-@pytest.fixture(scope="session")  # not "module": xdist may run another module between two of these tests, which tears a module fixture down (the cluster was started twice)
-def cluster():
-    for exe in (RAY, WIDEDP):
-        assert os.access(exe, os.X_OK), f"{exe} not found: run the tests with the venv's python (make test)"
-    assert Path(sys.executable).parent.parent.resolve() == (ROOT / ".venv").resolve(), \
-        "the README walkthrough sources .venv/bin/activate: run the tests with the repository's .venv (make test)"
-    c = ReadmeCluster()
+class _SharedCluster:
+    """The one cluster this module's tests share, started by the first of them and stopped after
+    the last (counted among the collected, selected items), or at the session's end. Not a
+    module-scoped fixture: xdist ran another module between two of these tests, which tears a
+    module fixture down, and the two-node cluster was started twice (~70 s each); not left
+    running either, since its idle daemons would slow every later test on that worker."""
+
+    def __init__(self):
+        self.cluster: ReadmeCluster | None = None
+        self.remaining: int | None = None
+
+    def get(self, session) -> ReadmeCluster:
+        if self.remaining is None:
+            self.remaining = sum(1 for item in session.items
+                                 if item.module.__name__ == __name__ and "cluster" in getattr(item, "fixturenames", ()))
+        if self.cluster is None:
+            for exe in (RAY, WIDEDP):
+                assert os.access(exe, os.X_OK), f"{exe} not found: run the tests with the venv's python (make test)"
+            assert Path(sys.executable).parent.parent.resolve() == (ROOT / ".venv").resolve(), \
+                "the README walkthrough sources .venv/bin/activate: run the tests with the repository's .venv (make test)"
+            c = ReadmeCluster()
+            try:
+                c.start()
+            except BaseException:
+                c.stop()
+                raise
+            self.cluster = c
+        return self.cluster
+
+    def done_with_one(self) -> None:
+        if self.remaining is not None:
+            self.remaining -= 1
+            if self.remaining <= 0:
+                self.stop()
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+            if TIMINGS:
+                print("\ncluster test timings (s): " + json.dumps({k: round(v, 2) for k, v in TIMINGS.items()}))
+
+
+_SHARED = _SharedCluster()
+
+
+@pytest.fixture(scope="session")
+def _shared_cluster():
     try:
-        c.start()
-        yield c
+        yield _SHARED
     finally:
-        c.stop()
-        if TIMINGS:
-            print("\ncluster test timings (s): " + json.dumps({k: round(v, 2) for k, v in TIMINGS.items()}))
+        _SHARED.stop()
+
+
+@pytest.fixture
+def cluster(request, _shared_cluster):
+    try:
+        yield _shared_cluster.get(request.session)
+    finally:
+        _shared_cluster.done_with_one()
 
 
 def _train_args(run_dir: str, data: str, *extra: str) -> list[str]:
