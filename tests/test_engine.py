@@ -37,8 +37,10 @@ from widedp.trainer.shard_group import ShardLostError
 from widedp.trainer.trainer_group import RayTrainers
 from widedp.trainer.trainer_role import pooled_lookup
 
-# make test runs on two xdist workers (--dist loadgroup): the module's in-process Ray stays on one worker.
-pytestmark = pytest.mark.xdist_group("test_engine")
+# make test runs on two xdist workers (--dist loadgroup): the tests that use the module's one Ray
+# runtime (`ray_cluster`) stay on one worker, so it is started once; the in-process tests are
+# dealt to either worker.
+ON_THE_MODULES_RAY = pytest.mark.xdist_group("test_engine_ray")
 
 SEED = 3
 LR, DENSE_LR, DIM, INIT_STD = 0.1, 0.05, 4, 0.3
@@ -539,6 +541,7 @@ RAY_CASES = [("sparse", "em", 1, False), ("sparse", "threshold", 2, True), ("dps
 
 @pytest.mark.parametrize("mode,selection,num_trainers,on_shards", RAY_CASES,
                          ids=["em", "threshold-2trainers-selection-on-shards", "dpsgd"])
+@ON_THE_MODULES_RAY
 @pytest.mark.parametrize("num_shards", [1, 2, 3])
 def test_ray_matches_in_process(ray_cluster, num_shards, mode, selection, num_trainers, on_shards):
     ds = dataset()
@@ -573,6 +576,7 @@ def _in_process_run(ds, batches, **kw):
 
 @pytest.mark.parametrize("num_trainers,num_shards,selection", ACTOR_CASES,
                          ids=[f"{n}trainers-{s}shards-{sel}" for n, s, sel in ACTOR_CASES])
+@ON_THE_MODULES_RAY
 def test_trainer_actors_calling_shard_actors_equal_the_in_process_engine(ray_cluster, num_trainers, num_shards,
                                                                         selection):
     """N trainers as Ray actors (each its own partition: lookup, dense part, clip factors and
@@ -602,6 +606,7 @@ def test_trainer_actors_calling_shard_actors_equal_the_in_process_engine(ray_clu
     assert got[1:] == want[1:]
 
 
+@ON_THE_MODULES_RAY
 @pytest.mark.parametrize("victim", ["trainer", "shard"])
 def test_a_killed_trainer_or_shard_actor_is_restored_and_the_step_redone(ray_cluster, victim):
     """With trainer actors, killing a trainer or a shard actor between steps: the next step
@@ -639,6 +644,7 @@ def _dead_on_arrival(ray_cluster, make):
     return make_dead
 
 
+@ON_THE_MODULES_RAY
 def test_an_actor_lost_again_while_the_step_is_redone_stops_naming_the_step(ray_cluster):
     ds = dataset()
     batches = batches_with_crafted(ds, 3)
@@ -654,6 +660,7 @@ def test_an_actor_lost_again_while_the_step_is_redone_stops_naming_the_step(ray_
         engine.shutdown()
 
 
+@ON_THE_MODULES_RAY
 @pytest.mark.parametrize("kill_at,checkpoint_at", [(2, None), (4, 2)])
 def test_a_killed_shard_actor_is_replaced_and_the_run_equals_an_uninterrupted_one(ray_cluster, kill_at, checkpoint_at):
     """A shard actor killed between steps (before any checkpoint, or after one) is replaced by
@@ -691,6 +698,7 @@ def test_a_negative_restart_bound_is_refused_naming_the_key():
         load_config(None, ["data.path=x", "cluster.max_actor_restarts=-1"]).validate()
 
 
+@ON_THE_MODULES_RAY
 def test_a_shard_that_dies_again_while_being_restored_stops_the_run_naming_shard_and_step(ray_cluster):
     ds = dataset()
     batches = batches_with_crafted(ds, 3)
