@@ -405,12 +405,13 @@ def _check_convert_job(directory: Path, objects: list[dict]) -> None:
     (download,) = [c for c in pod.get("initContainers", []) if c["name"] == "download"]
     env = {e["name"]: e for e in download.get("env", [])}
     assert env["OUT_DIR"].get("value") == args.out_dir, "download's refusal must look at the converter's output dir"
-    assert env["RAW"].get("value") == args.input, f"download writes {env['RAW'].get('value')}, convert reads {args.input}"
+    assert args.input == [env["RAW"].get("value")], f"download writes {env['RAW'].get('value')}, convert reads {args.input}"
+    (raw_input,) = args.input
     assert set(env["DATA_URL"]["valueFrom"]["secretKeyRef"]) == {"name", "key"}, "DATA_URL comes from a Secret"
     assert download["command"] == ["python", "-c"] and len(download["args"]) == 1, "download runs its script"
-    raw_mount, raw = _volume_at(args.input, _mounts(pod, convert))
-    assert "emptyDir" in raw, f"{args.input}: the raw download belongs on scratch space, not on {raw}"
-    assert _volume_at(args.input, _mounts(pod, download)) == (raw_mount, raw)
+    raw_mount, raw = _volume_at(raw_input, _mounts(pod, convert))
+    assert "emptyDir" in raw, f"{raw_input}: the raw download belongs on scratch space, not on {raw}"
+    assert _volume_at(raw_input, _mounts(pod, download)) == (raw_mount, raw)
     assert _volume_at(args.out_dir, _mounts(pod, download)) == (mount, volume)
 
 

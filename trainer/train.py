@@ -51,6 +51,7 @@ from widedp.accounting.atomic import atomic_write_bytes
 from widedp.trainer import dataset_budget, strict_json
 from widedp.trainer.config import Config, saved_config
 from widedp.trainer.data.meta import dataset_identity
+from widedp.trainer.data.dataset import split_rule
 from widedp.trainer.engine import Engine, StepStats
 from widedp.trainer.layout import FeatureSpec, ShardLayout, TableSpec
 from widedp.trainer.models import MODELS
@@ -622,6 +623,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
             "num_shards": cfg.cluster.num_shards,
             "test_metrics": run.evaluate(),
             "bayes_auc": run.meta.bayes_auc,
+            # which train/test split: the data set's test file ("file", "timestamp>=...") or random
+            "test_split": split_rule(run.meta, cfg.data.test_fraction, cfg.data.seed),
             "target_epsilon": cfg.privacy.target_epsilon,
             # the [by_epsilon] row applied (config.pick_epsilon_row); None: no table or non-private
             "tuned_for_epsilon": cfg.tuned_for_epsilon,

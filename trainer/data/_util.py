@@ -1,4 +1,5 @@
-"""Vectorized helpers: a stable 64-bit hash, digit parsing, Zipf sampling, weighted AUC."""
+"""Vectorized helpers: a stable 64-bit hash of integers and of strings, digit parsing, Zipf
+sampling, weighted AUC, and the expansion of input file patterns."""
 
 from __future__ import annotations
 
@@ -173,3 +174,89 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
     if n_pos == 0 or n_neg == 0:
         return float("nan")
     return float(np.sum(pos * (neg_below + 0.5 * neg)) / (n_pos * n_neg))
+
+
+# ---- stable string hashing ----------------------------------------------------------------------
+
+_STRING_SEED = _U(0x6A09E667F3BCC909)  # fractional bits of sqrt(2): a fixed, public constant
+_BYTE_SHIFTS = np.arange(8, dtype=np.uint64) * _U(8)
+
+
+def hash_strings(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Stable 64-bit hashes of byte strings, vectorized (no salted ``hash()``, no per-string loop).
+
+    ``data`` uint8 (the concatenated bytes), ``offsets`` int64 [n+1] (string i is
+    ``data[offsets[i]:offsets[i+1]]``). Definition (``hash_string_py`` is the reference)::
+
+        h = splitmix64(len(s) ^ 0x6A09E667F3BCC909)
+        for each 8-byte word w of s (little-endian, the last one zero-padded): h = splitmix64(h ^ w)
+
+    Works word position by word position over the strings that still have bytes there, so the
+    total work is O(total bytes / 8) plus one numpy pass per word of the longest string.
+    """
+    offsets = np.asarray(offsets, dtype=np.int64)
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    h = splitmix64(lengths.astype(np.uint64) ^ _STRING_SEED)
+    active = np.arange(len(lengths), dtype=np.int64)
+    k = 0
+    while True:
+        active = active[lengths[active] > 8 * k]
+        if active.size == 0:
+            return h
+        pos = starts[active, None] + 8 * k + np.arange(8, dtype=np.int64)
+        inside = pos < (starts[active] + lengths[active])[:, None]
+        byte = np.where(inside, data[np.where(inside, pos, 0)], 0).astype(np.uint64)
+        word = np.bitwise_or.reduce(byte << _BYTE_SHIFTS, axis=1)
+        h[active] = splitmix64(h[active] ^ word)
+        k += 1
+
+
+def hash_string_py(s: bytes) -> int:
+    """Pure-Python reference of ``hash_strings`` for one string."""
+    h = splitmix64_py(len(s) ^ int(_STRING_SEED))
+    for k in range(0, len(s), 8):
+        h = splitmix64_py(h ^ int.from_bytes(s[k:k + 8].ljust(8, b"\0"), "little"))
+    return h
+
+
+# ---- input files ---------------------------------------------------------------------------------
+
+def expand_inputs(patterns, what: str = "input") -> list:
+    """Paths named by ``patterns`` (file names or globs), each glob's matches sorted; a pattern
+    that names no existing file is an error (DataError naming it). Order: as given, then sorted
+    within each glob; a file named twice is an error (its examples would be counted twice)."""
+    import glob
+    from pathlib import Path
+
+    from .errors import DataError
+
+    if isinstance(patterns, (str, bytes)) or hasattr(patterns, "__fspath__"):
+        patterns = [patterns]
+    out: list = []
+    for pattern in patterns:
+        text = str(Path(pattern))
+        if glob.has_magic(text):
+            matches = sorted(p for p in glob.glob(text) if Path(p).is_file())
+            if not matches:
+                raise DataError(f"{text}: the pattern matches no file ({what})")
+            out.extend(Path(p) for p in matches)
+        else:
+            out.append(Path(text))
+    seen: set = set()
+    for p in out:
+        key = p.resolve()
+        if key in seen:
+            raise DataError(f"{p}: named twice among the {what} files")
+        seen.add(key)
+    if not out:
+        raise DataError(f"no {what} file given")
+    return out
+
+
+def open_binary(path):
+    """A binary file object over ``path``; ``.gz`` files are decompressed while read."""
+    import gzip
+
+    if str(path).endswith(".gz"):
+        return gzip.open(path, "rb")
+    return open(path, "rb")

@@ -1,6 +1,7 @@
 """`widedp convert ...` and `widedp synth ...` (registered through trainer/cli.py).
 
-    widedp convert criteo INPUT.tsv OUT_DIR [--hash-size N | --hash-sizes a,b,...(26)]
+    widedp convert criteo INPUT.tsv[.gz]... OUT_DIR [--hash-size N | --hash-sizes a,b,...(26)]
+    widedp convert table INPUT... OUT_DIR --schema SCHEMA.toml [--test INPUT... | --test-after T]
     widedp convert text INPUT.txt OUT_DIR (--vocab N | --vocab-file PATH [--vocab N])
                         [--window 4 --negatives 8 --seed 0]
                         [--vocab-noise-multiplier 4.0 --vocab-max-words-per-line 32
@@ -10,7 +11,7 @@
     widedp synth text OUT_DIR --examples N --vocab V [--seed S] [--topics K]
 
 Each prints one JSON object: out_dir, kind, num_examples, table_sizes, bayes_auc, seconds,
-and privacy_events (the descriptions of the DP mechanisms run on the private input, whose
+test_examples and test_split (a data set with a test file only), and privacy_events (the descriptions of the DP mechanisms run on the private input, whose
 events dataset.json records for the trainer to charge; [] when none).
 
 `convert text` without --vocab-file selects the vocabulary from the private text by Gaussian
@@ -95,10 +96,11 @@ def _positive_float_arg(name: str):
 
 
 def add_commands(subparsers) -> dict:
-    conv = subparsers.add_parser("convert", help="convert Criteo TSV or plain text to a data set")
+    conv = subparsers.add_parser("convert", help="convert Criteo TSV, your own table (by a schema) or plain text "
+                                                 "to a data set")
     csub = conv.add_subparsers(dest="convert_kind", required=True, parser_class=type(conv))
     c = csub.add_parser("criteo", help="Criteo TSV (label, 13 ints, 26 hex ids) -> ctr data set")
-    c.add_argument("input")
+    c.add_argument("input", nargs="+", help="TSV files (plain or .gz) or globs, converted in order")
     c.add_argument("out_dir")
     hashing = c.add_mutually_exclusive_group()
     hashing.add_argument("--hash-size", type=_int_arg("--hash-size", 2),
@@ -106,6 +108,18 @@ def add_commands(subparsers) -> dict:
     hashing.add_argument("--hash-sizes", type=_hash_sizes,
                          help="26 comma-separated per-feature table sizes (C1..C26), each >= 2")
     c.add_argument("--chunk-rows", type=_int_arg("--chunk-rows", 1), default=100_000)
+    tb = csub.add_parser("table", help="Parquet or CSV/TSV (plain or .gz) described by a TOML schema -> ctr "
+                                       "data set (trainer/data/table.py)")
+    tb.add_argument("input", nargs="+", help="Parquet or CSV files or globs (each glob's matches sorted)")
+    tb.add_argument("out_dir")
+    tb.add_argument("--schema", required=True, help="the TOML schema: columns, label, dense transforms, "
+                                                    "categorical features and their tables, unit, timestamp")
+    split = tb.add_mutually_exclusive_group()
+    split.add_argument("--test", nargs="+", metavar="INPUT", help="separate evaluation files -> test.parquet")
+    split.add_argument("--test-after", metavar="TIMESTAMP",
+                       help="ISO date/datetime (UTC): examples with timestamp >= it go to test.parquet")
+    tb.add_argument("--chunk-rows", type=_int_arg("--chunk-rows", 1), default=65_536,
+                    help="Parquet rows decoded at once (bounds memory)")
     t = csub.add_parser("text", help="plain text -> cbow data set (word2vec CBOW + negatives)")
     t.add_argument("input")
     t.add_argument("out_dir")
@@ -153,6 +167,8 @@ def _result(meta, out_dir, started: float) -> dict:
     return {"out_dir": str(out_dir), "kind": meta.kind, "num_examples": meta.num_examples,
             "table_sizes": meta.table_sizes, "bayes_auc": meta.bayes_auc,
             "privacy_events": [e["description"] for e in meta.extra.get("privacy_events", [])],
+            **({"test_examples": meta.test_examples, "test_split": meta.test_split}
+               if meta.test_examples is not None else {}),
             "seconds": round(time.perf_counter() - started, 3)}
 
 
@@ -176,6 +192,11 @@ def cmd_convert(args) -> dict:
 
         meta = convert_criteo(args.input, args.out_dir, hash_size=args.hash_size,
                               hash_sizes=args.hash_sizes, chunk_rows=args.chunk_rows)
+    elif args.convert_kind == "table":
+        from .table import convert_table
+
+        meta = convert_table(args.input, args.out_dir, schema=args.schema, test_inputs=args.test,
+                             test_after=args.test_after, chunk_rows=args.chunk_rows)
     else:
         if args.vocab is None and args.vocab_file is None:
             raise ValueError("convert text: --vocab N is required unless --vocab-file PATH is given")

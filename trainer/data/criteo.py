@@ -13,8 +13,10 @@ header), ``\\n`` or ``\\r\\n`` line ends; any field but the label may be empty.
   order). Both are data-independent choices (the schema is public and hashing does not look at
   the data), so nothing here is charged to the privacy budget: ``privacy_events`` is absent.
 
-Any malformed line raises DataError naming the file, the 1-based line number and the
-0-based data row; no output is left behind. Memory is bounded by ``chunk_rows`` (one row
+Input files: one or several paths or globs (each glob's matches sorted; a pattern matching
+nothing is an error), plain or gzip-compressed (``.gz``), converted in order into one data set.
+Any malformed line raises DataError naming the file, the 1-based line number and the 0-based
+data row within that file; no output is left behind. Memory is bounded by ``chunk_rows`` (one row
 group, ~264 bytes per row) plus a parse block of 16K lines, whatever the file size.
 """
 
@@ -27,7 +29,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ._util import parse_digits, splitmix64
+from ._util import expand_inputs, open_binary, parse_digits, splitmix64
 from .errors import DataError
 from .meta import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, DatasetMeta, ctr_meta
 from .writer import DatasetWriter, ctr_table
@@ -60,28 +62,58 @@ def _hash_sizes(hash_size, hash_sizes) -> list[int]:
 def convert_criteo(input_tsv, out_dir, *, hash_size: Optional[int] = None,
                    hash_sizes: Optional[Sequence[int]] = None,
                    chunk_rows: int = 100_000) -> DatasetMeta:
-    """Convert a Criteo TSV file to a ctr data set in ``out_dir``; returns its meta.
+    """Convert Criteo TSV file(s) to a ctr data set in ``out_dir``; returns its meta.
 
-    ``hash_size``: rows of every table (default 2**20); ``hash_sizes``: 26 per-feature sizes
-    instead (mutually exclusive with ``hash_size``); each >= 2.
+    ``input_tsv``: a path or glob, or a list of them (plain or ``.gz``; see the module
+    docstring). ``hash_size``: rows of every table (default 2**20); ``hash_sizes``: 26
+    per-feature sizes instead (mutually exclusive with ``hash_size``); each >= 2.
     """
     sizes = _hash_sizes(hash_size, hash_sizes)
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    path = Path(os.fspath(input_tsv))
+    if isinstance(input_tsv, (str, bytes)) or hasattr(input_tsv, "__fspath__"):
+        input_tsv = [os.fspath(input_tsv)]
+    paths = expand_inputs(input_tsv, "Criteo TSV")
+    for path in paths:  # before anything is written: every input must exist
+        if not path.is_file():
+            raise DataError(f"{path}: cannot open: {'No such file or directory' if not path.exists() else 'not a file'}")
+    with DatasetWriter(out_dir) as writer:
+        total = 0
+        for path in paths:
+            total += _convert_file(path, writer, sizes, chunk_rows)
+        if total == 0:
+            raise DataError(f"{paths[0] if len(paths) == 1 else ', '.join(map(str, paths))}: empty file "
+                            "(no examples)")
+        uniform = {"hash_size": sizes[0]} if len(set(sizes)) == 1 else {}
+        meta = ctr_meta(total, sizes, bayes_auc=None, extra={
+            "source": f"criteo {', '.join(map(str, paths))}",
+            **uniform,
+            "hash_sizes": sizes,
+            "categorical_hash": "empty -> 0; else 1 + splitmix64(int(hex, 16)) % (hash_sizes[j] - 1)",
+            "dense_transform": "empty -> 0; else log(1 + max(x, 0)) as float32",
+        })
+        writer.commit(meta)
+    return meta
+
+
+def _convert_file(path: Path, writer: DatasetWriter, sizes: list[int], chunk_rows: int) -> int:
+    """Append one TSV file's examples (row groups of chunk_rows lines); returns its row count."""
     try:
-        fh = open(path, "rb")
+        fh = open_binary(path)
     except OSError as exc:
         raise DataError(f"{path}: cannot open: {exc.strerror or exc}") from None
-    with fh, DatasetWriter(out_dir) as writer:
-        row = 0
+    row = 0
+    with fh:
         eof = False
         while not eof:
             # one row group of chunk_rows lines, parsed in blocks of at most _PARSE_ROWS lines
             parts = []
             in_group = 0
             while in_group < chunk_rows:
-                lines = list(itertools.islice(fh, min(_PARSE_ROWS, chunk_rows - in_group)))
+                try:
+                    lines = list(itertools.islice(fh, min(_PARSE_ROWS, chunk_rows - in_group)))
+                except (OSError, EOFError) as exc:  # a damaged or truncated .gz
+                    raise DataError(f"{path}: cannot read after line {row}: {exc}") from None
                 if not lines:
                     eof = True
                     break
@@ -90,18 +122,7 @@ def convert_criteo(input_tsv, out_dir, *, hash_size: Optional[int] = None,
                 in_group += len(lines)
             if parts:
                 writer.write(ctr_table(*(np.concatenate(x) for x in zip(*parts))))
-        if row == 0:
-            raise DataError(f"{path}: empty file (no examples)")
-        uniform = {"hash_size": sizes[0]} if len(set(sizes)) == 1 else {}
-        meta = ctr_meta(row, sizes, bayes_auc=None, extra={
-            "source": f"criteo {path}",
-            **uniform,
-            "hash_sizes": sizes,
-            "categorical_hash": "empty -> 0; else 1 + splitmix64(int(hex, 16)) % (hash_sizes[j] - 1)",
-            "dense_transform": "empty -> 0; else log(1 + max(x, 0)) as float32",
-        })
-        writer.commit(meta)
-    return meta
+    return row
 
 
 def _where(path: Path, row: int) -> str:

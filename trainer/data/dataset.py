@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from .meta import DATA_FILE, DatasetMeta, read_meta
-from .store import Columns, load_columns
+from .meta import DATA_FILE, TEST_FILE, DatasetMeta, read_meta
+from .store import Columns, load_all_columns
 
 
 @dataclass
@@ -45,7 +45,8 @@ class ParquetDataset:
 
     The columns are decoded once (see ``trainer.data.store``: memory-mapped by default) and
     shared by the splits of one ``open_dataset`` call. ``rows`` holds, for each split index,
-    the row of ``data.parquet`` it refers to (sorted ascending).
+    the row of its file (``path``: data.parquet, or test.parquet for the test split of a data
+    set that has one) it refers to (sorted ascending).
     """
 
     def __init__(self, meta: DatasetMeta, columns: Columns, rows: np.ndarray,
@@ -125,6 +126,18 @@ class ParquetDataset:
         for start in range(0, len(self), batch_size):
             yield self.take(np.arange(start, min(start + batch_size, len(self)), dtype=np.int64))
 
+    def units(self) -> Optional[np.ndarray]:
+        """int64 [len(self)]: the privacy unit (e.g. a hashed user id) of each example of the
+        split, in split order; None when the data set has no unit column (then every example
+        is its own unit)."""
+        units = self._cols.units
+        return None if units is None else np.array(units[self._file_rows(np.arange(len(self)))], dtype=np.int64)
+
+    def timestamps(self) -> Optional[np.ndarray]:
+        """int64 [len(self)]: each example's timestamp (seconds, UTC); None without one."""
+        ts = self._cols.timestamps
+        return None if ts is None else np.array(ts[self._file_rows(np.arange(len(self)))], dtype=np.int64)
+
     def feature_rows(self, feature: str) -> tuple[np.ndarray, np.ndarray]:
         """(offsets int64 [n+1], ids int64) of one feature over the whole split (DP-FEST)."""
         if feature not in self.meta.features:
@@ -158,17 +171,26 @@ def open_dataset(path, *, test_fraction: float = 0.1, seed: int = 0,
                  cache: bool = True) -> tuple[ParquetDataset, ParquetDataset]:
     """(train, test) splits of the data set in directory ``path``.
 
-    The split is a seeded permutation of the rows: the first ``floor(N * test_fraction)``
-    rows of ``numpy.random.default_rng(seed).permutation(N)`` form the test split, the rest
-    the train split; each split's rows are sorted. Deterministic in (N, test_fraction, seed).
-    The whole file is validated once (DataError naming file and row); with ``cache`` the
-    decoded columns are memory-mapped from ``path/.widedp-cache`` (see trainer.data.store).
+    A data set with a test file (``test.parquet``, dataset.json ``test_examples``: made by
+    ``convert table --test`` or ``--test-after``): train = all of data.parquet, test = all of
+    test.parquet; ``test_fraction`` and ``seed`` are ignored. Otherwise the split is a seeded
+    permutation of the rows: the first ``floor(N * test_fraction)`` rows of
+    ``numpy.random.default_rng(seed).permutation(N)`` form the test split, the rest the train
+    split; each split's rows are sorted. Deterministic in (N, test_fraction, seed).
+    ``split_rule`` says which rule applies. The files are validated once (DataError naming file
+    and row); with ``cache`` the decoded columns are memory-mapped from
+    ``path/.widedp-cache`` (see trainer.data.store).
     """
     directory = Path(os.fspath(path))
     if not (0.0 <= test_fraction < 1.0):
         raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction}")
     meta = read_meta(directory)
-    columns = load_columns(directory, meta, cache=cache)
+    parts = load_all_columns(directory, meta, cache=cache)
+    columns = parts[0]
+    if meta.test_examples is not None:
+        test_columns = parts[1]
+        return (ParquetDataset(meta, columns, np.arange(columns.num_rows), directory / DATA_FILE, "train"),
+                ParquetDataset(meta, test_columns, np.arange(test_columns.num_rows), directory / TEST_FILE, "test"))
     n = columns.num_rows
     n_test = int(np.floor(n * test_fraction))
     perm = np.random.default_rng(seed).permutation(n)
@@ -177,6 +199,15 @@ def open_dataset(path, *, test_fraction: float = 0.1, seed: int = 0,
     file = directory / DATA_FILE
     return (ParquetDataset(meta, columns, train_rows, file, "train"),
             ParquetDataset(meta, columns, test_rows, file, "test"))
+
+
+def split_rule(meta: DatasetMeta, test_fraction: float, seed: int) -> str:
+    """Which train/test split ``open_dataset`` makes of this data set, in words a run records:
+    ``"file"`` / ``"timestamp>=..."`` (the data set's test.parquet) or
+    ``"random(test_fraction=F, seed=S)"``."""
+    if meta.test_examples is not None:
+        return str(meta.test_split or "file")
+    return f"random(test_fraction={test_fraction}, seed={seed})"
 
 
 def hold_out(split: ParquetDataset, fraction: float, seed: int = 0,

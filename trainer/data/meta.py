@@ -6,7 +6,21 @@ On-disk format of a data set (a directory)::
                        num_dense, bayes_auc, source, plus generator/converter parameters
                        (every top-level key that is not a DatasetMeta field lands in
                        ``DatasetMeta.extra``)
-    DIR/data.parquet   one row per example
+    DIR/data.parquet   one row per example (the training data when test.parquet exists)
+    DIR/test.parquet   optional (kind "ctr"): the held-out evaluation examples, same columns;
+                       present iff dataset.json has ``test_examples``
+
+Optional dataset.json keys of kind ``"ctr"`` (absent in data sets written before them, which
+stay valid; each lands in ``DatasetMeta.extra`` and has a property of the same name):
+
+* ``list_features``: names of features stored as ``list<int64>`` bags (any length, 0 included;
+  repeats allowed), e.g. a history of item ids; the others hold one int64 id per example;
+* ``unit_column`` (bool): an int64 column ``unit``, the privacy unit of each example (e.g. a
+  hashed user id); ``timestamp_column`` (bool): an int64 column ``timestamp`` (seconds, UTC);
+* ``test_examples`` (int >= 1): rows in ``test.parquet``; ``test_split``: the rule that made it,
+  ``"file"`` (separate input files) or ``"timestamp>=<ISO time>"`` (examples at or after that
+  time). Without ``test_examples``, training splits data.parquet by a seeded permutation
+  (``open_dataset``'s ``test_fraction``).
 
 ``privacy_events`` (optional; absent or ``[]`` when nothing private was released while building
 the data set — synthetic data, Criteo, a text conversion with a public vocabulary file): a list
@@ -19,8 +33,13 @@ these events to the training's privacy ledger before the first step.
 Parquet columns:
 
 * ``kind == "ctr"``: ``label`` float32 (0/1), ``dense`` fixed_size_list<float32>[num_dense]
-  (one list column, not 13 scalar columns), ``cat_0`` .. ``cat_{F-1}`` int64 (one id per
-  feature per example, a row of table ``t_i``; F = 26 for the Criteo layout).
+  (one list column, not 13 scalar columns; absent when num_dense == 0), then one column per
+  feature, named as the feature: int64 (one id per example, a row of the feature's table) or,
+  for ``list_features``, list<int64> (a bag of rows of its table, pooled as ``pooling`` says);
+  then ``unit`` int64 and ``timestamp`` int64 when dataset.json says so. Feature names are any
+  non-empty names other than ``label``, ``dense``, ``unit`` and ``timestamp``; several features
+  may share a table. The Criteo layout (``convert criteo``, ``synth ctr``) is ``cat_0`` ..
+  ``cat_25``, table ``t_i`` each, 13 dense values.
 * ``kind == "cbow"``: ``context`` list<int64> (1 .. 2*window ids, table ``input``, mean
   pooling), ``target`` int64 (table ``output``, sum pooling), ``negatives``
   fixed_size_list<int64>[K] (table ``output``). The sparse features are, in order,
@@ -35,7 +54,8 @@ resume refuses other data): sha256 of dataset.json's bytes, num_examples, data.p
 and the sha256 of its last MiB (the Parquet footer: schema, row-group sizes, per-column
 statistics). It tells a different or re-converted data set from the one a run started on
 without reading the whole file; it is not a signature against a deliberate edit that keeps the
-footer intact.
+footer intact. With a test.parquet it also has ``test_bytes`` and ``test_footer_sha256`` (absent
+otherwise, so the identity of a data set without one is what it always was).
 """
 
 from __future__ import annotations
@@ -52,6 +72,7 @@ from .errors import DataError
 
 META_FILE = "dataset.json"
 DATA_FILE = "data.parquet"
+TEST_FILE = "test.parquet"
 FORMAT_VERSION = 1
 
 KINDS = ("ctr", "cbow")
@@ -59,6 +80,8 @@ POOLINGS = ("sum", "mean")
 CRITEO_NUM_DENSE = 13
 CRITEO_NUM_SPARSE = 26
 
+#: names a ctr feature may not take: the other columns of data.parquet
+RESERVED_COLUMNS = ("label", "dense", "unit", "timestamp")
 _FIELDS = ("kind", "num_examples", "features", "feature_tables", "table_sizes", "pooling",
            "num_dense", "bayes_auc")
 PRIVACY_EVENTS_KEY = "privacy_events"
@@ -92,6 +115,32 @@ class DatasetMeta:
         """[(description, DpEvent)] of the DP mechanisms run on private data to build the data
         set (``privacy_events`` in dataset.json; ``[]`` when absent)."""
         return parse_privacy_events(self.extra.get(PRIVACY_EVENTS_KEY, []), META_FILE)
+
+    @property
+    def list_features(self) -> list[str]:
+        """ctr: the features stored as list<int64> bags (``[]`` when absent)."""
+        return list(self.extra.get("list_features", []))
+
+    @property
+    def unit_column(self) -> bool:
+        """Whether the Parquet files hold an int64 ``unit`` column (the privacy unit)."""
+        return bool(self.extra.get("unit_column", False))
+
+    @property
+    def timestamp_column(self) -> bool:
+        """Whether the Parquet files hold an int64 ``timestamp`` column (seconds, UTC)."""
+        return bool(self.extra.get("timestamp_column", False))
+
+    @property
+    def test_examples(self) -> Optional[int]:
+        """Rows of test.parquet, or None when the data set has no test file."""
+        n = self.extra.get("test_examples")
+        return None if n is None else int(n)
+
+    @property
+    def test_split(self) -> Optional[str]:
+        """How test.parquet was made (``"file"`` or ``"timestamp>=..."``); None without one."""
+        return self.extra.get("test_split") if self.test_examples is not None else None
 
     @property
     def num_negatives(self) -> int:
@@ -200,12 +249,35 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+_CTR_ONLY_KEYS = ("list_features", "unit_column", "timestamp_column")
+
+
 def _check_kind_layout(meta: DatasetMeta, bad) -> None:
+    extra = meta.extra
+    if "test_examples" in extra:
+        n = extra["test_examples"]
+        if not _is_int(n) or n < 1:
+            raise bad(f"test_examples must be a positive integer, got {n!r}")
+        if not isinstance(extra.get("test_split", "file"), str):
+            raise bad(f"test_split must be a string, got {extra['test_split']!r}")
     if meta.kind == "ctr":
         for i, f in enumerate(meta.features):
-            if f != f"cat_{i}":
-                raise bad(f"ctr features must be cat_0, cat_1, ... in order; feature {i} is {f!r}")
+            if not f or f in RESERVED_COLUMNS:
+                raise bad(f"feature {i} is named {f!r}; ctr feature names must be non-empty and not one of "
+                          f"{RESERVED_COLUMNS}")
+        lists = extra.get("list_features", [])
+        if not (isinstance(lists, list) and all(isinstance(f, str) for f in lists)):
+            raise bad(f"list_features must be a list of feature names, got {lists!r}")
+        unknown = [f for f in lists if f not in meta.features]
+        if unknown or len(set(lists)) != len(lists):
+            raise bad(f"list_features {lists} must name distinct features of {meta.features}")
+        for key in ("unit_column", "timestamp_column"):
+            if not isinstance(extra.get(key, False), bool):
+                raise bad(f"{key} must be true or false, got {extra[key]!r}")
     else:
+        present = [k for k in (*_CTR_ONLY_KEYS, "test_examples") if k in extra]
+        if present:
+            raise bad(f"{', '.join(present)}: only kind 'ctr' data sets have them")
         k = len(meta.features) - 2
         expected = ["context", "target"] + [f"neg_{i}" for i in range(k)]
         if meta.features != expected:
@@ -257,13 +329,14 @@ def dataset_identity(directory) -> dict:
     """What identifies a data set's contents (see the module docstring); DataError naming the
     file when one is missing."""
     directory = Path(directory)
-    meta_path, data_path = directory / META_FILE, directory / DATA_FILE
+    meta_path, data_path, test_path = directory / META_FILE, directory / DATA_FILE, directory / TEST_FILE
     try:
         meta_bytes = meta_path.read_bytes()
-        size = data_path.stat().st_size
-        with open(data_path, "rb") as fh:
-            fh.seek(max(0, size - _FOOTER_BYTES))
-            tail = fh.read()
+        size, tail = _size_and_footer(data_path)
+        test = None
+        if test_path.exists():
+            test_size, test_tail = _size_and_footer(test_path)
+            test = {"test_bytes": test_size, "test_footer_sha256": hashlib.sha256(test_tail).hexdigest()}
     except FileNotFoundError as exc:
         raise DataError(f"{exc.filename}: missing (not a widedp data set directory?)") from None
     except OSError as exc:
@@ -273,7 +346,14 @@ def dataset_identity(directory) -> dict:
     except (json.JSONDecodeError, AttributeError) as exc:
         raise DataError(f"{meta_path}: malformed JSON: {exc}") from None
     return {"dataset_json_sha256": hashlib.sha256(meta_bytes).hexdigest(), "num_examples": num_examples,
-            "data_bytes": size, "data_footer_sha256": hashlib.sha256(tail).hexdigest()}
+            "data_bytes": size, "data_footer_sha256": hashlib.sha256(tail).hexdigest(), **(test or {})}
+
+
+def _size_and_footer(path: Path) -> tuple[int, bytes]:
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        fh.seek(max(0, size - _FOOTER_BYTES))
+        return size, fh.read()
 
 
 def write_text_atomic(path, text: str) -> None:
@@ -308,9 +388,16 @@ def expected_columns(meta: DatasetMeta) -> dict:
     import pyarrow as pa
 
     if meta.kind == "ctr":
-        cols = {"label": pa.float32(), "dense": pa.list_(pa.float32(), meta.num_dense)}
+        cols = {"label": pa.float32()}
+        if meta.num_dense:  # (a fixed_size_list of size 0 crashes pyarrow: no column then)
+            cols["dense"] = pa.list_(pa.float32(), meta.num_dense)
+        lists = set(meta.list_features)
         for f in meta.features:
-            cols[f] = pa.int64()
+            cols[f] = pa.list_(pa.int64()) if f in lists else pa.int64()
+        if meta.unit_column:
+            cols["unit"] = pa.int64()
+        if meta.timestamp_column:
+            cols["timestamp"] = pa.int64()
         return cols
     return {"context": pa.list_(pa.int64()), "target": pa.int64(),
             "negatives": pa.list_(pa.int64(), meta.num_negatives)}

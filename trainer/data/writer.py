@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import DataError
-from .meta import DATA_FILE, META_FILE, DatasetMeta, _unlink_quiet, meta_json
+from .meta import DATA_FILE, META_FILE, TEST_FILE, DatasetMeta, _unlink_quiet, meta_json
 
 
 def ctr_table(labels: np.ndarray, dense: np.ndarray, cats: np.ndarray) -> pa.Table:
@@ -56,7 +56,9 @@ class DatasetWriter:
 
     Row groups go to a temporary Parquet file in ``out_dir``; ``commit`` closes it, renames
     it to ``data.parquet`` and then writes ``dataset.json`` atomically (plus any side files
-    added with ``add_file``). On an exception, or without ``commit``, every temporary file
+    added with ``add_file``). ``write_test(table)`` sends row groups to a second temporary file
+    that becomes ``test.parquet`` (renamed before data.parquet; same schema: the first table
+    written to either fixes it), for data sets with a separate evaluation file. On an exception, or without ``commit``, every temporary file
     is removed, and ``out_dir`` too if this writer created it and it is empty. An ``out_dir``
     that exists and is not empty is refused (DataError): a data set is never overwritten.
     """
@@ -65,10 +67,13 @@ class DatasetWriter:
         self.out_dir = Path(out_dir)
         self._created: list[Path] = []
         self._tmp_data: Optional[Path] = None
+        self._tmp_test: Optional[Path] = None
         self._writer: Optional[pq.ParquetWriter] = None
+        self._test_writer: Optional[pq.ParquetWriter] = None
         self._schema: Optional[pa.Schema] = None
         self._side: dict[str, str] = {}
         self.rows = 0
+        self.test_rows = 0
         self._committed = False
 
     def __enter__(self) -> "DatasetWriter":
@@ -85,16 +90,29 @@ class DatasetWriter:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._created = missing  # deepest first
         self._tmp_data = self.out_dir / f".{DATA_FILE}.{uuid.uuid4().hex}.tmp"
+        self._tmp_test = self.out_dir / f".{TEST_FILE}.{uuid.uuid4().hex}.tmp"
         return self
 
     def write(self, table: pa.Table) -> None:
         if table.num_rows == 0:
             return
-        if self._writer is None:
+        if self._schema is None:
             self._schema = table.schema
-            self._writer = pq.ParquetWriter(str(self._tmp_data), table.schema)
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(str(self._tmp_data), self._schema)
         self._writer.write_table(table.cast(self._schema), row_group_size=table.num_rows)
         self.rows += table.num_rows
+
+    def write_test(self, table: pa.Table) -> None:
+        """Row groups of test.parquet (the data set's separate evaluation examples)."""
+        if table.num_rows == 0:
+            return
+        if self._schema is None:
+            self._schema = table.schema
+        if self._test_writer is None:
+            self._test_writer = pq.ParquetWriter(str(self._tmp_test), self._schema)
+        self._test_writer.write_table(table.cast(self._schema), row_group_size=table.num_rows)
+        self.test_rows += table.num_rows
 
     def add_file(self, name: str, text: str) -> None:
         self._side[name] = text
@@ -104,7 +122,11 @@ class DatasetWriter:
             raise RuntimeError("DatasetWriter.commit with no rows written")
         self._writer.close()
         self._writer = None
+        if self._test_writer is not None:
+            self._test_writer.close()
+            self._test_writer = None
         assert meta.num_examples == self.rows, (meta.num_examples, self.rows)
+        assert (meta.test_examples or 0) == self.test_rows, (meta.test_examples, self.test_rows)
         text = meta_json(meta)
         side_tmp = []
         try:
@@ -114,7 +136,9 @@ class DatasetWriter:
                 os.fchmod(fd, 0o644)
                 with os.fdopen(fd, "w", encoding="utf-8") as fh:
                     fh.write(content)
-            assert self._tmp_data is not None  # set by __enter__
+            assert self._tmp_data is not None and self._tmp_test is not None  # set by __enter__
+            if self.test_rows:
+                os.replace(self._tmp_test, self.out_dir / TEST_FILE)
             os.replace(self._tmp_data, self.out_dir / DATA_FILE)
             for tmp, final in side_tmp:  # dataset.json last
                 os.replace(tmp, final)
@@ -124,15 +148,17 @@ class DatasetWriter:
         self._committed = True
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._writer is not None:
-            try:
-                self._writer.close()
-            except Exception:
-                pass
-            self._writer = None
+        for writer in (self._writer, self._test_writer):
+            if writer is not None:
+                try:
+                    writer.close()
+                except Exception:
+                    pass
+        self._writer = self._test_writer = None
         if not self._committed:
-            if self._tmp_data is not None:
-                _unlink_quiet(self._tmp_data)
+            for tmp in (self._tmp_data, self._tmp_test):
+                if tmp is not None:
+                    _unlink_quiet(tmp)
             for d in self._created:  # deepest first; only if still empty
                 try:
                     d.rmdir()
