@@ -604,5 +604,8 @@ def test_a_converted_list_valued_data_set_trains(tmp_path, capsys, mode):
     assert code == 0, err[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["test_split"] == "file" and summary["private"] == (mode == "sparse")
+    # the data set names a user per example; the run protects examples and says so
+    assert summary["privacy_unit"] == "example"
+    assert any("privacy unit per example" in c and "group of m" in c for c in summary["privacy_caveats"])
     metrics = summary["test_metrics"]
     assert math.isfinite(metrics["auc"]) and math.isfinite(metrics["logloss"])

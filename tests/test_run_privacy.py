@@ -176,6 +176,8 @@ def test_validation_split_is_held_out_of_training_and_its_metrics_are_labelled(c
     assert summary["sample_rate"] == pytest.approx(plain["sample_rate"] * 4 / 3, rel=0.01)
     assert any("validation_metrics" in c for c in summary["privacy_caveats"])
     assert not any("validation_metrics" in c for c in plain["privacy_caveats"])
+    # a data set without a privacy-unit column: the unit is the example, with no group caveat
+    assert plain["privacy_unit"] == "example" and not any("group of m" in c for c in plain["privacy_caveats"])
 
 
 def test_debug_metrics_opt_in_writes_raw_values_and_voids_the_report_for_them(capsys, tmp_path, ctr_dir):

@@ -44,6 +44,10 @@ CAVEAT_TIMINGS = ("Wall-clock timings (examples_per_sec, step_time_ms_median, ph
                   "touched rows. examples_per_sec is computed from the expected batch size.")
 CAVEAT_TEST_SPLIT = ("test_metrics (and eval lines in metrics.jsonl) are computed on the held-out test split, "
                      "assumed not to be training data; they describe that split and are not covered by ε.")
+CAVEAT_UNIT_COLUMN = ("The data set names a privacy unit per example (its `unit` column, e.g. a user id), but "
+                      "this run's guarantee is per example (privacy unit: example, the only unit implemented): "
+                      "a unit with m training examples is protected only as a group of m, at best "
+                      "(m·ε, m·e^((m−1)ε)·δ) by group privacy. User-level privacy is not implemented yet.")
 CAVEAT_VALIDATION_SPLIT = ("validation_metrics are computed on the validation split (data.validation_fraction of "
                            "the training data, held out and never trained on); ε covers the remaining training "
                            "examples only, and validation_metrics, like test_metrics, are not covered by ε; "
@@ -242,7 +246,8 @@ class RunRecorder:
         return out
 
     # ---- end of run ---------------------------------------------------------------------------------
-    def caveats(self, data_event_descriptions: list[str], validation: bool = False) -> list[str]:
+    def caveats(self, data_event_descriptions: list[str], validation: bool = False,
+                unit_column: bool = False) -> list[str]:
         out = [] if self.private else [CAVEAT_NONPRIVATE]
         if self.reproducible:
             out.append(self.randomness_note)
@@ -251,11 +256,14 @@ class RunRecorder:
             if self.tensorboard:
                 out.append(CAVEAT_DEBUG_TENSORBOARD)
         out += [CAVEAT_N_PUBLIC, CAVEAT_TIMINGS, CAVEAT_TEST_SPLIT] + ([CAVEAT_VALIDATION_SPLIT] if validation else [])
+        out += [CAVEAT_UNIT_COLUMN] if unit_column else []
         out += [f"Charged before training (in the ledger): {d}" for d in data_event_descriptions]
         return out
 
     def summary_fields(self, elapsed: float, shards, data_event_descriptions: list[str],
-                       validation: bool = False) -> dict:
+                       validation: bool = False, unit_column: bool = False) -> dict:
+        """`unit_column`: the data set has a privacy-unit column (dataset.json `unit_column`),
+        which this example-level run does not protect as a unit (CAVEAT_UNIT_COLUMN)."""
         steps = len(self.step_times)
         out = {
             "examples_per_sec": self.b * steps / elapsed if elapsed > 0 else 0.0,
@@ -268,7 +276,8 @@ class RunRecorder:
             "randomness": self.randomness_note,
             "reproducible": self.reproducible,
             "debug_metrics": self.debug,
-            "privacy_caveats": self.caveats(data_event_descriptions, validation),
+            "privacy_unit": "example",
+            "privacy_caveats": self.caveats(data_event_descriptions, validation, unit_column),
         }
         if self.debug:
             out.update({

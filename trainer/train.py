@@ -656,7 +656,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
             "backend": cfg.cluster.backend,
             **({"validation_metrics": run.evaluate(run.validation_set)} if run.validation_set is not None else {}),
             **recorder.summary_fields(result.elapsed_s, engine.shards, [d for d, _ in data_events],
-                                      validation=run.validation_set is not None),
+                                      validation=run.validation_set is not None,
+                                      unit_column=run.meta.unit_column),
         }
         atomic_write_json(run_dir / "summary.json", summary)
         dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "finished"))
