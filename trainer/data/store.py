@@ -204,6 +204,18 @@ def _check_nulls(path: Path, arr: pa.Array, name: str, base: int) -> None:
         raise DataError(f"{path}: row {base + r}: column {name!r} is null")
 
 
+def _fixed_size_list(path: Path, table: pa.Table, name: str, width: int, base: int) -> np.ndarray:
+    """Column `name` (fixed_size_list[width]) as an array [rows, width]; DataError naming the
+    row and the element of the first null."""
+    arr = _array(table, name)
+    _check_nulls(path, arr, name, base)
+    flat = arr.flatten()
+    if flat.null_count:
+        i = _first(flat.is_null().to_numpy(zero_copy_only=False))
+        raise DataError(f"{path}: row {base + i // width}: {name}[{i % width}] is null")
+    return flat.to_numpy().reshape(table.num_rows, width)
+
+
 def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
@@ -226,13 +238,7 @@ def _ctr_group(path: Path, meta: DatasetMeta, table: pa.Table, base: int, sink) 
     if d == 0:
         dense = np.zeros((n, 0), dtype=np.float32)
     else:
-        dense_arr = _array(table, "dense")
-        _check_nulls(path, dense_arr, "dense", base)
-        flat = dense_arr.flatten()
-        if flat.null_count:
-            i = _first(flat.is_null().to_numpy(zero_copy_only=False))
-            raise DataError(f"{path}: row {base + i // d}: dense[{i % d}] is null")
-        dense = flat.to_numpy().reshape(n, d)
+        dense = _fixed_size_list(path, table, "dense", d, base)
         bad = ~np.isfinite(dense)
         if bad.any():
             i = _first(bad.reshape(-1))
@@ -322,13 +328,7 @@ def _cbow_group(path: Path, meta: DatasetMeta, table: pa.Table, base: int, sink)
     tgt = _array(table, "target")
     _check_nulls(path, tgt, "target", base)
     fixed[:, 0] = tgt.to_numpy()
-    neg = _array(table, "negatives")
-    _check_nulls(path, neg, "negatives", base)
-    neg_flat = neg.flatten()
-    if neg_flat.null_count:
-        i = _first(neg_flat.is_null().to_numpy(zero_copy_only=False))
-        raise DataError(f"{path}: row {base + i // k}: negatives[{i % k}] is null")
-    fixed[:, 1:] = neg_flat.to_numpy().reshape(n, k)
+    fixed[:, 1:] = _fixed_size_list(path, table, "negatives", k, base)
     _check_ids(path, meta, fixed, names, base)
     sink.add(fixed=fixed, jagged={"context": (lengths, values)})
 

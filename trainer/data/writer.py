@@ -94,25 +94,26 @@ class DatasetWriter:
         return self
 
     def write(self, table: pa.Table) -> None:
-        if table.num_rows == 0:
-            return
-        if self._schema is None:
-            self._schema = table.schema
-        if self._writer is None:
-            self._writer = pq.ParquetWriter(str(self._tmp_data), self._schema)
-        self._writer.write_table(table.cast(self._schema), row_group_size=table.num_rows)
-        self.rows += table.num_rows
+        """One row group of data.parquet."""
+        if table.num_rows:
+            if self._writer is None:
+                self._writer = pq.ParquetWriter(str(self._tmp_data), self._schema_of(table))
+            self._writer.write_table(table.cast(self._schema), row_group_size=table.num_rows)
+            self.rows += table.num_rows
 
     def write_test(self, table: pa.Table) -> None:
-        """Row groups of test.parquet (the data set's separate evaluation examples)."""
-        if table.num_rows == 0:
-            return
+        """One row group of test.parquet (the data set's separate evaluation examples)."""
+        if table.num_rows:
+            if self._test_writer is None:
+                self._test_writer = pq.ParquetWriter(str(self._tmp_test), self._schema_of(table))
+            self._test_writer.write_table(table.cast(self._schema), row_group_size=table.num_rows)
+            self.test_rows += table.num_rows
+
+    def _schema_of(self, table: pa.Table) -> pa.Schema:
+        """The one schema of both files: the first row group's, whichever file it went to."""
         if self._schema is None:
             self._schema = table.schema
-        if self._test_writer is None:
-            self._test_writer = pq.ParquetWriter(str(self._tmp_test), self._schema)
-        self._test_writer.write_table(table.cast(self._schema), row_group_size=table.num_rows)
-        self.test_rows += table.num_rows
+        return self._schema
 
     def add_file(self, name: str, text: str) -> None:
         self._side[name] = text
