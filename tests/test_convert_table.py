@@ -425,9 +425,14 @@ SCHEMA_ERRORS = [
     ("no id rule", CSV_SCHEMA.replace("hash_size = 97\nlist", "list"), "categorical.basket.hash_size: give exactly one"),
     ("hash size 1", CSV_SCHEMA.replace("hash_size = 97\n\n", "hash_size = 1\n\n"),
      "categorical.item.hash_size: must be an integer >= 2"),
-    ("standardize without stats", CSV_SCHEMA.replace("mean = 40.0\n", ""),
-     "dense.age.mean: standardize needs a PUBLIC mean and std given in the schema (estimating them from the data "
-     "with differential privacy is not implemented yet)"),
+    ("standardize with a mean only", CSV_SCHEMA.replace("std = 10.0\n", ""),
+     "dense.age.std: give both a PUBLIC mean and std, or neither (then they are estimated with DP)"),
+    ("DP standardize of unbounded values", CSV_SCHEMA.replace("mean = 40.0\nstd = 10.0\n", "").replace(
+        'transform = ["clip", "standardize"]', 'transform = ["clip", "log1p", "standardize"]'),
+     "dense.age.transform: standardize without a PUBLIC mean and std estimates them with differential privacy, "
+     "which needs the values bounded: put clip right before it"),
+    ("bad statistics sigma", "statistics_noise_multiplier = 0\n" + CSV_SCHEMA,
+     "statistics_noise_multiplier: must be > 0"),
     ("shared table sizes", CSV_SCHEMA.replace("hash_size = 97\nlist", "hash_size = 98\nlist"),
      "categorical.basket.table: features 'item' and 'basket' share table 'item' but give it different sizes (97 and 98)"),
     ("bad pooling", CSV_SCHEMA.replace('separator = "|"', 'separator = "|"\npooling = "max"'),
@@ -577,6 +582,8 @@ format = "parquet"
 label = "y"
 unit = "user"
 [dense.x]
+transform = ["clip", "standardize"]   # mean and std estimated with DP
+clip = [-3, 3]
 [categorical.item]
 table = "item"
 hash_size = 64
@@ -606,6 +613,13 @@ def test_a_converted_list_valued_data_set_trains(tmp_path, capsys, mode):
     assert summary["test_split"] == "file" and summary["private"] == (mode == "sparse")
     # the data set names a user per example; the run protects examples and says so
     assert summary["privacy_unit"] == "example"
+    if mode == "sparse":  # the DP standardization statistics are charged before the first step
+        assert any(c.startswith("Charged before training (in the ledger): DP standardization statistics")
+                   for c in summary["privacy_caveats"])
+        from widedp.accounting.events import GaussianDpEvent
+        from widedp.accounting.ledger import PrivacyLedger
+
+        assert PrivacyLedger.load(run / "ledger.json").history[0] == (GaussianDpEvent(20.0), 1)
     assert any("privacy unit per example" in c and "group of m" in c for c in summary["privacy_caveats"])
     metrics = summary["test_metrics"]
     assert math.isfinite(metrics["auc"]) and math.isfinite(metrics["logloss"])
