@@ -47,11 +47,14 @@ class ClipRange:
         return 0.5 * (self.hi - self.lo)
 
 
+def _centers_and_half_widths(ranges: list[ClipRange]) -> tuple[np.ndarray, np.ndarray]:
+    return np.array([r.center for r in ranges]), np.array([r.half_width for r in ranges])
+
+
 def normalized(values: np.ndarray, ranges: list[ClipRange]) -> np.ndarray:
     """u = (x − c)/m per column of `values` [n, F] (each x already clipped to its range);
     a column of zero width (lo == hi) has u = 0: it carries no information."""
-    center = np.array([r.center for r in ranges])
-    half = np.array([r.half_width for r in ranges])
+    center, half = _centers_and_half_widths(ranges)
     safe = np.where(half > 0, half, 1.0)
     u = (np.asarray(values, dtype=np.float64) - center) / safe
     return np.where(half > 0, np.clip(u, -1.0, 1.0), 0.0)
@@ -83,8 +86,7 @@ def mean_and_std(noisy_sums: np.ndarray, n: int, ranges: list[ClipRange]) -> tup
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     s = np.asarray(noisy_sums, dtype=np.float64).reshape(-1, 2) / n
-    center = np.array([r.center for r in ranges])
-    half = np.array([r.half_width for r in ranges])
+    center, half = _centers_and_half_widths(ranges)
     mean = center + half * s[:, 0]
     var = np.maximum(s[:, 1] - np.square(s[:, 0]), VAR_FLOOR)
     std = np.where(half > 0, half * np.sqrt(var), 1.0)

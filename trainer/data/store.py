@@ -73,11 +73,6 @@ def data_parts(meta: DatasetMeta) -> list[tuple[str, str, int]]:
     return parts
 
 
-def load_columns(directory, meta: DatasetMeta, *, cache: bool = True) -> Columns:
-    """data.parquet's decoded columns (``load_all_columns`` has test.parquet's too)."""
-    return load_all_columns(directory, meta, cache=cache)[0]
-
-
 def load_all_columns(directory, meta: DatasetMeta, *, cache: bool = True) -> list[Columns]:
     """The decoded columns of each file of ``data_parts(meta)``, in that order."""
     directory = Path(directory)
@@ -143,9 +138,7 @@ def _decode_parts(directory: Path, meta: DatasetMeta, sink) -> None:
     sink.finish()
 
 
-def _validate_and_decode(path: Path, meta: DatasetMeta, sink, part: str = "",
-                         expected_rows: Optional[int] = None) -> None:
-    expected_rows = meta.num_examples if expected_rows is None else expected_rows
+def _validate_and_decode(path: Path, meta: DatasetMeta, sink, part: str, expected_rows: int) -> None:
     try:
         pf = pq.ParquetFile(str(path), memory_map=True)
     except (pa.ArrowException, OSError) as exc:
