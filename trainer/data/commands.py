@@ -9,6 +9,14 @@
     widedp synth ctr OUT_DIR --examples N [--table-size N | --table-sizes a,b,...] [--seed S]
                               [--zipf-exponent A]
     widedp synth text OUT_DIR --examples N --vocab V [--seed S] [--topics K]
+    widedp synth logs OUT_DIR [--users 2000 --days 3 --seed 0 --start-date 2026-11-01
+                               --examples-per-user-median 4 --examples-per-user-sigma 1.5
+                               --max-examples-per-user 5000 --items 20000 --topics 20
+                               --history-length 20]
+        raw day-partitioned Parquet click logs with users, a planted per-user model, truth.json
+        and a `convert table` schema (trainer/data/synth_logs.py); it prints out_dir, kind,
+        num_examples, num_users, days, test_day, test_examples, base_rate, bayes_auc,
+        max_examples_per_user, convert_command and seconds.
 
 Each prints one JSON object: out_dir, kind, num_examples, table_sizes, bayes_auc, seconds,
 test_examples and test_split (a data set with a test file only), and privacy_events (the descriptions of the DP mechanisms run on the private input, whose
@@ -160,6 +168,25 @@ def add_commands(subparsers) -> dict:
     x.add_argument("--vocab", type=_int_arg("--vocab", 2), required=True)
     x.add_argument("--topics", type=_int_arg("--topics", 1), default=10)
     x.add_argument("--seed", type=_int_arg("--seed", 0), default=0)
+    lg = ssub.add_parser("logs", help="raw day-partitioned Parquet click logs with users (heavy-tailed "
+                                      "examples per user, planted per-user effects) + truth.json + a "
+                                      "`convert table` schema")
+    lg.add_argument("out_dir")
+    lg.add_argument("--users", type=_int_arg("--users", 1), default=2000)
+    lg.add_argument("--days", type=_int_arg("--days", 2), default=3,
+                    help="days of logs (the last one is the evaluation day; default 3)")
+    lg.add_argument("--seed", type=_int_arg("--seed", 0), default=0)
+    lg.add_argument("--start-date", default="2026-11-01", help="first day, YYYY-MM-DD (UTC; default 2026-11-01)")
+    lg.add_argument("--examples-per-user-median", type=_positive_float_arg("--examples-per-user-median"),
+                    default=4.0, help="median of the log-normal examples per user over all days (default 4)")
+    lg.add_argument("--examples-per-user-sigma", type=_float_arg("--examples-per-user-sigma", 0.0), default=1.5,
+                    help="σ of log(examples per user): its tail (default 1.5)")
+    lg.add_argument("--max-examples-per-user", type=_int_arg("--max-examples-per-user", 1), default=5000)
+    lg.add_argument("--items", type=_int_arg("--items", 2), default=20_000,
+                    help="item space of ad_id and history (default 20000)")
+    lg.add_argument("--topics", type=_int_arg("--topics", 1), default=20)
+    lg.add_argument("--history-length", type=_int_arg("--history-length", 1), default=20,
+                    help="items kept in history (and the schema's max_length; default 20)")
     return {"convert": cmd_convert, "synth": cmd_synth}
 
 
@@ -227,6 +254,16 @@ def cmd_synth(args) -> dict:
             kw["table_sizes"] = args.table_sizes if len(args.table_sizes) > 1 else args.table_sizes[0]
         meta = synth_ctr(args.out_dir, num_examples=args.examples, seed=args.seed,
                          zipf_exponent=args.zipf_exponent, **kw)
+    elif args.synth_kind == "logs":
+        from .synth_logs import LogsParams, result, synth_logs
+
+        truth = synth_logs(args.out_dir, LogsParams(
+            users=args.users, days=args.days, seed=args.seed, start_date=args.start_date,
+            examples_per_user_median=args.examples_per_user_median,
+            examples_per_user_sigma=args.examples_per_user_sigma,
+            max_examples_per_user=args.max_examples_per_user, items=args.items, topics=args.topics,
+            history_length=args.history_length))
+        return result(truth, args.out_dir)
     else:
         from .synth import synth_text
 
