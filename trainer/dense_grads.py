@@ -22,15 +22,28 @@ here adds noise or changes what one example can contribute.
   the graph kept from pass 1. Either way it is Σ_j c_j ∇_θ ℓ_j, and nothing of size B × |θ| is
   formed.
 
+User-level privacy: `group_sq_norms(groups, num_groups)` (before `clipped_sum`) gives, for each
+group u, ‖Σ_{j: groups_j = u} ∇_θ ℓ_j‖², the squared norm of the *sum* of the group's
+per-example gradients (not the sum of their norms). With groups = users the neighbouring
+relation is per user (data sets differ in all examples of one user) and so is the sensitivity
+statement: the step adds this to the user's squared embedding-gradient norm, clips the user's
+sum with c_u = min(1, S1/‖Σ_{j∈u} ∇ℓ_j‖), and passes c_{u(j)} to every example j of u, so that
+`clipped_sum` gives Σ_u c_u Σ_{j∈u} ∇_θ ℓ_j: each clipped user's sum contributes at most S1.
+The reference segment-sums the materialized per-example gradients; the ghost path generalizes
+the Gram identity within a group (a registered *ghost group norm* per layer type; for nn.Linear
+`_linear_ghost_group_norm`) over grids of groups of one size class each, padded to the class's
+largest (`group_layouts`): no Python loop runs over groups, only over ≤ log2(B) + 1 classes.
+
 Both rely on the model treating examples independently (`DenseModel`'s contract: no batch
 statistics), so ∂(Σ_k ℓ_k)/∂x_j = ∂ℓ_j/∂x_j for every per-example tensor x. `dense_gradients`
-picks the ghost path when every module that owns parameters has a registered ghost norm and
-the reference otherwise; tests hold the two to agreement on every model here.
+picks the ghost path when every module that owns parameters has a registered ghost norm (and,
+with `grouped=True`, a ghost group norm) and the reference otherwise; tests hold the two to agreement on every model here.
 """
 
 from __future__ import annotations
 
 import abc
+import operator
 from typing import Callable, Optional
 
 import torch
@@ -121,13 +134,160 @@ def _linear_ghost_sum(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor, factor
     return out
 
 
+# ---- ghost group norms: ‖Σ_{j∈u} ∇ℓ_j‖² per group u of one layer's own parameters -----------------
+def check_groups(groups, num_groups, batch_size: int) -> tuple[torch.Tensor, int]:
+    """`groups` as an int64 tensor [batch_size] with values in [0, num_groups), and num_groups as
+    an int >= 0; anything else is a ValueError that says what is wrong."""
+    if isinstance(num_groups, bool):
+        raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
+    try:
+        num_groups = operator.index(num_groups)
+    except TypeError:
+        raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}") from None
+    if num_groups < 0:
+        raise ValueError(f"num_groups must be an int >= 0, got {num_groups}")
+    if not isinstance(groups, torch.Tensor):
+        groups = torch.as_tensor(groups)
+    if groups.dtype == torch.bool or groups.dtype.is_floating_point or groups.dtype.is_complex:
+        raise ValueError(f"groups must be an integer (int64) tensor, got dtype {groups.dtype}")
+    if tuple(groups.shape) != (batch_size,):
+        raise ValueError(f"groups must have shape [B] = [{batch_size}] (one group per example), "
+                         f"got {list(groups.shape)}")
+    groups = groups.to(torch.int64)
+    if batch_size:
+        low, high = int(groups.min()), int(groups.max())
+        if low < 0 or high >= num_groups:
+            bad = low if low < 0 else high
+            raise ValueError(f"groups must lie in [0, num_groups) = [0, {num_groups}), got {bad}")
+    return groups, num_groups
+
+
+class GroupLayout:
+    """Some groups' examples in a grid [num_groups, max_size] (num_groups = len(group_ids), the
+    groups this grid holds): row r holds group group_ids[r]'s examples in batch order from the
+    left, then padding. `pad(x)` puts rows of a per-example tensor x [B, ...] (the whole batch's)
+    into the grid with zeros in the padding, so a sum over a group is a sum over a grid row and
+    padding adds nothing to it, nor to any Gram entry (a zero row is orthogonal to every row).
+    Shared by every layer's ghost group norm; `group_layouts` makes them."""
+
+    def __init__(self, groups: torch.Tensor, num_groups: int, group_ids: torch.Tensor):
+        self.group_ids, self.num_groups = group_ids, int(group_ids.numel())
+        row_of = torch.full((num_groups,), -1, dtype=torch.int64, device=groups.device)
+        row_of[group_ids] = torch.arange(self.num_groups, device=groups.device)
+        rows = row_of[groups]
+        self._examples = (rows >= 0).nonzero().flatten()  # this grid's examples, in batch order
+        self._rows = rows[self._examples]
+        order = torch.argsort(self._rows, stable=True)
+        self._source = self._examples[order]  # by row, then batch order
+        sorted_rows = self._rows[order]
+        sizes = torch.bincount(self._rows, minlength=self.num_groups)
+        self.max_size = int(sizes.max()) if self._rows.numel() else 0
+        rank = torch.arange(order.numel(), device=groups.device) - (torch.cumsum(sizes, 0) - sizes)[sorted_rows]
+        self._slots = (sorted_rows, rank)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, *rest] -> [num_groups, max_size, *rest], zeros in the padding."""
+        out = x.new_zeros(self.num_groups, self.max_size, *x.shape[1:])
+        out[self._slots] = x[self._source]
+        return out
+
+    def segment_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, *rest] -> [num_groups, *rest]: Σ_{j∈u} x_j for each group u of the grid."""
+        return x.new_zeros(self.num_groups, *x.shape[1:]).index_add_(0, self._rows, x[self._examples])
+
+
+def group_layouts(groups: torch.Tensor, num_groups: int) -> list[GroupLayout]:
+    """The non-empty groups by size class, one grid per class: sizes in (2^(k-1), 2^k] for
+    k = 0, 1, 2, ... A grid pads its groups to its largest, under twice any of theirs, so all
+    grids together hold fewer than 2B example slots however uneven the sizes (one grid padded to
+    the largest group would hold num_groups × max size), at ≤ log2(B) + 1 grids. Empty groups are
+    in none (their norm is 0)."""
+    sizes = torch.bincount(groups, minlength=num_groups)
+    present = sizes.nonzero().flatten()
+    size_class = torch.ceil(torch.log2(sizes[present].double())).long()  # exact at powers of two
+    return [GroupLayout(groups, num_groups, present[size_class == k]) for k in torch.unique(size_class).tolist()]
+
+
+GhostGroupNorm = Callable[..., torch.Tensor]  # (layer, activations, output gradients, layout) -> [layout.num_groups]
+_GHOST_GROUP_NORMS: dict[type, GhostGroupNorm] = {}
+
+
+def register_ghost_group_norm(*layer_types: type) -> Callable[[GhostGroupNorm], GhostGroupNorm]:
+    """Register `fn(layer, activations, backprops, layout: GroupLayout) -> [layout.num_groups]`
+    float64: for each group u of the grid, ‖Σ_{j∈u} ∇ℓ_j‖² over `layer`'s own parameters
+    (recurse=False); activations and backprops are the whole batch's. Refuses to
+    overwrite a registration, like the ghost norms."""
+
+    def decorator(fn: GhostGroupNorm) -> GhostGroupNorm:
+        for t in layer_types:
+            if t in _GHOST_GROUP_NORMS:
+                raise ValueError(f"a ghost group norm for {t.__name__} is already registered "
+                                 f"({_GHOST_GROUP_NORMS[t].__qualname__})")
+            _GHOST_GROUP_NORMS[t] = fn
+        return fn
+
+    return decorator
+
+
+def ghost_group_norm_for(layer: nn.Module):
+    """The registered ghost group norm of `layer`'s exact type, or None."""
+    return _GHOST_GROUP_NORMS.get(type(layer))
+
+
+def linear_group_uses_gram(rows: int, in_features: int, out_features: int) -> bool:
+    """Whether the Gram form is the cheaper way to an nn.Linear's group norms, counting
+    multiply-adds per group of `rows` = (the grid's largest group) × (sequence positions) rows:
+    the two Gram matrices and their inner product cost rows²·(in + out + 1); forming the group's
+    weight gradient Σ g aᵀ [out, in] and its squared norm costs (rows + 1)·in·out. Both scale
+    with the number of groups alike, so that drops out. (The per-layer choice of mixed ghost
+    clipping, Bu et al. 2022, ghost norm iff 2T² < in·out, is the same trade-off for one example.)"""
+    return rows * rows * (in_features + out_features + 1) <= (rows + 1) * in_features * out_features
+
+
+@register_ghost_group_norm(nn.Linear)
+def _linear_ghost_group_norm(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
+    """Group u's weight gradient is Σ_{j∈u} Σ_t g_jt a_jtᵀ (t over a sequence dimension, if any;
+    none is T = 1): the group's positions together are one sequence of |u|·T rows, so
+    ‖·‖_F² = Σ_{(j,t),(k,s)} (a_jt·a_ks)(g_jt·g_ks) = ⟨A_u A_uᵀ, G_u G_uᵀ⟩ (Li et al. 2022, eq. 4,
+    over the group's rows), or, when `linear_group_uses_gram` says that is dearer, the norm of
+    G_uᵀ A_u formed outright. The bias gradient is Σ_{j∈u} Σ_t g_jt."""
+    a = a.unsqueeze(1) if a.dim() == 2 else a.flatten(1, -2)  # [B, T, in]
+    g = g.unsqueeze(1) if g.dim() == 2 else g.flatten(1, -2)  # [B, T, out]
+    rows = layout.max_size * a.shape[1]
+    A = layout.pad(a).double().reshape(layout.num_groups, rows, a.shape[-1])  # [U, m·T, in]
+    G = layout.pad(g).double().reshape(layout.num_groups, rows, g.shape[-1])  # [U, m·T, out]
+    if linear_group_uses_gram(rows, a.shape[-1], g.shape[-1]):
+        sq = (torch.bmm(A, A.transpose(1, 2)) * torch.bmm(G, G.transpose(1, 2))).sum((1, 2))
+    else:
+        sq = torch.bmm(G.transpose(1, 2), A).pow(2).sum((1, 2))
+    if layer.bias is not None:
+        sq = sq + G.sum(1).pow(2).sum(1)  # padding rows are zero
+    return sq
+
+
 # ---- the two implementations -----------------------------------------------------------------------
 class DenseGradients(abc.ABC):
-    """Pass 1 at construction; `clipped_sum(factors)` is pass 2 (once)."""
+    """Pass 1 at construction; `group_sq_norms` (any number of times) comes before
+    `clipped_sum(factors)`, which is pass 2 (once)."""
 
     losses: torch.Tensor  # [B]
     pooled_grads: torch.Tensor  # [B, F, D]: ∂ℓ_j/∂pooled_j
     sq_norms: torch.Tensor  # [B] float64: ‖∇_θ ℓ_j‖² over every dense parameter
+    _used: bool = False  # pass 2 has run
+
+    def group_sq_norms(self, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+        """[num_groups] float64: for each group u, ‖Σ_{j: groups_j = u} ∇_θ ℓ_j‖² over every dense
+        parameter: the squared norm of the sum of the group's gradients, not the sum of their
+        squared norms (0 for an empty group; `sq_norms` when every group has one example).
+        `groups`: integer tensor [B], values in [0, num_groups). Only before `clipped_sum`."""
+        if self._used:
+            raise RuntimeError(f"{type(self).__name__}.group_sq_norms must come before clipped_sum "
+                               "(pass 2 may free the activations and gradients it needs)")
+        groups, num_groups = check_groups(groups, num_groups, int(self.losses.shape[0]))
+        return self._group_sq_norms(groups, num_groups)
+
+    def _group_sq_norms(self, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no group norms")
 
     @abc.abstractmethod
     def clipped_sum(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -157,10 +317,21 @@ class PerExampleGradients(DenseGradients):
         self.sq_norms = sum((g.reshape(B, -1).double().pow(2).sum(1) for g in g_params.values()),
                             torch.zeros(B, dtype=torch.float64))
 
+    def _group_sq_norms(self, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+        """Segment-sum each parameter's per-example gradients by group, then square and add."""
+        out = torch.zeros(num_groups, dtype=torch.float64)
+        for g in self.per_example.values():
+            g = g.double()
+            sq = g.new_zeros(num_groups, *g.shape[1:]).index_add_(0, groups.to(g.device), g).pow(2)
+            out = out + (sq.flatten(1).sum(1) if sq.dim() > 1 else sq).cpu()
+        return out
+
     def clipped_sum(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
+        self._used = True  # nothing is freed here, but the contract is the ghost path's
         return {n: torch.tensordot(factors.to(g.dtype), g, dims=1).double() for n, g in self.per_example.items()}
 
     def clamped_sum(self, factors: torch.Tensor, bound: float) -> dict[str, torch.Tensor]:
+        self._used = True
         out = {}
         for n, g in self.per_example.items():
             scaled = g.double() * factors.double().reshape(-1, *([1] * (g.dim() - 1)))
@@ -205,6 +376,19 @@ class GhostGradients(DenseGradients):
         if self._book_keeping:
             self._losses = None  # no second backward: the graph can go now
         self._used = False
+
+    def _group_sq_norms(self, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+        """The registered ghost group norm of every captured layer, added up (module docstring)."""
+        missing = sorted({type(m).__name__ for m in _parameterized_layers(self.model) if ghost_group_norm_for(m) is None})
+        if missing:
+            raise ValueError(f"no ghost group norm registered for {missing} "
+                             "(trainer.dense_grads.register_ghost_group_norm; or use the per_example method)")
+        sq = torch.zeros(num_groups, dtype=torch.float64)
+        if self._captures:
+            for layout in group_layouts(groups.to(self._captures[0][1].device), num_groups):
+                part = sum(_GHOST_GROUP_NORMS[type(layer)](layer, a, g, layout) for layer, a, g in self._captures)
+                sq[layout.group_ids.cpu()] = torch.as_tensor(part, dtype=torch.float64).cpu()
+        return sq
 
     def clipped_sum(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
         if self._used:
@@ -264,19 +448,32 @@ def supports_ghost(model: nn.Module) -> bool:
     return all(ghost_norm_for(m) is not None for m in _parameterized_layers(model))
 
 
+def supports_ghost_groups(model: nn.Module) -> bool:
+    """`supports_ghost(model)`, and every module that owns parameters also has a registered ghost
+    group norm (what `GhostGradients.group_sq_norms` needs)."""
+    return supports_ghost(model) and all(ghost_group_norm_for(m) is not None for m in _parameterized_layers(model))
+
+
 def dense_gradients(model: DenseModel, pooled: torch.Tensor, dense: torch.Tensor, labels: torch.Tensor,
-                    method: str = "auto") -> DenseGradients:
+                    method: str = "auto", grouped: bool = False) -> DenseGradients:
     """Pass 1 of the dense part by `method`: "ghost", "per_example" (the reference), or "auto"
-    (ghost when `supports_ghost(model)` and the forward allows it, else the reference)."""
+    (ghost when `supports_ghost(model)` and the forward allows it, else the reference). With
+    `grouped` (the caller will ask for `group_sq_norms`), ghost also needs every layer's ghost
+    group norm: "auto" falls back to the reference without one, "ghost" refuses."""
     if method not in ("auto", "ghost", "per_example"):
         raise ValueError(f"dense gradient method must be 'auto', 'ghost' or 'per_example', got {method!r}")
     explicit = method == "ghost"
+    supported = supports_ghost_groups if grouped else supports_ghost
     if method == "auto":
-        method = "ghost" if supports_ghost(model) else "per_example"
+        method = "ghost" if supported(model) else "per_example"
     if method == "ghost":
         if not supports_ghost(model):
             missing = sorted({type(m).__name__ for m in _parameterized_layers(model) if ghost_norm_for(m) is None})
             raise ValueError(f"no ghost norm registered for {missing} (trainer.dense_grads.register_ghost_norm)")
+        if grouped and not supports_ghost_groups(model):
+            missing = sorted({type(m).__name__ for m in _parameterized_layers(model) if ghost_group_norm_for(m) is None})
+            raise ValueError(f"no ghost group norm registered for {missing} "
+                             "(trainer.dense_grads.register_ghost_group_norm)")
         try:
             return GhostGradients(model, pooled, dense, labels)
         except GhostUnsupported:
