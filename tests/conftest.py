@@ -11,3 +11,17 @@ def ctr_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "ctr"
     synth_ctr(path, num_examples=3000, table_sizes=500, seed=3)
     return path
+
+
+@pytest.fixture(scope="module")
+def user_logs_dir(tmp_path_factory):
+    """Click logs with users (`widedp synth logs`: 800 users, 3 days, heavy-tailed examples per
+    user, list-valued history) converted by their schema, the last day as the test split."""
+    from widedp.trainer.data.synth_logs import synth_logs
+    from widedp.trainer.data.table import convert_table
+
+    root = tmp_path_factory.mktemp("user_logs")
+    truth = synth_logs(root / "logs", users=800, days=3, seed=2)
+    convert_table([str(root / "logs" / "day=*" / "*.parquet")], root / "data", schema=root / "logs" / "schema.toml",
+                  test_after=truth["evaluation_day"]["date"])
+    return root / "data"

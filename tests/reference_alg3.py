@@ -27,6 +27,11 @@ computed here.
 The global row id of row r of table t is offset_t + r, tables concatenated in the order of
 `ds.meta.table_sizes`.
 
+User level (`example_units`: a unit per example of `ds`): the unit's gradient is the sum of its
+step examples' autograd gradients (a Python sum of whole-table gradients), clipped as one
+vector; the count selectors count each unit's distinct rows once; DP-FEST counts each unit's
+rows (its examples' rows in example order) as one example's.
+
 Per-table policy (sparse mode, `dense_tables`): a dense table is treated exactly as DP-SGD treats
 every table (all its rows get G + the DP-SGD table noise, in the S2 norm); the selectors see
 only the rows of the other tables, numbered 0, 1, ... in global-id order (a Python list here).
@@ -50,7 +55,7 @@ from widedp.trainer.randomness import PrivacyRandomness
 class ReferenceAlg3:
     def __init__(self, ds, model: torch.nn.Module, *, mode: str, plan=None, expected_batch_size: float,
                  lr: float, dense_lr: float, seed: int, dim: int, init_std: float, dense_tables=(),
-                 ema_decay: float = 0.0):
+                 ema_decay: float = 0.0, example_units=None):
         """`model` is copied (pass the engine's dense model before it takes a step, or an
         identically initialized one); `plan` is a trainer.engine.PrivacyPlan (None for
         nonprivate). `ema_decay` β > 0: also keep ema = β·ema + (1-β)·w of every row of every
@@ -58,6 +63,7 @@ class ReferenceAlg3:
         if mode not in ("sparse", "dpsgd", "nonprivate"):
             raise ValueError(mode)
         self.ds, self.mode, self.plan = ds, mode, plan
+        self.example_units = None if example_units is None else [int(u) for u in example_units]
         self.b, self.lr, self.dense_lr, self.seed, self.dim = float(expected_batch_size), lr, dense_lr, seed, dim
         self.model = copy.deepcopy(model)
         meta = ds.meta
@@ -126,11 +132,24 @@ class ReferenceAlg3:
         """Example i's global row ids in feature order (repeats kept)."""
         return [int(self.offsets[t] + r) for f, t in zip(self.features, self.feature_table) for r in self.ds.bags[f][i]]
 
+    def groups(self, indices) -> list[list[int]]:
+        """The step's contributors: one example each, or (user level) each unit's examples
+        among `indices`, units in increasing order, examples in index order."""
+        if self.example_units is None:
+            return [[int(i)] for i in indices]
+        by_unit: dict[int, list[int]] = {}
+        for i in sorted(int(i) for i in indices):
+            by_unit.setdefault(self.example_units[i], []).append(i)
+        return [by_unit[u] for u in sorted(by_unit)]
+
+    def group_global_rows(self, group) -> list[int]:
+        return [r for i in group for r in self.example_global_rows(i)]
+
     # ---- DP-FEST: the one-time selection -----------------------------------------------------------
     def prepare_fest(self) -> None:
         n = len(self.ds.labels)
-        rows = [[self.candidate_index[r] for r in self.example_global_rows(i) if r in self.candidate_index]
-                for i in range(n)]
+        rows = [[self.candidate_index[r] for r in self.group_global_rows(g) if r in self.candidate_index]
+                for g in self.groups(range(n))]
         offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
         ids = np.array([r for ex in rows for r in ex], dtype=np.int64)
         sp = self.plan.selection_params
@@ -146,8 +165,14 @@ class ReferenceAlg3:
         private = self.mode != "nonprivate"
         p = self.plan
         per_example = [self.example_grad(i) for i in indices]
+        losses = [loss for _, _, loss in per_example]
+        if self.example_units is not None:  # user level: each unit's summed gradient is one contribution
+            grads = {i: g for i, g in zip(indices, per_example)}
+            per_example = [([sum(grads[i][0][t] for i in group) for t in range(len(self.tables))],
+                            {n: sum(grads[i][1][n] for i in group) for n in grads[group[0]][1]}, 0.0)
+                           for group in self.groups(indices)]
 
-        # 1. first clip, over all embedding rows + dense params of each example
+        # 1. first clip, over all embedding rows + dense params of each example (unit)
         norms, factors = [], []
         for tg, dg, _ in per_example:
             norm = math.sqrt(sum(float((g ** 2).sum()) for g in tg) + sum(float((g ** 2).sum()) for g in dg.values()))
@@ -215,7 +240,7 @@ class ReferenceAlg3:
                     part_ema[name] = beta * part_ema[name] + (1 - beta) * part_now[name]
         rows_noised = selected.size + sum(self.table_rows[t] for t in self.dense_tables)
         return {"selected": selected, "rows_noised": rows_noised, "touched": touched, "norms": np.array(norms), "factors": np.array(factors),
-                "scale": scale, "std": std, "G": G, "losses": [loss for _, _, loss in per_example]}
+                "scale": scale, "std": std, "G": G, "losses": losses}
 
     def _table_of(self, r: int) -> tuple[int, int]:
         t = int(np.searchsorted(self.offsets, r, side="right") - 1)
@@ -236,7 +261,7 @@ class ReferenceAlg3:
         if p.selection == "fest":
             return self.fixed_rows
         if p.selection in ("threshold", "fest-threshold"):
-            distinct = [sorted({cand[r] for r in self.example_global_rows(i) if r in cand}) for i in indices]
+            distinct = [sorted({cand[r] for r in self.group_global_rows(g) if r in cand}) for g in self.groups(indices)]
             offsets = np.concatenate([[0], np.cumsum([len(d) for d in distinct])]).astype(np.int64)
             ids = np.array([r for d in distinct for r in d], dtype=np.int64)
             rows, counts = selection.contribution_counts(offsets, ids, sp.contribution_clip, V)
@@ -246,8 +271,8 @@ class ReferenceAlg3:
         if p.selection in ("em-count", "noisy-max-count"):
             # utility: how many of the batch's examples touch the row (sensitivity 1)
             per_row: dict[int, int] = {}
-            for i in indices:
-                for r in {cand[r] for r in self.example_global_rows(i) if r in cand}:
+            for g in self.groups(indices):
+                for r in {cand[r] for r in self.group_global_rows(g) if r in cand}:
                     per_row[r] = per_row.get(r, 0) + 1
             rows = np.array(sorted(per_row), dtype=np.int64)
             counts = np.array([float(per_row[r]) for r in rows])

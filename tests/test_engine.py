@@ -79,8 +79,8 @@ def plan_overrides(selection):
 def build(ds, batches, *, mode, selection="em", num_shards=1, second_clip=None, backend="local",
           optimizer="sgd", dense_optimizer="sgd", model="dlrm", target_epsilon=1e9, seed=SEED, overrides=None,
           dense_tables=(), lr=LR, dense_lr=DENSE_LR, ema_decay=0.0, num_trainers=1, selection_on_shards=False,
-          trainer_actors=False, fuse_selection=True):
-    return make_engine(ds, num_shards=num_shards, mode=mode, selection=selection, backend=backend,
+          trainer_actors=False, fuse_selection=True, example_units=None):
+    return make_engine(ds, num_shards=num_shards, mode=mode, selection=selection, backend=backend, example_units=example_units,
                        optimizer=optimizer, dense_optimizer=dense_optimizer, q=Q, seed=seed, dim=DIM,
                        second_clip=second_clip, lr=lr, dense_lr=dense_lr, model=model, init_std=INIT_STD,
                        sampler=ListSampler(batches), target_epsilon=target_epsilon, dense_tables=dense_tables,
@@ -597,6 +597,30 @@ def test_trainer_actors_calling_shard_actors_equal_the_in_process_engine(ray_clu
     engine = build(ds, batches, backend="ray", trainer_actors=True, **kw)
     try:
         assert isinstance(engine.trainers, RayTrainers)
+        stats = [engine.step() for _ in batches]
+        got = (engine_params(engine), engine.ledger.state_dict(), engine.shard_traffic(),
+               [(s.batch_size, s.rows_touched, s.rows_selected, s.loss) for s in stats])
+    finally:
+        engine.shutdown()
+    assert_params_equal(got[0], want[0])
+    assert got[1:] == want[1:]
+
+
+@ON_THE_MODULES_RAY
+def test_user_level_trainer_actors_equal_the_in_process_engine(ray_cluster):
+    """User level on Ray: each trainer actor gets its units' examples (`UnitSample`), per-unit
+    norms from the shard actors, DP-STAT's per-unit counts around S1 — the in-process run bit
+    for bit (tests/test_user_level.py holds the in-process run to the per-unit reference)."""
+    from test_user_level import dataset_and_units, unit_batches
+    from widedp.trainer.adaptive_clip import AdaptiveClip
+
+    ds, units = dataset_and_units()
+    batches = unit_batches(units, 3)
+    kw = dict(mode="sparse", selection="threshold", num_shards=2, num_trainers=2, selection_on_shards=True,
+              example_units=units, overrides={"clip_norm": None, "adaptive_clip": AdaptiveClip(0.01, 10, 0.5)})
+    want = _in_process_run(ds, batches, **kw)
+    engine = build(ds, batches, backend="ray", trainer_actors=True, **kw)
+    try:
         stats = [engine.step() for _ in batches]
         got = (engine_params(engine), engine.ledger.state_dict(), engine.shard_traffic(),
                [(s.batch_size, s.rows_touched, s.rows_selected, s.loss) for s in stats])

@@ -32,6 +32,12 @@ initial rows‖₂ over the canary's own rows (the released model: the averaged 
 averaging is on). Ties (e.g. rows never selected: score 0) are broken by a random order from
 the audit's generator, which is independent of the membership coins.
 
+User level (privacy.unit = "user"): a canary is a *user* — a unit of its own whose every example
+(`canary_examples` of them, by default privacy.max_examples_per_user) carries the canary — and
+is included or not as a whole. The guarantee bounds that user's whole contribution; the broken
+variant "clip-per-example" clips each of its examples separately while the ledger claims user
+level, so the canary user moves its row by up to k·S1 per step, and the audit must catch it.
+
 The canary rows enlarge one table by m rows: the audited run is the user's configuration with
 that table m rows larger and up to m more examples (n, and so q = b/n at fixed b, change a
 little; the run's own ledger gives the claimed ε of exactly the run that was audited).
@@ -114,6 +120,26 @@ def _selection_rewritten(run, rewrite: Callable):
         engine.fuse_selection = fused
 
 
+@contextlib.contextmanager
+def _clip_per_example(run):
+    """Claims user level (n, q, δ over users, units sampled) but clips, weighs and counts each
+    example on its own: a user with k examples in a step contributes up to k·S1."""
+    from widedp.trainer.trainer_role import TrainerRole, UnitSample
+
+    if run.engine.example_units is None:
+        raise ValueError("--broken clip-per-example breaks user-level clipping: set privacy.unit = \"user\"")
+    real = TrainerRole.begin_part
+
+    def per_example(self, idx, dense_state=None, candidates=None):
+        return real(self, idx.examples if isinstance(idx, UnitSample) else idx, dense_state, candidates)
+
+    TrainerRole.begin_part = per_example  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TrainerRole.begin_part = real  # type: ignore[method-assign]
+
+
 def _every_touched_row(run):
     """The selection also takes every touched row of the sparse tables (as if it skipped the
     private mechanism for them) while the real selector's event is charged."""
@@ -136,20 +162,25 @@ def _skip_untouched(run):
 #: Broken variants for `widedp audit --broken`: a run made non-private on purpose, to show that
 #: the audit catches it on the user's own configuration. Never used by training.
 BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "sigma-over-10": _sigma_over_10,
-                                        "every-touched-row": _every_touched_row, "skip-untouched": _skip_untouched}
+                                        "every-touched-row": _every_touched_row, "skip-untouched": _skip_untouched,
+                                        "clip-per-example": _clip_per_example}
 #: The broken variants that rewrite the row selection: they act on sparse tables only, so a
 #: canary table noised densely (trainer/table_policy.py) would not see them.
 SELECTION_BROKEN = ("every-touched-row", "skip-untouched")
 
 class WithCanaries:
     """A training split plus the included canaries, as one split (indices [0, n) are the
-    base split's, [n, n + included) the included canaries' in canary order). The same
-    interface the engine uses: `meta` (the audited table m rows larger), `take`, `len`,
-    `feature_rows`, `iter_batches`."""
+    base split's, [n, n + included·e) the included canaries' in canary order, e =
+    `examples_per_canary` copies of each). The same interface the engine uses: `meta` (the
+    audited table m rows larger), `take`, `len`, `feature_rows`, `iter_batches`, and `units`
+    when the base split has units (each canary a unit of its own: a canary user)."""
 
-    def __init__(self, base, canaries: Canaries):
+    def __init__(self, base, canaries: Canaries, examples_per_canary: int = 1):
+        if isinstance(examples_per_canary, bool) or not isinstance(examples_per_canary, (int, np.integer)) \
+                or examples_per_canary < 1:
+            raise ValueError(f"--canary-examples must be an integer >= 1, got {examples_per_canary!r}")
         self.base, self.canaries = base, canaries
-        self.members = np.flatnonzero(canaries.included)
+        self.members = np.repeat(np.flatnonzero(canaries.included), int(examples_per_canary))
         meta = base.meta
         sizes = dict(meta.table_sizes)
         for table, first_row in zip(canaries.tables, canaries.first_rows):
@@ -211,6 +242,17 @@ class WithCanaries:
         own = [names.index(f) for f in c.features]
         out[at[:, None], np.asarray(own)[None, :]] = c.gradient_norm * c.directions[self.members[idx[at] - len(self.base)]]
         return out
+
+    def units(self) -> Optional[np.ndarray]:
+        """The base split's units (dense indices 0..U-1), then one new unit per included canary;
+        None when the base split has none."""
+        from widedp.trainer.data.sampler import unit_indices
+
+        base = self.base.units() if hasattr(self.base, "units") else None
+        if base is None:
+            return None
+        dense, count = unit_indices(base)
+        return np.concatenate([dense, count + self.members]).astype(np.int64)
 
     def iter_batches(self, batch_size: int):
         for start in range(0, len(self), batch_size):
@@ -319,11 +361,15 @@ def canary_row_values(engine, canaries: Canaries, released: bool) -> np.ndarray:
 
 def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, member_fraction: float = 0.1,
                   non_member_fraction: float = 0.1, confidence: float = 0.95, seed: Optional[int] = None,
-                  broken: Optional[str] = None, canary_kind: str = "example") -> dict:
+                  broken: Optional[str] = None, canary_kind: str = "example",
+                  canary_examples: Optional[int] = None) -> dict:
     """Train `cfg` once with canaries and audit it (module docstring). `seed`: the audit's
     coins and tie-breaking (default: fresh OS entropy, recorded in the result only after the
     run). `broken`: a name in BROKEN_VARIANTS to train deliberately broken (the record says
-    so). `canary_kind`: one of CANARY_KINDS. Returns the audit record (`audit.json`)."""
+    so). `canary_kind`: one of CANARY_KINDS. `canary_examples`: examples per canary, all
+    carrying it (default: privacy.max_examples_per_user at user level — a canary user —
+    else 1; more than 1 at example level audits a group the example-level claim does not
+    cover). Returns the audit record (`audit.json`)."""
     from widedp.trainer.train import build_run
 
     if not 0 < confidence < 1:
@@ -332,6 +378,11 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         raise ValueError(f"--broken must be one of {sorted(BROKEN_VARIANTS)}, got {broken!r}")
     if canary_kind not in CANARY_KINDS:
         raise ValueError(f"--canary-kind must be one of {list(CANARY_KINDS)}, got {canary_kind!r}")
+    user_level = cfg.privacy.unit == "user"
+    if canary_examples is None:
+        canary_examples = cfg.privacy.max_examples_per_user if user_level else 1
+    if broken == "clip-per-example" and not user_level:
+        raise ValueError("--broken clip-per-example breaks user-level clipping: set privacy.unit = \"user\"")
     seed = int(np.random.SeedSequence().entropy) if seed is None else int(seed)  # type: ignore[arg-type]
     rng = np.random.default_rng(seed)
     made: dict = {}
@@ -343,7 +394,7 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
             if clip == "adaptive":  # far above every S1 DP-STAT can pick
                 clip = cfg.privacy.adaptive_clip_min * 2.0 ** cfg.privacy.adaptive_clip_doublings
             made["canaries"] = as_gradient_canaries(made["canaries"], cfg.model.embedding_dim, clip, rng)
-        return WithCanaries(train_set, made["canaries"])
+        return WithCanaries(train_set, made["canaries"], canary_examples)
 
     if isinstance(canaries, bool) or not isinstance(canaries, (int, np.integer)) or canaries < 2:
         raise ValueError(f"--canaries must be an integer >= 2, got {canaries!r}")
@@ -379,6 +430,7 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         "canary_rows": {t: [r, r + c.count] for t, r in zip(c.tables, c.first_rows)},
         "canary_table_policy": policy if cfg.train.mode == "sparse" else None,
         "canary_kind": canary_kind,
+        "privacy_unit": cfg.privacy.unit, "canary_examples": int(canary_examples),
         "score": ("white box: ‖released rows − initial rows‖₂ of the canary's own rows" if c.directions is None else
                   "white box: ⟨initial rows − released rows, u_i⟩, u_i the canary's injected gradient direction"),
         "exceeds_claim": bool(audit.epsilon_lower_bound > claimed),
@@ -456,9 +508,13 @@ def add_commands(sub) -> dict:
                    help="one-run: 'example' canaries are data points with rows of their own; 'gradient' canaries "
                         "are the same points with their pooled-output gradient set to 1000·S1 in a secret direction "
                         "(the strongest adversary clipping allows)")
+    a.add_argument("--canary-examples", type=int,
+                   help="one-run: examples per canary, all carrying it (default: privacy.max_examples_per_user at "
+                        "privacy.unit = user, a canary user; else 1)")
     a.add_argument("--broken", choices=sorted(BROKEN_VARIANTS),
                    help="train deliberately broken (noise off / σ divided by 10 / every touched row selected / "
-                        "untouched rows never selected, the ledger told otherwise) to see the audit catch it on this configuration; NOT a private run")
+                        "untouched rows never selected / each example clipped at user level, the ledger told "
+                        "otherwise) to see the audit catch it on this configuration; NOT a private run")
     a.add_argument("--out", help="directory for audit.json and audit.png (default RUN_DIR/audit)")
     return {"audit": cmd_audit}
 
@@ -476,7 +532,7 @@ def cmd_audit(args) -> dict:
         return {"out": str(out), **write_audit(record, out)}
     record = one_run_audit(cfg, canaries=args.canaries, feature=args.feature, member_fraction=args.member_guesses,
                            non_member_fraction=args.non_member_guesses, confidence=args.confidence, seed=args.seed,
-                           broken=args.broken, canary_kind=args.canary_kind)
+                           broken=args.broken, canary_kind=args.canary_kind, canary_examples=args.canary_examples)
     out = Path(args.out) if args.out else Path(cfg.run_dir or "runs/latest") / "audit"
     record_audit(cfg, record, out)  # the audit's run trained on the data set: its spending counts
     return {"out": str(out), **write_audit(record, out)}

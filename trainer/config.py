@@ -217,8 +217,17 @@ class TrainConfig:
         ])
 
 
+PRIVACY_UNITS = ("example", "user")
+
+
 @dataclasses.dataclass
 class PrivacyConfig:
+    # What the guarantee protects (docs/DESIGN.md §1): "example" (add/remove one example) or
+    # "user" (add/remove one unit of the data set's unit_column with all of its examples:
+    # units are sampled, each contributes at most max_examples_per_user examples per step and
+    # is clipped as one gradient; n, q and δ are over units — trainer/engine.py).
+    unit: str = "example"
+    max_examples_per_user: int = 16  # public; a sampled user with more contributes a random subset
     target_epsilon: float = 3.0
     delta: Auto = auto_or(float, "auto: min(1/(10n), n^-1.1), clearly below 1/n (docs/THREAT_MODEL.md)")
     noise_multiplier: Auto = auto_or(
@@ -283,6 +292,12 @@ class PrivacyConfig:
     def validate(self) -> None:
         names = registry("accountants")
         _require([
+            (self.unit in PRIVACY_UNITS, f"privacy.unit must be one of {PRIVACY_UNITS}, got {self.unit!r}"),
+            (not isinstance(self.max_examples_per_user, bool) and isinstance(self.max_examples_per_user, int)
+             and self.max_examples_per_user >= 1, "privacy.max_examples_per_user must be an integer >= 1"),
+            (self.unit != "user" or self.mix_coordinates == 1,
+             "privacy.mix_coordinates > 1 (refined clipping) clamps each example's coordinates: not with "
+             "privacy.unit = \"user\""),
             (self.target_epsilon > 0, "privacy.target_epsilon must be > 0"),
             (is_auto(self.delta) or 0 < float(self.delta) < 1, "privacy.delta must be \"auto\" or in (0, 1)"),
             (self.noise_seed >= 0, "privacy.noise_seed must be >= 0"),

@@ -7,7 +7,7 @@ and tuning runs count like any other (docs/DESIGN.md §1, "The ledger only grows
 one JSON line per update of its spending:
 
     {"run_id", "run_dir", "mode", "target_epsilon", "delta", "accountant", "epsilon",
-     "events_charged", "steps", "started", "updated", "status", "audit"}
+     "events_charged", "steps", "started", "updated", "status", "audit", "privacy_unit"}
 
 `status` is "running" (appended before the run's first step: a crash leaves this line, and the
 run can never spend more than its target_epsilon), "finished", "interrupted" or "failed". A
@@ -22,6 +22,13 @@ upper bound on what all the runs together reveal by basic composition, at δ = t
 runs' δs. It is not tight (a tight composition would compose every run's ledger under one
 accountant); it is what one can state without trusting any run's ledger beyond its ε.
 Nothing here is private: ε, δ and step counts are data-independent.
+
+Privacy units (privacy.unit; lines without one are example level): the total is per example. A
+user-level run's (ε, δ) bounds one example only through the user holding it — removing one
+example of a user is two user-level steps away (remove the user, add them back without it) —
+so it counts as (2ε, (1 + e^ε)·δ) there (group privacy of size 2). The user-level total sums
+the user-level runs, and is infinite once any private example-level run trained on the data
+set: such a run protects a user with m examples only as a group of m, and m is not bounded.
 """
 
 from __future__ import annotations
@@ -47,13 +54,14 @@ def now() -> str:
 
 def run_record(*, run_id: str, run_dir, mode: str, target_epsilon: float, delta: Optional[float],
                accountant: Optional[str], epsilon: float, events_charged: Optional[int], steps: int, started: str,
-               status: str, audit: bool = False) -> dict:
+               status: str, audit: bool = False, privacy_unit: str = "example") -> dict:
     if status not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
     return {"run_id": run_id, "run_dir": str(Path(run_dir).absolute()), "mode": mode,
             "target_epsilon": float(target_epsilon), "delta": delta, "accountant": accountant,
             "epsilon": float(epsilon), "events_charged": None if events_charged is None else int(events_charged), "steps": int(steps),
-            "started": started, "updated": now(), "status": status, "audit": bool(audit)}
+            "started": started, "updated": now(), "status": status, "audit": bool(audit),
+            "privacy_unit": privacy_unit}
 
 
 def append(dataset_dir, record: dict) -> None:
@@ -115,18 +123,27 @@ def summary(dataset_dir) -> dict:
     for record in read(dataset_dir):
         latest[record["run_id"]] = record  # dicts keep first-insertion order: runs in order of start
     runs = [dict(r, epsilon_bound=_bound(r)) for r in latest.values()]
-    deltas = [r.get("delta") or 0.0 for r in runs if r.get("mode") != "nonprivate"]
+    private = [r for r in runs if r.get("mode") != "nonprivate"]
+    user = [r for r in private if r.get("privacy_unit", "example") == "user"]
+    per_example = [(2 * r["epsilon_bound"], (1 + math.exp(min(r["epsilon_bound"], 700))) * (r.get("delta") or 0.0))
+                   if r in user else (r["epsilon_bound"], r.get("delta") or 0.0) for r in private]
+    nonprivate = len(runs) - len(private)
     return {
         "dataset": str(dataset_dir),
         "budget_file": str(path),
         "runs": runs,
         "num_runs": len(runs),
-        "total_epsilon": sum(r["epsilon_bound"] for r in runs),
-        "total_delta": sum(deltas),
+        "total_epsilon": math.inf if nonprivate else sum(e for e, _ in per_example),
+        "total_delta": sum(d for _, d in per_example),
+        "user_total_epsilon": (math.inf if nonprivate or len(user) < len(private)
+                               else sum(r["epsilon_bound"] for r in user)) if user else None,
+        "user_total_delta": sum(r.get("delta") or 0.0 for r in user) if user else None,
         "composition": ("basic composition: an upper bound on what all these runs together reveal about one "
-                        "example, at δ = total_delta (the sum of the runs' δs). A run whose latest line is "
-                        "'running' counts at its target ε (it may have crashed or still be training). Tuning "
-                        "and audit runs count like any other."),
+                        "example, at δ = total_delta (the sum of the runs' δs; a user-level run counts as (2ε, "
+                        "(1 + e^ε)·δ) for one example). A run whose latest line is 'running' counts at its target "
+                        "ε (it may have crashed or still be training). Tuning and audit runs count like any other. "
+                        "user_total_epsilon: the same for one user, over the user-level runs; infinite once an "
+                        "example-level private run or a nonprivate run trained on the data set."),
     }
 
 
@@ -138,7 +155,8 @@ def record_audit(cfg: Any, record: dict, out_dir) -> None:
     append(cfg.data.path, run_record(
         run_id=uuid.uuid4().hex, run_dir=out_dir, mode=cfg.train.mode, target_epsilon=cfg.privacy.target_epsilon,
         delta=record.get("delta"), accountant=cfg.privacy.accountant, epsilon=record.get("claimed_epsilon", math.inf),
-        events_charged=None, steps=record.get("steps", 0), started=when, status="finished", audit=True))
+        events_charged=None, steps=record.get("steps", 0), started=when, status="finished", audit=True,
+        privacy_unit=cfg.privacy.unit))
 
 
 # ---- CLI ----------------------------------------------------------------------------------------

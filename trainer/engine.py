@@ -13,6 +13,17 @@ noised), `sparse` (the above with a selector). In `sparse` mode a public per-tab
 (trainer/table_policy.py) may make some tables dense: their rows are noised and updated every
 step as in `dpsgd` (same noise stream, so an all-dense sparse engine equals `dpsgd`), and the
 selection runs over the rows of the other tables only.
+
+User level (`example_units` given; privacy.unit = "user"): the neighbouring relation is
+add/remove one unit (user) with all of its examples. The sampler samples units (Poisson at rate
+q = b/U, at most a public number of examples each: trainer/data/sampler.py
+`UnitPoissonSampler`), b is the expected number of units per step, and every per-example
+quantity of the step above becomes per unit: the clip factor c_u = min(1, S1/‖Σ_{j∈u} g_j‖)
+(norms of the unit's summed gradient: `EmbeddingShard.unit_sq_norms` and
+`DenseGradients.group_sq_norms`), the selectors' contribution weights and counts (distinct
+(unit, row) pairs), DP-STAT's counts and DP-FEST's one-time counts (a unit's first L distinct
+rows over all its examples). Σ_j c_{u(j)} g_j is then the sum of the units' clipped gradients,
+so each unit moves G by at most S1 and the step's events are unchanged with n = U.
 """
 
 from __future__ import annotations
@@ -43,7 +54,8 @@ from widedp.trainer.shard_group import ShardLostError, StepInterrupted
 from widedp.trainer.step_noise import step_noise_event
 from widedp.trainer.table_policy import SparseVocabulary
 from widedp.trainer.trainer_group import InProcessTrainers, RayTrainers, TrainerGroup
-from widedp.trainer.trainer_role import PhaseClock, TrainerOptions, TrainerPart, TrainerRole, example_global_rows, pooled_lookup
+from widedp.trainer.trainer_role import (PhaseClock, TrainerOptions, TrainerPart, TrainerRole, UnitSample,
+                                         example_global_rows, pooled_lookup, rows_by_unit)
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +140,8 @@ class Engine:
                  randomness: Optional[PrivacyRandomness] = None, secure_mode: bool = False, ledger_path=None,
                  dense_tables: tuple[int, ...] = (), ema_decay: float = 0.0, dense_grad_method: str = "auto",
                  num_trainers: int = 1, selection_on_shards: bool = False, trainer_actors: bool = False,
-                 cpus_per_trainer: float = 1.0, fuse_selection: bool = True):
+                 cpus_per_trainer: float = 1.0, fuse_selection: bool = True,
+                 example_units: Optional[np.ndarray] = None):
         """`dense_tables`: in `sparse` mode, the indices of the tables noised densely every step
         (trainer/table_policy.py); `dpsgd` noises every table, `nonprivate` none. `ema_decay`
         β > 0: evaluate (and checkpoint for export) the exponential moving average of the
@@ -147,7 +160,11 @@ class Engine:
         its own after them (the reference for the fused call).
         `trainer_actors`: the N trainers run as Ray actors (trainer/trainer_group.py,
         `cpus_per_trainer` CPUs each) that call the shard actors directly — the shards must be
-        a RayShardGroup; otherwise they run here, one after another."""
+        a RayShardGroup; otherwise they run here, one after another.
+        `example_units`: user level (module docstring) — the dense unit index 0..U-1 of every
+        training example (trainer/data/sampler.py `unit_indices`); the sampler must sample
+        those units (`UnitPoissonSampler`), `expected_batch_size` and `sample_rate` are in units,
+        and trainer i owns units [⌊i·U/N⌋, ⌊(i+1)·U/N⌋) with all their examples."""
         self.model, self.layout, self.shards = model, layout, shards
         self.dense_grad_method = dense_grad_method  # trainer/dense_grads.py: auto, ghost or per_example
         self.train_set, self.sampler = train_set, sampler
@@ -209,6 +226,19 @@ class Engine:
         self.num_trainers = num_trainers
         n = len(train_set)
         self.trainer_bounds = np.array([(i * n) // num_trainers for i in range(num_trainers + 1)], dtype=np.int64)
+        self.example_units: Optional[np.ndarray] = None
+        self.num_units = n  # example level: every example is its own unit
+        if example_units is not None:
+            units = np.asarray(example_units)
+            if units.shape != (n,) or not np.issubdtype(units.dtype, np.integer) or (n and units.min() < 0):
+                raise ValueError(f"example_units must hold a unit index >= 0 for each of the {n} training examples")
+            if plan is not None and plan.mix_coordinates > 1:
+                raise ValueError("refined clipping (privacy.mix_coordinates > 1) clamps each example's coordinates: "
+                                 "it has no user-level form (privacy.unit = \"user\")")
+            self.example_units = units.astype(np.int64)
+            self.num_units = int(units.max()) + 1 if n else 0
+            U = self.num_units
+            self.unit_bounds = np.array([(i * U) // num_trainers for i in range(num_trainers + 1)], dtype=np.int64)
         self._event = self._step_event()
         self.trainers = self._make_trainers(trainer_actors, cpus_per_trainer)
         self.step_restarts = 0  # steps redone after a lost actor (trainer actors)
@@ -249,7 +279,8 @@ class Engine:
         if event is None:
             raise ValueError(f"selection {p.selection!r} has no one-time selection")
         n = len(self.train_set)
-        # One example's global rows across all features: concatenate per-feature jagged rows.
+        # One example's global rows across all features: concatenate per-feature jagged rows
+        # (at user level then regrouped per unit: each unit counts its first L distinct rows).
         per_feature = [(f, *feature_rows(f.name)) for f in self.layout.features]
         lengths = sum(np.diff(off) for _, off, _ in per_feature)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -262,6 +293,8 @@ class Engine:
             within = np.arange(vals.size) - np.repeat(off[:-1], counts)
             ids[cursor[example] + within] = vals + self.table_offsets[t]
             cursor += counts
+        if self.example_units is not None:
+            offsets, ids = rows_by_unit(offsets, ids, self.example_units, self.num_units)
         offsets, compact = self.sparse_vocabulary.restrict(offsets, ids)  # only the sparse tables' rows compete
         self.charge(event)  # before the selection is used
         sel = selector.one_time_select(offsets, compact, self.sparse_vocabulary.num_rows, p.selection_params,
@@ -428,10 +461,20 @@ class Engine:
         return InProcessTrainers([TrainerRole(i, self.model, self.layout, self.train_set, self.shards, options)
                                   for i in range(self.num_trainers)])
 
-    def _trainer_samples(self, idx: np.ndarray) -> list[np.ndarray]:
-        """Each trainer's part of the step's sample (sorted dataset indices in its partition)."""
-        cut = np.searchsorted(idx, self.trainer_bounds)
-        return [idx[cut[i]: cut[i + 1]] for i in range(self.num_trainers)]
+    def _trainer_samples(self, idx: np.ndarray) -> list:
+        """Each trainer's part of the step's sample (sorted dataset indices in its partition);
+        at user level a `UnitSample` per trainer (its units' examples, units numbered within)."""
+        if self.example_units is None:
+            cut = np.searchsorted(idx, self.trainer_bounds)
+            return [idx[cut[i]: cut[i + 1]] for i in range(self.num_trainers)]
+        units = self.example_units[idx]
+        owner = np.searchsorted(self.unit_bounds, units, side="right") - 1
+        samples = []
+        for i in range(self.num_trainers):
+            mine = owner == i
+            uniq, local = np.unique(units[mine], return_inverse=True)
+            samples.append(UnitSample(idx[mine], local.astype(np.int64).reshape(-1), int(uniq.size)))
+        return samples
 
     def _shard_selects(self) -> Optional[list]:
         """Per shard, the `ShardSelect` of this step when the selection runs in the row-sum

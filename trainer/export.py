@@ -51,8 +51,13 @@ REQUIRED_RUN_FILES = ("checkpoint.pt", "summary.json", "config.json")
 DROPPED_CONFIG_KEYS = (("privacy", "noise_seed"), ("cluster", "address"))
 
 UNIT_OF_PRIVACY = "one training example; add/remove neighbouring datasets"
+UNIT_OF_PRIVACY_USER = ("one user (the data set's unit column) with all of their examples; add/remove "
+                        "neighbouring datasets over users")
 COVERED = ("the released model and every intermediate update, for add/remove of one training example; "
            "data-preparation events such as a private vocabulary are in the history")
+COVERED_USER = ("the released model and every intermediate update, for add/remove of one user with all of their "
+                "training examples (users sampled, at most privacy.max_examples_per_user examples each per step, "
+                "each user's gradient clipped as one); data-preparation events are in the history")
 NOT_COVERED_ALWAYS = (
     "Hyperparameters, the model architecture and the data pipeline are taken as public: choosing them by "
     "trying several runs on the private data is not accounted for.",
@@ -378,6 +383,7 @@ def privacy_report(run_dir: Path, summary: dict, config: dict, engine_state: dic
                         or engine_state.get("reproducible", False))
     debug = bool(summary.get("debug_metrics", False) or train.get("debug_metrics", False))
     data_events = [redact(d) for d, _ in meta.privacy_events]
+    user_level = priv.get("unit", "example") == "user"
 
     not_covered = [] if private else [NO_GUARANTEE]
     if reproducible:
@@ -396,7 +402,8 @@ def privacy_report(run_dir: Path, summary: dict, config: dict, engine_state: dic
     report = {
         "format_version": FORMAT_VERSION,
         "guarantee": "(ε, δ)-differential privacy" if private else "no privacy guarantee",
-        "unit_of_privacy": UNIT_OF_PRIVACY,
+        "unit_of_privacy": UNIT_OF_PRIVACY_USER if user_level else UNIT_OF_PRIVACY,
+        "privacy_unit": "user" if user_level else "example",
         "private": private,  # false: "epsilon" is null in the JSON (no finite bound; strict JSON has no Infinity)
         "epsilon": epsilon,
         "delta": state["delta"] if state is not None else summary.get("delta"),
@@ -424,7 +431,7 @@ def privacy_report(run_dir: Path, summary: dict, config: dict, engine_state: dic
         "debug_metrics": debug,
         "history": state["history"] if state is not None else [],
         "data_preparation_events": data_events,
-        "covered": [COVERED] if private else [],
+        "covered": [COVERED_USER if user_level else COVERED] if private else [],
         "not_covered": not_covered,
         "caveats": run_caveats,
     }

@@ -48,6 +48,11 @@ class PrivacyInfo:
     delta: float
     accountant: str
     calibrated: bool = False
+    # privacy.unit: "example", or "user" (then sample_rate, δ and every n-derived value are over
+    # the num_units users, each contributing at most max_examples_per_unit examples per step)
+    unit: str = "example"
+    num_units: Optional[int] = None
+    max_examples_per_unit: Optional[int] = None
     noise_multiplier: Optional[float] = None
     k: Optional[int] = None
     selection_epsilon: Optional[float] = None
@@ -115,6 +120,7 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
                  ) -> tuple[Optional[PrivacyPlan], PrivacyInfo]:
     """Privacy plan (None for nonprivate) and what it resolved to (calibrated or explicit σ, ε, δ).
 
+    `n`: the training examples, or the users at privacy.unit = "user" (the caller counts them);
     `vocabulary`: the rows the selection runs over (every row of the sparse tables);
     `data_events`: one-time events of data preparation (e.g. a private vocabulary), charged
     before the first step; calibration leaves room for them inside the target ε. A sparse run
@@ -126,8 +132,10 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
     t, p = cfg.train, cfg.privacy
     q = min(1.0, t.batch_size / n)
     delta = p.resolved("delta") or default_delta(n)
+    user = p.unit == "user"
     base = PrivacyInfo(sample_rate=q, delta=delta, accountant=p.accountant,
-                       table_policy=policy.to_dict() if policy is not None else None)
+                       table_policy=policy.to_dict() if policy is not None else None, unit=p.unit,
+                       num_units=n if user else None, max_examples_per_unit=p.max_examples_per_user if user else None)
     if t.mode == "nonprivate":
         return None, base
     k = p.resolved("k") or (k_from_fraction(p.gamma, vocabulary) if vocabulary > 0 else None)

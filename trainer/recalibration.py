@@ -9,6 +9,10 @@ so one example moves the 2·bins-vector (totals, positives) by at most √2 in �
 get N(0, (σ√2)²) on every bin: a Gaussian mechanism with noise multiplier σ,
 `GaussianDpEvent(σ)`, charged once (docs/DESIGN.md §1: in the ledger before the model changes).
 The bin edges, the clip, the fit and n are public; the fit reads only the noisy counts.
+User level (privacy.unit = "user", add/remove one unit with all its examples): each example of a
+unit with m examples is weighted 1/m, so a unit adds at most 1 to the totals and at most 1 to
+the positives in ℓ1, hence at most √2 in ℓ2 again — the same mechanism and event, over units
+(every unit weighs the same in the fit, n = U).
 
 Why (RESULTS §6, calibration): the private models rank well but their probabilities are off in
 two ways a histogram repairs. Per-example clipping biases the intercept — on ctr at ε = 1 the
@@ -56,27 +60,39 @@ def bin_edges(bins: int = BINS, clip: float = LOGIT_CLIP) -> np.ndarray:
     return np.linspace(-clip, clip, bins + 1)
 
 
-def exact_histogram(logits, labels, bins: int = BINS, clip: float = LOGIT_CLIP) -> tuple[np.ndarray, np.ndarray]:
-    """(totals, positives) per bin of the clipped logits: what the mechanism adds noise to."""
+def exact_histogram(logits, labels, bins: int = BINS, clip: float = LOGIT_CLIP,
+                    weights=None) -> tuple[np.ndarray, np.ndarray]:
+    """(totals, positives) per bin of the clipped logits: what the mechanism adds noise to.
+    `weights` (user level): each example's weight, 1/m for a unit of m examples (default 1)."""
     z = np.clip(np.asarray(logits, dtype=np.float64), -clip, clip)
     y = np.asarray(labels, dtype=np.float64)
     if z.shape != y.shape or z.ndim != 1:
         raise ValueError(f"logits and labels must be 1-D and aligned, got shapes {z.shape} and {y.shape}")
     if y.size and not np.all((y == 0) | (y == 1)):
         raise ValueError("labels must be 0 or 1 (recalibration is for binary models)")
+    w = np.ones_like(z) if weights is None else np.asarray(weights, dtype=np.float64)
+    if w.shape != z.shape or (w.size and not (np.all(w >= 0) and np.all(w <= 1))):
+        raise ValueError(f"weights must be in [0, 1], one per logit ({z.size}), got shape {w.shape}")
     index = np.minimum(((z + clip) / (2 * clip) * bins).astype(np.int64), bins - 1)
-    totals = np.bincount(index, minlength=bins).astype(np.float64)
-    positives = np.bincount(index, weights=y, minlength=bins)
+    totals = np.bincount(index, weights=w, minlength=bins)
+    positives = np.bincount(index, weights=w * y, minlength=bins)
     return totals, positives
 
 
+def unit_weights(example_units: np.ndarray) -> np.ndarray:
+    """1/m for each example of a unit with m examples (dense unit indices): a unit's weights sum to 1."""
+    units = np.asarray(example_units, dtype=np.int64)
+    return 1.0 / np.bincount(units)[units]
+
+
 def noisy_histogram(logits, labels, noise_multiplier: float, rng: np.random.Generator,
-                    bins: int = BINS, clip: float = LOGIT_CLIP) -> NoisyHistogram:
+                    bins: int = BINS, clip: float = LOGIT_CLIP, weights=None) -> NoisyHistogram:
     """The mechanism: `exact_histogram` + N(0, (σ·√2)²) on every count. Add/remove-one, ℓ2
-    sensitivity √2 (one example: one bin's total by 1 and its positives by y ≤ 1)."""
+    sensitivity √2 (one example: one bin's total by 1 and its positives by y ≤ 1; one unit
+    with `weights` = `unit_weights`: ℓ1 ≤ 1 in each vector, so ℓ2 ≤ √2)."""
     if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
         raise ValueError(f"recalibration noise multiplier must be finite and > 0, got {noise_multiplier}")
-    totals, positives = exact_histogram(logits, labels, bins, clip)
+    totals, positives = exact_histogram(logits, labels, bins, clip, weights)
     std = noise_multiplier * SENSITIVITY
     noise = rng.normal(0.0, std, size=(2, bins))
     edges = bin_edges(bins, clip)
@@ -161,7 +177,9 @@ def recalibrate_engine(engine, train_set, noise_multiplier: float, batch_size: i
     logits, labels = (t.detach().double().numpy().ravel() for t in outputs)
     event = GaussianDpEvent(noise_multiplier)
     engine.charge(event)  # ledger first (docs/DESIGN.md §1): a crash after this only over-counts
-    hist = noisy_histogram(logits, labels, noise_multiplier, engine.randomness.recalibration_rng(engine.step_count))
+    units = getattr(engine, "example_units", None)  # user level: each unit weighs 1 in all
+    hist = noisy_histogram(logits, labels, noise_multiplier, engine.randomness.recalibration_rng(engine.step_count),
+                           weights=None if units is None else unit_weights(units))
     a, b = fit_platt(hist.centers, hist.totals, hist.positives)
     params = engine.released_dense_params()
     names = {id(p): n for n, p in engine.model.named_parameters()}

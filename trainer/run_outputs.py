@@ -45,9 +45,13 @@ CAVEAT_TIMINGS = ("Wall-clock timings (examples_per_sec, step_time_ms_median, ph
 CAVEAT_TEST_SPLIT = ("test_metrics (and eval lines in metrics.jsonl) are computed on the held-out test split, "
                      "assumed not to be training data; they describe that split and are not covered by ε.")
 CAVEAT_UNIT_COLUMN = ("The data set names a privacy unit per example (its `unit` column, e.g. a user id), but "
-                      "this run's guarantee is per example (privacy unit: example, the only unit implemented): "
-                      "a unit with m training examples is protected only as a group of m, at best "
-                      "(m·ε, m·e^((m−1)ε)·δ) by group privacy. User-level privacy is not implemented yet.")
+                      "this run's guarantee is per example (privacy.unit = \"example\"): a unit with m training "
+                      "examples is protected only as a group of m, at best (m·ε, m·e^((m−1)ε)·δ) by group "
+                      "privacy. Set privacy.unit = \"user\" for a guarantee per unit.")
+CAVEAT_USER_LEVEL = ("Privacy unit: user (the data set's unit column). ε and δ hold for adding or removing one "
+                     "user with all of their examples; n, the sampling rate and the default δ are over users, and "
+                     "the number of users is treated as public like n. Each sampled user contributes at most "
+                     "privacy.max_examples_per_user examples per step (a random subset), clipped as one gradient.")
 CAVEAT_VALIDATION_SPLIT = ("validation_metrics are computed on the validation split (data.validation_fraction of "
                            "the training data, held out and never trained on); ε covers the remaining training "
                            "examples only, and validation_metrics, like test_metrics, are not covered by ε; "
@@ -247,7 +251,7 @@ class RunRecorder:
 
     # ---- end of run ---------------------------------------------------------------------------------
     def caveats(self, data_event_descriptions: list[str], validation: bool = False,
-                unit_column: bool = False) -> list[str]:
+                unit_column: bool = False, unit: str = "example") -> list[str]:
         out = [] if self.private else [CAVEAT_NONPRIVATE]
         if self.reproducible:
             out.append(self.randomness_note)
@@ -256,14 +260,18 @@ class RunRecorder:
             if self.tensorboard:
                 out.append(CAVEAT_DEBUG_TENSORBOARD)
         out += [CAVEAT_N_PUBLIC, CAVEAT_TIMINGS, CAVEAT_TEST_SPLIT] + ([CAVEAT_VALIDATION_SPLIT] if validation else [])
-        out += [CAVEAT_UNIT_COLUMN] if unit_column else []
+        if unit == "user":
+            out.append(CAVEAT_USER_LEVEL)
+        elif unit_column:
+            out.append(CAVEAT_UNIT_COLUMN)
         out += [f"Charged before training (in the ledger): {d}" for d in data_event_descriptions]
         return out
 
     def summary_fields(self, elapsed: float, shards, data_event_descriptions: list[str],
-                       validation: bool = False, unit_column: bool = False) -> dict:
+                       validation: bool = False, unit_column: bool = False, unit: str = "example") -> dict:
         """`unit_column`: the data set has a privacy-unit column (dataset.json `unit_column`),
-        which this example-level run does not protect as a unit (CAVEAT_UNIT_COLUMN)."""
+        which an example-level run does not protect as a unit (CAVEAT_UNIT_COLUMN); `unit`: the
+        run's privacy.unit ("example" or "user", CAVEAT_USER_LEVEL)."""
         steps = len(self.step_times)
         out = {
             "examples_per_sec": self.b * steps / elapsed if elapsed > 0 else 0.0,
@@ -276,8 +284,8 @@ class RunRecorder:
             "randomness": self.randomness_note,
             "reproducible": self.reproducible,
             "debug_metrics": self.debug,
-            "privacy_unit": "example",
-            "privacy_caveats": self.caveats(data_event_descriptions, validation, unit_column),
+            "privacy_unit": unit,
+            "privacy_caveats": self.caveats(data_event_descriptions, validation, unit_column, unit),
         }
         if self.debug:
             out.update({

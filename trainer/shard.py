@@ -233,6 +233,33 @@ class EmbeddingShard:
             0, torch.from_numpy(uniq // (n_tables * self.max_rows)), sums.pow(2).sum(1))
         return sq.numpy()
 
+    def unit_sq_norms(self, bag_grads: np.ndarray, units: np.ndarray, num_units: int, trainer: int = 0) -> np.ndarray:
+        """Per-unit squared ℓ2 norms [num_units] of this shard's part of each privacy unit's
+        (user's) summed row gradients: ‖Σ_{j∈u} ∂L_j/∂E[t, r]‖² summed over the (t, r) here.
+        `units`: the unit (0..num_units-1) of each of this shard's examples (`inp.bags(B).examples`
+        order). A row two examples of one unit touch adds up before the norm is taken, as repeated
+        ids of one example do in `example_sq_norms` (which is this with one unit per example).
+        The units are kept for this step's contribution counts (`_row_counts`: distinct (unit, row)
+        pairs, each unit's weight once)."""
+        contrib = self._contributions(bag_grads, trainer)
+        cache = self._cache(trainer)
+        inp, bags, table = cache["inp"], cache["bags"], cache["table"]
+        units = np.asarray(units, dtype=np.int64)
+        if units.shape != bags.examples.shape:
+            raise ValueError(f"shard {self.shard_index}: {units.size} units for {bags.examples.size} examples")
+        if units.size and (units.min() < 0 or units.max() >= num_units):
+            raise ValueError(f"shard {self.shard_index}: a unit index outside [0, {num_units})")
+        cache["units"] = units
+        id_unit = units[bags.id_example]
+        n_tables = len(self.ranges)
+        key = (id_unit * n_tables + table) * self.max_rows + inp.local_id
+        uniq, group = np.unique(key, return_inverse=True)
+        sums = torch.zeros((uniq.size, contrib.shape[1]), dtype=torch.float64).index_add_(
+            0, torch.from_numpy(group.astype(np.int64).reshape(-1)), contrib.double())
+        sq = torch.zeros(int(num_units), dtype=torch.float64).index_add_(
+            0, torch.from_numpy(uniq // (n_tables * self.max_rows)), sums.pow(2).sum(1))
+        return sq.numpy()
+
     def clipped_row_sums(self, factors: np.ndarray, trainer: int = 0, selection_weights=None,
                          select: Optional[ShardSelect] = None, coordinate_bound: Optional[float] = None):
         """Σ_j factor_j · ∂L_j/∂E[t, r] over the trainer's batch, for every touched (t, r) of
@@ -412,7 +439,8 @@ class EmbeddingShard:
 
     def _row_counts(self, base: np.ndarray, weighted: bool) -> tuple[np.ndarray, np.ndarray]:
         """(sorted compact local ids, Σ_j w_j over distinct (example j, row) pairs): contribution
-        counts (`weighted`: the trainers' weights) or example counts (w = 1)."""
+        counts (`weighted`: the trainers' weights) or example counts (w = 1). At user level
+        (`unit_sq_norms` ran this step) j ranges over units: distinct (unit, row) pairs."""
         from widedp.selection.threshold import weighted_row_counts
 
         rows, counts = [], []
@@ -425,7 +453,14 @@ class EmbeddingShard:
                 weights = cache["selection_weights"]
             else:
                 raise RuntimeError(f"trainer {trainer} sent shard {self.shard_index} no selection weights this step")
-            if self._ids_never_repeat(cache):  # every (example, row) pair distinct: sum by row groups
+            if "units" in cache:  # user level: distinct (unit, row) pairs, each unit's weight once
+                units = cache["units"]
+                per_unit = np.zeros(int(units.max()) + 1 if units.size else 0)
+                per_unit[units] = weights  # the trainer sends its unit's weight for each example
+                table = self.feature_table[inp.feature]
+                keep = base[table] >= 0
+                r, c = weighted_row_counts(units[bags.id_example][keep], base[table[keep]] + inp.local_id[keep], per_unit)
+            elif self._ids_never_repeat(cache):  # every (example, row) pair distinct: sum by row groups
                 keys, group = self._row_groups(cache)
                 table_of, local_of = keys // self.max_rows, keys % self.max_rows
                 counts_all = np.bincount(group, weights=weights[bags.id_example], minlength=keys.size)

@@ -163,7 +163,7 @@ def build_run(cfg: Config, train_transform=None) -> Run:
     """Everything a run needs (trainer/run.py `Run`): engine, splits, metadata, privacy plan.
     `train_transform(train_split) -> split`: applied to the training split before anything is
     planned from it (the one-run audit adds its canaries there, trainer/audit.py)."""
-    from widedp.trainer.data import PoissonSampler
+    from widedp.trainer.data import PoissonSampler, UnitPoissonSampler
 
     if cfg.cluster.backend == "ray":  # connection problems surface before any data work
         from widedp.trainer.ray_runtime import ensure_ray
@@ -187,11 +187,19 @@ def build_run(cfg: Config, train_transform=None) -> Run:
     n = len(train_set)
     if n == 0:
         raise ValueError(f"{cfg.data.path}: the training split is empty")
+    example_units = _example_units(cfg, train_set, meta)
+    if example_units is not None:  # user level: n, q, b and δ are over units (trainer/engine.py)
+        n = int(example_units.max()) + 1
     plan, info, policy = plan_run(cfg, n, meta.table_sizes, [e for _, e in meta.privacy_events], meta.feature_tables)
     ledger = PrivacyLedger(cfg.privacy.accountant, info.delta) if plan is not None else None
     shards = _shard_group(cfg, layout)
     randomness = run_randomness(cfg)
-    sampler = PoissonSampler(n, info.sample_rate, seed=randomness.sampler_rng())
+    sampler: "PoissonSampler | UnitPoissonSampler"
+    if example_units is None:
+        sampler = PoissonSampler(n, info.sample_rate, seed=randomness.sampler_rng())
+    else:
+        sampler = UnitPoissonSampler(example_units, info.sample_rate, cfg.privacy.max_examples_per_user,
+                                     seed=randomness.sampler_rng())
     engine = Engine(model, layout, shards, train_set, sampler, mode=cfg.train.mode,
                     expected_batch_size=info.sample_rate * n, sample_rate=info.sample_rate, plan=plan,
                     ledger=ledger, target_epsilon=cfg.privacy.target_epsilon,
@@ -201,8 +209,28 @@ def build_run(cfg: Config, train_transform=None) -> Run:
                     ema_decay=cfg.train.ema_decay, num_trainers=cfg.cluster.num_trainers,
                     selection_on_shards=cfg.cluster.selection_on_shards,
                     fuse_selection=cfg.cluster.fuse_selection, trainer_actors=cfg.cluster.trainer_actors,
-                    cpus_per_trainer=cfg.cluster.cpus_per_trainer)
+                    cpus_per_trainer=cfg.cluster.cpus_per_trainer, example_units=example_units)
     return Run(cfg, engine, train_set, test_set, meta, info, validation_set)
+
+
+def _example_units(cfg: Config, train_set, meta) -> Optional[np.ndarray]:
+    """privacy.unit = "user": the dense unit index of every training example (from the data
+    set's unit column); None at example level. Refuses a data set without a unit column, and
+    one whose preparation released example-level DP statistics (their events bound one
+    example, not one user)."""
+    if cfg.privacy.unit != "user":
+        return None
+    from widedp.trainer.data.sampler import unit_indices
+
+    raw = train_set.units() if hasattr(train_set, "units") else None
+    if raw is None:
+        raise ValueError(f"{cfg.data.path}: privacy.unit = \"user\" needs a data set with a unit column (the "
+                         "schema's unit_column, `widedp convert table`); this one has none")
+    if meta.privacy_events:
+        names = "; ".join(d for d, _ in meta.privacy_events)
+        raise ValueError(f"{cfg.data.path}: its preparation released statistics with example-level DP ({names}); "
+                         "privacy.unit = \"user\" needs user-level ones: convert it again with public statistics")
+    return unit_indices(raw)[0]
 
 
 # Files whose presence means a directory holds a run (a new run refuses it).
@@ -529,7 +557,7 @@ def _budget_line(run_state: RunState, run_dir: Path, cfg: Config, engine: Engine
         run_id=run_state.run_id, run_dir=run_dir, mode=cfg.train.mode, target_epsilon=cfg.privacy.target_epsilon,
         delta=info.delta if ledger is not None else None, accountant=ledger.accountant.name if ledger is not None else None,
         epsilon=ledger.epsilon() if ledger is not None else math.inf, events_charged=ledger.steps if ledger is not None else 0,
-        steps=engine.step_count, started=run_state.started, status=status)
+        steps=engine.step_count, started=run_state.started, status=status, privacy_unit=cfg.privacy.unit)
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True) -> dict:
@@ -657,7 +685,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
             **({"validation_metrics": run.evaluate(run.validation_set)} if run.validation_set is not None else {}),
             **recorder.summary_fields(result.elapsed_s, engine.shards, [d for d, _ in data_events],
                                       validation=run.validation_set is not None,
-                                      unit_column=run.meta.unit_column),
+                                      unit_column=run.meta.unit_column, unit=cfg.privacy.unit),
         }
         atomic_write_json(run_dir / "summary.json", summary)
         dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "finished"))

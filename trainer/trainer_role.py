@@ -66,6 +66,36 @@ class TrainerPart:
 
 
 @dataclasses.dataclass(frozen=True)
+class UnitSample:
+    """A trainer's part of a user-level step (privacy.unit = "user"): its sampled examples
+    (sorted dataset indices) and the unit of each, numbered 0..num_units-1 within this part.
+    Every example of a sampled unit that the step uses is in the same trainer's part (the
+    engine partitions by unit), so per-unit sums are complete here."""
+
+    examples: np.ndarray
+    units: np.ndarray
+    num_units: int
+
+    def __post_init__(self):
+        if self.units.shape != self.examples.shape:
+            raise ValueError(f"UnitSample: {self.units.size} units for {self.examples.size} examples")
+        if self.units.size and (self.units.min() < 0 or self.units.max() >= self.num_units):
+            raise ValueError(f"UnitSample: a unit outside [0, {self.num_units})")
+
+
+def rows_by_unit(offsets: np.ndarray, ids: np.ndarray, units: np.ndarray, num_units: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Per-example jagged rows (offsets, ids) regrouped per unit: unit u's rows are its
+    examples' rows concatenated (in example order; repeats kept — the selectors count distinct
+    (unit, row) pairs)."""
+    counts = np.diff(offsets)
+    owner = np.repeat(np.asarray(units, dtype=np.int64), counts)
+    order = np.argsort(owner, kind="stable")
+    per_unit = np.bincount(owner, minlength=num_units)
+    return np.concatenate([[0], np.cumsum(per_unit)]).astype(np.int64), np.asarray(ids)[order]
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainerOptions:
     """What every trainer of a run knows (public configuration, no data)."""
 
@@ -144,7 +174,7 @@ class TrainerRole:
         self.shards, self.options = shards, options
         self.vocabulary = SparseVocabulary(np.array([t.num_rows for t in layout.tables]), tuple(options.dense_tables))
         self.bags: list = []  # this step's bags per shard (training lookup)
-        self._batch: Optional[tuple] = None  # (batch, B) of this step
+        self._batch: Optional[tuple] = None  # (batch, B, UnitSample or None) of this step
         self._pending: Optional[tuple] = None  # begin_part's state until finish_part
 
     # ---- placement hooks ------------------------------------------------------------------------
@@ -169,61 +199,73 @@ class TrainerRole:
         return (*args, self.index) if self.options.num_trainers > 1 else args
 
     # ---- the step ---------------------------------------------------------------------------------
-    def step_part(self, idx: np.ndarray, dense_state: Optional[dict] = None, select: Optional[list] = None
+    def step_part(self, idx, dense_state: Optional[dict] = None, select: Optional[list] = None
                   ) -> TrainerPart:
         """This trainer's share of a step on its sampled examples `idx` (sorted dataset
         indices of its partition) with the configured S1: `begin_part` then `finish_part`.
         `dense_state`: the dense parameters to load first (Ray). `select` (the only trainer;
         per shard, a `trainer.shard.ShardSelect`): each shard runs its part of the selection
         with its row sums and returns the rows the coordinator can use and its part
-        (`EmbeddingShard.clipped_row_sums`) — one round instead of two."""
+        (`EmbeddingShard.clipped_row_sums`) — one round instead of two. `idx` may be a
+        `UnitSample` (user level): the clip factors are then per unit (`begin_part`)."""
         self.begin_part(idx, dense_state)
         return self.finish_part(self.options.clip_norm, select)
 
-    def begin_part(self, idx: np.ndarray, dense_state: Optional[dict] = None,
+    def begin_part(self, idx, dense_state: Optional[dict] = None,
                    candidates: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
         """The first half of the share, up to the per-example gradient norms: lookup, dense
         forward/backward, norms. With `candidates` (privacy.clip_norm = "adaptive",
         trainer/adaptive_clip.py) returns the counts of this trainer's examples whose norm
-        exceeds each candidate — the coordinator noises their sum and picks S1 — else None."""
+        exceeds each candidate — the coordinator noises their sum and picks S1 — else None.
+        User level (`idx` a `UnitSample`): the norms are per unit, ‖Σ_{j∈u} g_j‖ (the norm of
+        the unit's summed gradient, embeddings and dense parameters), and so are the counts."""
         cpu = time.process_time()
+        units: Optional[UnitSample] = None
+        if isinstance(idx, UnitSample):
+            idx, units = idx.examples, idx
         if dense_state is not None:
             self.load_dense(dense_state)
         clock = PhaseClock()
         o = self.options
         idx = np.asarray(idx, dtype=np.int64)
         batch, B = self.train_set.take(idx), int(idx.size)
-        self._batch = (batch, B)
+        self._batch = (batch, B, units)
         pooled, self.bags = pooled_lookup(self.layout, self.shards, batch, B, example_ids=idx,
                                           trainer_arg=(self.index,) if o.num_trainers > 1 else ())
         clock.mark("lookup")
-        losses, g_pooled, dense = self._dense_forward_backward(pooled, batch, B)
+        losses, g_pooled, dense = self._dense_forward_backward(pooled, batch, B, grouped=units is not None)
         override = getattr(self.train_set, "override_pooled_grads", None)  # gradient canaries (trainer/audit.py)
         if override is not None and B:
             g_pooled = override(idx, g_pooled, self.layout.features)
         clock.mark("dense_forward_backward")
-        sq = self._sq_norms(g_pooled, dense, B)
+        sq = self._sq_norms(g_pooled, dense, B, units)
         clock.mark("norms")
-        self._pending = (batch, B, losses, dense, sq, clock, time.process_time() - cpu)
+        self._pending = (batch, B, losses, dense, sq, clock, time.process_time() - cpu, units)
         if candidates is None:
             return None
         return counts_above(np.sqrt(sq), candidates) if sq is not None else np.zeros(len(candidates), np.int64)
 
     def finish_part(self, clip_norm: Optional[float], select: Optional[list] = None) -> TrainerPart:
         """The second half: clip factors min(1, S1/‖g_j‖) with this step's S1 (`clip_norm`;
-        None: nonprivate), clipped row sums at the shards and the dense clipped sum."""
+        None: nonprivate), clipped row sums at the shards and the dense clipped sum. User level:
+        c_u = min(1, S1/‖Σ_{j∈u} g_j‖) for every example of unit u, so Σ_j c_{u(j)} g_j is the
+        sum over units of each unit's clipped gradient (‖·‖ ≤ S1 per unit)."""
         if self._pending is None:
             raise RuntimeError(f"trainer {self.index}: finish_part without begin_part")
         cpu = time.process_time()
-        batch, B, losses, dense, sq, clock, cpu_before = self._pending
+        batch, B, losses, dense, sq, clock, cpu_before, units = self._pending
         self._pending = None
         o = self.options
         if sq is not None and clip_norm is None:
             raise ValueError(f"trainer {self.index}: a private step needs this step's S1")
         factors = np.ones(B) if sq is None else np.minimum(1.0, clip_norm / np.maximum(np.sqrt(sq), 1e-30))
+        if units is not None and sq is not None:
+            factors = factors[units.units]  # each example takes its unit's factor
         bound = None if o.coordinate_clip == 1 or clip_norm is None else clip_norm / np.sqrt(o.coordinate_clip)
+        if bound is not None and units is not None:
+            raise ValueError("refined clipping (coordinate_clip > 1) clamps per example: not at user level")
         clock.mark("norms")
-        weights = self._selection_weights(batch, B)
+        weights = self._selection_weights(batch, B, units)
         clock.mark("selection_weights")
         per_shard = [(factors[b.examples],) + (() if weights is None else (weights[b.examples],)) for b in self.bags]
         row_sums = None
@@ -251,26 +293,38 @@ class TrainerRole:
 
     def example_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """(offsets, global row ids) per example of this step's batch (count-based selectors
-        on the coordinator ask for them)."""
+        on the coordinator ask for them); per unit at user level (`rows_by_unit`)."""
         if self._batch is None:
             raise RuntimeError(f"trainer {self.index} has no batch this step")
-        return example_global_rows(self.layout, *self._batch)
+        batch, B, units = self._batch
+        rows = example_global_rows(self.layout, batch, B)
+        return rows if units is None else rows_by_unit(*rows, units.units, units.num_units)
 
-    def _dense_forward_backward(self, pooled: np.ndarray, batch, B: int):
+    def _dense_forward_backward(self, pooled: np.ndarray, batch, B: int, grouped: bool = False):
         """Per-example losses, pooled-output gradients [B, F, D] (float32 numpy) and the dense
-        part's pass 1 (None for an empty batch)."""
+        part's pass 1 (None for an empty batch); `grouped`: per-unit norms will be asked for."""
         if not B:
             return torch.zeros(0), np.zeros((0, len(self.layout.features), self.layout.dim), np.float32), None
         dense = dense_gradients(self.model, torch.from_numpy(pooled), batch.dense, batch.labels,
-                                self.options.dense_grad_method)
+                                self.options.dense_grad_method, grouped=grouped)
         return dense.losses, dense.pooled_grads.numpy().astype(np.float32), dense
 
-    def _sq_norms(self, g_pooled: np.ndarray, dense: Optional[DenseGradients], B: int) -> Optional[np.ndarray]:
+    def _sq_norms(self, g_pooled: np.ndarray, dense: Optional[DenseGradients], B: int,
+                  units: Optional[UnitSample] = None) -> Optional[np.ndarray]:
         """‖g_j‖² over each example's whole gradient: embedding rows (ghost norms on the shards,
-        unique rows) + dense parameters. Non-private: None (the shards keep the pooled grads)."""
+        unique rows) + dense parameters. Non-private: None (the shards keep the pooled grads).
+        User level: ‖Σ_{j∈u} g_j‖² per unit [num_units] — the two parts are disjoint parameter
+        blocks, so the squared norms of the unit's summed gradient in each add up."""
         if self.options.mode == "nonprivate":
             self.shards.call("set_pooled_grad", [self._as(per_bag(g_pooled, b)) for b in self.bags])
             return None
+        if units is not None:
+            parts = self.shards.call("unit_sq_norms", [self._as(per_bag(g_pooled, b), units.units[b.examples],
+                                                                 units.num_units) for b in self.bags])
+            sq = np.sum(parts, axis=0) if parts else np.zeros(units.num_units)
+            if dense is not None:
+                sq = sq + dense.group_sq_norms(torch.from_numpy(units.units), units.num_units).numpy()
+            return sq
         sq = self.embedding_sq_norms(g_pooled, B)
         if dense is not None:
             sq = sq + dense.sq_norms.numpy()
@@ -285,11 +339,16 @@ class TrainerRole:
             sq[bag.examples] += part
         return sq
 
-    def _selection_weights(self, batch, B: int) -> Optional[np.ndarray]:
+    def _selection_weights(self, batch, B: int, units: Optional[UnitSample] = None) -> Optional[np.ndarray]:
         """Each example's contribution weight min(1, C1/√n_j) over all its sparse rows, when the
-        shards select by contribution counts (else None)."""
+        shards select by contribution counts (else None). User level: its unit's weight
+        min(1, C1/√n_u), n_u the unit's distinct sparse rows over all its examples this step."""
         if self.options.contribution_clip is None:
             return None
+        if units is not None:
+            offsets, compact = self.vocabulary.restrict(
+                *rows_by_unit(*example_global_rows(self.layout, batch, B), units.units, units.num_units))
+            return contribution_weights(offsets, compact, self.options.contribution_clip)[units.units]
         lengths = batch.sparse.lengths().numpy().reshape(len(self.layout.features), B)
         fast = weights_of_one_id_bags(self.layout, lengths, self.options.dense_tables, self.options.contribution_clip)
         if fast is not None:
@@ -309,5 +368,5 @@ class TrainerRole:
         return {n: g / b for n, g in sums.items()}
 
 
-__all__ = ["PhaseClock", "TrainerOptions", "TrainerPart", "TrainerRole", "example_global_rows", "pooled_lookup",
-           "weights_of_one_id_bags"]
+__all__ = ["PhaseClock", "TrainerOptions", "TrainerPart", "TrainerRole", "UnitSample", "example_global_rows",
+           "pooled_lookup", "rows_by_unit", "weights_of_one_id_bags"]

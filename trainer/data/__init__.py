@@ -20,6 +20,8 @@ _EXPORTS = {
     "ParquetDataset": "dataset",
     "open_dataset": "dataset",
     "PoissonSampler": "sampler",
+    "UnitPoissonSampler": "sampler",
+    "unit_indices": "sampler",
     "convert_criteo": "criteo",
     "convert_text": "text",
     "synth_ctr": "synth",
@@ -57,7 +59,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .criteo import convert_criteo
     from .dataset import Batch, ParquetDataset, open_dataset
     from .meta import DatasetMeta, read_meta
-    from .sampler import PoissonSampler
+    from .sampler import PoissonSampler, UnitPoissonSampler, unit_indices
     from .store import validate
     from .synth import (ctr_id_probabilities, ctr_planted_logits, ctr_planted_probabilities,
                         ctr_planted_theta, ctr_rank_to_id, synth_ctr, synth_text,

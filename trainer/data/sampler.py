@@ -1,4 +1,5 @@
-"""Poisson sampling of examples (the sampling the privacy analysis assumes)."""
+"""Poisson sampling of examples, or of privacy units (users) with a cap on each one's examples
+(the sampling the privacy analysis assumes)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,101 @@ class PoissonSampler:
         if bg.get("bit_generator") != type(self._rng.bit_generator).__name__:
             raise ValueError(f"sampler state is for bit generator {bg.get('bit_generator')!r}")
         self._rng.bit_generator.state = bg
+
+
+def unit_indices(units: np.ndarray) -> tuple[np.ndarray, int]:
+    """(dense unit index 0..U-1 of each example, U) from any int64 unit labels (e.g. hashed
+    user ids). Units are numbered in the sorted order of their labels."""
+    labels = np.asarray(units)
+    if labels.ndim != 1:
+        raise ValueError(f"units must be one label per example (1-D), got shape {labels.shape}")
+    uniq, index = np.unique(labels, return_inverse=True)
+    return index.astype(np.int64).reshape(-1), int(uniq.size)
+
+
+class UnitPoissonSampler:
+    """Poisson sampling of privacy *units* (users), then at most ``max_examples_per_unit`` of
+    each sampled unit's examples: the sampling user-level DP-SGD assumes (Charles et al. 2024,
+    "Fine-tuning LLMs with user-level differential privacy", user-level sampling).
+
+    Neighbouring relation: add/remove one unit with all of its examples. Each of the
+    ``num_units`` units is in a step's sample independently with probability ``sample_rate``
+    (drawn as `PoissonSampler` draws examples: Binomial(U, q) then a uniform subset); a sampled
+    unit with more than k = ``max_examples_per_unit`` examples contributes k of them, a uniform
+    subset drawn afresh each step (k is public; the choice uses the secret stream, as the
+    coins do). Which examples a unit contributes never changes whether another unit is sampled,
+    so the sample of units is exactly Poisson(q) and the accountant's q = b/U holds.
+
+    ``example_units``: dense unit index 0..U-1 of every example (`unit_indices`).
+    ``sample()`` returns the chosen examples' dataset indices, sorted (int64); ``units_of(idx)``
+    gives their units. ``state_dict()`` / ``load_state_dict()`` as `PoissonSampler`'s.
+    """
+
+    def __init__(self, example_units: np.ndarray, sample_rate: float, max_examples_per_unit: int,
+                 seed: int | np.random.Generator):
+        units = np.asarray(example_units)
+        if units.ndim != 1 or not np.issubdtype(units.dtype, np.integer):
+            raise ValueError("example_units must be a 1-D integer array (a unit index per example)")
+        if units.size and (units.min() < 0):
+            raise ValueError("example_units must be >= 0 (dense unit indices, see unit_indices)")
+        if not (0.0 < float(sample_rate) <= 1.0):
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        if isinstance(max_examples_per_unit, bool) or int(max_examples_per_unit) != max_examples_per_unit \
+                or max_examples_per_unit < 1:
+            raise ValueError(f"max_examples_per_unit must be an integer >= 1, got {max_examples_per_unit!r}")
+        self.example_units = units.astype(np.int64)
+        self.num_units = int(units.max()) + 1 if units.size else 0
+        self.sample_rate = float(sample_rate)
+        self.max_examples_per_unit = int(max_examples_per_unit)
+        self._order = np.argsort(self.example_units, kind="stable")  # examples grouped by unit
+        counts = np.bincount(self.example_units, minlength=self.num_units)
+        self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.example_units.size)
+
+    def sample(self) -> np.ndarray:
+        U, q, k = self.num_units, self.sample_rate, self.max_examples_per_unit
+        count = int(self._rng.binomial(U, q)) if U else 0
+        if count == 0:
+            return np.zeros(0, dtype=np.int64)
+        chosen = np.sort(np.asarray(self._rng.choice(U, size=count, replace=False, shuffle=False), dtype=np.int64))
+        starts, sizes = self._offsets[chosen], np.diff(self._offsets)[chosen]
+        small = sizes <= k
+        parts = [self._order[_ranges(starts[small], sizes[small])]]
+        for start, size in zip(starts[~small], sizes[~small]):  # few per step: the heavy units
+            pick = self._rng.choice(int(size), size=k, replace=False, shuffle=False)
+            parts.append(self._order[start + np.asarray(pick, dtype=np.int64)])
+        out = np.concatenate(parts).astype(np.int64)
+        out.sort()
+        return out
+
+    def units_of(self, idx: np.ndarray) -> np.ndarray:
+        """The unit index of each of the examples `idx`."""
+        return self.example_units[np.asarray(idx, dtype=np.int64)]
+
+    def state_dict(self) -> dict:
+        return {"num_units": self.num_units, "num_examples": self.num_examples, "sample_rate": self.sample_rate,
+                "max_examples_per_unit": self.max_examples_per_unit, "bit_generator": self._rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = {"num_units": self.num_units, "num_examples": self.num_examples, "sample_rate": self.sample_rate,
+                "max_examples_per_unit": self.max_examples_per_unit}
+        theirs = {key: state.get(key) for key in mine}
+        if theirs != mine:
+            raise ValueError(f"sampler state is for {theirs}, this sampler has {mine}")
+        bg = state["bit_generator"]
+        if bg.get("bit_generator") != type(self._rng.bit_generator).__name__:
+            raise ValueError(f"sampler state is for bit generator {bg.get('bit_generator')!r}")
+        self._rng.bit_generator.state = bg
+
+
+def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The concatenation of arange(s, s + n) over (s, n) pairs."""
+    if sizes.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    total = int(sizes.sum())
+    step_starts = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
+    return (np.arange(total, dtype=np.int64) + step_starts).astype(np.int64)
