@@ -47,7 +47,9 @@ DP standardization statistics, below):
   N rows.
 * ``vocabulary = "PATH"`` (relative to the schema file): a public file, one value per line;
   value on line i (0-based) -> id i + 1, a value not in it (or missing) -> 0; the table has
-  lines + 1 rows. Integer values are looked up by their decimal text.
+  lines + 1 rows. Integer values are looked up by their decimal text. dataset.json's
+  ``vocabulary_files`` records, per such feature, the file (absolute path), its number of values
+  and their ``vocabulary_digest``: `widedp export` ships the file only while it still holds them.
 * Lists: the bag of the ids of the list's values, in order, repeats kept; null and empty values
   inside a list are dropped; a null list or an empty CSV field is an empty bag (length 0);
   ``max_length`` keeps the first ``max_length`` values (a public bound on what one example
@@ -925,6 +927,9 @@ def _meta(spec: TableSchema, rows: int, test_rows: int, paths: list, test_paths:
         "unit_column": spec.unit is not None,
         "timestamp_column": spec.timestamp is not None,
     }
+    vocabularies = {c.name: vocabulary_record(c) for c in spec.categorical if c.vocabulary is not None}
+    if vocabularies:  # which vocabulary each feature was converted with (`widedp export` ships it)
+        extra["vocabulary_files"] = vocabularies
     if spec.dp_dense:  # the released (DP) statistics, applied to every split; charged by training
         extra["dense_statistics"] = {d.name: {"mean": d.mean, "std": d.std, "estimated": "dp"} for d in spec.dp_dense}
         extra[PRIVACY_EVENTS_KEY] = event_entries
@@ -938,6 +943,22 @@ def _meta(spec: TableSchema, rows: int, test_rows: int, paths: list, test_paths:
                        table_sizes={c.table: c.table_size for c in spec.categorical},
                        pooling={c.name: c.pooling for c in spec.categorical}, num_dense=len(spec.dense),
                        bayes_auc=None, extra=extra)
+
+
+def vocabulary_digest(values: Sequence[str]) -> str:
+    """sha256 (hex) of a vocabulary's values as parsed (UTF-8 of the values joined by "\\n")."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(values).encode("utf-8")).hexdigest()
+
+
+def vocabulary_record(c: CategoricalSpec) -> dict:
+    """dataset.json ``vocabulary_files[feature]``: the file a vocabulary feature was converted
+    with (absolute path), its number of values and their ``vocabulary_digest``, so a later
+    reader (`widedp export`) can tell whether the file still holds the same vocabulary."""
+    assert c.vocabulary is not None and c.vocabulary_values is not None
+    values = c.vocabulary_values.to_pylist()
+    return {"path": str(Path(c.vocabulary).resolve()), "values": len(values), "sha256": vocabulary_digest(values)}
 
 
 def _public_schema(spec: TableSchema) -> dict:
