@@ -152,6 +152,33 @@ class GaussianPartitionSelectionDpEvent(DpEvent):
     unseen_delta: float = attr.ib(validator=_probability)
 
 
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class GroupDpEvent(DpEvent):
+    """`event`'s mechanism, accounted for neighbours that differ by a *group* of up to
+    `group_size` (k) examples at once: add/remove one user who holds at most k examples of the
+    data set (user-level DP by example-level sampling, privacy.user_sampling = "examples").
+
+    What accountants may assume (Ganesh 2024, "Tight group-level DP guarantees for DP-SGD with
+    sampling via mixture of Gaussians mechanisms", Thm. 3.1 for Poisson sampling): for a
+    Gaussian mechanism with ℓ2 sensitivity 1 per example, a group of k moves the sum by at most
+    k, so `GroupDpEvent(GaussianDpEvent(σ), k)` is `GaussianDpEvent(σ/k)`; under Poisson sampling
+    at rate q each of the k examples is sampled independently, and the dominating pair of one
+    step is the mixture of Gaussians Σ_j Binom(j; k, q)·N(j, σ²) against N(0, σ²) (remove; the
+    mirror for add). Only the PLD accountant (dp_accounting's mixture-of-Gaussians PLD) composes
+    sampled groups; the others refuse them. k = 1 is the event itself.
+    """
+
+    neighboring_relation: ClassVar[NeighboringRelation] = ADD_OR_REMOVE_ONE  # one group (user)
+
+    event: DpEvent = attr.ib()
+    group_size: int = attr.ib(validator=_positive_int)
+
+
+def grouped(event: DpEvent, group_size: int) -> DpEvent:
+    """`event` accounted for groups of `group_size` (`GroupDpEvent`); the event itself at 1."""
+    return event if group_size == 1 else GroupDpEvent(event, int(group_size))
+
+
 # Events that carry an additive δ next to a Gaussian part; accountants split them with
 # `accounting.base.split_additive_delta`.
 # Typed by the one class so far: `base.split_event` reads `noise_multiplier` and `unseen_delta`,
@@ -180,6 +207,7 @@ EVENT_TYPES: dict[str, type] = {
         SparseVectorDpEvent,
         GaussianPartitionSelectionDpEvent,
         ModelMixDpEvent,
+        GroupDpEvent,
     )
 }
 
@@ -243,6 +271,9 @@ def gaussian_noise_multiplier(event: DpEvent) -> Optional[float]:
                 return 0.0
             inv += 0.0 if math.isinf(s) else s ** -2
         return math.inf if inv == 0.0 else inv ** -0.5
+    if isinstance(event, GroupDpEvent):  # a group of k moves an unsampled Gaussian's mean by ≤ k
+        s = gaussian_noise_multiplier(event.event)  # None when sampled: a mixture, not one Gaussian
+        return s if s is None or s == 0.0 or math.isinf(s) else s / event.group_size
     if isinstance(event, SelfComposedDpEvent):
         s = gaussian_noise_multiplier(event.event)
         if s is None or s == 0.0 or math.isinf(s):

@@ -1,14 +1,17 @@
 """Reduce a history to Gaussian-only pieces, for accountants that only know Gaussians.
 
-Each history entry becomes (sampling probability q, σ_eff, count) when its event is a
-Gaussian, a composition of Gaussians (σ_eff⁻² = Σσ_i⁻²), or a Poisson-sampled one; NoOp
-entries vanish. Anything else raises UnsupportedEventError naming the event.
+Each history entry becomes (sampling probability q, σ_eff, count, group size k) when its event
+is a Gaussian, a composition of Gaussians (σ_eff⁻² = Σσ_i⁻²), or a Poisson-sampled one; NoOp
+entries vanish. A `GroupDpEvent(e, k)` (user-level DP by example sampling) is e's piece with
+group size k — unsampled, the Gaussian of σ_eff/k (k = 1 then); sampled, (q, σ_eff, count, k),
+the mixture of Gaussians that only accountants with `sampled_groups` compose (PLD). Anything
+else raises UnsupportedEventError naming the event.
 
 `gaussian_problem` is the structural twin used by the accountants' `supports` / `check`: it
 walks types and parameters only (no ε), and `gaussian_pieces` succeeds exactly when it finds
 no problem.
 
-`merge_pieces` sums the counts of identical (q, σ) pieces (first-appearance order) before an
+`merge_pieces` sums the counts of identical (q, σ, k) pieces (first-appearance order) before an
 accountant composes them: composition is commutative, so ε is unchanged, and a history written
 as T separate (event, 1) entries costs what one (event, T) entry does (PLD and PRV build one
 distribution per piece and self-compose it, instead of T convolutions).
@@ -42,9 +45,18 @@ def _reducible_problem(event: ev.DpEvent) -> Optional[Unsupported]:
     return Unsupported(event, _NOT_REDUCIBLE.format(name=type(event).__name__, event=event))
 
 
-def gaussian_problem(event: ev.DpEvent) -> Optional[Unsupported]:
+def gaussian_problem(event: ev.DpEvent, sampled_groups: bool = False) -> Optional[Unsupported]:
     """Structural: why `gaussian_pieces` would refuse the entry `event` (additive-δ events
-    already split off), else None."""
+    already split off), else None. `sampled_groups`: the accountant composes Poisson-sampled
+    groups (mixtures of Gaussians)."""
+    if type(event) is ev.GroupDpEvent:
+        inner = event.event
+        if type(inner) is ev.PoissonSampledDpEvent and not sampled_groups and event.group_size > 1:
+            return Unsupported(event, "a Poisson-sampled group (user-level DP by example sampling) is a mixture of "
+                                      "Gaussians: only the pld accountant composes it (privacy.accountant = pld or auto)")
+        if type(inner) is ev.GroupDpEvent:
+            return Unsupported(event, "a group of groups: give one GroupDpEvent with the product of the sizes")
+        return gaussian_problem(inner, sampled_groups)
     q, inner = 1.0, event
     if type(event) is ev.PoissonSampledDpEvent:
         problem = probability_problem(event, event.sampling_probability, "sampling_probability")
@@ -61,13 +73,19 @@ def gaussian_problem(event: ev.DpEvent) -> Optional[Unsupported]:
     return None
 
 
-def gaussian_pieces(history: History, accountant: str) -> list[tuple[float, float, int]]:
-    pieces: list[tuple[float, float, int]] = []
+Piece = tuple[float, float, int, int]  # (q, σ, count, group size k)
+
+
+def gaussian_pieces(history: History, accountant: str, sampled_groups: bool = False) -> list[Piece]:
+    pieces: list[Piece] = []
     for event, count in history:
-        problem = gaussian_problem(event)
+        problem = gaussian_problem(event, sampled_groups)
         if problem is not None:
             raise UnsupportedEventError(f"{accountant} accountant: {problem.reason}", accountant=accountant,
                                         event=problem.event)
+        group = 1
+        if isinstance(event, ev.GroupDpEvent):
+            group, event = int(event.group_size), event.event
         q, inner = 1.0, event
         if isinstance(event, ev.PoissonSampledDpEvent):
             q, inner = float(event.sampling_probability), event.event
@@ -76,20 +94,22 @@ def gaussian_pieces(history: History, accountant: str) -> list[tuple[float, floa
         assert sigma is not None
         if math.isinf(sigma) or q == 0:
             continue  # no-op
-        pieces.append((q, sigma, int(count)))
+        if q == 1.0 and group > 1:  # unsampled: every member is in, the mean moves by ≤ k
+            sigma, group = sigma / group, 1
+        pieces.append((q, sigma, int(count), group))
     return pieces
 
 
-def merge_pieces(pieces: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
-    """`pieces` with identical (q, σ) merged: counts summed, in the order of first appearance.
+def merge_pieces(pieces: list[Piece]) -> list[Piece]:
+    """`pieces` with identical (q, σ, k) merged: counts summed, in the order of first appearance.
 
     Sound because composition is commutative: the composed privacy loss of a multiset of
     mechanisms does not depend on their order, so the history reordered and grouped has the
     same privacy curve (and the same ε under every accountant composing these pieces)."""
-    merged: dict[tuple[float, float], int] = {}
-    for q, sigma, count in pieces:
-        merged[(q, sigma)] = merged.get((q, sigma), 0) + int(count)
-    return [(q, sigma, count) for (q, sigma), count in merged.items()]
+    merged: dict[tuple[float, float, int], int] = {}
+    for q, sigma, count, group in pieces:
+        merged[(q, sigma, group)] = merged.get((q, sigma, group), 0) + int(count)
+    return [(q, sigma, count, group) for (q, sigma, group), count in merged.items()]
 
 
 class GaussianReducibleAccountant(Accountant):
@@ -102,19 +122,24 @@ class GaussianReducibleAccountant(Accountant):
     count) pieces at the remaining δ, each (q, σ) once.
     """
 
+    #: Whether `pieces_epsilon` composes Poisson-sampled groups (pieces with k > 1).
+    sampled_groups = False
+
     def _event_problem(self, event: ev.DpEvent) -> Optional[Unsupported]:
-        return misplaced_additive_delta(event) or gaussian_problem(split_event(event, self.name)[0])
+        return misplaced_additive_delta(event) or gaussian_problem(split_event(event, self.name)[0],
+                                                                   self.sampled_groups)
 
     def epsilon(self, history: History, delta: float) -> float:
         delta = check_delta(delta)
         self.check(history)
         history, additive_delta = split_additive_delta(history, self.name)
-        pieces = merge_pieces(gaussian_pieces(history, self.name))
+        pieces = merge_pieces(gaussian_pieces(history, self.name, self.sampled_groups))
         rest = remaining_delta(delta, additive_delta)
         if rest is None:
             return math.inf
         return self.pieces_epsilon(pieces, rest)
 
     @abc.abstractmethod
-    def pieces_epsilon(self, pieces: list[tuple[float, float, int]], delta: float) -> float:
-        """ε of the Poisson-sampled Gaussian pieces (q, σ, count) at δ."""
+    def pieces_epsilon(self, pieces: list[Piece], delta: float) -> float:
+        """ε of the Poisson-sampled Gaussian pieces (q, σ, count, k) at δ (k = 1 unless
+        `sampled_groups`)."""

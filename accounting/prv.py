@@ -38,8 +38,12 @@ OPACUS_Q1_WARNING = (RuntimeWarning, r"divide by zero encountered in log", r"opa
                      "log(1 - q) = -inf for q = 1, the intended value")
 
 
-def opacus_prv_epsilon(pieces: list[tuple[float, float, int]], delta: float, eps_error: float) -> float:
-    """Opacus PRV ε (its upper estimate) of Poisson-sampled Gaussian pieces (q, σ, count)."""
+def opacus_prv_epsilon(pieces: list, delta: float, eps_error: float) -> float:
+    """Opacus PRV ε (its upper estimate) of Poisson-sampled Gaussian pieces (q, σ, count, 1)
+    (no sampled groups: `sampled_groups` is off here, so the structural check refused them)."""
+    if any(group != 1 for *_, group in pieces):
+        raise ValueError("the prv accountant composes no sampled groups (GroupDpEvent): use pld")
+    pieces = [(q, sigma, count) for q, sigma, count, _ in pieces]
     acc = OpacusPRV()
     acc.load_state_dict({"history": [(sigma, q, count) for q, sigma, count in pieces],
                          "mechanism": OpacusPRV.mechanism()})
@@ -57,5 +61,5 @@ class PrvAccountant(GaussianReducibleAccountant):
     def __init__(self, eps_error: float = 0.01):
         self.eps_error = eps_error
 
-    def pieces_epsilon(self, pieces: list[tuple[float, float, int]], delta: float) -> float:
+    def pieces_epsilon(self, pieces: list, delta: float) -> float:
         return opacus_prv_epsilon(pieces, delta, self.eps_error) if pieces else 0.0

@@ -161,6 +161,7 @@ def calibrate(
     svt_release_values: bool = False,
     extra_history: Optional[list] = None,
     noise_event: Callable[[float], ev.DpEvent] = ev.GaussianDpEvent,
+    group_size: int = 1,
 ) -> Calibration:
     """Noise multiplier (and selector parameters) spending at most target_epsilon at delta over
     `steps` steps of `selection` at `sample_rate` (`SplitStep`, through `accounting.calibrate`).
@@ -170,7 +171,9 @@ def calibrate(
 
     `extra_history`: events charged besides the T steps (e.g. a one-time DP-FEST Gaussian).
     `svt_release_values`: NumericSparse mode for selection 'svt' (default False: selection-only,
-    as the trainer runs it). `selection_delta`: SVT's δ (default `delta`).
+    as the trainer runs it). `selection_delta`: SVT's δ (default `delta`). `group_size` k > 1:
+    every event (the steps and `extra_history`) accounted for groups of k examples
+    (`accounting.events.GroupDpEvent`: user-level DP by example sampling).
 
     Raises `UnreachableTargetError` (a ValueError naming `target_epsilon` and the smallest ε
     reachable) when even the least budget tried, `RHO_FLOOR`, spends more than the target."""
@@ -186,9 +189,11 @@ def calibrate(
         if extra_history:
             raise UnsupportedEventError("paper accountant: Theorem 3 covers only T identical steps")
         return _calibrate_paper(acc, target_epsilon, delta, sample_rate, steps, step.selector, selection, fraction, k)
-    extra = list(extra_history or [])
-    sigma_total, spent = cal.calibrate_with_epsilon(step, target_epsilon, delta, accountant=acc, steps=steps,
-                                                    extra_history=extra)
+    if group_size != 1 and accountant == "paper":
+        raise UnsupportedEventError("paper accountant: Theorem 3 covers one example, not groups")
+    extra = [(ev.grouped(e, group_size), c) for e, c in (extra_history or [])]
+    sigma_total, spent = cal.calibrate_with_epsilon(lambda s: ev.grouped(step(s), group_size), target_epsilon, delta,
+                                                    accountant=acc, steps=steps, extra_history=extra)
     event, sigma, params = step.parts(sigma_total)  # `step(sigma_total)` is the event whose ε was `spent`
     return Calibration(
         noise_multiplier=sigma,

@@ -219,7 +219,8 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
                 sigma=0.8, k=5, seed=0, dim=4, target_epsilon=1e9, second_clip=None, accountant="rdp",
                 lr=0.1, dense_lr=0.05, model="dlrm", sampler=None, dense_optimizer="sgd", init_std=0.3,
                 plan_overrides=None, dense_tables=(), ema_decay=0.0, num_trainers=1,
-                selection_on_shards=False, trainer_actors=False, fuse_selection=True, example_units=None):
+                selection_on_shards=False, trainer_actors=False, fuse_selection=True, example_units=None,
+                group_size=1):
     """An engine over `ds`. Extras (defaults keep the original behaviour): `sampler` replaces
     the Poisson `SimpleSampler(len(ds), q, seed + 7)` (e.g. a `ListSampler`);
     `dense_optimizer` is "sgd" | "adam" | "adagrad" (lr = dense_lr); `plan_overrides` replaces
@@ -230,7 +231,8 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
     `dense_tables`: table indices noised densely in sparse mode (trainer/table_policy.py);
     `trainer_actors`: the trainers as Ray actors (backend "ray"); `fuse_selection`: the
     shards select in the row-sum call when they can (one trainer); `example_units`: user level
-    (a unit index per example; q and b stay as given)."""
+    (a unit index per example; q and b stay as given); `group_size`: every event charged for
+    groups of that many examples (user level by example sampling)."""
     from widedp.trainer.shard_group import InProcessShardGroup, RayShardGroup
 
     layout = layout_for(ds, num_shards, dim)
@@ -252,4 +254,5 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
                   target_epsilon=target_epsilon, dense_optimizer=optimizers[dense_optimizer](dense_params, lr=dense_lr),
                   randomness=PrivacyRandomness.from_seed(seed), dense_tables=dense_tables, ema_decay=ema_decay,
                   num_trainers=num_trainers, selection_on_shards=selection_on_shards, trainer_actors=trainer_actors,
-                  cpus_per_trainer=0.25, fuse_selection=fuse_selection, example_units=example_units)
+                  cpus_per_trainer=0.25, fuse_selection=fuse_selection, example_units=example_units,
+                  group_size=group_size)

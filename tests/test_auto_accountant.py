@@ -35,8 +35,9 @@ def _dpsgd(q, sigma, steps, one_time=False):
 # ---- 1. identical pieces are merged ------------------------------------------------------------
 
 def test_merge_pieces_sums_counts_in_first_appearance_order():
-    pieces = [(0.01, 1.0, 1), (1.0, 50.0, 1), (0.01, 1.0, 3), (0.02, 1.0, 2), (0.01, 1.0, 1)]
-    assert merge_pieces(pieces) == [(0.01, 1.0, 5), (1.0, 50.0, 1), (0.02, 1.0, 2)]
+    pieces = [(0.01, 1.0, 1, 1), (1.0, 50.0, 1, 1), (0.01, 1.0, 3, 1), (0.02, 1.0, 2, 1), (0.01, 1.0, 1, 1),
+              (0.01, 1.0, 2, 3)]  # the last: a sampled group of 3, another mechanism
+    assert merge_pieces(pieces) == [(0.01, 1.0, 5, 1), (1.0, 50.0, 1, 1), (0.02, 1.0, 2, 1), (0.01, 1.0, 2, 3)]
     assert merge_pieces([]) == []
 
 
@@ -60,7 +61,7 @@ def test_a_split_history_costs_what_the_merged_one_does(name, monkeypatch):
     eps_merged = acc.epsilon(merged, 2.5e-7)
     eps_split = acc.epsilon(split, 2.5e-7)
     assert eps_split == eps_merged
-    assert seen[0] == seen[1] == [(1.0, 50.0, 1), (0.00256, 1.074, 400)]
+    assert seen[0] == seen[1] == [(1.0, 50.0, 1, 1), (0.00256, 1.074, 400, 1)]
 
 
 # ---- 2. what "auto" resolves to -------------------------------------------------------------------

@@ -22,6 +22,7 @@ from widedp.selection import NoiseKey, exponential_top_k, gaussian_noise, noisy_
 from widedp.selection.keyed_random import KEY_BITS, GaussianStream, generator_family
 from widedp.trainer.data.sampler import PoissonSampler
 from widedp.trainer.layout import row_block_normal, row_block_uniform
+from widedp.trainer.data.sampler import trimmed_positions
 from widedp.trainer.randomness import DOMAINS, PrivacyRandomness
 from widedp.trainer.recalibration import noisy_histogram
 
@@ -86,6 +87,7 @@ PATHS = {
     "selection": _selection,
     "shard-selection": _shard_selection,
     "clip": _dp_stat_noise,
+    "user-trim": lambda key: trimmed_positions(np.repeat(np.arange(20), 10), 3, key.generator()),
 }
 
 

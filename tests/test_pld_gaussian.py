@@ -69,7 +69,7 @@ def test_the_accountant_gives_dp_accountings_epsilon(history):
 
 
 def test_a_noiseless_piece_is_infinite_and_bad_parameters_are_refused():
-    assert PldAccountant().pieces_epsilon([(0.1, 0.0, 5)], 1e-6) == math.inf
+    assert PldAccountant().pieces_epsilon([(0.1, 0.0, 5, 1)], 1e-6) == math.inf
     with pytest.raises(ValueError, match="σ > 0"):
         gaussian_pld(0.0, 0.5)
     with pytest.raises(ValueError, match="q <= 1"):

@@ -261,3 +261,75 @@ def test_unit_sampler_caps_each_unit_and_samples_units_not_examples():
         UnitPoissonSampler(units, q, 0, seed=0)
     with pytest.raises(ValueError, match="sampler state"):
         UnitPoissonSampler(units, q, k + 1, seed=0).load_state_dict(state)
+
+
+# ---- user level by example sampling (privacy.user_sampling = "examples") -----------------------------
+
+def test_trimming_keeps_at_most_k_random_examples_of_each_unit():
+    from widedp.trainer.data.sampler import trimmed_positions
+
+    units = np.repeat(np.arange(4), [1, 3, 10, 2])
+    seen = set()
+    for seed in range(30):
+        kept = trimmed_positions(units, 3, np.random.default_rng(seed))
+        assert np.all(np.diff(kept) > 0)
+        assert np.bincount(units[kept], minlength=4).tolist() == [1, 3, 3, 2]
+        seen.update(kept[units[kept] == 2].tolist())
+    assert seen == set(np.flatnonzero(units == 2).tolist())  # every example of the big unit can be kept
+
+
+def test_a_subset_split_is_the_base_split_at_its_positions():
+    from widedp.trainer.data.dataset import SplitSubset
+
+    ds, units = dataset_and_units()
+
+    class WithUnits:  # the engine fixture's data set has no unit column
+        def __init__(self, base):
+            self.base, self.meta = base, base.meta
+
+        def __len__(self):
+            return len(self.base)
+
+        def take(self, idx):
+            return self.base.take(idx)
+
+        def feature_rows(self, feature):
+            return self.base.feature_rows(feature)
+
+        def units(self):
+            return units
+
+    positions = np.array([0, 3, 4, 17, 48])
+    sub = SplitSubset(WithUnits(ds), positions)
+    assert len(sub) == 5
+    a, b = sub.take(np.array([3, 1])), ds.take(positions[[3, 1]])
+    assert torch.equal(a.sparse.values(), b.sparse.values()) and torch.equal(a.dense, b.dense)
+    assert a.indices.tolist() == [3, 1]
+    offsets, ids = sub.feature_rows("f1")
+    full_offsets, full_ids = ds.feature_rows("f1")
+    assert ids.tolist() == [i for p in positions for i in full_ids[full_offsets[p]:full_offsets[p + 1]].tolist()]
+    assert np.array_equal(sub.units(), units[positions])
+    with pytest.raises(ValueError, match="sorted distinct"):
+        SplitSubset(ds, np.array([3, 3]))
+
+
+def test_group_accounting_charges_group_events_and_takes_the_example_level_steps():
+    from widedp.accounting import events as ev
+
+    ds, _ = dataset_and_units()
+    batches = unit_batches(np.arange(len(ds)), 3)
+    engines = []
+    for group in (1, 3):
+        engine = make_engine(ds, num_shards=2, mode="sparse", selection="threshold", q=Q, seed=SEED, dim=DIM, lr=LR,
+                             dense_lr=DENSE_LR, init_std=INIT_STD, sampler=ListSampler(batches), group_size=group,
+                             accountant="pld",
+                             plan_overrides={"clip_norm": CLIP, **PLANS["threshold"]})
+        for _ in batches:
+            engine.step()
+        engines.append(engine)
+    assert max_difference(engine_params(engines[0]), engine_params(engines[1])) == 0.0
+    plain, grouped = (e.ledger.history for e in engines)
+    assert [(ev.grouped(e, 3), c) for e, c in plain] == grouped
+    assert engines[1].ledger.epsilon() > engines[0].ledger.epsilon()
+    with pytest.raises(ValueError, match="group_size"):
+        make_engine(ds, mode="dpsgd", example_units=np.arange(len(ds)), group_size=2, sampler=ListSampler(batches))

@@ -108,6 +108,46 @@ def test_the_user_level_audit_passes_and_catches_a_run_that_clips_each_example(u
     assert broken["epsilon_lower_bound"] > broken["claimed_epsilon"] + 0.5, (broken["correct"], broken["claimed_epsilon"])
 
 
+def test_user_level_by_example_sampling_keeps_k_examples_per_user_and_charges_groups(user_logs_dir, tmp_path, capsys):
+    from widedp.accounting import events as ev
+    from widedp.accounting.ledger import PrivacyLedger
+    from widedp.trainer.run_outputs import CAVEAT_USER_LEVEL_BY_EXAMPLES
+
+    train_split, _ = open_dataset(user_logs_dir)
+    users, per_user = np.unique(train_split.units(), return_counts=True)
+    kept = int(np.minimum(per_user, 4).sum())
+    assert kept < len(train_split)  # some users lose examples
+    summary = _cli(capsys, "train", "--no-progress", "--run-dir", str(tmp_path / "run"),
+                   *_sets(user_logs_dir, *USER, "privacy.user_sampling=examples", "train.mode=dpsgd"))
+    assert summary["privacy_unit"] == "user" and CAVEAT_USER_LEVEL_BY_EXAMPLES in summary["privacy_caveats"]
+    assert summary["user_level"] == {"users": users.size, "max_examples_per_user": 4, "user_sampling": "examples",
+                                     "group_size": 4, "training_examples": kept}
+    assert summary["sample_rate"] == pytest.approx(64 / kept)
+    assert summary["delta"] == pytest.approx(default_delta(users.size))
+    ledger = PrivacyLedger.load(tmp_path / "run" / "ledger.json")
+    assert all(isinstance(e, ev.GroupDpEvent) and e.group_size == 4 for e, _ in ledger.history)
+    assert summary["epsilon"] == pytest.approx(ledger.epsilon()) and summary["epsilon"] <= 3.0 + 1e-9
+    with pytest.raises(ValueError, match="pld accountant only"):
+        load_config(None, [f"data.path={user_logs_dir}", *SMALL, *USER, "privacy.user_sampling=examples",
+                           "privacy.accountant=rdp"]).validate()
+
+
+def test_the_example_sampling_audit_passes_and_catches_groups_charged_as_examples(user_logs_dir):
+    """Each canary user keeps its 8 gradient-canary examples; charged for groups of 8 the claim
+    holds, charged as single examples it does not. Measured, audit seeds 1–4: correct runs claim
+    ε ≈ 12.6 (groups of 8 at σ = 5, q ≈ ½, 10 steps) with 120 of 120 guesses right, bound 3.51;
+    charged as examples the claim is ≈ 1.05 against the same bound 3.51."""
+    train_split, _ = open_dataset(user_logs_dir)
+    kept = int(np.minimum(np.unique(train_split.units(), return_counts=True)[1], 8).sum())
+    batch = (kept + 300 * 8) // 2  # q ≈ ½ over the real kept examples and ~300 member canary users' 8 each
+    cfg = load_config(None, [f"data.path={user_logs_dir}", *AUDIT, "privacy.user_sampling=examples",
+                             f"train.batch_size={batch}"]).validate()
+    correct = one_run_audit(cfg, canaries=600, seed=3, canary_kind="gradient")
+    assert correct["epsilon_lower_bound"] <= correct["claimed_epsilon"], correct["correct"]
+    broken = one_run_audit(cfg, canaries=600, seed=3, canary_kind="gradient", broken="group-as-example")
+    assert broken["epsilon_lower_bound"] > broken["claimed_epsilon"] + 0.5, (broken["correct"], broken["claimed_epsilon"])
+
+
 def test_the_per_example_clip_variant_needs_user_level(user_logs_dir):
     cfg = load_config(None, [f"data.path={user_logs_dir}", *SMALL]).validate()
     with pytest.raises(ValueError, match="clip-per-example"):

@@ -140,6 +140,24 @@ def _clip_per_example(run):
         TrainerRole.begin_part = real  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def _group_as_example(run):
+    """User level by example sampling (each user keeps ≤ k examples) charged as if each user
+    had one: the ledger records the example-level events, not `GroupDpEvent(…, k)`."""
+    engine = run.engine
+    if engine.group_size == 1:
+        raise ValueError("--broken group-as-example breaks the group accounting of privacy.user_sampling = "
+                         "\"examples\" (privacy.unit = \"user\")")
+    real = engine.group_size
+    engine.group_size = 1
+    engine._event = engine._step_event()
+    try:
+        yield
+    finally:
+        engine.group_size = real
+        engine._event = engine._step_event()
+
+
 def _every_touched_row(run):
     """The selection also takes every touched row of the sparse tables (as if it skipped the
     private mechanism for them) while the real selector's event is charged."""
@@ -163,7 +181,7 @@ def _skip_untouched(run):
 #: the audit catches it on the user's own configuration. Never used by training.
 BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "sigma-over-10": _sigma_over_10,
                                         "every-touched-row": _every_touched_row, "skip-untouched": _skip_untouched,
-                                        "clip-per-example": _clip_per_example}
+                                        "clip-per-example": _clip_per_example, "group-as-example": _group_as_example}
 #: The broken variants that rewrite the row selection: they act on sparse tables only, so a
 #: canary table noised densely (trainer/table_policy.py) would not see them.
 SELECTION_BROKEN = ("every-touched-row", "skip-untouched")
@@ -513,8 +531,9 @@ def add_commands(sub) -> dict:
                         "privacy.unit = user, a canary user; else 1)")
     a.add_argument("--broken", choices=sorted(BROKEN_VARIANTS),
                    help="train deliberately broken (noise off / σ divided by 10 / every touched row selected / "
-                        "untouched rows never selected / each example clipped at user level, the ledger told "
-                        "otherwise) to see the audit catch it on this configuration; NOT a private run")
+                        "untouched rows never selected / each example clipped at user level / a user's examples "
+                        "accounted as one example, the ledger told otherwise) to see the audit catch it on this "
+                        "configuration; NOT a private run")
     a.add_argument("--out", help="directory for audit.json and audit.png (default RUN_DIR/audit)")
     return {"audit": cmd_audit}
 

@@ -218,6 +218,7 @@ class TrainConfig:
 
 
 PRIVACY_UNITS = ("example", "user")
+USER_SAMPLINGS = ("users", "examples")
 
 
 @dataclasses.dataclass
@@ -228,6 +229,11 @@ class PrivacyConfig:
     # is clipped as one gradient; n, q and δ are over units — trainer/engine.py).
     unit: str = "example"
     max_examples_per_user: int = 16  # public; a sampled user with more contributes a random subset
+    # privacy.unit = "user", how (Charles et al. 2024): "users" — Poisson-sample users, each
+    # contributing ≤ max_examples_per_user random examples per step, one clip per user; or
+    # "examples" — each user keeps ≤ max_examples_per_user random examples once, then example-level
+    # DP-SGD accounted for a group of that many (Ganesh 2024 mixture-of-Gaussians PLD; pld/auto only).
+    user_sampling: str = "users"
     target_epsilon: float = 3.0
     delta: Auto = auto_or(float, "auto: min(1/(10n), n^-1.1), clearly below 1/n (docs/THREAT_MODEL.md)")
     noise_multiplier: Auto = auto_or(
@@ -295,6 +301,11 @@ class PrivacyConfig:
             (self.unit in PRIVACY_UNITS, f"privacy.unit must be one of {PRIVACY_UNITS}, got {self.unit!r}"),
             (not isinstance(self.max_examples_per_user, bool) and isinstance(self.max_examples_per_user, int)
              and self.max_examples_per_user >= 1, "privacy.max_examples_per_user must be an integer >= 1"),
+            (self.user_sampling in USER_SAMPLINGS,
+             f"privacy.user_sampling must be one of {USER_SAMPLINGS}, got {self.user_sampling!r}"),
+            (self.unit != "user" or self.user_sampling != "examples" or self.accountant in ("auto", "pld"),
+             "privacy.user_sampling = \"examples\" is accounted by the pld accountant only (privacy.accountant = "
+             "\"auto\" or \"pld\")"),
             (self.unit != "user" or self.mix_coordinates == 1,
              "privacy.mix_coordinates > 1 (refined clipping) clamps each example's coordinates: not with "
              "privacy.unit = \"user\""),

@@ -141,7 +141,7 @@ class Engine:
                  dense_tables: tuple[int, ...] = (), ema_decay: float = 0.0, dense_grad_method: str = "auto",
                  num_trainers: int = 1, selection_on_shards: bool = False, trainer_actors: bool = False,
                  cpus_per_trainer: float = 1.0, fuse_selection: bool = True,
-                 example_units: Optional[np.ndarray] = None):
+                 example_units: Optional[np.ndarray] = None, group_size: int = 1):
         """`dense_tables`: in `sparse` mode, the indices of the tables noised densely every step
         (trainer/table_policy.py); `dpsgd` noises every table, `nonprivate` none. `ema_decay`
         β > 0: evaluate (and checkpoint for export) the exponential moving average of the
@@ -164,7 +164,11 @@ class Engine:
         `example_units`: user level (module docstring) — the dense unit index 0..U-1 of every
         training example (trainer/data/sampler.py `unit_indices`); the sampler must sample
         those units (`UnitPoissonSampler`), `expected_batch_size` and `sample_rate` are in units,
-        and trainer i owns units [⌊i·U/N⌋, ⌊(i+1)·U/N⌋) with all their examples."""
+        and trainer i owns units [⌊i·U/N⌋, ⌊(i+1)·U/N⌋) with all their examples.
+        `group_size` k > 1: user-level DP by example sampling (privacy.user_sampling =
+        "examples"): the training set holds at most k examples per user and the step is the
+        example-level one, but every event charged is accounted for a group of k
+        (`accounted`: `GroupDpEvent`)."""
         self.model, self.layout, self.shards = model, layout, shards
         self.dense_grad_method = dense_grad_method  # trainer/dense_grads.py: auto, ghost or per_example
         self.train_set, self.sampler = train_set, sampler
@@ -176,6 +180,11 @@ class Engine:
         self._budget_limit: Optional[int] = None  # step_count past which certifying found no room
         self.ledger_path = ledger_path  # if set, the ledger is persisted before each release
         self.dense_optimizer = dense_optimizer
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+        if group_size > 1 and example_units is not None:
+            raise ValueError("group_size > 1 accounts example-level steps for groups: not with example_units")
+        self.group_size = group_size
         self._dense_base_lrs = [group["lr"] for group in dense_optimizer.param_groups]
         # This step's learning rates are the configured ones times lr_scale (set by the run loop
         # from train.lr_schedule: a function of the step count only, so public).
@@ -259,7 +268,11 @@ class Engine:
         if self.mode == "nonprivate":
             return None
         sel = self._selection_event() if self.selects else None
-        return sampled_step_event(self.q, self.private_plan.noise_event(), sel)
+        return self.accounted(sampled_step_event(self.q, self.private_plan.noise_event(), sel))
+
+    def accounted(self, event: ev.DpEvent) -> ev.DpEvent:
+        """`event` as this run charges it: for a group of `group_size` examples (k > 1), else itself."""
+        return ev.grouped(event, self.group_size)
 
     @property
     def step_event(self) -> Optional[ev.DpEvent]:
@@ -308,7 +321,7 @@ class Engine:
         before anything that depends on that mechanism's output is used."""
         if self.ledger is None:
             raise RuntimeError("charge() needs a privacy ledger (a nonprivate run has none)")
-        self.ledger.record(event)
+        self.ledger.record(self.accounted(event))
         if self.ledger_path is not None:
             self.ledger.save(self.ledger_path)
 
@@ -577,7 +590,7 @@ class Engine:
             return
         noise = self._ran_noise_event(noisy.event)
         ran = sampled_step_event(self.q, noise, None if selection is None else selection.event)
-        if ran != self._event:
+        if self.accounted(ran) != self._event:
             raise RuntimeError(f"the step ran {ran!r} but the budget was checked for {self._event!r}; "
                                "nothing was recorded or released")
         self.charge(ran)

@@ -53,6 +53,10 @@ class PrivacyInfo:
     unit: str = "example"
     num_units: Optional[int] = None
     max_examples_per_unit: Optional[int] = None
+    # privacy.unit = "user": "users" (units sampled) or "examples" (each user's ≤ k examples kept
+    # once, example-level steps; every event accounted for a group of group_size = k)
+    user_sampling: Optional[str] = None
+    group_size: Optional[int] = None
     noise_multiplier: Optional[float] = None
     k: Optional[int] = None
     selection_epsilon: Optional[float] = None
@@ -85,7 +89,7 @@ def table_policy(cfg: Config, table_rows: Mapping[str, int], n: int) -> Optional
                                 overrides=p.tables)
 
 
-def recalibration_plan(cfg: Config, n: int, delta: float) -> Optional[dict]:
+def recalibration_plan(cfg: Config, n: int, delta: float, group_size: int = 1) -> Optional[dict]:
     """train.recalibrate's σ for a private run of a binary model (explicit, or
     `recalibration.auto_noise_multiplier` from n and the target ε), else None."""
     if cfg.train.mode == "nonprivate" or not cfg.train.recalibrate:
@@ -98,26 +102,30 @@ def recalibration_plan(cfg: Config, n: int, delta: float) -> Optional[dict]:
     if explicit is not None:
         return {"noise_multiplier": float(explicit), "rule": "privacy.recalibration_noise_multiplier"}
     sigma, rule = auto_noise_multiplier(n, cfg.privacy.target_epsilon, delta, cfg.privacy.accountant)
+    if group_size > 1:  # charged for a group of k, i.e. as Gaussian(σ/k): k·σ spends what σ did
+        sigma, rule = sigma * group_size, f"{rule}, × {group_size} (groups of privacy.max_examples_per_user)"
     return {"noise_multiplier": sigma, "rule": rule}
 
 
 def plan_run(cfg: Config, n: int, table_rows: Mapping[str, int], data_events: Sequence[ev.DpEvent] = (),
-             feature_tables: Optional[Mapping[str, str]] = None
+             feature_tables: Optional[Mapping[str, str]] = None, num_units: Optional[int] = None
              ) -> tuple[Optional[PrivacyPlan], PrivacyInfo, Optional[TablePolicy]]:
     """A run's table policy and privacy plan: the selection runs over the sparse tables' rows.
     `feature_tables` ({feature: table}, public metadata) gives the false-positive budget's
-    scale: one row per feature of a sparse table per example."""
+    scale: one row per feature of a sparse table per example. `num_units`: the users when the
+    training examples are each user's kept ones (privacy.user_sampling = "examples")."""
     policy = table_policy(cfg, table_rows, n)
     sparse = policy.sparse if policy else tuple(table_rows)
     selectable = sum(int(table_rows[name]) for name in sparse)
     rows_per_example = None if feature_tables is None else sum(t in sparse for t in feature_tables.values())
-    plan, info = plan_privacy(cfg, n, selectable, data_events, policy, rows_per_example=rows_per_example)
+    plan, info = plan_privacy(cfg, n, selectable, data_events, policy, rows_per_example=rows_per_example,
+                              num_units=num_units)
     return plan, info, policy
 
 
 def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.DpEvent] = (),
-                 policy: Optional[TablePolicy] = None, rows_per_example: Optional[int] = None
-                 ) -> tuple[Optional[PrivacyPlan], PrivacyInfo]:
+                 policy: Optional[TablePolicy] = None, rows_per_example: Optional[int] = None,
+                 num_units: Optional[int] = None) -> tuple[Optional[PrivacyPlan], PrivacyInfo]:
     """Privacy plan (None for nonprivate) and what it resolved to (calibrated or explicit σ, ε, δ).
 
     `n`: the training examples, or the users at privacy.unit = "user" (the caller counts them);
@@ -131,11 +139,17 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
     the most rows a batch touches with one id per feature), else about k."""
     t, p = cfg.train, cfg.privacy
     q = min(1.0, t.batch_size / n)
-    delta = p.resolved("delta") or default_delta(n)
     user = p.unit == "user"
+    by_examples = user and p.user_sampling == "examples"
+    group = p.max_examples_per_user if by_examples else 1
+    units = (num_units if by_examples else n) if user else None
+    if by_examples and num_units is None:
+        raise ValueError("privacy.user_sampling = \"examples\" plans over the users' kept examples: give num_units")
+    delta = p.resolved("delta") or default_delta(units if units is not None else n)
     base = PrivacyInfo(sample_rate=q, delta=delta, accountant=p.accountant,
                        table_policy=policy.to_dict() if policy is not None else None, unit=p.unit,
-                       num_units=n if user else None, max_examples_per_unit=p.max_examples_per_user if user else None)
+                       num_units=units, max_examples_per_unit=p.max_examples_per_user if user else None,
+                       user_sampling=p.user_sampling if user else None, group_size=group if by_examples else None)
     if t.mode == "nonprivate":
         return None, base
     k = p.resolved("k") or (k_from_fraction(p.gamma, vocabulary) if vocabulary > 0 else None)
@@ -150,11 +164,14 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
             and source.get("fest_noise_multiplier") is None and k is not None:
         source["fest_noise_multiplier"], fest_rule = auto_fest_noise_multiplier(
             n, p.fest_max_rows_per_example, k, p.target_epsilon, delta, p.accountant)
+        if group > 1:  # charged for a group of k, i.e. as Gaussian(σ/k): k·σ spends what σ did
+            source["fest_noise_multiplier"] *= group
+            fest_rule = f"{fest_rule}, × {group} (groups of privacy.max_examples_per_user)"
     if selector is not None:  # budget fields left "auto" are 0 until calibration fills them in
         budget_keys = {selector.config_fields()[f] for f in selector.budget_fields()}
         source.update({key: 0.0 for key in budget_keys if source.get(key) is None})
     extra = [(event, 1) for event in data_events]
-    recalibration = recalibration_plan(cfg, n, delta)
+    recalibration = recalibration_plan(cfg, n, delta, group)
     if recalibration is not None:
         extra.append((ev.GaussianDpEvent(recalibration["noise_multiplier"]), 1))
     params: Any = None
@@ -178,7 +195,8 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
         try:
             out = calibrate(p.target_epsilon, delta, q, t.steps, selection=selection, fraction=p.selection_fraction,
                             accountant=p.accountant, k=k, max_answers=k, selection_delta=delta,
-                            svt_release_values=False, extra_history=extra, noise_event=noise_event)
+                            svt_release_values=False, extra_history=extra, noise_event=noise_event,
+                            group_size=group)
         except UnreachableTargetError as exc:  # the same refusal, under the config's name
             raise exc.renamed("privacy.target_epsilon") from None
         sigma = out.noise_multiplier

@@ -37,7 +37,8 @@ import numpy as np
 
 from widedp.selection.keyed_random import KEY_BITS, GaussianStream, NoiseKey
 
-DOMAINS = ("sampler", "selection", "noise", "dpsgd", "shard-selection", "clip", "modelmix", "recalibration")
+DOMAINS = ("sampler", "selection", "noise", "dpsgd", "shard-selection", "clip", "modelmix", "recalibration",
+           "user-trim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,11 @@ class PrivacyRandomness:
         """Key of ModelMix's mixing weights α (train.modelmix): counter-based per
         (step, table, rows) on the shards, so a replayed step mixes the same way."""
         return self.key("modelmix")
+
+    def user_trim_rng(self) -> np.random.Generator:
+        """Generator of which examples each user keeps (privacy.user_sampling = "examples",
+        trainer/data/sampler.py `trimmed_positions`)."""
+        return self.key("user-trim").generator()
 
     def describe(self) -> str:
         """One line for summaries and privacy reports (never the root itself)."""

@@ -96,7 +96,7 @@ class Run:
         engine = self.engine
         if plan is None or engine.ledger is None or engine.step_count == 0 or engine.recalibrated_at == engine.step_count:
             return None
-        event = GaussianDpEvent(plan["noise_multiplier"])
+        event = engine.accounted(GaussianDpEvent(plan["noise_multiplier"]))
         if engine.ledger.would_exceed(event, self.config.privacy.target_epsilon):
             log.warning("train.recalibrate skipped: its release (σ = %.4g) would spend past privacy.target_epsilon = "
                         "%g; the model is released as trained", plan["noise_multiplier"],

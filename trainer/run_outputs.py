@@ -52,6 +52,12 @@ CAVEAT_USER_LEVEL = ("Privacy unit: user (the data set's unit column). ε and δ
                      "user with all of their examples; n, the sampling rate and the default δ are over users, and "
                      "the number of users is treated as public like n. Each sampled user contributes at most "
                      "privacy.max_examples_per_user examples per step (a random subset), clipped as one gradient.")
+CAVEAT_USER_LEVEL_BY_EXAMPLES = (
+    "Privacy unit: user (the data set's unit column), by example sampling: each user kept at most "
+    "privacy.max_examples_per_user of their examples (a secret random subset, chosen once); the steps are "
+    "example-level DP-SGD and every event is accounted for a group of that many examples (the PLD of the mixture "
+    "of Gaussians, Ganesh 2024). ε and δ hold for adding or removing one user with all of their examples; δ's "
+    "default is over users, whose number is treated as public like n.")
 CAVEAT_VALIDATION_SPLIT = ("validation_metrics are computed on the validation split (data.validation_fraction of "
                            "the training data, held out and never trained on); ε covers the remaining training "
                            "examples only, and validation_metrics, like test_metrics, are not covered by ε; "
@@ -251,7 +257,7 @@ class RunRecorder:
 
     # ---- end of run ---------------------------------------------------------------------------------
     def caveats(self, data_event_descriptions: list[str], validation: bool = False,
-                unit_column: bool = False, unit: str = "example") -> list[str]:
+                unit_column: bool = False, unit: str = "example", user_sampling: str = "users") -> list[str]:
         out = [] if self.private else [CAVEAT_NONPRIVATE]
         if self.reproducible:
             out.append(self.randomness_note)
@@ -261,14 +267,15 @@ class RunRecorder:
                 out.append(CAVEAT_DEBUG_TENSORBOARD)
         out += [CAVEAT_N_PUBLIC, CAVEAT_TIMINGS, CAVEAT_TEST_SPLIT] + ([CAVEAT_VALIDATION_SPLIT] if validation else [])
         if unit == "user":
-            out.append(CAVEAT_USER_LEVEL)
+            out.append(CAVEAT_USER_LEVEL_BY_EXAMPLES if user_sampling == "examples" else CAVEAT_USER_LEVEL)
         elif unit_column:
             out.append(CAVEAT_UNIT_COLUMN)
         out += [f"Charged before training (in the ledger): {d}" for d in data_event_descriptions]
         return out
 
     def summary_fields(self, elapsed: float, shards, data_event_descriptions: list[str],
-                       validation: bool = False, unit_column: bool = False, unit: str = "example") -> dict:
+                       validation: bool = False, unit_column: bool = False, unit: str = "example",
+                       user_sampling: str = "users") -> dict:
         """`unit_column`: the data set has a privacy-unit column (dataset.json `unit_column`),
         which an example-level run does not protect as a unit (CAVEAT_UNIT_COLUMN); `unit`: the
         run's privacy.unit ("example" or "user", CAVEAT_USER_LEVEL)."""
@@ -285,7 +292,7 @@ class RunRecorder:
             "reproducible": self.reproducible,
             "debug_metrics": self.debug,
             "privacy_unit": unit,
-            "privacy_caveats": self.caveats(data_event_descriptions, validation, unit_column, unit),
+            "privacy_caveats": self.caveats(data_event_descriptions, validation, unit_column, unit, user_sampling),
         }
         if self.debug:
             out.update({

@@ -188,12 +188,24 @@ def build_run(cfg: Config, train_transform=None) -> Run:
     if n == 0:
         raise ValueError(f"{cfg.data.path}: the training split is empty")
     example_units = _example_units(cfg, train_set, meta)
-    if example_units is not None:  # user level: n, q, b and δ are over units (trainer/engine.py)
+    randomness = run_randomness(cfg)
+    num_units = None
+    if example_units is not None and cfg.privacy.user_sampling == "examples":
+        # user level by example sampling: each user keeps ≤ k examples (a secret random subset),
+        # the steps are example-level and every event is accounted for a group of k
+        from widedp.trainer.data.dataset import SplitSubset
+        from widedp.trainer.data.sampler import trimmed_positions
+
+        num_units = int(example_units.max()) + 1
+        train_set = SplitSubset(train_set, trimmed_positions(example_units, cfg.privacy.max_examples_per_user,
+                                                             randomness.user_trim_rng()))
+        example_units, n = None, len(train_set)
+    elif example_units is not None:  # user level: n, q, b and δ are over units (trainer/engine.py)
         n = int(example_units.max()) + 1
-    plan, info, policy = plan_run(cfg, n, meta.table_sizes, [e for _, e in meta.privacy_events], meta.feature_tables)
+    plan, info, policy = plan_run(cfg, n, meta.table_sizes, [e for _, e in meta.privacy_events], meta.feature_tables,
+                                  num_units=num_units)
     ledger = PrivacyLedger(cfg.privacy.accountant, info.delta) if plan is not None else None
     shards = _shard_group(cfg, layout)
-    randomness = run_randomness(cfg)
     sampler: "PoissonSampler | UnitPoissonSampler"
     if example_units is None:
         sampler = PoissonSampler(n, info.sample_rate, seed=randomness.sampler_rng())
@@ -209,7 +221,8 @@ def build_run(cfg: Config, train_transform=None) -> Run:
                     ema_decay=cfg.train.ema_decay, num_trainers=cfg.cluster.num_trainers,
                     selection_on_shards=cfg.cluster.selection_on_shards,
                     fuse_selection=cfg.cluster.fuse_selection, trainer_actors=cfg.cluster.trainer_actors,
-                    cpus_per_trainer=cfg.cluster.cpus_per_trainer, example_units=example_units)
+                    cpus_per_trainer=cfg.cluster.cpus_per_trainer, example_units=example_units,
+                    group_size=info.group_size or 1)
     return Run(cfg, engine, train_set, test_set, meta, info, validation_set)
 
 
@@ -331,18 +344,20 @@ def _check_replay_is_identical(saved: dict, cfg: Config) -> None:
 
 
 def _planned_one_time(engine: Engine) -> list:
-    """The one-time selection event (DP-FEST) this plan charges before its first step, if any."""
+    """The one-time selection event (DP-FEST) this plan charges before its first step, if any
+    (as the engine charges it: `Engine.accounted`)."""
     if not engine.needs_one_time_selection():
         return []
     p = engine.private_plan
     event = get_selector(p.selection).one_time_event(p.selection_params)
-    return [] if event is None else [event]
+    return [] if event is None else [engine.accounted(event)]
 
 
 def _planned_recalibration(info) -> list:
-    """train.recalibrate's event (charged after the last step), if the plan has one."""
+    """train.recalibrate's event (charged after the last step), if the plan has one (for a
+    group of info.group_size under privacy.user_sampling = "examples", as the engine charges it)."""
     plan = info.recalibration
-    return [] if plan is None else [ev.GaussianDpEvent(plan["noise_multiplier"])]
+    return [] if plan is None else [ev.grouped(ev.GaussianDpEvent(plan["noise_multiplier"]), info.group_size or 1)]
 
 
 def _restore(engine: Engine, run_dir: Path, cfg: Config, data_events: list, info=None) -> RunState:
@@ -674,6 +689,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
                              "threat_model": "ε holds only while each step's mixing weights stay secret "
                                              "(accounting/modelmix.py)"}} if info.mix_width else {}),
             "sample_rate": info.sample_rate,
+            **({"user_level": {"users": info.num_units, "max_examples_per_user": info.max_examples_per_unit,
+                               "user_sampling": info.user_sampling, "group_size": info.group_size,
+                               "training_examples": len(run.train_set)}} if info.unit == "user" else {}),
             "stopped_by_budget": result.stopped_by_budget,
             "resumed": resume,
             "actor_restarts": getattr(run.engine.shards, "restarts", 0) + getattr(run.engine.trainers, "restarts", 0),
@@ -685,7 +703,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
             **({"validation_metrics": run.evaluate(run.validation_set)} if run.validation_set is not None else {}),
             **recorder.summary_fields(result.elapsed_s, engine.shards, [d for d, _ in data_events],
                                       validation=run.validation_set is not None,
-                                      unit_column=run.meta.unit_column, unit=cfg.privacy.unit),
+                                      unit_column=run.meta.unit_column, unit=cfg.privacy.unit,
+                                      user_sampling=cfg.privacy.user_sampling),
         }
         atomic_write_json(run_dir / "summary.json", summary)
         dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "finished"))

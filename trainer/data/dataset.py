@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,6 +209,50 @@ def split_rule(meta: DatasetMeta, test_fraction: float, seed: int) -> str:
     if meta.test_examples is not None:
         return str(meta.test_split or "file")
     return f"random(test_fraction={test_fraction}, seed={seed})"
+
+
+class SplitSubset:
+    """The examples of `base` at `positions` (sorted, distinct) as a split of their own: index
+    i is base example positions[i]. The engine's data interface (`meta`, `len`, `take`,
+    `iter_batches`, `feature_rows`, `units`) and a canary split's `override_pooled_grads`
+    pass through with the indices mapped. Used to train on each user's kept examples
+    (trainer/data/sampler.py `trimmed_positions`)."""
+
+    def __init__(self, base, positions: np.ndarray):
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.ndim != 1 or (positions.size and (positions.min() < 0 or positions.max() >= len(base)
+                                                       or np.any(np.diff(positions) <= 0))):
+            raise ValueError(f"positions must be sorted distinct indices into the split of {len(base)} examples")
+        self.base, self.positions = base, positions
+        meta = base.meta
+        has_count = dataclasses.is_dataclass(meta) and any(f.name == "num_examples" for f in dataclasses.fields(meta))
+        self.meta = dataclasses.replace(meta, num_examples=int(positions.size)) if has_count else meta
+        if hasattr(base, "override_pooled_grads"):
+            self.override_pooled_grads = lambda indices, grads, features: base.override_pooled_grads(
+                self.positions[np.asarray(indices, dtype=np.int64)], grads, features)
+
+    def __len__(self) -> int:
+        return int(self.positions.size)
+
+    def take(self, indices) -> Batch:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
+            raise IndexError(f"index {bad} out of range for split of size {len(self)}")
+        return dataclasses.replace(self.base.take(self.positions[idx]), indices=idx.copy())
+
+    def iter_batches(self, batch_size: int) -> Iterator[Batch]:
+        for start in range(0, len(self), batch_size):
+            yield self.take(np.arange(start, min(start + batch_size, len(self)), dtype=np.int64))
+
+    def feature_rows(self, feature: str) -> tuple[np.ndarray, np.ndarray]:
+        offsets, ids = self.base.feature_rows(feature)
+        values, lengths = _gather_jagged(offsets, ids, self.positions)
+        return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), values
+
+    def units(self) -> Optional[np.ndarray]:
+        units = self.base.units() if hasattr(self.base, "units") else None
+        return None if units is None else np.asarray(units)[self.positions]
 
 
 def hold_out(split: ParquetDataset, fraction: float, seed: int = 0,

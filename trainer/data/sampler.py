@@ -155,3 +155,25 @@ def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     total = int(sizes.sum())
     step_starts = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
     return (np.arange(total, dtype=np.int64) + step_starts).astype(np.int64)
+
+
+def trimmed_positions(example_units: np.ndarray, max_examples_per_unit: int, rng: np.random.Generator) -> np.ndarray:
+    """Sorted positions of the examples kept when each unit keeps at most k =
+    `max_examples_per_unit` of its examples, a uniform random subset (all of them when it has
+    at most k). User-level DP by example sampling (privacy.user_sampling = "examples"): after
+    this, adding or removing one unit changes the training set by at most k examples, whose
+    group the accountant then bounds (`accounting.events.GroupDpEvent`). Which examples a unit
+    keeps depends on nothing but its own count and `rng` (secret: the "user-trim" stream)."""
+    units = np.asarray(example_units, dtype=np.int64)
+    k = int(max_examples_per_unit)
+    if k < 1:
+        raise ValueError(f"max_examples_per_unit must be >= 1, got {max_examples_per_unit!r}")
+    if units.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = np.argsort(units, kind="stable")
+    counts = np.bincount(units)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    keys = rng.random(units.size)  # a random rank within each unit: keep its k smallest
+    ranked = order[np.lexsort((keys[order], units[order]))]
+    rank = np.arange(units.size) - np.repeat(starts, counts)
+    return np.sort(ranked[rank < k]).astype(np.int64)
