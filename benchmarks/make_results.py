@@ -29,7 +29,7 @@ NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "
          "phase_breakdown", "privacy_utility", "calibration_study", "paper_fig1", "privacy_audit",
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line",
          "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive",
-         "noise_generators", "cli_startup")
+         "noise_generators", "cli_startup", "user_level", "user_level_examples", "convert_throughput")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -1197,6 +1197,12 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          _own_section("noise_generators", plot_dir), []),
         ("cli_startup", "16. CLI start-up: help, config errors, privacy commands",
          _own_section("cli_startup", plot_dir), []),
+        ("user_level", "17. User-level privacy on click logs with users: users sampled against example level",
+         _own_section("user_level", plot_dir), []),
+        ("user_level_examples", "18. User-level privacy by example sampling (groups accounted)",
+         _own_section("user_level", plot_dir), []),
+        ("convert_throughput", "19. `convert table` throughput and memory on multi-file logs",
+         _own_section("convert_throughput", plot_dir), []),
     ]
     machines: dict = {}
     body, goals = _render_sections(sections, docs, plots, machines)

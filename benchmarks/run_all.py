@@ -21,11 +21,12 @@ ORDER = ("selection_scaling", "table_scaling", "communication", "privacy_overhea
          "dlrm_compare", "trainer_scaling", "paper_fig1", "privacy_utility", "calibration_study", "privacy_audit",
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line", "sparse_mean_estimation",
          "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive", "noise_generators",
-         "cli_startup")
+         "cli_startup", "user_level", "user_level_examples", "convert_throughput")
 #: Benchmarks that are another script run with extra arguments.
 VARIANTS = {"canary_exposure_kjv": ("canary_exposure.py", ["--kjv"]),
             "canary_exposure_line": ("canary_exposure.py", ["--placement", "line"]),
-            "canary_exposure_kjv_line": ("canary_exposure.py", ["--kjv", "--placement", "line"])}
+            "canary_exposure_kjv_line": ("canary_exposure.py", ["--kjv", "--placement", "line"]),
+            "user_level_examples": ("user_level.py", ["--units", "user-examples", "--no-nonprivate"])}
 
 
 def main(argv=None) -> int:

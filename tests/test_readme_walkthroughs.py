@@ -70,6 +70,28 @@ def test_own_data_walkthrough_runs_as_written(tmp_path):
     assert "error" not in out.stderr.lower(), out.stderr[-3000:]
 
 
+def test_user_logs_walkthrough_runs_as_written(tmp_path):
+    """README "User-level privacy": synthetic logs with users, converted with the last day as the
+    test split, a sparse and a dpsgd try of the shipped user-level configs, export and budget —
+    as printed, in a fresh directory (links to configs/ and .venv/)."""
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / ".venv").symlink_to(VENV)
+    walkthrough = Walkthrough("user-logs")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    out = subprocess.run(["bash", "-c", walkthrough.bash()], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=500)
+    assert out.returncode == 0, f"README walkthrough 'user-logs' failed ({out.returncode}):\n{out.stderr[-5000:]}"
+    for run, mode in (("logs_try", "sparse"), ("logs_dpsgd_try", "dpsgd")):
+        summary = json.loads((tmp_path / "runs" / run / "summary.json").read_text())
+        assert summary["mode"] == mode and summary["privacy_unit"] == "user" and summary["steps"] == 10
+        assert summary["test_split"] == "timestamp>=2026-11-03T00:00:00Z"
+        assert math.isfinite(summary["epsilon"]) and summary["epsilon"] <= summary["target_epsilon"] + 1e-9
+    assert "one user" in (tmp_path / "runs/logs_model/PRIVACY.md").read_text()
+    budget = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["privacy_unit"] for r in budget["runs"]] == ["user", "user"]
+    assert math.isfinite(budget["user_total_epsilon"])
+
+
 def _ctr_config(path: Path, *overrides: str):
     return load_config(str(ROOT / "configs" / "ctr.toml"),
                        [f"data.path={path}", "cluster.backend=local", *overrides]).validate()
