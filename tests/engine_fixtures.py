@@ -185,6 +185,14 @@ def with_examples(ds, examples):
     return MemoryDataset(ds.meta, bags, np.concatenate(dense), np.concatenate(labels))
 
 
+def engine_params(engine):
+    """({table name: full [V_t, D] table}, {dense name: tensor}), read back from the shards."""
+    states = engine.shards.broadcast("state_dict")
+    tables = {t.name: torch.from_numpy(np.concatenate([s["weights"][i] for s in states]))
+              for i, t in enumerate(engine.layout.tables)}
+    return tables, {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+
 def layout_for(ds, num_shards, dim=4):
     m = ds.meta
     return ShardLayout(tuple(TableSpec(t, s, dim) for t, s in m.table_sizes.items()),

@@ -22,6 +22,7 @@ import torch
 from widedp.accounting import make_accountant
 from engine_fixtures import (
     ListSampler,
+    engine_params,
     make_engine,
     poisson_batches,
     tiny_cbow,
@@ -94,14 +95,6 @@ def reference_for(engine, ds, mode, seed=SEED):
     return ReferenceAlg3(ds, engine.model, mode=mode, plan=engine.plan, expected_batch_size=engine.b,
                          lr=LR, dense_lr=DENSE_LR, seed=seed, dim=DIM, init_std=INIT_STD,
                          dense_tables=engine.dense_tables)
-
-
-def engine_params(engine):
-    """({table name: full [V_t, D] table}, {dense name: tensor}), read back from the shards."""
-    states = engine.shards.broadcast("state_dict")
-    tables = {t.name: torch.from_numpy(np.concatenate([s["weights"][i] for s in states]))
-              for i, t in enumerate(engine.layout.tables)}
-    return tables, {n: p.detach().clone() for n, p in engine.model.named_parameters()}
 
 
 def assert_params_close(got, want, rtol=1e-5, atol=1e-5):

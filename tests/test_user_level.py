@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_fixtures import ListSampler, make_engine, wide_ctr, with_examples
+from engine_fixtures import ListSampler, engine_params, make_engine, wide_ctr, with_examples
 from reference_alg3 import ReferenceAlg3
 from widedp.trainer.data.sampler import UnitPoissonSampler, unit_indices
 from widedp.trainer.trainer_role import TrainerRole, UnitSample, rows_by_unit
@@ -74,13 +74,6 @@ def build(ds, units, batches, mode, selection, *, num_shards=1, num_trainers=1, 
                        lr=LR, dense_lr=DENSE_LR, init_std=INIT_STD, sampler=ListSampler(batches),
                        second_clip=second_clip, num_trainers=num_trainers, selection_on_shards=selection_on_shards,
                        plan_overrides=overrides, example_units=units if example_units == "given" else example_units)
-
-
-def engine_params(engine):
-    states = engine.shards.broadcast("state_dict")
-    tables = {t.name: torch.from_numpy(np.concatenate([s["weights"][i] for s in states]))
-              for i, t in enumerate(engine.layout.tables)}
-    return tables, {n: p.detach().clone() for n, p in engine.model.named_parameters()}
 
 
 def max_difference(got, want) -> float:
