@@ -10,16 +10,39 @@ multiplier of any mechanism the caller describes as σ ↦ event (in the manner 
 trained model actually leaks is measured beside this package, in `auditing`.
 """
 
-from widedp.accounting.base import (
-    ACCOUNTANTS,
-    Accountant,
-    InvalidBoundError,
-    UnsupportedEventError,
-    make_accountant,
-)
-from widedp.accounting.calibration import UnreachableTargetError, calibrate, step_event, svt_event
-from widedp.accounting.events import NeighboringRelation
-from widedp.accounting.ledger import PrivacyLedger
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from widedp.accounting.base import (
+        ACCOUNTANTS,
+        Accountant,
+        InvalidBoundError,
+        UnsupportedEventError,
+        make_accountant,
+    )
+    from widedp.accounting.calibration import UnreachableTargetError, calibrate, step_event, svt_event
+    from widedp.accounting.events import NeighboringRelation
+    from widedp.accounting.ledger import PrivacyLedger
+
+# Each name is imported from its module on first use (PEP 562), so importing one module of the
+# package (`widedp.accounting.events` in a shard actor) does not import the others.
+_HOMES = {
+    "ACCOUNTANTS": "base",
+    "Accountant": "base",
+    "InvalidBoundError": "base",
+    "UnsupportedEventError": "base",
+    "make_accountant": "base",
+    "UnreachableTargetError": "calibration",
+    "calibrate": "calibration",
+    "step_event": "calibration",
+    "svt_event": "calibration",
+    "NeighboringRelation": "events",
+    "PrivacyLedger": "ledger",
+}
 
 __all__ = [
     "ACCOUNTANTS",
@@ -34,3 +57,19 @@ __all__ = [
     "step_event",
     "svt_event",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        # A submodule read as an attribute (`widedp.accounting.base`), as when this file imported them all.
+        if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

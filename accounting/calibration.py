@@ -41,8 +41,6 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional, Sequence, Union
 
-from scipy import optimize
-
 from widedp.accounting import events as ev
 from widedp.accounting.base import Accountant, InvalidBoundError, make_accountant
 from widedp.accounting.paper import advanced_composition
@@ -159,6 +157,8 @@ def bisect_increasing(f: Callable[[float], float], target: float, lo: float, hi:
         if hi >= ceiling:
             return hi
         lo, hi = hi, min(hi * 100, ceiling)
+    from scipy import optimize  # loaded when something is calibrated, not with svt_event / step_event
+
     x = math.exp(optimize.brentq(lambda t: f(math.exp(t)) - target, math.log(lo), math.log(hi), xtol=log_xtol,
                                  rtol=min(1e-12, log_xtol)))
     for i in range(60):  # brentq may land a hair above the crossing
@@ -195,6 +195,8 @@ def refine_increasing(f: Callable[[float], float], target: float, lo: float, f_l
             return hi
         lo, hi = hi, min(hi * ratio, ceiling)
         ratio *= ratio
+    from scipy import optimize  # loaded when something is calibrated, not with svt_event / step_event
+
     optimize.brentq(lambda x: value(x) - target, lo, hi, xtol=lo * rtol, rtol=1e-14)
     return max(x for x, v in seen.items() if v <= target)
 

@@ -21,6 +21,10 @@ import math
 from typing import Any, ClassVar, Iterator, Optional
 
 import attr
+
+# dp_accounting's event modules without its package __init__ (the whole library, ~1-2 s): a
+# process that only builds or records events never loads PLD/RDP or scipy.signal/stats.
+from widedp.accounting import _dp_event_light  # noqa: F401  (must precede the dp_accounting imports)
 # Re-exported so users of widedp need one import for every event type. Imported by name (not
 # assigned to variables) so type checkers see classes usable in annotations and as base classes.
 from dp_accounting.dp_event import (

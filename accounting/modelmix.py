@@ -97,9 +97,10 @@ from typing import ClassVar, Sequence
 
 import attr
 import numpy as np
+
+from widedp.accounting import _dp_event_light  # noqa: F401  (the event classes without dp_accounting's __init__)
 from dp_accounting.dp_event import DpEvent
 from dp_accounting.privacy_accountant import NeighboringRelation
-from scipy import special
 
 #: Relative slack added to every M_j upper bound for floating-point rounding (each cell's bound
 #: is a handful of exp/log operations in float64, relative error ≲ 1e-13).
@@ -151,6 +152,7 @@ _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 def _log_q(x: np.ndarray, sigma: float, w: float) -> np.ndarray:
     """log of Q = N(0, σ²) ⊛ U(0, w) (w > 0): (Φ(x/σ) − Φ((x−w)/σ))/w, stable in log space.
     Q is symmetric about w/2, so evaluate at min(x, w−x) where both Φ arguments are ≤ w/(2σ)."""
+    from scipy import special  # scipy.special loads when a bound is computed, not with the event class
     y = np.minimum(x, w - x)
     la = special.log_ndtr(y / sigma)
     lb = special.log_ndtr((y - w) / sigma)
@@ -159,6 +161,7 @@ def _log_q(x: np.ndarray, sigma: float, w: float) -> np.ndarray:
 
 def _dlog_q(x: np.ndarray, sigma: float, w: float) -> np.ndarray:
     """(log Q)'(x) = (φ(a) − φ(b)) / (σ (Φ(a) − Φ(b))), a = x/σ, b = (x−w)/σ; odd about w/2."""
+    from scipy import special  # scipy.special loads when a bound is computed, not with the event class
     y = np.minimum(x, w - x)
     sign = np.where(x <= w - x, 1.0, -1.0)
     a, b = y / sigma, (y - w) / sigma
@@ -207,6 +210,7 @@ def _cells_log_upper(x: np.ndarray, j: int, sigma: float, w: float, delta: float
 
 
 def _log_tails(j: int, sigma: float, w: float, delta: float, a0: float, b0: float) -> tuple[float, float]:
+    from scipy import special  # scipy.special loads when a bound is computed, not with the event class
     log_l_a0 = float(_log_q(np.array([a0 - delta]), sigma, w)[0] - _log_q(np.array([a0]), sigma, w)[0])
     left = float(special.log_ndtr((a0 - delta) / sigma)) + (j - 1) * log_l_a0
     s = delta + w
@@ -222,6 +226,7 @@ def log_moment_upper(j: int, sigma: float, w: float, delta: float, refine: int =
     non-negligible mass (bound ≥ max cell bound − 40 in log) are split into `refine` equal
     sub-cells. `refine` must be a power of 2 so that larger values are nested refinements (which
     never report more)."""
+    from scipy import special  # scipy.special loads when a bound is computed, not with the event class
     if j in (0, 1):
         return 0.0
     if w == 0:
@@ -279,6 +284,7 @@ def modelmix_rdp(event: ModelMixDpEvent, q: float, orders: Sequence[float], refi
     above) and the addition-direction bound; every order is capped by the sampled Gaussian's curve
     (other orders get just that; w = 0 is exactly it). With `directions`, also returns the two
     uncapped curves (+∞ at fractional orders)."""
+    from scipy import special  # scipy.special loads when a bound is computed, not with the event class
     from opacus.accountants.analysis import rdp as opacus_rdp
 
     orders_arr = np.asarray(orders, dtype=np.float64)

@@ -343,8 +343,14 @@ def text_dataset(vocab: int, examples: int, seed: int = 0) -> Path:
 # ---- the engine step timer (runs inside a worker) -------------------------------------------------
 
 #: Explicit privacy parameters for timing runs: timings do not depend on their values, and an
-#: explicit σ avoids a calibration per configuration. The target ε is never reached.
+#: explicit σ avoids a calibration per configuration. The target ε is never reached. That
+#: includes the one-time Gaussians' σ — DP-FEST's count (fest, fest-threshold) and
+#: train.recalibrate's histogram (after training, never timed): their "auto" rules calibrate a
+#: Gaussian to a share of the 1e12 target, i.e. at the PLD grid's ceiling
+#: (accounting.calibration.RHO_CEILING_GRID), ~10 s each of a worker's start-up (twice for
+#: FEST with a threshold: `default_selection_threshold` plans the run too).
 TIMING_PRIVACY = ["privacy.noise_multiplier=1.0", "privacy.selection_epsilon=0.1", "privacy.selection_sigma=2.0",
+                  "privacy.fest_noise_multiplier=1.0", "privacy.recalibration_noise_multiplier=1.0",
                   "privacy.target_epsilon=1e12"]
 
 
@@ -559,3 +565,18 @@ def set_aside_stale_run(run_dir: Path) -> Optional[Path]:
     run_dir.rename(aside)
     print(f"  {run_dir}: its config changed; the old run is kept as {aside.name}")
     return aside
+
+
+def train_or_reuse(cfg, run_dir: Path, fresh: bool) -> tuple[dict, bool]:
+    """(summary.json, reused): the run in `run_dir` when its saved config computes the same run
+    as `cfg` (keys of placement, logging and recovery may differ:
+    trainer/train.py:changed_computation_keys) and not `fresh`; else a new run there, the old
+    one set aside (`set_aside_stale_run`). Training errors propagate (the caller records them)."""
+    from widedp.trainer.train import changed_computation_keys, train
+
+    summary_path, saved = Path(run_dir) / "summary.json", Path(run_dir) / "config.json"
+    if (not fresh and summary_path.exists() and saved.exists()
+            and not changed_computation_keys(json.loads(saved.read_text()), json.loads(json.dumps(cfg.to_dict())))):
+        return json.loads(summary_path.read_text()), True
+    set_aside_stale_run(run_dir)
+    return train(cfg, run_dir, progress=False), False

@@ -56,7 +56,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (announce_machine, DATA_DIR, REPO, default_selection_threshold, format_table,
-                     set_aside_stale_run, write_results)
+                     train_or_reuse, write_results)
 
 DATASETS = {"criteo_like": "configs/ctr_criteo_like.toml", "heavytail": "configs/ctr_heavytail.toml",
             "ctr": "configs/ctr.toml", "cbow": "configs/cbow.toml"}
@@ -99,7 +99,6 @@ def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, ove
             fresh: bool, accountants: bool, tuning_dir: Optional[Path] = None) -> dict:
     from widedp.trainer.config import load_config
     from widedp.trainer.report import ledger_accounting
-    from widedp.trainer.train import changed_computation_keys, train
 
     name = mode + (f"-{selection}" if selection else "") + (f"-eps{eps:g}" if eps is not None else "") + f"-seed{seed}"
     run_dir = root / dataset / name
@@ -118,23 +117,15 @@ def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, ove
               "run_dir": str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir),
               "config": variant(config, mode), "threshold_rule": rule, "tuned": tuned, "tuned_from": tuned_from,
               "tuned_for_epsilon": cfg.tuned_for_epsilon}
-    summary_path = run_dir / "summary.json"
-    saved = run_dir / "config.json"
     t0 = time.perf_counter()
-    # Reused when the saved config computes the same run (keys of placement, logging and
-    # recovery may differ: trainer/train.py:changed_computation_keys).
-    if (not fresh and summary_path.exists() and saved.exists()
-            and not changed_computation_keys(json.loads(saved.read_text()), json.loads(json.dumps(cfg.to_dict())))):
-        summary = json.loads(summary_path.read_text())
+    try:
+        summary, reused = train_or_reuse(cfg, run_dir, fresh)
+    except Exception as exc:  # one failed point must not lose the grid
+        record["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        print(f"  {dataset} {name}: FAILED: {record['error']}")
+        return record
+    if reused:
         record["reused"] = True
-    else:
-        set_aside_stale_run(run_dir)
-        try:
-            summary = train(cfg, run_dir, progress=False)
-        except Exception as exc:  # one failed point must not lose the grid
-            record["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            print(f"  {dataset} {name}: FAILED: {record['error']}")
-            return record
     record["wall_s"] = time.perf_counter() - t0
     for key in ("epsilon", "delta", "steps", "stopped_by_budget", "test_metrics", "bayes_auc", "noise_multiplier",
                 "selection_epsilon", "k", "examples_per_sec", "step_time_ms_median", "rows_selected_mean",

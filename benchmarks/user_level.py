@@ -60,7 +60,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO, announce_machine, set_aside_stale_run, write_results  # noqa: E402
+from _common import REPO, announce_machine, train_or_reuse, write_results  # noqa: E402
 
 CONFIGS = {"sparse": "configs/logs.toml", "dpsgd": "configs/logs_dpsgd.toml", "nonprivate": "configs/logs.toml"}
 TRAIN_SEED = 0
@@ -146,8 +146,6 @@ def truth_reference(truth_path: Optional[Path]) -> dict:
 def run_one(spec: dict, root: Path, fresh: bool) -> dict:
     """Train one grid point (or reuse its run); the record of summary.json's numbers."""
     from widedp.trainer.config import load_config
-    from widedp.trainer.train import changed_computation_keys, train
-
     mode, unit, eps = spec["mode"], spec["unit"], spec["target_epsilon"]
     name = "nonprivate" if mode == "nonprivate" else f"{mode}-{unit}-eps{eps:g}"
     run_dir = root / name
@@ -161,20 +159,15 @@ def run_one(spec: dict, root: Path, fresh: bool) -> dict:
               "expected_examples_per_step": spec["expected_examples_per_step"], "lr": cfg.train.lr,
               "dense_lr": cfg.train.dense_lr, "lr_scale": spec["lr_scale"],
               "run_dir": str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir)}
-    summary_path, saved = run_dir / "summary.json", run_dir / "config.json"
     t0 = time.perf_counter()
-    if (not fresh and summary_path.exists() and saved.exists()
-            and not changed_computation_keys(json.loads(saved.read_text()), json.loads(json.dumps(cfg.to_dict())))):
-        summary = json.loads(summary_path.read_text())
+    try:
+        summary, reused = train_or_reuse(cfg, run_dir, fresh)
+    except Exception as exc:  # one failed point must not lose the grid
+        record["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        print(f"  {name}: FAILED: {record['error']}")
+        return record
+    if reused:
         record["reused"] = True
-    else:
-        set_aside_stale_run(run_dir)
-        try:
-            summary = train(cfg, run_dir, progress=False)
-        except Exception as exc:  # one failed point must not lose the grid
-            record["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            print(f"  {name}: FAILED: {record['error']}")
-            return record
     record["wall_s"] = time.perf_counter() - t0
     for key in ("privacy_unit", "epsilon", "delta", "noise_multiplier", "sample_rate", "expected_batch_size", "steps",
                 "stopped_by_budget", "test_metrics", "step_time_ms_median", "phase_ms_median", "rows_selected_mean",

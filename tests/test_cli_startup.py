@@ -71,6 +71,65 @@ def test_the_import_probe_sees_a_heavy_command(tmp_path):
     assert code == 0 and "dp_accounting" in loaded
 
 
+#: What only an accountant computing ε needs: dp_accounting's package __init__ (all of the library)
+#: and the scipy it pulls in. A shard or trainer actor builds events (selection) and never computes ε.
+ACCOUNTANT_MODULES = ("dp_accounting", "dp_accounting.pld", "dp_accounting.rdp", "dp_accounting.mechanism_calibration",
+                      "opacus")
+SCIPY_OF_ACCOUNTANTS = ("scipy.signal", "scipy.stats", "scipy.optimize")
+
+_ACTOR_PROBE = """
+import json, sys
+watched = {watched!r}
+seen = {{}}
+for module in ("widedp.trainer.shard", "widedp.trainer.trainer_role"):  # the actor classes' modules (Ray workers)
+    __import__(module)
+    seen[module] = sorted(m for m in watched if m in sys.modules)
+light = sorted(m for m in sys.modules if m.startswith("dp_accounting."))
+import dp_accounting
+from dp_accounting.pld import pld_privacy_accountant
+from widedp.accounting import events as ev
+event = ev.PoissonSampledDpEvent(0.01, ev.GaussianDpEvent(1.0))
+same = {{"GaussianDpEvent": dp_accounting.GaussianDpEvent is ev.GaussianDpEvent,
+        "DpEvent": dp_accounting.DpEvent is ev.DpEvent,
+        "NeighboringRelation": dp_accounting.NeighboringRelation is ev.NeighboringRelation,
+        "dp_event module": dp_accounting.dp_event is sys.modules["dp_accounting.dp_event"],
+        "accepted": pld_privacy_accountant.PLDAccountant().supports(event)}}
+print(json.dumps([seen, light, same]))
+"""
+
+
+def test_actor_modules_load_the_event_classes_but_no_accountant(tmp_path):
+    """A Ray actor (shard, trainer) imports its class's module in a fresh worker. The events it
+    builds come from dp_accounting's event modules alone (accounting/_dp_event_light.py): the
+    package __init__, which imports PLD, RDP, mechanism calibration and scipy.signal/stats/
+    optimize (~1-2 s per actor), runs only when something computes ε. Later the full import
+    binds the same classes, so dp_accounting's accountants take our events."""
+    probe = tmp_path / "actor_probe.py"
+    probe.write_text(_ACTOR_PROBE.format(watched=list(ACCOUNTANT_MODULES + SCIPY_OF_ACCOUNTANTS)))
+    done = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen, light, same = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["widedp.trainer.shard"] == [], seen
+    # trainer_role's models import torchmetrics, which imports scipy.signal/stats itself: only the accountants here
+    assert [m for m in seen["widedp.trainer.trainer_role"] if m in ACCOUNTANT_MODULES] == [], seen
+    assert light == ["dp_accounting.dp_event", "dp_accounting.dp_event_builder", "dp_accounting.privacy_accountant"]
+    assert all(same.values()), same
+
+
+def test_the_lazy_accounting_package_exports_every_name_from_its_module():
+    """widedp.accounting imports its names on first use (so that `widedp.accounting.events` alone
+    stays light): each name of __all__ resolves, to the object its module defines."""
+    import importlib
+
+    import widedp.accounting as accounting
+
+    assert sorted(accounting._HOMES) == sorted(accounting.__all__)
+    for name, home in accounting._HOMES.items():
+        assert getattr(accounting, name) is getattr(importlib.import_module(f"widedp.accounting.{home}"), name), name
+    with pytest.raises(AttributeError, match="no attribute 'nosuch'"):
+        getattr(accounting, "nosuch")
+
+
 def test_config_errors_are_reported_before_torch_and_ray_load(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[train]\nstepz = 3\n")
