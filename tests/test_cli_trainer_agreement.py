@@ -51,6 +51,7 @@ def _engine_step_event(cfg, plan, info):
     engine = Engine.__new__(Engine)
     engine.mode, engine.q, engine.plan = cfg.train.mode, info.sample_rate, plan
     engine.selects = cfg.train.mode == "sparse"  # every table selected (no dense table in these plans)
+    engine.group_size = info.group_size or 1  # user level by example sampling charges groups
     return engine._step_event()
 
 
