@@ -556,7 +556,10 @@ def test_ray_matches_in_process(ray_cluster, num_shards, mode, selection, num_tr
 
 # (N trainers as Ray actors, S shards, selection): threshold on the shards, em on the coordinator
 # (the count-free path); the in-process N x S grid is test_data_parallel_trainers_times_shards_...
-ACTOR_CASES = [(2, 3, "em"), (3, 2, "threshold"), (2, 2, "adaptive-threshold")]
+# "-users": user level (privacy.unit = "user"): each trainer actor gets its units' examples
+# (`UnitSample`) and asks the shard actors for per-unit norms, DP-STAT counting units
+# (tests/test_user_level.py holds the in-process run to the per-unit reference).
+ACTOR_CASES = [(2, 3, "em"), (3, 2, "threshold"), (2, 2, "adaptive-threshold-users")]
 
 
 def _in_process_run(ds, batches, **kw):
@@ -582,38 +585,21 @@ def test_trainer_actors_calling_shard_actors_equal_the_in_process_engine(ray_clu
     ds = dataset()
     batches = batches_with_crafted(ds, 3)
     adaptive = selection.startswith("adaptive-")
-    selection = selection.removeprefix("adaptive-")
+    users = selection.endswith("-users")
+    selection = selection.removeprefix("adaptive-").removesuffix("-users")
     kw = dict(mode="sparse", selection=selection, num_shards=num_shards, second_clip=S2, num_trainers=num_trainers,
               selection_on_shards=selection == "threshold",
               overrides={"clip_norm": None, "adaptive_clip": AdaptiveClip(0.01, 10, 0.5)} if adaptive else None)
+    if users:
+        from test_user_level import dataset_and_units, unit_batches
+
+        ds, units = dataset_and_units()
+        batches = unit_batches(units, 3)
+        kw["example_units"] = units
     want = _in_process_run(ds, batches, **kw)
     engine = build(ds, batches, backend="ray", trainer_actors=True, **kw)
     try:
         assert isinstance(engine.trainers, RayTrainers)
-        stats = [engine.step() for _ in batches]
-        got = (engine_params(engine), engine.ledger.state_dict(), engine.shard_traffic(),
-               [(s.batch_size, s.rows_touched, s.rows_selected, s.loss) for s in stats])
-    finally:
-        engine.shutdown()
-    assert_params_equal(got[0], want[0])
-    assert got[1:] == want[1:]
-
-
-@ON_THE_MODULES_RAY
-def test_user_level_trainer_actors_equal_the_in_process_engine(ray_cluster):
-    """User level on Ray: each trainer actor gets its units' examples (`UnitSample`), per-unit
-    norms from the shard actors, DP-STAT's per-unit counts around S1 — the in-process run bit
-    for bit (tests/test_user_level.py holds the in-process run to the per-unit reference)."""
-    from test_user_level import dataset_and_units, unit_batches
-    from widedp.trainer.adaptive_clip import AdaptiveClip
-
-    ds, units = dataset_and_units()
-    batches = unit_batches(units, 3)
-    kw = dict(mode="sparse", selection="threshold", num_shards=2, num_trainers=2, selection_on_shards=True,
-              example_units=units, overrides={"clip_norm": None, "adaptive_clip": AdaptiveClip(0.01, 10, 0.5)})
-    want = _in_process_run(ds, batches, **kw)
-    engine = build(ds, batches, backend="ray", trainer_actors=True, **kw)
-    try:
         stats = [engine.step() for _ in batches]
         got = (engine_params(engine), engine.ledger.state_dict(), engine.shard_traffic(),
                [(s.batch_size, s.rows_touched, s.rows_selected, s.loss) for s in stats])

@@ -18,9 +18,11 @@ from widedp.trainer.data.dataset import open_dataset
 from widedp.trainer.planning import default_delta
 from widedp.trainer.run_outputs import CAVEAT_UNIT_COLUMN, CAVEAT_USER_LEVEL
 
+# RDP calibrates in ~1 s where auto (PLD) takes ~10 s: the accountant is not what these runs test
+# (example sampling, which needs PLD, and the audits set "auto" back).
 SMALL = ["model.embedding_dim=4", "model.bottom_mlp=[8]", "model.top_mlp=[8]", "train.batch_size=64",
          "train.steps=6", "train.log_every=3", "train.checkpoint_every=3", "privacy.k=50", "cluster.backend=local",
-         "cluster.num_shards=2", "privacy.target_epsilon=3"]
+         "cluster.num_shards=2", "privacy.target_epsilon=3", "privacy.accountant=rdp"]
 USER = ["privacy.unit=user", "privacy.max_examples_per_user=4"]
 
 
@@ -90,7 +92,7 @@ def test_user_level_needs_a_unit_column_and_refuses_per_example_coordinate_clipp
 # q ≈ ½ of ~600 real users + ~500 member canary users, 10 steps, σ = 5, plain SGD, DP-SGD.
 AUDIT = [*SMALL, "privacy.unit=user", "privacy.max_examples_per_user=8", "train.mode=dpsgd", "train.steps=10",
          "train.batch_size=560", "privacy.noise_multiplier=5", "train.optimizer=sgd", "train.recalibrate=false",
-         "privacy.target_epsilon=100"]
+         "privacy.target_epsilon=100", "privacy.accountant=auto"]
 
 
 def test_the_user_level_audit_passes_and_catches_a_run_that_clips_each_example(user_logs_dir):
@@ -118,7 +120,8 @@ def test_user_level_by_example_sampling_keeps_k_examples_per_user_and_charges_gr
     kept = int(np.minimum(per_user, 4).sum())
     assert kept < len(train_split)  # some users lose examples
     summary = _cli(capsys, "train", "--no-progress", "--run-dir", str(tmp_path / "run"),
-                   *_sets(user_logs_dir, *USER, "privacy.user_sampling=examples", "train.mode=dpsgd"))
+                   *_sets(user_logs_dir, *USER, "privacy.user_sampling=examples", "train.mode=dpsgd",
+                          "privacy.accountant=auto"))
     assert summary["privacy_unit"] == "user" and CAVEAT_USER_LEVEL_BY_EXAMPLES in summary["privacy_caveats"]
     assert summary["user_level"] == {"users": users.size, "max_examples_per_user": 4, "user_sampling": "examples",
                                      "group_size": 4, "training_examples": kept}
