@@ -507,11 +507,25 @@ def cpu_note(machine: dict) -> str:
 
 
 def ensure_config_dataset(config: str, overrides: Sequence[str] = ()) -> str:
-    """Generate the config's synthetic data set now (in the parent), so workers only read it."""
+    """Generate the config's synthetic data set now (in the parent), so workers only read it.
+
+    A data.path without a data set gets the config's `data.synth` set here exactly as
+    trainer/train.py:_ensure_dataset generates it first (`SYNTHETIC_DATASETS[...].generate`),
+    without importing the trainer (torch, torchrec, the engine: ~5-10 s of CPU that a parent
+    which only launches workers does not otherwise spend); the workers open it through
+    `_ensure_dataset` in `build_run`. An existing data set (or a config without data.synth)
+    goes through `_ensure_dataset` here, which checks that a cached synthetic set is the one
+    the config asks for, so a stale cache is refused before any worker starts."""
     from widedp.trainer.config import load_config
-    from widedp.trainer.train import _ensure_dataset
+    from widedp.trainer.data.generators import SYNTHETIC_DATASETS
 
     cfg = load_config(config, list(overrides))
+    synthetic = SYNTHETIC_DATASETS.get(cfg.data.synth) if cfg.data.synth else None
+    if synthetic is not None and not (Path(cfg.data.path) / "dataset.json").exists():
+        synthetic.generate(Path(cfg.data.path), cfg.data)
+        return cfg.data.path
+    from widedp.trainer.train import _ensure_dataset
+
     _ensure_dataset(cfg)
     return cfg.data.path
 

@@ -55,7 +55,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (announce_machine, DATA_DIR, REPO, default_selection_threshold, format_table,
+from _common import (announce_machine, DATA_DIR, REPO, default_selection_threshold, ensure_config_dataset, format_table,
                      train_or_reuse, write_results)
 
 DATASETS = {"criteo_like": "configs/ctr_criteo_like.toml", "heavytail": "configs/ctr_heavytail.toml",
@@ -183,10 +183,7 @@ def _run_job(job: tuple) -> dict:
 
 def _prepare_data(config: str, overrides: list) -> None:
     """Generate (or check) the data set of `config` before parallel runs read it."""
-    from widedp.trainer.config import load_config
-    from widedp.trainer.train import _ensure_dataset
-
-    _ensure_dataset(load_config(config, overrides))
+    ensure_config_dataset(config, overrides)
 
 
 def aggregate(records: list) -> list:
