@@ -57,7 +57,8 @@ CAVEAT_USER_LEVEL_BY_EXAMPLES = (
     "privacy.max_examples_per_user of their examples (a secret random subset, chosen once); the steps are "
     "example-level DP-SGD and every event is accounted for a group of that many examples (the PLD of the mixture "
     "of Gaussians, Ganesh 2024). ε and δ hold for adding or removing one user with all of their examples; δ's "
-    "default is over users, whose number is treated as public like n.")
+    "default is over users, whose number is treated as public like n, and so is the number of kept examples "
+    "(sample_rate = b / kept examples reveals it; summary user_level.training_examples states it).")
 CAVEAT_VALIDATION_SPLIT = ("validation_metrics are computed on the validation split (data.validation_fraction of "
                            "the training data, held out and never trained on); ε covers the remaining training "
                            "examples only, and validation_metrics, like test_metrics, are not covered by ε; "
