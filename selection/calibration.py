@@ -162,6 +162,7 @@ def calibrate(
     extra_history: Optional[list] = None,
     noise_event: Callable[[float], ev.DpEvent] = ev.GaussianDpEvent,
     group_size: int = 1,
+    unit_history: Optional[list] = None,
 ) -> Calibration:
     """Noise multiplier (and selector parameters) spending at most target_epsilon at delta over
     `steps` steps of `selection` at `sample_rate` (`SplitStep`, through `accounting.calibrate`).
@@ -173,7 +174,9 @@ def calibrate(
     `svt_release_values`: NumericSparse mode for selection 'svt' (default False: selection-only,
     as the trainer runs it). `selection_delta`: SVT's δ (default `delta`). `group_size` k > 1:
     every event (the steps and `extra_history`) accounted for groups of k examples
-    (`accounting.events.GroupDpEvent`: user-level DP by example sampling).
+    (`accounting.events.GroupDpEvent`: user-level DP by example sampling). `unit_history`:
+    events charged as they are whatever `group_size` (their mechanisms already bound one
+    whole group, e.g. per-user data statistics).
 
     Raises `UnreachableTargetError` (a ValueError naming `target_epsilon` and the smallest ε
     reachable) when even the least budget tried, `RHO_FLOOR`, spends more than the target."""
@@ -186,12 +189,12 @@ def calibrate(
     if accountant == "paper":
         if noise_event is not ev.GaussianDpEvent:
             raise UnsupportedEventError("paper accountant: Theorem 3 covers Gaussian noise only")
-        if extra_history:
+        if extra_history or unit_history:
             raise UnsupportedEventError("paper accountant: Theorem 3 covers only T identical steps")
         return _calibrate_paper(acc, target_epsilon, delta, sample_rate, steps, step.selector, selection, fraction, k)
     if group_size != 1 and accountant == "paper":
         raise UnsupportedEventError("paper accountant: Theorem 3 covers one example, not groups")
-    extra = [(ev.grouped(e, group_size), c) for e, c in (extra_history or [])]
+    extra = [(ev.grouped(e, group_size), c) for e, c in (extra_history or [])] + list(unit_history or [])
     sigma_total, spent = cal.calibrate_with_epsilon(lambda s: ev.grouped(step(s), group_size), target_epsilon, delta,
                                                     accountant=acc, steps=steps, extra_history=extra)
     event, sigma, params = step.parts(sigma_total)  # `step(sigma_total)` is the event whose ε was `spent`

@@ -148,3 +148,192 @@ def _iso(seconds: int) -> str:
     import datetime as dt
 
     return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+
+
+# ---- per user (a data set with a unit column) ------------------------------------------------------
+# Each user adds the mean of their examples' vectors (weights 1/m_u): one user moves the sums by
+# ≤ Δ however many examples they have. Audit: D adds a user of M examples, every one at the top of
+# the ranges, whose mean vector is (1, …, 1): the shift is again Δ along v, the same optimal event
+# at the claimed ε. The broken variant weights each example 1 (the per-example sums, claimed per
+# user): that user then moves the sums by M·Δ and the audit must see it.
+M = 5
+
+
+def _users(rng, users: int):
+    per_user = rng.integers(1, 9, users)
+    units = np.repeat(np.arange(users) * 7919 + 11, per_user)  # sparse, unordered-looking ids
+    values = np.stack([rng.uniform(r.lo, r.hi, units.size) for r in RANGES], axis=1)
+    order = rng.permutation(units.size)  # a user's examples are spread over the input
+    return units[order], values[order]
+
+
+def _user_sums(units, values, per_example: bool = False):
+    if per_example:
+        return dps.moment_sums(dps.normalized(values, RANGES))
+    counts = dps.UnitCounts()
+    counts.add(units)
+    return dps.moment_sums(dps.normalized(values, RANGES), counts.weights(units))
+
+
+def _user_audit(per_example: bool, seed: int):
+    units, values = _users(np.random.default_rng(6), 30)
+    heavy = np.full(M, -1)  # the added user: M examples at the top of every range
+    extreme = np.tile([[r.hi for r in RANGES]], (M, 1))
+    d_prime = _user_sums(units, values, per_example)
+    d = _user_sums(np.concatenate([units, heavy]), np.concatenate([values, extreme]), per_example)
+    delta_l2 = dps.sensitivity(len(RANGES))
+    unit = np.ones_like(d) / np.sqrt(d.size)
+    np.testing.assert_allclose(d - d_prime, unit * delta_l2 * (M if per_example else 1), atol=1e-9)
+    t = SIGMA * delta_l2 * gaussian_optimal_threshold(EPS, 1.0 / SIGMA)
+    counts = []
+    for sums, key in ((d, seed), (d_prime, seed + 1)):
+        rng = NoiseKey(key).generator()
+        hits = sum(float((dps.noisy_moment_sums(sums, SIGMA, rng) - d_prime) @ unit) >= t for _ in range(TRIALS))
+        counts.append(EventCounts(hits, TRIALS))
+    return epsilon_lower_bound(counts[0], counts[1], delta=gaussian_delta(EPS, 1.0 / SIGMA))
+
+
+def test_the_per_user_release_passes_the_audit_with_a_user_of_many_extreme_examples():
+    result = _user_audit(per_example=False, seed=911)
+    print(f"\n[privacy audit] per-user DP standardization statistics real: {result}")
+    assert result.eps_lb <= EPS, str(result)
+    assert result.eps_lb > EPS - 0.35, f"audit no longer near-tight: {result}"
+
+
+def test_per_example_sums_claimed_per_user_are_caught():
+    result = _user_audit(per_example=True, seed=911)
+    print(f"\n[privacy audit] per-user DP standardization statistics broken (per-example sums): {result}")
+    assert result.eps_lb > EPS, str(result)
+
+
+def test_no_user_and_no_single_example_moves_the_per_user_sums_by_more_than_the_sensitivity():
+    """The module's two bounds, checked on every neighbour of a data set with users: removing a
+    whole user, and removing one example of a user (the event also holds at example level),
+    including the adversarial pair of one example at each end of the ranges."""
+    rng = np.random.default_rng(8)
+    units, values = _users(rng, 40)
+    corners = np.array([[r.hi for r in RANGES], [r.lo for r in RANGES]])  # one user: (1, 1) and (−1, 1) per column
+    units, values = np.concatenate([units, [-5, -5]]), np.concatenate([values, corners])
+    full = _user_sums(units, values)
+    delta_l2 = dps.sensitivity(len(RANGES))
+    moves_user = [np.linalg.norm(full - _user_sums(units[units != u], values[units != u])) for u in np.unique(units)]
+    keep = np.ones(units.size, dtype=bool)
+    moves_example = []
+    for i in range(units.size):
+        keep[i] = False
+        moves_example.append(np.linalg.norm(full - _user_sums(units[keep], values[keep])))
+        keep[i] = True
+    assert max(moves_user) <= delta_l2 + 1e-9 and max(moves_example) <= delta_l2 + 1e-9
+    # the pair's move is (v_x − v_o)/2 = (1, 0) per column: √F, half the room of √(2F) … not 0
+    assert max(moves_example) >= math.sqrt(len(RANGES)) - 1e-9
+
+
+def test_unit_counts_agree_with_a_counter_over_many_merges():
+    from collections import Counter
+
+    rng = np.random.default_rng(9)
+    chunks = [rng.integers(-(1 << 40), 1 << 40, 30_000) for _ in range(4)]
+    chunks += [rng.choice(chunks[0], 20_000) for _ in range(3)]  # repeats across chunks
+    counts, reference = dps.UnitCounts(), Counter()
+    for c in chunks:
+        counts.add(c)
+        reference.update(c.tolist())
+    everything = np.concatenate(chunks)
+    assert counts.num_units == len(reference) and counts.num_examples == everything.size
+    np.testing.assert_array_equal(counts.weights(everything), [1.0 / reference[u] for u in everything.tolist()])
+    missing = max(reference) + 1
+    with pytest.raises(ValueError, match=f"unit {missing} was not counted"):
+        counts.weights(np.array([missing]))
+
+
+USER_SCHEMA = """
+format = "parquet"
+label = "y"
+unit = "user"
+timestamp = "ts"
+statistics_noise_multiplier = 0.001
+[dense.age]
+transform = ["clip", "standardize"]
+clip = [0, 100]
+[categorical.item]
+hash_size = 16
+"""
+
+
+def _heavy_user_table(tmp_path):
+    """One user holds half the examples, all aged 90; 500 light users of 1–2 examples near 30:
+    the users' mean (≈ 30) and the examples' mean (≈ 60) tell which one was released."""
+    rng = np.random.default_rng(4)
+    light = np.repeat(np.arange(1, 501), rng.integers(1, 3, 500))
+    units = np.concatenate([light, np.zeros(light.size, dtype=np.int64)])
+    age = np.concatenate([rng.normal(30, 5, light.size), np.full(light.size, 90.0)])
+    order = rng.permutation(units.size)  # time order: users interleaved, some only in the last 10%
+    units, age = units[order], age[order]
+    n = units.size
+    pq.write_table(pa.table({"y": rng.integers(0, 2, n), "age": age, "item": rng.integers(0, 50, n),
+                             "user": units.astype(np.int64), "ts": 1_700_000_000 + np.arange(n)}),
+                   tmp_path / "in.parquet")
+    (tmp_path / "schema.toml").write_text(USER_SCHEMA)
+    return units, age
+
+
+def test_with_a_unit_column_the_converter_releases_per_user_statistics(tmp_path):
+    units, age = _heavy_user_table(tmp_path)
+    cut = int(0.9 * units.size)  # the statistics see the training examples only (before the cutoff)
+    meta = convert_table([tmp_path / "in.parquet"], tmp_path / "ds", schema=tmp_path / "schema.toml",
+                         test_after=_iso(1_700_000_000 + cut), chunk_rows=300,
+                         statistics_noise_seed=7)  # a user's examples over many chunks
+    assert np.setdiff1d(units[cut:], units[:cut]).size > 0  # users with test examples only
+    units, age = units[:cut], age[:cut]
+    on_disk = json.loads((tmp_path / "ds" / "dataset.json").read_text())
+    (entry,) = on_disk["privacy_events"]
+    assert entry["unit"] == "user" and "users' mean values" in entry["description"]
+    assert meta.privacy_event_units == ["user"] and on_disk["dense_statistics"]["age"]["unit"] == "user"
+    # a slow reference: each user's mean age, then the mean and std over users
+    per_user = {u: np.clip(age[units == u], 0, 100).mean() for u in np.unique(units)}
+    user_means = np.array(list(per_user.values()))
+    # the second moment is the users' mean of their mean u², not of their mean u squared
+    per_user_sq = np.array([np.mean(np.square(np.clip(age[units == u], 0, 100))) for u in per_user])
+    want_std = math.sqrt(per_user_sq.mean() - user_means.mean() ** 2)
+    stats = on_disk["dense_statistics"]["age"]
+    assert stats["mean"] == pytest.approx(user_means.mean(), abs=0.05) and stats["std"] == pytest.approx(want_std, abs=0.05)
+    assert abs(stats["mean"] - np.clip(age, 0, 100).mean()) > 20  # not the examples' mean
+
+
+def test_training_at_either_level_charges_the_per_user_statistics_as_they_are(tmp_path):
+    from widedp.accounting import events as ev
+    from widedp.accounting.ledger import PrivacyLedger
+    from widedp.trainer.config import load_config
+    from widedp.trainer.train import train
+
+    _heavy_user_table(tmp_path)
+    schema = tmp_path / "schema.toml"
+    schema.write_text(USER_SCHEMA.replace("statistics_noise_multiplier = 0.001", "statistics_noise_multiplier = 2.0"))
+    convert_table([tmp_path / "in.parquet"], tmp_path / "ds", schema=tmp_path / "schema.toml", statistics_noise_seed=7)
+    base = [f"data.path={tmp_path / 'ds'}", "model.embedding_dim=4", "model.bottom_mlp=[4]", "model.top_mlp=[4]",
+            "train.batch_size=64", "train.steps=2", "train.log_every=2", "cluster.backend=local", "train.mode=dpsgd",
+            "privacy.noise_multiplier=3", "privacy.target_epsilon=50", "privacy.max_examples_per_user=4",
+            "train.recalibrate=false", "privacy.k=4"]
+    data_event = ev.GaussianDpEvent(2.0)
+    for name, extra, step_type in (("example", ["privacy.accountant=rdp"], ev.PoissonSampledDpEvent),
+                                   ("user", ["privacy.unit=user", "privacy.accountant=rdp"], ev.PoissonSampledDpEvent),
+                                   ("by-examples", ["privacy.unit=user", "privacy.user_sampling=examples",
+                                                    "privacy.accountant=pld"], ev.GroupDpEvent)):
+        train(load_config(None, base + extra).validate(), tmp_path / name, progress=False)
+        history = PrivacyLedger.load(tmp_path / name / "ledger.json").history
+        assert history[0] == (data_event, 1), name  # charged once, as it is (never for a group)
+        assert all(isinstance(e, step_type) for e, _ in history[1:]), (name, history)
+    # resuming re-checks the ledger against the data set's events as charged
+    train(load_config(None, base + ["privacy.unit=user", "privacy.user_sampling=examples", "privacy.accountant=pld",
+                                    "train.steps=3"]).validate(), tmp_path / "by-examples", resume=True, progress=False)
+
+    # the same data set with its entry marked example-level (as converted before per-user
+    # statistics existed) is refused at user level: those bound one example, not one user
+    meta_file = tmp_path / "ds" / "dataset.json"
+    on_disk = json.loads(meta_file.read_text())
+    del on_disk["privacy_events"][0]["unit"]
+    meta_file.write_text(json.dumps(on_disk))
+    with pytest.raises(ValueError, match="example-level DP"):
+        train(load_config(None, base + ["privacy.unit=user", "privacy.accountant=rdp"]).validate(), tmp_path / "refused",
+              progress=False)
+    assert not (tmp_path / "refused").exists()

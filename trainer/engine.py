@@ -316,12 +316,14 @@ class Engine:
             raise RuntimeError(f"the one-time selection ran {sel.event!r} but {event!r} was charged")
         self.fixed_rows = sel.ids
 
-    def charge(self, event: ev.DpEvent) -> None:
+    def charge(self, event: ev.DpEvent, whole_unit: bool = False) -> None:
         """Record a one-time event (DP-FEST, a private vocabulary) and persist the ledger,
-        before anything that depends on that mechanism's output is used."""
+        before anything that depends on that mechanism's output is used. `whole_unit`: the
+        event already bounds a whole user (per-user data statistics): charged as it is, not
+        for a group (`accounted`)."""
         if self.ledger is None:
             raise RuntimeError("charge() needs a privacy ledger (a nonprivate run has none)")
-        self.ledger.record(self.accounted(event))
+        self.ledger.record(event if whole_unit else self.accounted(event))
         if self.ledger_path is not None:
             self.ledger.save(self.ledger_path)
 

@@ -108,24 +108,36 @@ def recalibration_plan(cfg: Config, n: int, delta: float, group_size: int = 1) -
 
 
 def plan_run(cfg: Config, n: int, table_rows: Mapping[str, int], data_events: Sequence[ev.DpEvent] = (),
-             feature_tables: Optional[Mapping[str, str]] = None, num_units: Optional[int] = None
+             feature_tables: Optional[Mapping[str, str]] = None, num_units: Optional[int] = None,
+             data_event_units: Optional[Sequence[str]] = None
              ) -> tuple[Optional[PrivacyPlan], PrivacyInfo, Optional[TablePolicy]]:
     """A run's table policy and privacy plan: the selection runs over the sparse tables' rows.
     `feature_tables` ({feature: table}, public metadata) gives the false-positive budget's
     scale: one row per feature of a sparse table per example. `num_units`: the users when the
-    training examples are each user's kept ones (privacy.user_sampling = "examples")."""
+    training examples are each user's kept ones (privacy.user_sampling = "examples").
+    `data_event_units`: per data event, "user" when it bounds a whole user (charged as it is,
+    `data_event_charged`), else "example"."""
     policy = table_policy(cfg, table_rows, n)
     sparse = policy.sparse if policy else tuple(table_rows)
     selectable = sum(int(table_rows[name]) for name in sparse)
     rows_per_example = None if feature_tables is None else sum(t in sparse for t in feature_tables.values())
     plan, info = plan_privacy(cfg, n, selectable, data_events, policy, rows_per_example=rows_per_example,
-                              num_units=num_units)
+                              num_units=num_units, data_event_units=data_event_units)
     return plan, info, policy
+
+
+def data_event_is_grouped(cfg: Config, unit: str) -> bool:
+    """Whether a data-preparation event of `unit` is charged for a group of
+    privacy.max_examples_per_user (user level by example sampling, an example-level event), or
+    as it is (every other case: an example-level run, user sampling, which refuses
+    example-level data events, or an event that bounds a whole user)."""
+    return cfg.privacy.unit == "user" and cfg.privacy.user_sampling == "examples" and unit != "user"
 
 
 def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.DpEvent] = (),
                  policy: Optional[TablePolicy] = None, rows_per_example: Optional[int] = None,
-                 num_units: Optional[int] = None) -> tuple[Optional[PrivacyPlan], PrivacyInfo]:
+                 num_units: Optional[int] = None, data_event_units: Optional[Sequence[str]] = None
+                 ) -> tuple[Optional[PrivacyPlan], PrivacyInfo]:
     """Privacy plan (None for nonprivate) and what it resolved to (calibrated or explicit σ, ε, δ).
 
     `n`: the training examples, or the users at privacy.unit = "user" (the caller counts them);
@@ -170,7 +182,12 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
     if selector is not None:  # budget fields left "auto" are 0 until calibration fills them in
         budget_keys = {selector.config_fields()[f] for f in selector.budget_fields()}
         source.update({key: 0.0 for key in budget_keys if source.get(key) is None})
-    extra = [(event, 1) for event in data_events]
+    event_units = list(data_event_units) if data_event_units is not None else ["example"] * len(data_events)
+    if len(event_units) != len(data_events):
+        raise ValueError(f"data_event_units has {len(event_units)} entries for {len(data_events)} data events")
+    grouped = [group == 1 or data_event_is_grouped(cfg, unit) for unit in event_units]
+    extra = [(event, 1) for event, g in zip(data_events, grouped) if g]
+    whole_unit = [(event, 1) for event, g in zip(data_events, grouped) if not g]  # charged as they are
     recalibration = recalibration_plan(cfg, n, delta, group)
     if recalibration is not None:
         extra.append((ev.GaussianDpEvent(recalibration["noise_multiplier"]), 1))
@@ -196,7 +213,7 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
             out = calibrate(p.target_epsilon, delta, q, t.steps, selection=selection, fraction=p.selection_fraction,
                             accountant=p.accountant, k=k, max_answers=k, selection_delta=delta,
                             svt_release_values=False, extra_history=extra, noise_event=noise_event,
-                            group_size=group)
+                            group_size=group, unit_history=whole_unit)
         except UnreachableTargetError as exc:  # the same refusal, under the config's name
             raise exc.renamed("privacy.target_epsilon") from None
         sigma = out.noise_multiplier

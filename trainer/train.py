@@ -203,7 +203,7 @@ def build_run(cfg: Config, train_transform=None) -> Run:
     elif example_units is not None:  # user level: n, q, b and δ are over units (trainer/engine.py)
         n = int(example_units.max()) + 1
     plan, info, policy = plan_run(cfg, n, meta.table_sizes, [e for _, e in meta.privacy_events], meta.feature_tables,
-                                  num_units=num_units)
+                                  num_units=num_units, data_event_units=meta.privacy_event_units)
     ledger = PrivacyLedger(cfg.privacy.accountant, info.delta) if plan is not None else None
     shards = _shard_group(cfg, layout)
     sampler: "PoissonSampler | UnitPoissonSampler"
@@ -228,9 +228,11 @@ def build_run(cfg: Config, train_transform=None) -> Run:
 
 def _example_units(cfg: Config, train_set, meta) -> Optional[np.ndarray]:
     """privacy.unit = "user": the dense unit index of every training example (from the data
-    set's unit column); None at example level. Refuses a data set without a unit column, and
-    one whose preparation released example-level DP statistics (their events bound one
-    example, not one user)."""
+    set's unit column); None at example level. Refuses a data set without a unit column, and,
+    when users are sampled, one whose preparation released statistics with example-level DP
+    (their events bound one example, not one user; user level by example sampling charges them
+    for a group of k, which bounds only the kept examples: refused too, as those statistics saw
+    every example of a user)."""
     if cfg.privacy.unit != "user":
         return None
     from widedp.trainer.data.sampler import unit_indices
@@ -239,10 +241,11 @@ def _example_units(cfg: Config, train_set, meta) -> Optional[np.ndarray]:
     if raw is None:
         raise ValueError(f"{cfg.data.path}: privacy.unit = \"user\" needs a data set with a unit column (the "
                          "schema's unit_column, `widedp convert table`); this one has none")
-    if meta.privacy_events:
-        names = "; ".join(d for d, _ in meta.privacy_events)
-        raise ValueError(f"{cfg.data.path}: its preparation released statistics with example-level DP ({names}); "
-                         "privacy.unit = \"user\" needs user-level ones: convert it again with public statistics")
+    per_example = [d for (d, _), unit in zip(meta.privacy_events, meta.privacy_event_units) if unit != "user"]
+    if per_example:
+        raise ValueError(f"{cfg.data.path}: its preparation released statistics with example-level DP "
+                         f"({'; '.join(per_example)}); privacy.unit = \"user\" needs user-level ones: convert it "
+                         "again with its unit column in the schema (per-user DP statistics) or with public statistics")
     return unit_indices(raw)[0]
 
 
@@ -353,6 +356,14 @@ def _planned_one_time(engine: Engine) -> list:
     return [] if event is None else [engine.accounted(event)]
 
 
+def _charged_data_events(engine: Engine, meta) -> list:
+    """The data set's one-time events (dataset.json privacy_events) as this run charges them:
+    one that bounds a whole user as it is, the others `Engine.accounted` (for a group of k
+    under privacy.user_sampling = "examples", else themselves)."""
+    return [e if unit == "user" else engine.accounted(e) for (_, e), unit in zip(meta.privacy_events,
+                                                                                 meta.privacy_event_units)]
+
+
 def _planned_recalibration(info) -> list:
     """train.recalibrate's event (charged after the last step), if the plan has one (for a
     group of info.group_size under privacy.user_sampling = "examples", as the engine charges it)."""
@@ -460,14 +471,14 @@ def _check_rebuilt(ledger_file: Path, ledger: PrivacyLedger, data_events: list, 
                          f"{len(wanted_data)} one-time events; {_NO_WAY_PAST}")
 
 
-def _start(engine: Engine, cfg: Config, run_dir: Path, train_set, data_events) -> None:
+def _start(engine: Engine, cfg: Config, run_dir: Path, train_set, data_events: list) -> None:
     """A new run: config.json, an empty metrics file, then the one-time events (data
-    preparation, DP-FEST) charged before the first step."""
+    preparation, as `_charged_data_events` gives them; DP-FEST) charged before the first step."""
     atomic_write_json(run_dir / "config.json", cfg.to_dict())
     (run_dir / "metrics.jsonl").write_text("")
     if engine.ledger is not None:
-        for _, event in data_events:
-            engine.charge(event)
+        for event in data_events:  # as charged (`_charged_data_events`)
+            engine.charge(event, whole_unit=True)
     if engine.needs_one_time_selection():
         engine.prepare_fest(train_set.feature_rows)
 
@@ -601,13 +612,14 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
     with build_run(cfg) as run:
         engine, info = run.engine, run.privacy
         data_events = list(run.meta.privacy_events)
+        charged_data_events = _charged_data_events(engine, run.meta)
         engine.ledger_path = run_dir / "ledger.json" if engine.ledger is not None else None
         if resume:
-            run_state = _restore(engine, run_dir, cfg, [e for _, e in data_events], info)
+            run_state = _restore(engine, run_dir, cfg, charged_data_events, info)
             _check_a_step_fits(engine, cfg, run_dir, [])
         else:
             run_state = RunState(uuid.uuid4().hex, dataset_budget.now(), dataset_identity(cfg.data.path), [], [])
-            one_time = [e for _, e in data_events] + _planned_one_time(engine) if engine.ledger is not None else []
+            one_time = charged_data_events + _planned_one_time(engine) if engine.ledger is not None else []
             _check_a_step_fits(engine, cfg, run_dir, one_time)
             if engine.ledger is not None:
                 run_state.plan(_planned_one_time(engine) + _planned_recalibration(info), "one_time")
@@ -628,7 +640,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
         try:
             with interrupt.deferred():
                 if not resume:
-                    _start(engine, cfg, run_dir, run.train_set, data_events)
+                    _start(engine, cfg, run_dir, run.train_set, charged_data_events)
                 result = run.run(cfg.train.steps, [callbacks])
                 recalibrated = None
                 if engine.step_count >= cfg.train.steps or result.stopped_by_budget:

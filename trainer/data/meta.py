@@ -28,7 +28,11 @@ of ``{"description": str, "event": accounting.events.event_to_dict(event)}`` for
 mechanism the converter ran on the private data (e.g. the text converter's private vocabulary
 selection). Their outputs are baked into the data set, so whoever trains on it must charge
 these events to the training's privacy ledger before the first step.
-``DatasetMeta.privacy_events`` returns them as ``[(description, DpEvent)]``.
+``DatasetMeta.privacy_events`` returns them as ``[(description, DpEvent)]``. An entry may also
+carry ``"unit": "user"``: its event bounds what one whole user (the ``unit`` column) does to
+the release, and one example's too (e.g. the per-user DP standardization statistics of
+trainer/data/dp_statistics.py); without it the event bounds one example only.
+``DatasetMeta.privacy_event_units`` lists each entry's unit (``"example"`` or ``"user"``).
 
 Parquet columns:
 
@@ -115,6 +119,14 @@ class DatasetMeta:
         """[(description, DpEvent)] of the DP mechanisms run on private data to build the data
         set (``privacy_events`` in dataset.json; ``[]`` when absent)."""
         return parse_privacy_events(self.extra.get(PRIVACY_EVENTS_KEY, []), META_FILE)
+
+    @property
+    def privacy_event_units(self) -> list[str]:
+        """The unit each ``privacy_events`` entry's event bounds, in order: ``"user"`` (one
+        whole user, hence one example too) or ``"example"`` (one example only; the default)."""
+        entries = self.extra.get(PRIVACY_EVENTS_KEY, [])
+        parse_privacy_events(entries, META_FILE)
+        return [entry.get("unit", "example") for entry in entries]
 
     @property
     def list_features(self) -> list[str]:
@@ -211,11 +223,20 @@ class DatasetMeta:
         return meta
 
 
-def privacy_event_entry(description: str, event) -> dict:
-    """One ``privacy_events`` entry of dataset.json."""
+EVENT_UNITS = ("example", "user")
+
+
+def privacy_event_entry(description: str, event, unit: str = "example") -> dict:
+    """One ``privacy_events`` entry of dataset.json; ``unit="user"`` when the event bounds one
+    whole user (and so one example as well)."""
     from widedp.accounting.events import event_to_dict
 
-    return {"description": str(description), "event": event_to_dict(event)}
+    if unit not in EVENT_UNITS:
+        raise ValueError(f"unit must be one of {EVENT_UNITS}, got {unit!r}")
+    entry = {"description": str(description), "event": event_to_dict(event)}
+    if unit != "example":
+        entry["unit"] = unit
+    return entry
 
 
 def parse_privacy_events(entries: Any, source: str = META_FILE) -> list:
@@ -230,9 +251,11 @@ def parse_privacy_events(entries: Any, source: str = META_FILE) -> list:
     out = []
     for i, entry in enumerate(entries):
         where = f"{source}: {PRIVACY_EVENTS_KEY}[{i}]"
-        if not (isinstance(entry, dict) and set(entry) == {"description", "event"}):
-            raise DataError(f"{where} must be an object with exactly the keys 'description' and 'event', "
-                            f"got {entry!r}")
+        if not (isinstance(entry, dict) and {"description", "event"} <= set(entry) <= {"description", "event", "unit"}):
+            raise DataError(f"{where} must be an object with the keys 'description' and 'event' (and optionally "
+                            f"'unit'), got {entry!r}")
+        if entry.get("unit", "example") not in EVENT_UNITS:
+            raise DataError(f"{where}.unit must be one of {', '.join(EVENT_UNITS)}, got {entry['unit']!r}")
         if not isinstance(entry["description"], str):
             raise DataError(f"{where}.description must be a string, got {entry['description']!r}")
         try:

@@ -64,7 +64,10 @@ privacy (trainer/data/dp_statistics.py: one Gaussian mechanism of noise multipli
 ``statistics_noise_multiplier``, a top-level key, default 20, over the values centred and scaled
 by their clip range, so it needs ``clip`` right before ``standardize``); the release is recorded
 in dataset.json's ``privacy_events`` (training charges it before its first step) and the values
-in ``dense_statistics``; the test split is standardized with the same values. A non-finite value
+in ``dense_statistics``; the test split is standardized with the same values. With a ``unit``
+column the statistics are per user (each user's examples weighted 1/m, so each user adds their
+mean values; the event bounds one user and one example alike, and its ``privacy_events`` entry
+says ``"unit": "user"``): training at either level charges it as it is. A non-finite value
 (nan, inf) or text that is not a number is an error.
 
 ``unit``: an integer is kept; text that is a canonical decimal integer is that integer, other
@@ -92,7 +95,8 @@ r × (input bytes per row + 8 × (dense + ids per row + 3)) bytes for its decode
 times over for temporaries, and is written as one row group before the next is read: peak
 memory is O(chunk), e.g. a few tens of MB at the defaults (65,536 rows; 4 MiB CSV blocks)
 for rows of a few hundred bytes. tests/test_convert_table.py checks the bound on a file much
-larger than it.
+larger than it. Per-user DP statistics add a counting pass and 16 bytes per distinct user
+(dp_statistics.UnitCounts).
 """
 
 from __future__ import annotations
@@ -826,29 +830,51 @@ def _estimate_dp_statistics(spec: TableSchema, paths: list, cutoff: Optional[int
     for d in dp_dense:
         assert d.clip is not None  # parse_schema: clip right before standardize
         ranges.append(dps.ClipRange(*d.clip))
+
+    def training_chunks() -> Iterator[tuple[_Chunk, Optional[np.ndarray]]]:
+        """Each chunk with the mask of its training rows (None: all of them)."""
+        for path in paths:
+            for chunk in _read(path, spec, chunk_rows, block_bytes):
+                if cutoff is None:
+                    yield chunk, None
+                else:
+                    assert spec.timestamp is not None  # convert_table: --test-after needs a timestamp column
+                    yield chunk, _timestamps(chunk, spec.timestamp) < cutoff
+
+    per_user = spec.unit is not None
+    counts = dps.UnitCounts()
+    if per_user:  # a first pass counts each user's training examples (their weight is 1/m_u)
+        assert spec.unit is not None
+        for chunk, keep in training_chunks():
+            units = _units(chunk, spec.unit)
+            counts.add(units if keep is None else units[keep])
     sums, n = np.zeros(2 * len(dp_dense)), 0
-    for path in paths:
-        for chunk in _read(path, spec, chunk_rows, block_bytes):
-            values = np.stack([_dense(chunk, d, before_standardize=True) for d in dp_dense], axis=1)
-            if cutoff is not None:
-                assert spec.timestamp is not None  # convert_table: --test-after needs a timestamp column
-                values = values[_timestamps(chunk, spec.timestamp) < cutoff]
-            sums += dps.moment_sums(dps.normalized(values, ranges))
-            n += len(values)
+    for chunk, keep in training_chunks():
+        values = np.stack([_dense(chunk, d, before_standardize=True) for d in dp_dense], axis=1)
+        units = _units(chunk, spec.unit) if spec.unit is not None else None
+        if keep is not None:
+            values = values[keep]
+            units = None if units is None else units[keep]
+        sums += dps.moment_sums(dps.normalized(values, ranges), None if units is None else counts.weights(units))
+        n += len(values)
     if n == 0:
         return spec, {}  # no training example: the conversion refuses the data below
     rng = (NoiseKey.fresh(secure=True) if noise_seed is None else NoiseKey(int(noise_seed) % (1 << KEY_BITS))).generator()
     sigma = spec.statistics_noise_multiplier
-    mean, std = dps.mean_and_std(dps.noisy_moment_sums(sums, sigma, rng), n, ranges)
+    divisor = counts.num_units if per_user else n
+    mean, std = dps.mean_and_std(dps.noisy_moment_sums(sums, sigma, rng), divisor, ranges)
     estimated = {d.name: (float(m), float(s)) for d, m, s in zip(dp_dense, mean, std)}
     dense = [dataclasses.replace(d, mean=estimated[d.name][0], std=estimated[d.name][1]) if d.name in estimated else d
              for d in spec.dense]
-    description = (f"DP standardization statistics (mean, std) of dense feature(s) {', '.join(estimated)} over the "
-                   f"{n} training examples: Gaussian mechanism, noise multiplier {sigma:g}, on the moment sums of "
-                   f"the values centred and scaled by their public clip ranges (ℓ2 sensitivity √(2·{len(dp_dense)}))"
+    over = (f"the {divisor} users' mean values ({n} training examples, each weighted 1/(its user's examples); "
+            "ℓ2 sensitivity per user and per example") if per_user else f"the {n} training examples (ℓ2 sensitivity"
+    description = (f"DP standardization statistics (mean, std) of dense feature(s) {', '.join(estimated)} over {over} "
+                   f"√(2·{len(dp_dense)})): Gaussian mechanism, noise multiplier {sigma:g}, on the moment sums of "
+                   "the values centred and scaled by their public clip ranges"
                    + ("; noise from a FIXED seed (tests only: its ε holds only while the seed is secret)"
                       if noise_seed is not None else ""))
-    return dataclasses.replace(spec, dense=dense), privacy_event_entry(description, GaussianDpEvent(sigma))
+    return dataclasses.replace(spec, dense=dense), privacy_event_entry(description, GaussianDpEvent(sigma),
+                                                                       unit="user" if per_user else "example")
 
 
 def convert_table(inputs, out_dir, *, schema, test_inputs: Optional[Sequence] = None,
@@ -931,7 +957,9 @@ def _meta(spec: TableSchema, rows: int, test_rows: int, paths: list, test_paths:
     if vocabularies:  # which vocabulary each feature was converted with (`widedp export` ships it)
         extra["vocabulary_files"] = vocabularies
     if spec.dp_dense:  # the released (DP) statistics, applied to every split; charged by training
-        extra["dense_statistics"] = {d.name: {"mean": d.mean, "std": d.std, "estimated": "dp"} for d in spec.dp_dense}
+        unit = "user" if spec.unit is not None else "example"
+        extra["dense_statistics"] = {d.name: {"mean": d.mean, "std": d.std, "estimated": "dp", "unit": unit}
+                                     for d in spec.dp_dense}
         extra[PRIVACY_EVENTS_KEY] = event_entries
     if test_rows:
         extra["test_examples"] = test_rows
