@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from widedp.trainer.data.jagged import KeyedJaggedTensor
 
 from widedp.accounting import PrivacyLedger
 from widedp.selection.registry import get_selector, is_selector

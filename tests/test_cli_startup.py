@@ -76,6 +76,7 @@ def test_the_import_probe_sees_a_heavy_command(tmp_path):
 ACCOUNTANT_MODULES = ("dp_accounting", "dp_accounting.pld", "dp_accounting.rdp", "dp_accounting.mechanism_calibration",
                       "opacus")
 SCIPY_OF_ACCOUNTANTS = ("scipy.signal", "scipy.stats", "scipy.optimize")
+HEAVY_OF_BATCHES = ("torchrec", "torchrec.distributed", "torchmetrics")
 
 _ACTOR_PROBE = """
 import json, sys
@@ -94,6 +95,10 @@ same = {{"GaussianDpEvent": dp_accounting.GaussianDpEvent is ev.GaussianDpEvent,
         "NeighboringRelation": dp_accounting.NeighboringRelation is ev.NeighboringRelation,
         "dp_event module": dp_accounting.dp_event is sys.modules["dp_accounting.dp_event"],
         "accepted": pld_privacy_accountant.PLDAccountant().supports(event)}}
+from widedp.trainer.data.jagged import KeyedJaggedTensor
+import torchrec
+same["KeyedJaggedTensor"] = torchrec.KeyedJaggedTensor is KeyedJaggedTensor
+same["torchrec in full"] = hasattr(torchrec, "EmbeddingBagCollection")
 print(json.dumps([seen, light, same]))
 """
 
@@ -103,15 +108,18 @@ def test_actor_modules_load_the_event_classes_but_no_accountant(tmp_path):
     builds come from dp_accounting's event modules alone (accounting/_dp_event_light.py): the
     package __init__, which imports PLD, RDP, mechanism calibration and scipy.signal/stats/
     optimize (~1-2 s per actor), runs only when something computes ε. Later the full import
-    binds the same classes, so dp_accounting's accountants take our events."""
+    binds the same classes, so dp_accounting's accountants take our events. Likewise torchrec's package
+    (torchrec.distributed, ~2-3 s) and torchmetrics (~2 s) stay out; a later `import torchrec`
+    binds the jagged types already loaded."""
     probe = tmp_path / "actor_probe.py"
-    probe.write_text(_ACTOR_PROBE.format(watched=list(ACCOUNTANT_MODULES + SCIPY_OF_ACCOUNTANTS)))
+    probe.write_text(_ACTOR_PROBE.format(watched=list(ACCOUNTANT_MODULES + SCIPY_OF_ACCOUNTANTS + HEAVY_OF_BATCHES)))
     done = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     seen, light, same = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["widedp.trainer.shard"] == [], seen
-    # trainer_role's models import torchmetrics, which imports scipy.signal/stats itself: only the accountants here
-    assert [m for m in seen["widedp.trainer.trainer_role"] if m in ACCOUNTANT_MODULES] == [], seen
+    # nor does the trainer role: batches are torchrec's jagged types without torchrec's package
+    # (trainer/data/jagged.py), AUC is ranks without torchmetrics (trainer/models/auc.py)
+    assert seen["widedp.trainer.trainer_role"] == [], seen
     assert light == ["dp_accounting.dp_event", "dp_accounting.dp_event_builder", "dp_accounting.privacy_accountant"]
     assert all(same.values()), same
 

@@ -54,7 +54,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from widedp.trainer.data.jagged import KeyedJaggedTensor
 
 from widedp.auditing.canaries import (CANARY_KINDS, PHRASE_PLACEMENTS, Canaries, as_gradient_canaries, make_canaries,
                                       make_phrase_examples)

@@ -10,7 +10,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from .jagged import KeyedJaggedTensor
 
 from .meta import DATA_FILE, TEST_FILE, DatasetMeta, read_meta
 from .store import Columns, load_all_columns

@@ -17,8 +17,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics.functional.classification import binary_auroc
 
+from widedp.trainer.models.auc import binary_auc
 from widedp.trainer.models.base import DenseModel
 from widedp.trainer.models.calibration_metrics import calibration_metrics
 
@@ -75,6 +75,6 @@ class DLRM(DenseModel):
         must beat). Definitions: trainer/models/calibration_metrics.py."""
         out = {"logloss": float(self.loss(outputs, labels).mean())}
         if labels.numel() and 0 < labels.sum() < labels.numel():
-            out["auc"] = float(binary_auroc(torch.sigmoid(outputs), labels.long()))
+            out["auc"] = binary_auc(outputs, labels)  # ranks: σ is monotone
         out.update(calibration_metrics(outputs, labels))
         return out
