@@ -1,7 +1,8 @@
 """accounting/pld_gaussian.py is a fast path: the Gaussian PLD it builds must be dp_accounting's
 `from_gaussian_mechanism` (the slow reference) exactly — the same grid, the same PMF masses, the
 same infinity mass, for both adjacencies — and the PLD accountant built on it must give the ε of
-dp_accounting's own PLDAccountant on the same events."""
+dp_accounting's own PLDAccountant on the same events. Its self-composition (`self_composed`,
+vectorized truncation bounds) must be `self_compose`'s, bounds and PMF alike."""
 
 import math
 
@@ -13,7 +14,8 @@ from dp_accounting.pld import privacy_loss_distribution as reference
 
 from widedp.accounting import events as ev
 from widedp.accounting.pld import PldAccountant
-from widedp.accounting.pld_gaussian import VectorizedGaussianPrivacyLoss, gaussian_pld
+from widedp.accounting.pld_gaussian import (VectorizedGaussianPrivacyLoss, gaussian_pld, group_gaussian_pld,
+                                            self_composed, self_convolve_bounds)
 
 
 def _dense(pmf):
@@ -74,3 +76,26 @@ def test_a_noiseless_piece_is_infinite_and_bad_parameters_are_refused():
         gaussian_pld(0.0, 0.5)
     with pytest.raises(ValueError, match="q <= 1"):
         gaussian_pld(1.0, 1.5)
+
+
+@pytest.mark.parametrize("sigma, q, interval, times", [(1.0, 0.01, 1e-4, 400), (0.8, 0.03, 1e-3, 1000),
+                                                       (3.0, 0.005, 1e-4, 50), (0.6, 0.2, 1e-3, 7), (5.0, 1.0, 1e-3, 3)])
+def test_self_composition_is_the_librarys_bounds_and_pmfs(sigma, q, interval, times):
+    from dp_accounting.pld import common
+
+    pld = gaussian_pld(sigma, q, interval)
+    for pmf in (pld._pmf_remove, pld._pmf_add):
+        for truncation in (1e-15, 1e-10, 0.0):
+            assert self_convolve_bounds(pmf._probs, times, truncation) == \
+                common.compute_self_convolve_bounds(pmf._probs, times, truncation)
+    fast, slow = self_composed(pld, times), pld.self_compose(times)
+    assert fast._symmetric == slow._symmetric
+    for a, b in ((fast._pmf_remove, slow._pmf_remove), (fast._pmf_add, slow._pmf_add)):
+        assert _dense(a)[0] == _dense(b)[0] and _dense(a)[2] == _dense(b)[2]
+        np.testing.assert_array_equal(_dense(a)[1], _dense(b)[1])
+    assert fast.get_epsilon_for_delta(1e-6) == slow.get_epsilon_for_delta(1e-6)
+
+
+def test_self_composition_of_a_sampled_group_is_the_librarys():
+    pld = group_gaussian_pld(1.5, 0.05, 3, 1e-3)
+    assert self_composed(pld, 60).get_epsilon_for_delta(1e-6) == pld.self_compose(60).get_epsilon_for_delta(1e-6)
