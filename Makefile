@@ -4,8 +4,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # On a CUDA machine: make setup VARIANT=cuda (installs fbgemm-gpu instead of fbgemm-gpu-cpu).
+# The variant installed is the stamp's name, so switching VARIANT reinstalls (and removes the
+# other fbgemm build: both provide the module fbgemm_gpu); `make test VARIANT=cuda` keeps it.
 VARIANT ?= cpu
-STAMP := $(VENV)/.installed
+ifeq ($(filter $(VARIANT),cpu cuda),)
+$(error VARIANT must be cpu or cuda, got '$(VARIANT)')
+endif
+FBGEMM_OF_cpu := fbgemm-gpu-cpu
+FBGEMM_OF_cuda := fbgemm-gpu
+OTHER_VARIANT := $(if $(filter cpu,$(VARIANT)),cuda,cpu)
+STAMP := $(VENV)/.installed-$(VARIANT)
 
 .PHONY: setup test demo bench results clean
 
@@ -15,9 +23,11 @@ setup: $(STAMP)
 # `make setup` is a no-op (fast when already done).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	rm -f $(VENV)/.installed $(VENV)/.installed-*
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned, so nothing later pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0
+	$(PIP) uninstall -q -y $(FBGEMM_OF_$(OTHER_VARIANT))
 	$(PIP) install -q -e '.[test,$(VARIANT)]'
 	# torchrec requires the CUDA `fbgemm-gpu` name; its real deps are in pyproject.toml.
 	$(PIP) install -q --no-deps torchrec==1.8.0

@@ -34,6 +34,32 @@ PROJECT = PYPROJECT["project"]
 DOCKERFILES = {"cpu": DEPLOY / "Dockerfile", "cuda": DEPLOY / "Dockerfile.cuda"}
 
 
+# ---- make setup VARIANT=... ---------------------------------------------------------------------
+def _make_plan(tmp_path, *args) -> subprocess.CompletedProcess:
+    """`make -n setup ARGS` against a venv path of its own (dry run: the commands make would run)."""
+    return subprocess.run(["make", "-n", "-C", str(ROOT), "setup", f"VENV={tmp_path / 'venv'}", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_install_stamp_names_its_variant_so_switching_reinstalls(tmp_path):
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed-cpu").touch()  # newer than pyproject.toml and the Makefile
+    same = _make_plan(tmp_path)
+    assert same.returncode == 0 and "pip" not in same.stdout, same.stdout  # the same variant: nothing to do
+    cuda = _make_plan(tmp_path, "VARIANT=cuda")
+    assert cuda.returncode == 0, cuda.stderr
+    plan = cuda.stdout
+    assert "uninstall -q -y fbgemm-gpu-cpu" in plan and "'.[test,cuda]'" in plan
+    assert f"touch {venv}/.installed-cuda" in plan and f"rm -f {venv}/.installed {venv}/.installed-*" in plan
+    (venv / ".installed-cpu").unlink()
+    (venv / ".installed-cuda").touch()
+    back = _make_plan(tmp_path).stdout
+    assert "uninstall -q -y fbgemm-gpu\n" in back + "\n" and "'.[test,cpu]'" in back
+    bad = _make_plan(tmp_path, "VARIANT=gpu")
+    assert bad.returncode != 0 and "VARIANT must be cpu or cuda, got 'gpu'" in bad.stderr
+
+
 # ---- the pinned set ------------------------------------------------------------------------------
 def _requirement(spec: str) -> tuple[str, str]:
     m = re.match(r"^\s*([A-Za-z0-9_.\-]+)(\[[^\]]*\])?\s*(.*)$", spec)
