@@ -80,8 +80,9 @@ def plan_overrides(selection):
 def build(ds, batches, *, mode, selection="em", num_shards=1, second_clip=None, backend="local",
           optimizer="sgd", dense_optimizer="sgd", model="dlrm", target_epsilon=1e9, seed=SEED, overrides=None,
           dense_tables=(), lr=LR, dense_lr=DENSE_LR, ema_decay=0.0, num_trainers=1, selection_on_shards=False,
-          trainer_actors=False, fuse_selection=True, example_units=None):
+          trainer_actors=False, fuse_selection=True, example_units=None, data_plane="calls"):
     return make_engine(ds, num_shards=num_shards, mode=mode, selection=selection, backend=backend, example_units=example_units,
+                       data_plane=data_plane,
                        optimizer=optimizer, dense_optimizer=dense_optimizer, q=Q, seed=seed, dim=DIM,
                        second_clip=second_clip, lr=lr, dense_lr=dense_lr, model=model, init_std=INIT_STD,
                        sampler=ListSampler(batches), target_epsilon=target_epsilon, dense_tables=dense_tables,
@@ -537,14 +538,20 @@ RAY_CASES = [("sparse", "em", 1, False), ("sparse", "threshold", 2, True), ("dps
 @ON_THE_MODULES_RAY
 @pytest.mark.parametrize("num_shards", [1, 3])  # 2 shard actors: the actor and recovery tests below
 def test_ray_matches_in_process(ray_cluster, num_shards, mode, selection, num_trainers, on_shards):
+    """Ray shard actors compute what in-process shards do, bit for bit, over ordinary actor
+    calls (1 shard) and over the compiled data plane (3 shards: one compiled graph carries
+    every round of every step)."""
     ds = dataset()
     batches = batches_with_crafted(ds, 4)
+    plane = "compiled" if num_shards == 3 else "calls"
     results = {}
     for backend in ("local", "ray"):
         engine = build(ds, batches, mode=mode, selection=selection or "em", num_shards=num_shards, second_clip=S2,
-                       backend=backend, num_trainers=num_trainers, selection_on_shards=on_shards)
+                       backend=backend, num_trainers=num_trainers, selection_on_shards=on_shards, data_plane=plane)
         try:
             stats = [engine.step() for _ in batches]
+            if backend == "ray":
+                assert engine.shards.graphs_compiled == (1 if plane == "compiled" else 0)
             results[backend] = (engine_params(engine), [(s.rows_touched, s.rows_selected, s.loss) for s in stats],
                                 engine.ledger.epsilon(), engine.shards.bytes_to_shards, engine.shards.bytes_from_shards)
         finally:
@@ -664,18 +671,22 @@ def test_an_actor_lost_again_while_the_step_is_redone_stops_naming_the_step(ray_
 
 
 @ON_THE_MODULES_RAY
-@pytest.mark.parametrize("kill_at,checkpoint_at", [(2, None), (4, 2)])
-def test_a_killed_shard_actor_is_replaced_and_the_run_equals_an_uninterrupted_one(ray_cluster, kill_at, checkpoint_at):
+@pytest.mark.parametrize("kill_at,checkpoint_at,plane", [(2, None, "calls"), (4, 2, "compiled")])
+def test_a_killed_shard_actor_is_replaced_and_the_run_equals_an_uninterrupted_one(ray_cluster, kill_at, checkpoint_at,
+                                                                                  plane):
     """A shard actor killed between steps (before any checkpoint, or after one) is replaced by
     replaying the released updates: parameters bit-identical to an uninterrupted run, the same
-    ledger (no step charged twice, none missing), one restart reported."""
+    ledger (no step charged twice, none missing), one restart reported. Over the compiled data
+    plane the lost actor breaks the graph: the call goes again as ordinary calls (a shard that
+    already ran it answers without running it twice), the actor is replaced, and the next call
+    compiles a graph with the new actor."""
     ds = dataset()
     batches = batches_with_crafted(ds, 6)
     kw = dict(mode="sparse", selection="threshold", num_shards=2, second_clip=S2, optimizer="adagrad",
               dense_tables=(1,), ema_decay=0.5)
     runs = {}
     for kill in (False, True):
-        engine = build(ds, batches, backend="ray", **kw)
+        engine = build(ds, batches, backend="ray", data_plane=plane, **kw)
         try:
             for step in range(1, len(batches) + 1):
                 if step - 1 == checkpoint_at:
@@ -685,6 +696,8 @@ def test_a_killed_shard_actor_is_replaced_and_the_run_equals_an_uninterrupted_on
                 assert engine.step() is not None
             runs[kill] = (engine_params(engine), averaged_params(engine), engine.ledger.state_dict(),
                           engine.ledger.steps, engine.shards.restarts)
+            if plane == "compiled":
+                assert engine.shards.graphs_compiled == (2 if kill else 1)
         finally:
             engine.shards.shutdown()
     assert_params_equal(runs[True][0], runs[False][0])

@@ -340,6 +340,7 @@ class PrivacyConfig:
 
 
 TRAINER_PLACEMENTS = ("auto", "actors", "coordinator")
+DATA_PLANES = ("calls", "compiled")  # trainer/shard_group.py's (config checks before Ray loads)
 
 
 @dataclasses.dataclass
@@ -371,6 +372,11 @@ class ClusterConfig:
     # the rows the step uses (one round fewer); false: a call of its own (the same output, bit
     # for bit; for comparisons).
     fuse_selection: bool = True
+    # How the coordinator reaches the shard actors each round (backend "ray"; trainer/shard_group.py):
+    # "calls" (one Ray actor call per shard per round) or "compiled" (a compiled Ray graph with
+    # shared-memory channels, built once, rebuilt after a lost actor; trainer actors that call the
+    # shards themselves use calls).
+    data_plane: str = "calls"
 
     @property
     def trainer_actors(self) -> bool:
@@ -392,6 +398,7 @@ class ClusterConfig:
             (self.trainer_placement != "actors" or self.backend == "ray",
              'cluster.trainer_placement = "actors" needs cluster.backend = "ray"'),
             (self.cpus_per_trainer > 0, "cluster.cpus_per_trainer must be > 0"),
+            (self.data_plane in DATA_PLANES, f"cluster.data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}"),
             (self.placement_strategy in PLACEMENT_STRATEGIES,
              f"cluster.placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {self.placement_strategy!r}"),
         ])

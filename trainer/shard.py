@@ -64,6 +64,30 @@ class ShardSelect:
     keep_rows: np.ndarray
 
 
+# Shard methods that change a shard's state for good (the others fill its per-step cache).
+MUTATING = frozenset({"apply_rows", "apply_dense_noise_update", "load_state_dict"})
+
+
+def owned(obj: Any) -> Any:
+    """`obj` with every numpy array and tensor in it (through tuples, lists, dicts and
+    dataclasses such as ShardInput) replaced by a copy of its own, writable."""
+    if isinstance(obj, np.ndarray):
+        return np.array(obj, copy=True)
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, tuple):
+        return tuple(owned(o) for o in obj)
+    if isinstance(obj, list):
+        return [owned(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: owned(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        copy = dataclasses.replace(obj, **{f.name: owned(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                                          if f.init})
+        return copy
+    return obj
+
+
 class EmbeddingShard:
     def __init__(self, layout: ShardLayout, shard_index: int, optimizer: str = "sgd", lr: float = 0.1,
                  seed: int = 0, init_std: float = 0.01, adam_betas: Sequence[float] = (0.9, 0.999),
@@ -77,6 +101,8 @@ class EmbeddingShard:
         self.layout, self.shard_index, self.optimizer, self.lr = layout, shard_index, optimizer, lr
         self.adam_betas, self.eps = adam_betas, eps
         self._current_lr = lr  # lr · the step's lr_scale (begin_update)
+        self._applied_call_id: int = -1  # the last state-changing `dispatch` call applied, and its answer
+        self._applied_answer: Any = None
         self.device, compute, location = _device()
         self.ranges = [layout.row_range(t, shard_index) for t in layout.tables]
         self.starts = np.array([start for start, _ in self.ranges], dtype=np.int64)
@@ -313,6 +339,21 @@ class EmbeddingShard:
 
     def ping(self) -> int:
         return self.shard_index
+
+    def dispatch(self, request: tuple):
+        """One call of the shard group's data plane (trainer/shard_group.py): `request` is
+        (call_id, method, args); runs `method(*args)` on private copies of the arrays in args
+        (a compiled graph's channel reuses its buffers on the next call, and this shard keeps
+        some arguments in its step cache). A state-changing call (`MUTATING`) whose call_id was
+        already applied returns the first answer again instead of applying twice: the group
+        re-sends a call after a lost actor without knowing which of the others had run it."""
+        call_id, method, args = request
+        if method in MUTATING and call_id <= self._applied_call_id:
+            return self._applied_answer
+        answer = getattr(self, method)(*owned(args))
+        if method in MUTATING:
+            self._applied_call_id, self._applied_answer = call_id, answer
+        return answer
 
     def reduced_row_sums(self):
         """The sum over trainers of the clipped row sums added this step (float64 sums, then

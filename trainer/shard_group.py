@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from widedp.trainer.layout import ShardInput, ShardLayout
-from widedp.trainer.shard import EmbeddingShard
+from widedp.trainer.shard import MUTATING, EmbeddingShard, owned
 
 
 def _nbytes(obj: Any) -> int:
@@ -151,8 +151,17 @@ class StepInterrupted(RuntimeError):
     the state after the last released step, and the step must be redone from its sample."""
 
 
-# Shard methods that change a shard's state for good (the others fill its per-step cache).
-MUTATING = frozenset({"apply_rows", "apply_dense_noise_update", "load_state_dict"})
+#: cluster.data_plane: "calls" (one Ray actor call per shard per round) or "compiled" (the
+#: rounds of a step through one compiled Ray graph, `RayShardGroup._compile_graph`).
+DATA_PLANES = ("calls", "compiled")
+#: The methods the compiled plane carries: a step's rounds. The rest (state_dict, checkpoint
+#: loads, pings, averaged weights) are rare and may be large: ordinary calls, which an actor
+#: runs on its main thread while the graph's thread waits between executions.
+COMPILED_METHODS = frozenset({
+    "lookup", "set_pooled_grad", "example_sq_norms", "unit_sq_norms", "clipped_row_sums", "add_clipped_row_sums",
+    "reduced_row_sums", "select_rows", "apply_rows", "apply_dense_noise_update", "discard_step"})
+COMPILED_GET_TIMEOUT_S = 3600  # a round's answers (Ray's default, 10 s, is short for large batches)
+COMPILED_BUFFER_BYTES = 4 << 20  # initial channel size; Ray grows a channel for a larger message
 
 
 class RayShardGroup(ShardGroup):
@@ -172,7 +181,8 @@ class RayShardGroup(ShardGroup):
     included (`ray_runtime.ACTOR_OPTIONS`)."""
 
     def __init__(self, layout: ShardLayout, cpus_per_shard: float = 1.0, gpus_per_shard: float = 0.0,
-                 placement_strategy: str = "SPREAD", max_restarts: int = 1, **shard_kwargs):
+                 placement_strategy: str = "SPREAD", max_restarts: int = 1, data_plane: str = "calls",
+                 **shard_kwargs):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -203,6 +213,12 @@ class RayShardGroup(ShardGroup):
 
         if max_restarts < 0:
             raise ValueError(f"cluster.max_actor_restarts must be >= 0, got {max_restarts}")
+        if data_plane not in DATA_PLANES:
+            raise ValueError(f"cluster.data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
+        self.data_plane = data_plane
+        self._graph: Any = None  # the compiled dispatch graph (data_plane = "compiled"), built on first use
+        self.graphs_compiled = 0  # 1 + one per rebuild after a lost actor
+        self._call_id = 0
         self._make_actor = make_actor
         self.actors = [make_actor(s) for s in range(layout.num_shards)]
         self.max_restarts = int(max_restarts)
@@ -217,7 +233,18 @@ class RayShardGroup(ShardGroup):
     def _call(self, method, per_shard_args):
         from ray.exceptions import RayActorError
 
-        refs = [getattr(actor, method).remote(*args) for actor, args in zip(self.actors, per_shard_args)]
+        self._call_id += 1
+        requests = [(self._call_id, method, tuple(args)) for args in per_shard_args]
+        if self.data_plane == "compiled" and method in COMPILED_METHODS and not self.direct_callers:
+            answers = self._compiled_call(requests)
+            if answers is not None:
+                self._remember(method, per_shard_args, answers)
+                return answers
+        elif self.direct_callers:
+            self._teardown_graph()  # trainer actors call the shards themselves: ordinary calls only
+        # Ordinary actor calls (also the compiled plane's fallback: the same call ids, so a shard
+        # that already ran this call answers it again without running it twice).
+        refs = [actor.dispatch.remote(request) for actor, request in zip(self.actors, requests)]
         results: list = [None] * len(refs)
         lost: list[tuple[int, Exception]] = []
         for s, ref in enumerate(refs):
@@ -235,6 +262,44 @@ class RayShardGroup(ShardGroup):
             results[s] = self._replace(s, method, per_shard_args[s], cause)
         self._remember(method, per_shard_args, results)
         return results
+
+    def _compiled_call(self, requests: list) -> Optional[list]:
+        """The call through the compiled dispatch graph (built on first use): one execution,
+        every shard's answer copied out of the channel. None when the graph broke (a lost
+        actor closes its channels): it is torn down and the caller re-sends the same requests
+        as ordinary calls, which replace the lost actor (and recompile on the next call). An
+        exception raised by a shard method propagates as with ordinary calls."""
+        from ray.exceptions import RayActorError, RayChannelError
+
+        try:
+            if self._graph is None:
+                self._graph = self._compile_graph()
+            refs = self._graph.execute(*requests)
+            return [owned(self._ray.get(ref, timeout=COMPILED_GET_TIMEOUT_S)) for ref in refs]
+        except (RayChannelError, RayActorError):
+            self._teardown_graph()
+            return None
+
+    def _compile_graph(self):
+        """InputNode → every shard's `dispatch(request_s)` → MultiOutputNode, compiled: each call
+        of the compiled plane is one execution whatever the method (an actor takes part in one
+        compiled graph at a time, so one graph carries every per-step method)."""
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as requests:
+            graph = MultiOutputNode([actor.dispatch.bind(requests[s]) for s, actor in enumerate(self.actors)])
+        compiled = graph.experimental_compile(_submit_timeout=COMPILED_GET_TIMEOUT_S,
+                                              _buffer_size_bytes=COMPILED_BUFFER_BYTES)
+        self.graphs_compiled += 1
+        return compiled
+
+    def _teardown_graph(self) -> None:
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            try:
+                graph.teardown()
+            except Exception:  # a graph whose actor died may fail to tear down cleanly: it is gone either way
+                pass
 
     def restore_lost(self, during: str = "the step") -> list[int]:
         """Restore every shard actor that no longer answers to the state after the last
@@ -261,6 +326,7 @@ class RayShardGroup(ShardGroup):
         from ray.exceptions import RayActorError
 
         last: Exception = err
+        self._teardown_graph()  # it holds the lost actor: rebuilt with the new one on the next call
         for _ in range(self.max_restarts):
             try:
                 self._ray.kill(self.actors[s])  # type: ignore[arg-type]
@@ -301,6 +367,7 @@ class RayShardGroup(ShardGroup):
         return self._rebuild(s, err, method, replay_step=True, method=method, args=args)
 
     def shutdown(self) -> None:
+        self._teardown_graph()
         for actor in self.actors:
             self._ray.kill(actor)  # type: ignore[arg-type]  # ray's stubs type ray.remote(cls) as the class
         self._ray.util.remove_placement_group(self._pg)

@@ -143,7 +143,7 @@ def _shard_group(cfg: Config, layout: ShardLayout):
         return InProcessShardGroup(layout, **kwargs)
     return RayShardGroup(layout, cpus_per_shard=cfg.cluster.cpus_per_shard, gpus_per_shard=cfg.cluster.gpus_per_shard,
                          placement_strategy=cfg.cluster.placement_strategy,
-                         max_restarts=cfg.cluster.max_actor_restarts, **kwargs)
+                         max_restarts=cfg.cluster.max_actor_restarts, data_plane=cfg.cluster.data_plane, **kwargs)
 
 
 def _dense_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
@@ -308,7 +308,7 @@ _COMPUTATION_FREE_KEYS = {("train", "log_every"), ("train", "eval_every"), ("tra
                           ("train", "eval_batch_size"), ("train", "debug_metrics"), ("train", "tensorboard"), ("cluster", "address"),
                           ("cluster", "backend"), ("cluster", "cpus_per_shard"), ("cluster", "gpus_per_shard"),
                           ("cluster", "placement_strategy"), ("cluster", "max_actor_restarts"), ("cluster", "trainer_placement"),
-                          ("cluster", "cpus_per_trainer"), ("run_dir", None),
+                          ("cluster", "cpus_per_trainer"), ("cluster", "data_plane"), ("run_dir", None),
                           # the [by_epsilon] table and the row's key: its values are in the sections
                           ("by_epsilon", None), ("tuned_for_epsilon", None)}
 # Keys a resume may change without changing what the replayed steps compute.
