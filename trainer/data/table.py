@@ -851,11 +851,12 @@ def _estimate_dp_statistics(spec: TableSchema, paths: list, cutoff: Optional[int
     sums, n = np.zeros(2 * len(dp_dense)), 0
     for chunk, keep in training_chunks():
         values = np.stack([_dense(chunk, d, before_standardize=True) for d in dp_dense], axis=1)
-        units = _units(chunk, spec.unit) if spec.unit is not None else None
+        chunk_units: Optional[np.ndarray] = _units(chunk, spec.unit) if spec.unit is not None else None
         if keep is not None:
             values = values[keep]
-            units = None if units is None else units[keep]
-        sums += dps.moment_sums(dps.normalized(values, ranges), None if units is None else counts.weights(units))
+            chunk_units = None if chunk_units is None else chunk_units[keep]
+        weights = None if chunk_units is None else counts.weights(chunk_units)
+        sums += dps.moment_sums(dps.normalized(values, ranges), weights)
         n += len(values)
     if n == 0:
         return spec, {}  # no training example: the conversion refuses the data below
