@@ -25,11 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, fmt_bytes, machine_line  # noqa: E402
 from run_all import VARIANTS as RUN_VARIANTS  # noqa: E402
 
+#: the k sweep of benchmarks/user_level.py (§18b), not one of run_all's variants
+RUN_VARIANTS = {**RUN_VARIANTS, "user_level_k": (
+    "user_level.py", ["--units", "user,user-examples", "--no-nonprivate", "--eps", "1,8", "--example-sampling-k",
+                      "1,4,16", "--user-k", "1,4,16"])}
+
 NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "privacy_overhead", "communication",
          "phase_breakdown", "privacy_utility", "calibration_study", "paper_fig1", "privacy_audit",
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line",
          "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive",
-         "noise_generators", "cli_startup", "user_level", "user_level_examples", "convert_throughput")
+         "noise_generators", "cli_startup", "user_level", "user_level_examples", "user_level_k", "convert_throughput")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -1200,6 +1205,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
         ("user_level", "17. User-level privacy on click logs with users: users sampled against example level",
          _own_section("user_level", plot_dir), []),
         ("user_level_examples", "18. User-level privacy by example sampling (groups accounted)",
+         _own_section("user_level", plot_dir), []),
+        ("user_level_k", "18b. User-level privacy against k: users sampled against example sampling",
          _own_section("user_level", plot_dir), []),
         ("convert_throughput", "19. `convert table` throughput and memory on multi-file logs",
          _own_section("convert_throughput", plot_dir), []),

@@ -37,12 +37,23 @@ gradient at user level) of the user-level run over the example-level run at the 
 ε, beside the nonprivate run's (the floor, same model). Timings are system measurements on a
 possibly shared machine (the JSON records the load average); nothing asserts on them.
 
+Sweeping k: `--user-k` (a comma list; default the config's privacy.max_examples_per_user) gives
+the k of the users-sampled runs, each at its own user batch b(k) = round(B / c̄(k)) and the
+config's lr; `--example-sampling-k` (a comma list; default 4) the k of the `user-examples` runs,
+all at B examples per step and the example level's lr (the config's × B/b at the config's k).
+Every record carries its k, and run names hold it (`sparse-user-k16-eps8`). `--repeats R` trains
+each private point R times (run dirs `…-r1`, `…-r2` beside the first; fresh secret noise each,
+the same train.seed); the tables then give the mean test AUC / log loss over the R runs and
+their min–max. When both user-level methods ran, a table compares them at each (mode, ε, k).
+An invocation with several k or R > 1 writes benchmarks/results/user_level_k.json.
+
 Runs are kept under WORK/runs/<data>/ and reused when their config is unchanged up to keys of
 placement, logging and recovery (--fresh retrains). The script exits 1 when a run failed, lacks
 finite test metrics, or its summary does not name the requested privacy unit.
 
     python benchmarks/user_level.py [--users 20000] [--days 4] [--seed 0] [--data DIR] [--eps 1,3,8]
         [--modes sparse,dpsgd] [--units example,user] [--no-nonprivate] [--steps 300]
+        [--user-k 16] [--example-sampling-k 4] [--repeats 1]
         [--examples-per-step 368] [--backend local|ray] [--threads 1] [--same-lr] [--set SECTION.KEY=VALUE ...]
         [--work-dir DIR] [--fresh] [--quick] [--out FILE]
 """
@@ -56,7 +67,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -70,7 +81,7 @@ TRAIN_SEED = 0
 USER_BY_EXAMPLES = "user-examples"
 PRIVACY_UNIT_OF = {"example": "example", "user": "user", USER_BY_EXAMPLES: "user"}
 #: --quick: a tiny grid (seconds per run): few users, two days, three steps, one ε
-QUICK = {"users": 300, "days": 2, "items": 2000, "steps": 3, "eps": "8", "examples_per_step": 64}
+QUICK: dict[str, Any] = {"users": 300, "days": 2, "items": 2000, "steps": 3, "eps": "8", "examples_per_step": 64}
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -85,7 +96,8 @@ def logs_dataset(root: Path, users: int, days: int, seed: int, items: Optional[i
     raw, data = root / tag / "raw", root / tag / "data"
     if not (raw / "truth.json").exists():
         print(f"generating {raw}")
-        synth_logs(raw, users=users, days=days, seed=seed, **({"items": items} if items else {}))
+        extra: dict[str, Any] = {"items": items} if items else {}
+        synth_logs(raw, users=users, days=days, seed=seed, **extra)
     truth = json.loads((raw / "truth.json").read_text())
     if not (data / "dataset.json").exists():
         print(f"converting {raw} -> {data} (test split: {truth['evaluation_day']['date']})")
@@ -105,9 +117,8 @@ def find_truth(data: Path) -> Optional[Path]:
     return p if p is not None and p.exists() else None
 
 
-def unit_statistics(data: Path, k: int) -> dict:
-    """Per-user counts of the training split: users U, examples n, examples per user (median,
-    mean, p90, p99, max), c̄ = mean min(n_u, k) and the share of users above k."""
+def user_counts(data: Path):
+    """(examples per user of the training split, training examples, test examples)."""
     import numpy as np
 
     from widedp.trainer.data import open_dataset
@@ -118,15 +129,37 @@ def unit_statistics(data: Path, k: int) -> dict:
     if units is None:
         raise ValueError(f"{data}: no unit column (user level needs one: `widedp convert table` with a schema unit)")
     idx, num_units = unit_indices(units)
-    counts = np.bincount(idx, minlength=num_units)
-    return {"train_examples": int(len(train_set)), "test_examples": int(len(test_set)), "users": int(num_units),
+    return np.bincount(idx, minlength=num_units), int(len(train_set)), int(len(test_set))
+
+
+def k_statistics(counts, k: int) -> dict:
+    """What a cap of k examples per user keeps: c̄ = mean min(n_u, k), the share of users above
+    k, the share of the training examples beyond k (dropped) and the examples kept."""
+    import numpy as np
+
+    return {"k": int(k), "mean_contribution": float(np.minimum(counts, k).mean()),
+            "users_above_k": float((counts > k).mean()),
+            "examples_beyond_k": float(np.maximum(counts - k, 0).sum() / counts.sum()),
+            "examples_kept": int(np.minimum(counts, k).sum())}
+
+
+def unit_statistics(data: Path, k: int, counts=None) -> dict:
+    """Per-user counts of the training split: users U, examples n, examples per user (median,
+    mean, p90, p99, max), c̄ = mean min(n_u, k) and the share of users above k."""
+    import numpy as np
+
+    if counts is None:
+        counts, n_train, n_test = user_counts(data)
+    else:
+        counts, n_train, n_test = counts
+    ks = k_statistics(counts, k)
+    return {"train_examples": n_train, "test_examples": n_test, "users": int(len(counts)),
             "k": int(k), "examples_per_user": {
                 "median": float(np.median(counts)), "mean": float(counts.mean()),
                 "p90": float(np.percentile(counts, 90)), "p99": float(np.percentile(counts, 99)),
                 "max": int(counts.max())},
-            "mean_contribution": float(np.minimum(counts, k).mean()),
-            "users_above_k": float((counts > k).mean()),
-            "examples_beyond_k": float(np.maximum(counts - k, 0).sum() / counts.sum())}
+            "mean_contribution": ks["mean_contribution"], "users_above_k": ks["users_above_k"],
+            "examples_beyond_k": ks["examples_beyond_k"]}
 
 
 def truth_reference(truth_path: Optional[Path]) -> dict:
@@ -146,13 +179,19 @@ def truth_reference(truth_path: Optional[Path]) -> dict:
 def run_one(spec: dict, root: Path, fresh: bool) -> dict:
     """Train one grid point (or reuse its run); the record of summary.json's numbers."""
     from widedp.trainer.config import load_config
-    mode, unit, eps = spec["mode"], spec["unit"], spec["target_epsilon"]
-    name = "nonprivate" if mode == "nonprivate" else f"{mode}-{unit}-eps{eps:g}"
+    mode, unit, eps, k, rep = spec["mode"], spec["unit"], spec["target_epsilon"], spec.get("k"), spec.get("repeat", 0)
+    name = run_name(mode, unit, eps, k, rep)
     run_dir = root / name
     config = CONFIGS[mode]
-    cfg = load_config(str(REPO / config), spec["overrides"])
-    cfg.validate()
-    record = {"name": name, "mode": mode, "unit": unit, "target_epsilon": eps, "config": config,
+    try:
+        cfg = load_config(str(REPO / config), spec["overrides"])
+        cfg.validate()
+    except Exception as exc:  # a bad point (say its accountant) must not lose the grid
+        print(f"  {name}: FAILED: {type(exc).__name__}: {exc}"[:500])
+        return {"name": name, "mode": mode, "unit": unit, "target_epsilon": eps, "k": k, "repeat": rep,
+                "config": config, "overrides": spec["overrides"], "error": f"{type(exc).__name__}: {exc}"[:500]}
+    record = {"name": name, "mode": mode, "unit": unit, "target_epsilon": eps, "k": k, "repeat": rep,
+              "config": config,
               "selection": cfg.train.selection if mode == "sparse" else None, "overrides": spec["overrides"],
               "batch_size": cfg.train.batch_size, "batch_unit": "users" if unit == "user" else "examples",
               "privacy_unit_requested": PRIVACY_UNIT_OF[unit],
@@ -183,12 +222,20 @@ def run_one(spec: dict, root: Path, fresh: bool) -> dict:
     return record
 
 
+def run_name(mode: str, unit: str, eps: Optional[float], k: Optional[int] = None, repeat: int = 0) -> str:
+    """The run's directory name: mode, unit, k (user level), ε, and `-rN` for repeats after the first."""
+    if mode == "nonprivate":
+        return "nonprivate"
+    return f"{mode}-{unit}" + (f"-k{k}" if k is not None else "") + f"-eps{eps:g}" + (f"-r{repeat}" if repeat else "")
+
+
 def _g(v, digits: int = 4) -> str:
     return "–" if v is None else f"{v:.{digits}f}"
 
 
-def grid(args, stats: dict, base_over: list) -> tuple[list, dict]:
-    """The run specs and the batch/learning-rate matching they use."""
+def grid(args, stats: dict, base_over: list, k_stats: Optional[dict] = None) -> tuple[list, dict]:
+    """The run specs and the batch/learning-rate matching they use. `k_stats`: k_statistics at
+    each k of args.user_k (the users-sampled runs' batch b(k) = round(B / c̄(k)))."""
     from widedp.trainer.config import load_config
 
     B = int(args.examples_per_step)
@@ -200,32 +247,52 @@ def grid(args, stats: dict, base_over: list) -> tuple[list, dict]:
                 "rule": "user batch b = round(B / c̄), c̄ = mean over training users of min(n_u, k); example-level "
                         "runs use the config's lr and dense_lr × B/b (same lr per expected example)"
                         if not args.same_lr else "user batch b = round(B / c̄); the same lr at both units (--same-lr)"}
+    user_ks = list(getattr(args, "user_k", None) or [stats["k"]])
+    example_ks = list(getattr(args, "example_sampling_k", None) or [4])
+    repeats = max(1, int(getattr(args, "repeats", 1) or 1))
+    c_of = {k: (k_stats or {}).get(k, {}).get("mean_contribution", c_bar if k == stats["k"] else None) for k in user_ks}
+    if any(v is None for v in c_of.values()):
+        raise ValueError("grid: k_stats must hold every --user-k")
+    b_of = {k: max(1, round(B / c_of[k])) for k in user_ks}
+    if user_ks != [stats["k"]] or repeats > 1 or example_ks != [4]:
+        matching["user_batch_by_k"] = {str(k): {"user_batch": b_of[k], "mean_contribution": c_of[k],
+                                                "user_expected_examples_per_step": b_of[k] * c_of[k]} for k in user_ks}
+        matching["k_rule"] = ("users-sampled runs at k: b(k) = round(B / c̄(k)) users per step, the config's lr; "
+                              f"{USER_BY_EXAMPLES} runs at every k: B examples per step, the example level's lr "
+                              "(config's × B/b at the config's k)")
     specs = []
 
-    def spec(mode: str, unit: str, eps: Optional[float]) -> dict:
+    def spec(mode: str, unit: str, eps: Optional[float], k: Optional[int] = None, repeat: int = 0) -> dict:
         cfg = load_config(str(REPO / CONFIGS[mode]), base_over)
         over = [*base_over, f"train.mode={mode}", f"privacy.unit={unit}", f"train.seed={TRAIN_SEED}"]
         over[over.index(f"privacy.unit={unit}")] = f"privacy.unit={PRIVACY_UNIT_OF[unit]}"
         if unit == USER_BY_EXAMPLES:  # each user keeps ≤ k_e examples once; example-level steps, groups of k_e
-            over += ["privacy.user_sampling=examples", f"privacy.max_examples_per_user={args.example_sampling_k}"]
+            over += ["privacy.user_sampling=examples", f"privacy.max_examples_per_user={k}"]
         if unit in ("example", USER_BY_EXAMPLES):  # batches of examples (the user-level config's lr × B/b)
             over += [f"train.batch_size={B}", f"train.lr={cfg.train.lr * scale:.6g}",
                      f"train.dense_lr={cfg.train.dense_lr * scale:.6g}"]
-        else:
-            over.append(f"train.batch_size={b_user}")
+        else:  # users sampled: b(k) users per step, each ≤ k examples
+            if k != stats["k"]:
+                over.append(f"privacy.max_examples_per_user={k}")
+            over.append(f"train.batch_size={b_of[k]}")
         if eps is not None:
             over.append(f"privacy.target_epsilon={eps:g}")
         over += args.set  # --set wins
-        return {"mode": mode, "unit": unit, "target_epsilon": eps, "overrides": over,
+        return {"mode": mode, "unit": unit, "target_epsilon": eps, "k": k, "repeat": repeat, "overrides": over,
                 "lr_scale": scale if unit != "user" else 1.0,
-                "expected_examples_per_step": float(B) if unit != "user" else b_user * c_bar}
+                "expected_examples_per_step": float(B) if unit != "user" else b_of[k] * c_of[k]}
 
+    ks_of = {"example": [None], "user": user_ks, USER_BY_EXAMPLES: example_ks}
+    all_ks = sorted({k for u in args.units for k in ks_of[u] if k is not None})
     if not args.no_nonprivate:
         specs.append(spec("nonprivate", "example", None))
     for mode in args.modes:
         for eps in args.eps:
-            for unit in args.units:  # the two units of one (mode, ε) back to back: alike machine load
-                specs.append(spec(mode, unit, eps))
+            for repeat in range(repeats):
+                # the units of one (mode, ε, k) back to back: alike machine load
+                specs += [spec(mode, "example", eps, None, repeat) for u in args.units if u == "example"]
+                for k in all_ks:
+                    specs += [spec(mode, u, eps, k, repeat) for u in args.units if u != "example" and k in ks_of[u]]
     return specs, matching
 
 
@@ -263,10 +330,11 @@ def costs(records: list) -> dict:
         if r["unit"] != "user" or r["mode"] == "nonprivate":
             continue
         e = next((x for x in ok if x["mode"] == r["mode"] and x["unit"] == "example"
-                  and x["target_epsilon"] == r["target_epsilon"]), None)
+                  and x["target_epsilon"] == r["target_epsilon"] and x.get("repeat", 0) == r.get("repeat", 0)), None)
         if e is None:
             continue
         rows.append({"mode": r["mode"], "target_epsilon": r["target_epsilon"],
+                     **({"k": r["k"], "repeat": r.get("repeat", 0)} if r.get("k") is not None else {}),
                      "example_step_ms": e["step_time_ms_median"], "user_step_ms": r["step_time_ms_median"],
                      "step_ratio": _ratio(r["step_time_ms_median"], e["step_time_ms_median"]),
                      "example_norms_ms": e["norms_ms_median"], "user_norms_ms": r["norms_ms_median"],
@@ -285,6 +353,37 @@ def costs(records: list) -> dict:
 
 def _ratio(a, b):
     return a / b if a is not None and b else None
+
+
+def _key(r: dict) -> tuple:
+    return r["mode"], r["unit"], r.get("k"), r["target_epsilon"]
+
+
+def points(records: list) -> list:
+    """The grid points (mode, unit, k, target ε) in the records' order, each with its finished
+    runs (`runs`, one per repeat), failures, and the mean / min / max / std over the runs of the
+    test AUC, log loss and ECE."""
+    out: dict = {}
+    for r in records:
+        pt = out.setdefault(_key(r), {"mode": r["mode"], "unit": r["unit"], "k": r.get("k"),
+                                      "target_epsilon": r["target_epsilon"], "runs": [], "failed": 0})
+        if "error" in r:
+            pt["failed"] += 1
+        else:
+            pt["runs"].append(r)
+    for pt in out.values():
+        for key in ("auc", "logloss", "ece"):
+            vals = [v for v in ((x.get("test_metrics") or {}).get(key) for x in pt["runs"])
+                    if isinstance(v, (int, float)) and math.isfinite(v)]
+            pt[key] = {"mean": statistics.fmean(vals) if vals else None, "min": min(vals, default=None),
+                       "max": max(vals, default=None), "std": statistics.stdev(vals) if len(vals) > 1 else None,
+                       "n": len(vals)}
+    return list(out.values())
+
+
+def _point_summary(pt: dict) -> dict:
+    """A point's numbers for the JSON (without its records)."""
+    return {k: v for k, v in pt.items() if k != "runs"} | {"runs": [r["name"] for r in pt["runs"]]}
 
 
 def checks(records: list, reference: dict) -> dict:
@@ -342,9 +441,22 @@ def _cell(c) -> str:
     return str(c)
 
 
+def _several_k(records: list) -> bool:
+    return len({r.get("k") for r in records if r.get("k") is not None}) > 1
+
+
+def _repeated(records: list) -> bool:
+    return any(r.get("repeat", 0) for r in records)
+
+
 def utility_table(records: list) -> str:
+    """One row per run; with several k a k column; with repeats one row per point: the mean test
+    AUC / log loss / ECE over its runs and the AUC and log loss min–max."""
+    if _repeated(records):
+        return _utility_table_repeated(records)
     nonp = next((r for r in records if r["mode"] == "nonprivate" and "error" not in r), None)
     nonp_auc = ((nonp or {}).get("test_metrics") or {}).get("auc")
+    with_k = _several_k(records)
     rows = []
     for r in records:
         if "error" in r:
@@ -354,6 +466,7 @@ def utility_table(records: list) -> str:
         private = r["mode"] != "nonprivate"
         rows.append([r["mode"] + (f"/{r['selection']}" if r.get("selection") else ""),
                      (r.get("privacy_unit") or "?") if private else "–",
+                     *([_unit_label(r), r.get("k")] if with_k else []),
                      r["target_epsilon"], r.get("epsilon") if private else None,
                      f"{r['delta']:.2g}" if private and r.get("delta") else None,
                      r.get("noise_multiplier") if private else None,
@@ -361,32 +474,141 @@ def utility_table(records: list) -> str:
                      m.get("auc"), m.get("logloss"), m.get("ece"),
                      (m["auc"] - nonp_auc) if private and m.get("auc") is not None and nonp_auc is not None else None,
                      r.get("step_time_ms_median")])
-    return md_table(["mode", "ε protects", "target ε", "ε spent", "δ", "σ", "batch (expected)", "examples/step",
-                     "test AUC", "logloss", "ECE", "AUC − nonprivate", "step ms"], rows)
+    return md_table(["mode", "ε protects", *(["method", "k"] if with_k else []), "target ε", "ε spent", "δ", "σ",
+                     "batch (expected)", "examples/step", "test AUC", "logloss", "ECE", "AUC − nonprivate", "step ms"],
+                    rows)
+
+
+def _unit_label(r: dict) -> str:
+    return {"user": "users sampled", USER_BY_EXAMPLES: "examples sampled"}.get(r["unit"], r["unit"])
+
+
+def _spread(s: dict) -> Optional[str]:
+    return None if s.get("min") is None else f"{s['min']:.4f}–{s['max']:.4f}"
+
+
+def _utility_table_repeated(records: list) -> str:
+    pts = points(records)
+    nonp = next((p for p in pts if p["mode"] == "nonprivate" and p["runs"]), None)
+    nonp_auc = nonp["auc"]["mean"] if nonp else None
+    rows = []
+    for pt in pts:
+        if not pt["runs"]:
+            rows.append([pt["mode"], pt["unit"], pt["k"], pt["target_epsilon"], "FAILED"] + [None] * 11)
+            continue
+        r = pt["runs"][0]
+        private = pt["mode"] != "nonprivate"
+        auc = pt["auc"]["mean"]
+        rows.append([pt["mode"] + (f"/{r['selection']}" if r.get("selection") else ""),
+                     (r.get("privacy_unit") or "?") if private else "–", _unit_label(r), pt["k"],
+                     pt["target_epsilon"], max((x.get("epsilon") or 0.0) for x in pt["runs"]) if private else None,
+                     f"{r['delta']:.2g}" if private and r.get("delta") else None,
+                     r.get("noise_multiplier") if private else None,
+                     f"{r['batch_size']} {r['batch_unit']}", r["expected_examples_per_step"],
+                     f"{len(pt['runs'])}" + (f" ({pt['failed']} failed)" if pt["failed"] else ""),
+                     auc, _spread(pt["auc"]), pt["logloss"]["mean"], _spread(pt["logloss"]), pt["ece"]["mean"],
+                     (auc - nonp_auc) if private and auc is not None and nonp_auc is not None else None])
+    return md_table(["mode", "ε protects", "method", "k", "target ε", "ε spent (max)", "δ", "σ", "batch (expected)",
+                     "examples/step", "runs", "test AUC (mean)", "AUC min–max", "logloss (mean)", "logloss min–max",
+                     "ECE (mean)", "AUC − nonprivate"], rows)
 
 
 def gap_table(records: list) -> str:
+    """Users-sampled against example level at each (mode, ε[, k]): mean test AUC / log loss
+    over the repeats (one run each without repeats)."""
     rows = []
-    ok = [r for r in records if "error" not in r]
-    for r in ok:
+    pts = [p for p in points(records) if p["runs"] and p["auc"]["mean"] is not None]
+    with_k = _several_k(records)
+    for r in pts:
         if r["unit"] != "user" or r["mode"] == "nonprivate":
             continue
-        e = next((x for x in ok if x["mode"] == r["mode"] and x["unit"] == "example"
+        e = next((x for x in pts if x["mode"] == r["mode"] and x["unit"] == "example"
                   and x["target_epsilon"] == r["target_epsilon"]), None)
         if e is None:
             continue
-        ua, ea = r["test_metrics"]["auc"], e["test_metrics"]["auc"]
-        rows.append([r["mode"], r["target_epsilon"], ea, ua, ua - ea,
-                     e["test_metrics"]["logloss"], r["test_metrics"]["logloss"]])
-    return md_table(["mode", "ε", "AUC example level", "AUC user level", "user − example",
+        ua, ea = r["auc"]["mean"], e["auc"]["mean"]
+        rows.append([r["mode"], r["target_epsilon"], *([r["k"]] if with_k else []), ea, ua, ua - ea,
+                     e["logloss"]["mean"], r["logloss"]["mean"]])
+    return md_table(["mode", "ε", *(["k"] if with_k else []), "AUC example level", "AUC user level", "user − example",
                      "logloss example", "logloss user"], rows)
 
 
+def k_comparison(records: list, k_stats: dict) -> list:
+    """The two user-level methods at each (mode, ε, k) both ran: users sampled (`user`) against
+    example sampling (`user-examples`), mean test AUC / log loss over the repeats, their
+    min–max, what k keeps of the data, and which is better on each metric (higher AUC, lower log
+    loss; `ranges overlap` where R > 1 and the two min–max ranges meet)."""
+    pts = [p for p in points(records) if p["runs"] and p["auc"]["mean"] is not None]
+    rows = []
+    for u in pts:
+        if u["unit"] != "user":
+            continue
+        x = next((p for p in pts if p["unit"] == USER_BY_EXAMPLES and p["mode"] == u["mode"] and p["k"] == u["k"]
+                  and p["target_epsilon"] == u["target_epsilon"]), None)
+        if x is None:
+            continue
+        ks = k_stats.get(str(u["k"])) or {}
+
+        def better(metric: str, sign: float) -> str:
+            a, b = u[metric], x[metric]
+            win = "user" if sign * (a["mean"] - b["mean"]) > 0 else USER_BY_EXAMPLES
+            overlap = a["n"] > 1 and b["n"] > 1 and a["min"] <= b["max"] and b["min"] <= a["max"]
+            return win + (" (ranges overlap)" if overlap else "")
+        rows.append({"mode": u["mode"], "target_epsilon": u["target_epsilon"], "k": u["k"],
+                     "examples_kept": 1 - ks["examples_beyond_k"] if ks else None,
+                     "users_above_k": ks.get("users_above_k"),
+                     "user_batch": u["runs"][0]["batch_size"], "runs": [u["auc"]["n"], x["auc"]["n"]],
+                     "user": {m: u[m] for m in ("auc", "logloss")},
+                     USER_BY_EXAMPLES: {m: x[m] for m in ("auc", "logloss")},
+                     "sigma": [u["runs"][0].get("noise_multiplier"), x["runs"][0].get("noise_multiplier")],
+                     "sample_rate": [u["runs"][0].get("sample_rate"), x["runs"][0].get("sample_rate")],
+                     "lr": [u["runs"][0].get("lr"), x["runs"][0].get("lr")],
+                     "auc_difference": u["auc"]["mean"] - x["auc"]["mean"],
+                     "logloss_difference": u["logloss"]["mean"] - x["logloss"]["mean"],
+                     "better_auc": better("auc", 1.0), "better_logloss": better("logloss", -1.0)})
+    return rows
+
+
+def same_mechanism_note(rows: list) -> Optional[str]:
+    """At k = 1 the two methods sample the same way (q = b/U = B/U) with the same σ: a sentence on
+    what then differs (the learning rate, and a fresh example per draw against one fixed example
+    per user), from the rows where q and σ agree; None where no such row."""
+    same = [r for r in rows if r["k"] == 1 and None not in (*r["sigma"], *r["sample_rate"], *r["lr"])
+            and math.isclose(r["sigma"][0], r["sigma"][1], rel_tol=1e-6)
+            and math.isclose(r["sample_rate"][0], r["sample_rate"][1], rel_tol=1e-6)]
+    if not same:
+        return None
+    ratios = sorted({round(r["lr"][1] / r["lr"][0], 3) for r in same})
+    diffs = ", ".join(f"{r['mode']} ε = {r['target_epsilon']:g}: {r['auc_difference']:+.4f}" for r in same)
+    return ("At k = 1 the two methods are the same mechanism (equal q and σ in the rows named below); what "
+            f"differs is the learning rate (`user-examples` runs at {' / '.join(f'{x:g}' for x in ratios)}× the "
+            "users-sampled lr: the example level's lr × B/b at the config's k) and which example a user gives "
+            "(users sampled: a fresh one each time the user is drawn; example sampling: one fixed example). The AUC "
+            f"differences there (user − user-examples: {diffs}) are what these two choices, not the privacy unit's "
+            "sampling, do.")
+
+
+def _mean_spread(s: dict) -> str:
+    return f"{s['mean']:.4f}" + (f" ({s['min']:.4f}–{s['max']:.4f})" if s["n"] > 1 else "")
+
+
+def k_table(rows: list) -> str:
+    out = [[r["mode"], r["target_epsilon"], r["k"], r["examples_kept"], r["user_batch"],
+            _mean_spread(r["user"]["auc"]), _mean_spread(r[USER_BY_EXAMPLES]["auc"]), r["auc_difference"],
+            _mean_spread(r["user"]["logloss"]), _mean_spread(r[USER_BY_EXAMPLES]["logloss"]), r["logloss_difference"],
+            r["better_auc"], r["better_logloss"]] for r in rows]
+    return md_table(["mode", "ε", "k", "examples kept", "users/step (user)", "AUC user", "AUC user-examples",
+                     "Δ AUC", "logloss user", "logloss user-examples", "Δ logloss", "better AUC", "better logloss"],
+                    out)
+
+
 def cost_table(c: dict) -> str:
-    rows = [[x["mode"], x["target_epsilon"], x["example_step_ms"], x["user_step_ms"], x["step_ratio"],
-             x["example_norms_ms"], x["user_norms_ms"], x["norms_ratio"], x["example_over_floor"],
-             x["user_over_floor"]] for x in c["rows"]]
-    return md_table(["mode", "ε", "step ms example", "step ms user", "user/example", "norms ms example",
+    with_k = len({x.get("k") for x in c["rows"]}) > 1 or any(x.get("repeat") for x in c["rows"])
+    rows = [[x["mode"], x["target_epsilon"], *([x.get("k"), x.get("repeat", 0)] if with_k else []), x["example_step_ms"],
+             x["user_step_ms"], x["step_ratio"], x["example_norms_ms"], x["user_norms_ms"], x["norms_ratio"],
+             x["example_over_floor"], x["user_over_floor"]] for x in c["rows"]]
+    return md_table(["mode", "ε", *(["k", "repeat"] if with_k else []), "step ms example", "step ms user",
+                     "user/example", "norms ms example",
                      "norms ms user", "norms user/example", "example/floor", "user/floor"], rows)
 
 
@@ -406,6 +628,13 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
+def _ints(text: str) -> list[int]:
+    out = sorted({int(x) for x in text.split(",") if x.strip()})
+    if any(k < 1 for k in out):
+        raise ValueError(f"{text!r}: k must be ≥ 1")
+    return out
+
+
 def results_section(doc: dict) -> tuple[list[str], list]:
     """docs/RESULTS.md's section for this benchmark's JSON (benchmarks/make_results.py): the
     setting, the utility table, and — where the grid has both units — the user-against-example
@@ -413,20 +642,41 @@ def results_section(doc: dict) -> tuple[list[str], list]:
     d, m, ref, records = doc["data"], doc["matching"], doc.get("reference") or {}, doc["records"]
     per = d["examples_per_user"]
     units = ", ".join(doc["units"])
+    repeats = int(doc.get("repeats") or 1)
     lines = [f"`widedp synth logs` data `{d['tag']}`: {d['train_examples']:,} training examples of {d['users']:,} users "
              f"(examples per user: median {per['median']:g}, mean {per['mean']:.2f}, max {per['max']:,}), "
              f"{d['test_examples']:,} test examples (the last day). Units run: {units}; {doc['steps']} steps, backend "
-             f"{doc['backend']}, one run per point (secret noise). Matching: {m['rule']}; example-level B = "
+             f"{doc['backend']}, {'one run' if repeats == 1 else f'{repeats} runs'} per point (secret noise). Matching: {m['rule']}; example-level B = "
              f"{m['examples_per_step']} examples per step, user-level b = {m['user_batch']} users "
              f"(c̄ = {m['mean_contribution']:.2f}). Bayes AUC {_g(ref.get('bayes_auc'))}; `user-examples` runs: "
              "user level by example sampling (privacy.user_sampling = examples, each user keeps ≤ "
-             "--example-sampling-k examples, groups accounted by the mixture-of-Gaussians PLD).", "",
-             utility_table(records), ""]
+             "--example-sampling-k examples, groups accounted by the mixture-of-Gaussians PLD).", ""]
+    if doc.get("k_statistics"):
+        ks = doc["k_statistics"]
+        lines[-2] += (f" k swept: users sampled at k ∈ {{{', '.join(map(str, doc.get('user_k') or []))}}} (batch b(k) = "
+                      f"round(B / c̄(k)) users, the config's lr), `user-examples` at k ∈ "
+                      f"{{{', '.join(map(str, doc.get('example_sampling_k') or []))}}} (B examples per step, the "
+                      "example level's lr). Examples kept of the training split: " + "; ".join(
+                          f"k = {k}: {100 * (1 - v['examples_beyond_k']):.1f}% (c̄ = {v['mean_contribution']:.2f}, "
+                          f"{100 * v['users_above_k']:.1f}% of users above k)" for k, v in ks.items()) + "."
+                      + (" Tables: the mean over the runs of each point and the min–max." if repeats > 1 else ""))
+    lines += [utility_table(records), ""]
     if any(r["unit"] == "user" for r in records) and any(r["unit"] == "example" for r in records):
         lines += ["User level (users sampled) against example level, same mode and ε:", "", gap_table(records), "",
                   "Cost of the per-user step (median step and `norms` phase):", "", cost_table(doc["costs"]), ""]
     if doc.get("group_privacy"):
         lines += ["What the example-level runs give one user by group privacy:", "", group_table(doc["group_privacy"]), ""]
+    kc = k_comparison(records, doc["k_statistics"]) if doc.get("k_statistics") else doc.get("k_comparison")
+    if kc:
+        note = same_mechanism_note(kc)
+        lines += ["The two user-level methods at each k, same mode and ε: users sampled (`user`: b(k) users per step, "
+                  "each ≤ k examples, one clip per user) against example sampling (`user-examples`: each user keeps "
+                  "≤ k examples once, example-level steps accounted for groups of k). Δ = user − user-examples; "
+                  "better: higher AUC, lower log loss" + (" (`ranges overlap`: the two min–max ranges over the "
+                                                          "repeats meet)" if repeats > 1 else
+                                                          "; one run per point, so small differences are within "
+                                                          "run-to-run noise") + ".", "",
+                  k_table(kc), "", *([note, ""] if note else [])]
     return lines, []
 
 
@@ -443,8 +693,14 @@ def main(argv=None) -> int:
     parser.add_argument("--units", default="example,user",
                         help=f"example, user (users sampled) and/or {USER_BY_EXAMPLES} (user level by example "
                              "sampling: privacy.user_sampling = examples)")
-    parser.add_argument("--example-sampling-k", type=int, default=4,
-                        help=f"privacy.max_examples_per_user of the {USER_BY_EXAMPLES} runs (default 4)")
+    parser.add_argument("--example-sampling-k", default="4",
+                        help=f"privacy.max_examples_per_user of the {USER_BY_EXAMPLES} runs, a comma list (default 4)")
+    parser.add_argument("--user-k", default=None,
+                        help="privacy.max_examples_per_user of the users-sampled (user) runs, a comma list (default: "
+                             "the config's)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each private point, each with fresh secret noise (default 1); tables give the "
+                             "mean and min–max")
     parser.add_argument("--no-nonprivate", action="store_true", help="skip the nonprivate run (the floor)")
     parser.add_argument("--steps", type=int, default=None, help="train.steps of every run (default 300)")
     parser.add_argument("--examples-per-step", type=int, default=None,
@@ -469,6 +725,13 @@ def main(argv=None) -> int:
     args.modes = [m for m in args.modes.split(",") if m]
     args.units = [u for u in args.units.split(",") if u]
     bad = [m for m in args.modes if m not in ("sparse", "dpsgd")] + [u for u in args.units if u not in PRIVACY_UNIT_OF]
+    try:
+        args.example_sampling_k = _ints(args.example_sampling_k)
+        args.user_k = _ints(args.user_k) if args.user_k else None
+    except ValueError as exc:
+        parser.error(f"--example-sampling-k / --user-k: comma lists of positive integers ({exc})")
+    if not args.example_sampling_k or (args.user_k is not None and not args.user_k) or args.repeats < 1:
+        parser.error("--example-sampling-k and --user-k need at least one k, --repeats at least 1")
     if bad:
         parser.error(f"unknown modes/units {bad}: modes are sparse, dpsgd; units {', '.join(PRIVACY_UNIT_OF)}")
     if args.threads:
@@ -491,8 +754,14 @@ def main(argv=None) -> int:
     base_over = [f"data.path={data}", f"train.steps={args.steps}", f"cluster.backend={args.backend}",
                  "train.log_every=100", "train.checkpoint_every=100"]
     k = load_config(str(REPO / CONFIGS["sparse"]), [*base_over, *args.set]).privacy.max_examples_per_user
-    stats = unit_statistics(data, k)
-    specs, matching = grid(args, stats, base_over)
+    counts = user_counts(data)
+    stats = unit_statistics(data, k, counts)
+    args.user_k = args.user_k or [k]
+    k_sweep = len(args.user_k) > 1 or len(args.example_sampling_k) > 1 or args.repeats > 1
+    ks_used = sorted({*(args.user_k if "user" in args.units else []),
+                      *(args.example_sampling_k if USER_BY_EXAMPLES in args.units else [])})
+    k_stats = {kk: k_statistics(counts[0], kk) for kk in sorted({*ks_used, *args.user_k})}
+    specs, matching = grid(args, stats, base_over, k_stats)
     per = stats["examples_per_user"]
     print(f"\ndata {data}: {stats['train_examples']:,} training examples of {stats['users']:,} users "
           f"(examples per user: median {per['median']:g}, mean {per['mean']:.2f}, p99 {per['p99']:.0f}, max {per['max']:,}), "
@@ -501,6 +770,13 @@ def main(argv=None) -> int:
           f"users have more than k; example level B = {matching['examples_per_step']} examples/step, user level "
           f"b = {matching['user_batch']} users/step (≈ {matching['user_expected_examples_per_step']:.0f} examples); "
           f"example-level lr × {matching['example_lr_scale']:.3f}")
+    if k_sweep:
+        for kk in ks_used:
+            v = k_stats[kk]
+            b = (matching.get("user_batch_by_k") or {}).get(str(kk), {}).get("user_batch")
+            print(f"k = {kk}: keeps {100 * (1 - v['examples_beyond_k']):.1f}% of the training examples, c̄ = "
+                  f"{v['mean_contribution']:.3f}, {100 * v['users_above_k']:.1f}% of users above k"
+                  + (f"; users sampled: b = {b} users/step" if b and "user" in args.units and kk in args.user_k else ""))
     root = work / "runs" / data_tag
     print(f"\n{len(specs)} runs, {args.steps} steps each, backend {args.backend}, train.seed {TRAIN_SEED}, runs in {root}")
     records = [run_one(s, root, args.fresh) for s in specs]
@@ -521,6 +797,9 @@ def main(argv=None) -> int:
         print(f"{mode}: median over ε of user/example step time {_g(v.get('step_ratio'), 2)}×, norms phase "
               f"{_g(v.get('norms_ratio'), 2)}×")
     print("\nWhat the example-level runs give one user by group privacy:\n\n" + group_table(g))
+    kc = k_comparison(records, {str(kk): v for kk, v in k_stats.items()})
+    if kc:
+        print("\nThe two user-level methods at each k (Δ = user − user-examples):\n\n" + k_table(kc))
     for line in chk["failures"]:
         print(f"FAILED CHECK: {line}")
     for line in chk["flags"]:
@@ -529,8 +808,13 @@ def main(argv=None) -> int:
                "eps": args.eps, "modes": args.modes, "units": args.units, "steps": args.steps,
                "backend": args.backend, "threads": args.threads, "train_seed": TRAIN_SEED, "configs": CONFIGS,
                "records": records, "costs": c, "group_privacy": g, "checks": chk}
-    write_results("user_level" if USER_BY_EXAMPLES not in args.units else "user_level_examples", payload, quick=quick,
-                  machine=machine, out=args.out, started=started)
+    if k_sweep:
+        payload |= {"user_k": args.user_k if "user" in args.units else [],
+                    "example_sampling_k": args.example_sampling_k if USER_BY_EXAMPLES in args.units else [],
+                    "repeats": args.repeats, "k_statistics": {str(kk): k_stats[kk] for kk in ks_used},
+                    "points": [_point_summary(p) for p in points(records)], "k_comparison": kc}
+    name = "user_level_k" if k_sweep else "user_level" if USER_BY_EXAMPLES not in args.units else "user_level_examples"
+    write_results(name, payload, quick=quick, machine=machine, out=args.out, started=started)
     return 0 if chk["ok"] else 1
 
 
