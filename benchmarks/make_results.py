@@ -29,12 +29,19 @@ from run_all import VARIANTS as RUN_VARIANTS  # noqa: E402
 RUN_VARIANTS = {**RUN_VARIANTS, "user_level_k": (
     "user_level.py", ["--units", "user,user-examples", "--no-nonprivate", "--eps", "1,8", "--example-sampling-k",
                       "1,4,16", "--user-k", "1,4,16"])}
+#: §2d: the DLRM step at DP batch sizes, ordinary calls against the compiled data plane
+RAY_BATCHES = (1024, 4096, 16384)
+RAY_BATCH_SYSTEMS = "pytorch-nonprivate,opacus-ghost,widedp-sparse-sharded,widedp-sparse-ray,widedp-sparse-ray-compiled"
+RUN_VARIANTS.update({f"ray_batch_{b}": ("dlrm_compare.py", [
+    "--rows", "20000", "--batch", str(b), "--systems", RAY_BATCH_SYSTEMS, "--steps", "10", "--warmup", "2",
+    "--max-seconds", "60", "--out", f"benchmarks/results/ray_batch_{b}.json"]) for b in RAY_BATCHES})
 
 NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "privacy_overhead", "communication",
          "phase_breakdown", "privacy_utility", "calibration_study", "paper_fig1", "privacy_audit",
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line",
          "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive",
-         "noise_generators", "cli_startup", "user_level", "user_level_examples", "user_level_k", "convert_throughput")
+         "noise_generators", "cli_startup", "user_level", "user_level_examples", "user_level_k", "convert_throughput",
+         "ray_batch_1024", "ray_batch_4096", "ray_batch_16384")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -1164,6 +1171,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          ["throughput_vs_opacus"]),
         ("dlrm_compare", "2b. DLRM-style CTR step: plain PyTorch, Opacus, widedp", section_dlrm, []),
         ("trainer_scaling", "2c. Data-parallel trainer actors on a multi-node Ray cluster", section_trainers, []),
+        *[(f"ray_batch_{b}", f"2d. The Ray data planes at a DP batch size: expected batch {b:,}", section_dlrm, [])
+          for b in RAY_BATCHES],
         ("privacy_overhead", "3. Privacy overhead (sparse vs non-private)", section_overhead, []),
         ("communication", "4. Communication", lambda d: section_communication(d, plots, plot_dir), ["write_back_bytes"]),
         ("phase_breakdown", "5. Where the time of a sparse step goes", lambda d: section_phases(d, plots, plot_dir),
