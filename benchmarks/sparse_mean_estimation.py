@@ -71,9 +71,12 @@ def predicted_crossover(n: int, eps: float, delta: float, s: int) -> Optional[fl
 
 
 def measured_crossover(rows: list[dict], method: str) -> Optional[int]:
-    """Smallest d from which `method`'s median error stays below the Gaussian mechanism's."""
+    """Smallest d from which `method`'s median error stays below the Gaussian mechanism's AND
+    below ‖z̄‖₂ (the error of answering 0): beating the Gaussian mechanism while both are worse
+    than the zero estimate is no crossover (it made the ℓ1-recovery goal vacuously "met")."""
     ds = sorted(r["d"] for r in rows if r.get(method) is not None)
-    wins = [d for d in ds if next(r for r in rows if r["d"] == d)[method] < next(r for r in rows if r["d"] == d)["gaussian"]]
+    by_d = {r["d"]: r for r in rows}
+    wins = [d for d in ds if by_d[d][method] < by_d[d]["gaussian"] and by_d[d][method] < by_d[d]["norm_zbar"]]
     for i, d in enumerate(ds):
         if all(x in wins for x in ds[i:]):
             return d
@@ -225,9 +228,11 @@ def results_section(doc: dict, plot_dir=None) -> tuple[list[str], list[tuple[str
                          f"{_fmt(r['l1_recovery'])} | {_fmt(r['l1_recovery_seconds'])} | {_fmt(r['rate_dense'])} | "
                          f"{_fmt(r['rate_sparse'])} |")
         pred = g["predicted_crossover"]
-        lines += ["", f"Predicted crossover (sparse rate < dense rate from d ≈ {_fmt(pred)}); measured: projection from "
-                      f"d = {_fmt(g['measured_crossover']['projection'])}, ℓ1-recovery from "
-                      f"d = {_fmt(g['measured_crossover']['l1_recovery'])}.", ""]
+        # recomputed from the rows (the rule counts only errors below ‖z̄‖₂; files written before it hold the old value)
+        crossover = {m: measured_crossover(g["rows"], m) for m in ("projection", "l1_recovery")}
+        lines += ["", f"Predicted crossover (sparse rate < dense rate from d ≈ {_fmt(pred)}); measured (error below the "
+                      f"Gaussian mechanism's and below ‖z̄‖₂, the zero estimate's): projection from "
+                      f"d = {_fmt(crossover['projection'])}, ℓ1-recovery from d = {_fmt(crossover['l1_recovery'])}.", ""]
         big = [r for r in g["rows"] if r["d"] >= 100 * g["s"]]
         beats = bool(big) and all(r["projection"] < r["gaussian"] for r in big)
         worst = max((r["projection"] / r["gaussian"] for r in big), default=None)
@@ -235,12 +240,14 @@ def results_section(doc: dict, plot_dir=None) -> tuple[list[str], list[tuple[str
                       f"largest error ratio projection/Gaussian over d ≥ {100 * g['s']}: {_fmt(worst)}",
                       "**met**" if beats else "**missed**", f"{len(big)} sizes, medians of repeats"))
         for method in ("projection", "l1_recovery"):
-            meas = g["measured_crossover"][method]
+            meas = crossover[method]
             if method == "l1_recovery" and not any(r["l1_recovery"] is not None for r in g["rows"]):
                 continue
             ok = meas is not None and pred is not None and pred / 10 <= meas <= pred * 10
+            at = next((r for r in g["rows"] if r["d"] == meas), None)
+            margin = "" if at is None else f" (its error there {_fmt(at[method])} against ‖z̄‖₂ = {_fmt(at['norm_zbar'])})"
             goals.append((f"measured {method} crossover within a factor 10 of the poster's predicted one ({g['label']})",
-                          f"measured d = {_fmt(meas)}, predicted d ≈ {_fmt(pred)}", "**met**" if ok else "**missed**",
+                          f"measured d = {_fmt(meas)}{margin}, predicted d ≈ {_fmt(pred)}", "**met**" if ok else "**missed**",
                           "grid points only (the measured value is the first grid d from which it stays ahead)"))
     opx = doc.get("output_perturbation")
     if opx:

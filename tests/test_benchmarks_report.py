@@ -636,3 +636,16 @@ def test_a_reused_run_without_ece_gets_the_missing_metrics_from_its_checkpoint(t
     other = {"test_metrics": {"logloss": 0.6, "auc": 0.7}}  # the checkpoint is not the summary's model
     privacy_utility._add_missing_metrics(other, tmp_path)
     assert other["test_metrics"] == {"logloss": 0.6, "auc": 0.7} and "not the summary's" in other["metrics_from_checkpoint_error"]
+
+
+def test_a_crossover_needs_an_error_below_the_zero_estimates():
+    """benchmarks/sparse_mean_estimation.py: beating the Gaussian mechanism while both errors
+    exceed ‖z̄‖₂ (what answering 0 costs) is no crossover."""
+    sys.path.insert(0, str(BENCH))
+    import sparse_mean_estimation as sme
+
+    rows = [{"d": 100, "gaussian": 0.5, "m": 2.0, "norm_zbar": 0.65}, {"d": 1000, "gaussian": 3.0, "m": 2.0, "norm_zbar": 0.65},
+            {"d": 10000, "gaussian": 9.0, "m": 0.6, "norm_zbar": 0.65}]
+    assert sme.measured_crossover(rows, "m") == 10000  # at 1000 it beats the Gaussian but not the zero estimate
+    rows[2]["m"] = 0.7
+    assert sme.measured_crossover(rows, "m") is None
