@@ -32,6 +32,9 @@ RUN_VARIANTS = {**RUN_VARIANTS, "user_level_k": (
 #: §2d: the DLRM step at DP batch sizes, ordinary calls against the compiled data plane
 RAY_BATCHES = (1024, 4096, 16384)
 RAY_BATCH_SYSTEMS = "pytorch-nonprivate,opacus-ghost,widedp-sparse-sharded,widedp-sparse-ray,widedp-sparse-ray-compiled"
+RUN_VARIANTS["trainer_scaling_16k"] = ("trainer_scaling.py", [
+    "--trainers", "1,2", "--batch", "16384", "--examples", "100000", "--steps", "5",
+    "--out", "benchmarks/results/trainer_scaling_16k.json"])
 RUN_VARIANTS.update({f"ray_batch_{b}": ("dlrm_compare.py", [
     "--rows", "20000", "--batch", str(b), "--systems", RAY_BATCH_SYSTEMS, "--steps", "10", "--warmup", "2",
     "--max-seconds", "60", "--out", f"benchmarks/results/ray_batch_{b}.json"]) for b in RAY_BATCHES})
@@ -41,7 +44,7 @@ NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line",
          "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive",
          "noise_generators", "cli_startup", "user_level", "user_level_examples", "user_level_k", "convert_throughput",
-         "ray_batch_1024", "ray_batch_4096", "ray_batch_16384")
+         "ray_batch_1024", "ray_batch_4096", "ray_batch_16384", "trainer_scaling_16k")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -363,7 +366,7 @@ def section_trainers(doc) -> tuple[list, list]:
     lines, goals = [], []
     ok = [r for r in doc["results"] if "error" not in r]
     one = next((r for r in ok if r["label"] == "ray N=1"), None)
-    lines += [f"CTR model of `configs/ctr.toml` (26 tables, {doc['rows']:,} rows in all, D = 16, expected batch 1024), "
+    lines += [f"CTR model of `configs/ctr.toml` (26 tables, {doc['rows']:,} rows in all, D = 16, expected batch {doc.get('batch', 1024):,}), "
               f"`{doc['selection']}` selection on the shards, {doc['shards']} shard actors, N trainer actors "
               f"(`cluster.trainer_placement = \"actors\"`) on a loopback cluster of {doc['nodes']} Ray nodes "
               "(`ray.cluster_utils.Cluster`: each node its own raylet and object store, all on this machine). "
@@ -1171,6 +1174,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          ["throughput_vs_opacus"]),
         ("dlrm_compare", "2b. DLRM-style CTR step: plain PyTorch, Opacus, widedp", section_dlrm, []),
         ("trainer_scaling", "2c. Data-parallel trainer actors on a multi-node Ray cluster", section_trainers, []),
+        ("trainer_scaling_16k", "2c (b = 16k). Data-parallel trainer actors at expected batch 16,384",
+         section_trainers, []),
         *[(f"ray_batch_{b}", f"2d. The Ray data planes at a DP batch size: expected batch {b:,}", section_dlrm, [])
           for b in RAY_BATCHES],
         ("privacy_overhead", "3. Privacy overhead (sparse vs non-private)", section_overhead, []),

@@ -2,7 +2,7 @@
 
 A loopback multi-node Ray cluster (`ray.cluster_utils.Cluster`: a head and worker nodes, each
 its own raylet and object store, on this machine) runs the CTR model of configs/ctr.toml (26
-tables, D = 16, expected batch 1024) with S shard actors and N trainer actors
+tables, D = 16, expected batch --batch, default 1024) with S shard actors and N trainer actors
 (`cluster.trainer_placement = "actors"`, trainer/trainer_group.py), each trainer calling the
 shards directly. Per N, measured in one run each:
   - step time (median) and examples per second;
@@ -109,6 +109,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--examples", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--selection", default="threshold")
+    parser.add_argument("--batch", type=int, default=1024, help="expected batch (train.batch_size; default 1024)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     started = time.time()
@@ -117,7 +118,7 @@ def main(argv=None) -> dict:
     examples = args.examples or (10_000 if args.quick else 50_000)
     steps = args.steps or (2 if args.quick else 8)
     data = ctr_dataset(rows, examples)
-    base = [f"data.path={data}", "data.synth=", f"train.selection={args.selection}", "train.batch_size=1024",
+    base = [f"data.path={data}", "data.synth=", f"train.selection={args.selection}", f"train.batch_size={args.batch}",
             "data.validation_fraction=0", *TIMING_PRIVACY, "privacy.threshold=auto", f"cluster.num_shards={args.shards}"]
     trainers = [int(n) for n in args.trainers.split(",") if n]
     results: list[dict] = []
@@ -155,7 +156,7 @@ def main(argv=None) -> dict:
     if local and one:
         print(f"Ray N=1 step / in-process step: {one['step_ms_median'] / local['step_ms_median']:.2f}x")
     payload = {"rows": rows, "examples": examples, "shards": args.shards, "nodes": args.nodes,
-               "selection": args.selection, "results": results}
+               "selection": args.selection, "batch": args.batch, "results": results}
     write_results("trainer_scaling", payload, quick=args.quick, machine=machine, out=args.out, started=started)
     return payload
 
