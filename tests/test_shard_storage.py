@@ -310,3 +310,34 @@ def test_in_place_write_back_equals_fbgemms_own_fused_backward_update(optimizer)
         np.testing.assert_allclose(shard.flat.detach().numpy(), fbgemm.flat.detach().numpy(), rtol=1e-6, atol=1e-7)
         if optimizer == "adagrad":
             np.testing.assert_allclose(shard._adagrad_state().detach().numpy(), fbgemm._adagrad_state().detach().numpy(), rtol=1e-6)
+
+
+def test_a_re_sent_dispatch_call_runs_once():
+    """`EmbeddingShard.dispatch`: the group re-sends a call (same call id) after a lost actor
+    without knowing which shards already ran it. Running it again would add a trainer's row
+    sums to the reduction twice or apply an update twice; the re-sent call answers from the
+    first instead, so the shard ends as one that saw each call once. A new call id runs."""
+    rng = np.random.default_rng(3)
+    inp, batch = shard_input(rng, 0), 5
+    grads = rng.normal(size=(inp.bags(batch).example.size, D)).astype(np.float32)
+    factors = rng.uniform(0.2, 1.0, batch)
+    once, twice = EmbeddingShard(LAYOUT, 0, lr=0.5), EmbeddingShard(LAYOUT, 0, lr=0.5)
+    calls = [("lookup", (inp, batch)), ("set_pooled_grad", (grads,)), ("add_clipped_row_sums", (factors, 0)),
+             ("reduced_row_sums", ())]
+    for call_id, (method, args) in enumerate(calls):
+        first = once.dispatch((call_id, method, args, False))
+        again = [twice.dispatch((call_id, method, args, True)) for _ in range(2)]  # copied args, as from a channel
+        if method == "reduced_row_sums":
+            tables, ids, summed = first
+            assert ids.size > 0
+            for got in again:
+                for a, b in zip(got, first):
+                    np.testing.assert_array_equal(a, b)
+    update = ("apply_rows", (tables, ids, summed))
+    once.dispatch((9, *update, False))
+    for _ in range(2):
+        twice.dispatch((9, *update, False))
+    for a, b in zip(once.state_dict()["weights"], twice.state_dict()["weights"]):
+        np.testing.assert_array_equal(a, b)
+    twice.dispatch((10, *update, False))  # a new call id is a new call
+    assert not all(np.array_equal(a, b) for a, b in zip(once.state_dict()["weights"], twice.state_dict()["weights"]))

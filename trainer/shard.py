@@ -101,8 +101,8 @@ class EmbeddingShard:
         self.layout, self.shard_index, self.optimizer, self.lr = layout, shard_index, optimizer, lr
         self.adam_betas, self.eps = adam_betas, eps
         self._current_lr = lr  # lr · the step's lr_scale (begin_update)
-        self._applied_call_id: int = -1  # the last state-changing `dispatch` call applied, and its answer
-        self._applied_answer: Any = None
+        self._last_call_id: int = -1  # the last `dispatch` call run, and its answer
+        self._last_answer: Any = None
         self.device, compute, location = _device()
         self.ranges = [layout.row_range(t, shard_index) for t in layout.tables]
         self.starts = np.array([start for start, _ in self.ranges], dtype=np.int64)
@@ -342,17 +342,19 @@ class EmbeddingShard:
 
     def dispatch(self, request: tuple):
         """One call of the shard group's data plane (trainer/shard_group.py): `request` is
-        (call_id, method, args); runs `method(*args)` on private copies of the arrays in args
-        (a compiled graph's channel reuses its buffers on the next call, and this shard keeps
-        some arguments in its step cache). A state-changing call (`MUTATING`) whose call_id was
-        already applied returns the first answer again instead of applying twice: the group
-        re-sends a call after a lost actor without knowing which of the others had run it."""
-        call_id, method, args = request
-        if method in MUTATING and call_id <= self._applied_call_id:
-            return self._applied_answer
-        answer = getattr(self, method)(*owned(args))
-        if method in MUTATING:
-            self._applied_call_id, self._applied_answer = call_id, answer
+        (call_id, method, args, from_channel); runs `method(*args)`. A request whose call_id is
+        the last one run returns that call's answer again without running it twice: the group
+        re-sends a call after a lost actor without knowing which of the others had run it, and
+        running again would apply an update twice (`apply_rows`) or add a reduction twice
+        (`add_clipped_row_sums`, `reduced_row_sums`). `from_channel`: the args came through a
+        compiled graph's channel, which reuses its buffers on the next call, so they are copied
+        first (this shard keeps some arguments in its step cache); ordinary Ray calls hand the
+        shard immutable objects that stay alive while referenced, so they are used as they are."""
+        call_id, method, args, from_channel = request
+        if call_id == self._last_call_id:
+            return self._last_answer
+        answer = getattr(self, method)(*(owned(args) if from_channel else args))
+        self._last_call_id, self._last_answer = call_id, answer
         return answer
 
     def reduced_row_sums(self):

@@ -234,17 +234,17 @@ class RayShardGroup(ShardGroup):
         from ray.exceptions import RayActorError
 
         self._call_id += 1
-        requests = [(self._call_id, method, tuple(args)) for args in per_shard_args]
         if self.data_plane == "compiled" and method in COMPILED_METHODS and not self.direct_callers:
-            answers = self._compiled_call(requests)
+            answers = self._compiled_call([(self._call_id, method, tuple(args), True) for args in per_shard_args])
             if answers is not None:
                 self._remember(method, per_shard_args, answers)
                 return answers
         elif self.direct_callers:
             self._teardown_graph()  # trainer actors call the shards themselves: ordinary calls only
-        # Ordinary actor calls (also the compiled plane's fallback: the same call ids, so a shard
+        # Ordinary actor calls (also the compiled plane's fallback: the same call id, so a shard
         # that already ran this call answers it again without running it twice).
-        refs = [actor.dispatch.remote(request) for actor, request in zip(self.actors, requests)]
+        refs = [actor.dispatch.remote((self._call_id, method, tuple(args), False))
+                for actor, args in zip(self.actors, per_shard_args)]
         results: list = [None] * len(refs)
         lost: list[tuple[int, Exception]] = []
         for s, ref in enumerate(refs):
