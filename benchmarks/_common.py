@@ -581,6 +581,24 @@ def set_aside_stale_run(run_dir: Path) -> Optional[Path]:
     return aside
 
 
+def train_point(cfg, run_dir: Path, fresh: bool, record: dict, label: str, keys: Sequence[str]) -> bool:
+    """One grid point (`train_or_reuse`) into `record`: its summary's `keys`, `reused` when the
+    saved run was taken, `wall_s`; on a training error `record["error"]` instead, printed under
+    `label`, so that one failed point does not lose the grid. Returns whether it trained."""
+    t0 = time.perf_counter()
+    try:
+        summary, reused = train_or_reuse(cfg, run_dir, fresh)
+    except Exception as exc:  # one failed point must not lose the grid
+        record["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        print(f"  {label}: FAILED: {record['error']}")
+        return False
+    if reused:
+        record["reused"] = True
+    record["wall_s"] = time.perf_counter() - t0
+    record.update({key: summary.get(key) for key in keys})
+    return True
+
+
 def train_or_reuse(cfg, run_dir: Path, fresh: bool) -> tuple[dict, bool]:
     """(summary.json, reused): the run in `run_dir` when its saved config computes the same run
     as `cfg` (keys of placement, logging and recovery may differ:

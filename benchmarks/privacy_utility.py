@@ -56,7 +56,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (announce_machine, DATA_DIR, REPO, default_selection_threshold, ensure_config_dataset, format_table,
-                     train_or_reuse, write_results)
+                     train_point, write_results)
 
 DATASETS = {"criteo_like": "configs/ctr_criteo_like.toml", "heavytail": "configs/ctr_heavytail.toml",
             "ctr": "configs/ctr.toml", "cbow": "configs/cbow.toml"}
@@ -117,20 +117,11 @@ def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, ove
               "run_dir": str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir),
               "config": variant(config, mode), "threshold_rule": rule, "tuned": tuned, "tuned_from": tuned_from,
               "tuned_for_epsilon": cfg.tuned_for_epsilon}
-    t0 = time.perf_counter()
-    try:
-        summary, reused = train_or_reuse(cfg, run_dir, fresh)
-    except Exception as exc:  # one failed point must not lose the grid
-        record["error"] = f"{type(exc).__name__}: {exc}"[:500]
-        print(f"  {dataset} {name}: FAILED: {record['error']}")
+    if not train_point(cfg, run_dir, fresh, record, f"{dataset} {name}", (
+            "epsilon", "delta", "steps", "stopped_by_budget", "test_metrics", "bayes_auc", "noise_multiplier",
+            "selection_epsilon", "k", "examples_per_sec", "step_time_ms_median", "rows_selected_mean",
+            "rows_touched_mean", "vocabulary_size", "accountant", "recalibration", "selection_params")):
         return record
-    if reused:
-        record["reused"] = True
-    record["wall_s"] = time.perf_counter() - t0
-    for key in ("epsilon", "delta", "steps", "stopped_by_budget", "test_metrics", "bayes_auc", "noise_multiplier",
-                "selection_epsilon", "k", "examples_per_sec", "step_time_ms_median", "rows_selected_mean",
-                "rows_touched_mean", "vocabulary_size", "accountant", "recalibration", "selection_params"):
-        record[key] = summary.get(key)
     if record.get("reused") and dataset in CTR_DATASETS:
         _add_missing_metrics(record, run_dir)
     if accountants and mode != "nonprivate":
@@ -138,7 +129,7 @@ def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, ove
         record["accountants"] = acc.get("final", {})
     metrics = record.get("test_metrics") or {}
     print(f"  {dataset} {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-          + (f", ε {summary['epsilon']:.3g}" if summary.get("epsilon") not in (None, math.inf) else "")
+          + (f", ε {record['epsilon']:.3g}" if record.get("epsilon") not in (None, math.inf) else "")
           + (" (reused)" if record.get("reused") else f" ({record['wall_s']:.0f} s)"))
     return record
 

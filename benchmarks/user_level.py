@@ -71,7 +71,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO, announce_machine, train_or_reuse, write_results  # noqa: E402
+from _common import REPO, announce_machine, train_point, write_results  # noqa: E402
 
 CONFIGS = {"sparse": "configs/logs.toml", "dpsgd": "configs/logs_dpsgd.toml", "nonprivate": "configs/logs.toml"}
 TRAIN_SEED = 0
@@ -198,22 +198,13 @@ def run_one(spec: dict, root: Path, fresh: bool) -> dict:
               "expected_examples_per_step": spec["expected_examples_per_step"], "lr": cfg.train.lr,
               "dense_lr": cfg.train.dense_lr, "lr_scale": spec["lr_scale"],
               "run_dir": str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir)}
-    t0 = time.perf_counter()
-    try:
-        summary, reused = train_or_reuse(cfg, run_dir, fresh)
-    except Exception as exc:  # one failed point must not lose the grid
-        record["error"] = f"{type(exc).__name__}: {exc}"[:500]
-        print(f"  {name}: FAILED: {record['error']}")
+    if not train_point(cfg, run_dir, fresh, record, name, (
+            "privacy_unit", "epsilon", "delta", "noise_multiplier", "sample_rate", "expected_batch_size", "steps",
+            "stopped_by_budget", "test_metrics", "step_time_ms_median", "phase_ms_median", "rows_selected_mean",
+            "vocabulary_size", "accountant", "selection_params", "table_policy", "recalibration")):
         return record
-    if reused:
-        record["reused"] = True
-    record["wall_s"] = time.perf_counter() - t0
-    for key in ("privacy_unit", "epsilon", "delta", "noise_multiplier", "sample_rate", "expected_batch_size", "steps",
-                "stopped_by_budget", "test_metrics", "step_time_ms_median", "phase_ms_median", "rows_selected_mean",
-                "vocabulary_size", "accountant", "selection_params", "table_policy"):
-        record[key] = summary.get(key)
-    record["norms_ms_median"] = (summary.get("phase_ms_median") or {}).get("norms")
-    record["recalibration_applied"] = (summary.get("recalibration") or {}).get("applied")
+    record["norms_ms_median"] = (record.get("phase_ms_median") or {}).get("norms")
+    record["recalibration_applied"] = (record.pop("recalibration") or {}).get("applied")
     m = record.get("test_metrics") or {}
     eps_txt = f", ε {record['epsilon']:.3g} ({record['privacy_unit']})" if mode != "nonprivate" and record.get("epsilon") else ""
     print(f"  {name}: AUC {_g(m.get('auc'))}, logloss {_g(m.get('logloss'))}, ECE {_g(m.get('ece'))}{eps_txt}, "
