@@ -185,7 +185,7 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
     event_units = list(data_event_units) if data_event_units is not None else ["example"] * len(data_events)
     if len(event_units) != len(data_events):
         raise ValueError(f"data_event_units has {len(event_units)} entries for {len(data_events)} data events")
-    grouped = [group == 1 or data_event_is_grouped(cfg, unit) for unit in event_units]
+    grouped = [data_event_is_grouped(cfg, unit) for unit in event_units]
     extra = [(event, 1) for event, g in zip(data_events, grouped) if g]
     whole_unit = [(event, 1) for event, g in zip(data_events, grouped) if not g]  # charged as they are
     recalibration = recalibration_plan(cfg, n, delta, group)

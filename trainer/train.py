@@ -55,7 +55,8 @@ from widedp.trainer.data.dataset import split_rule
 from widedp.trainer.engine import Engine, StepStats
 from widedp.trainer.layout import FeatureSpec, ShardLayout, TableSpec
 from widedp.trainer.models import MODELS
-from widedp.trainer.planning import PrivacyInfo, default_delta, plan_privacy, plan_run  # noqa: F401  (public here too)
+from widedp.trainer.planning import (PrivacyInfo, data_event_is_grouped, default_delta, plan_privacy,  # noqa: F401
+                                     plan_run)  # (public here too)
 from widedp.trainer.randomness import PrivacyRandomness
 from widedp.trainer.run import Run
 from widedp.trainer.run_outputs import RunRecorder, eval_line, remove_unrecorded_run_dir
@@ -356,12 +357,12 @@ def _planned_one_time(engine: Engine) -> list:
     return [] if event is None else [engine.accounted(event)]
 
 
-def _charged_data_events(engine: Engine, meta) -> list:
-    """The data set's one-time events (dataset.json privacy_events) as this run charges them:
-    one that bounds a whole user as it is, the others `Engine.accounted` (for a group of k
-    under privacy.user_sampling = "examples", else themselves)."""
-    return [e if unit == "user" else engine.accounted(e) for (_, e), unit in zip(meta.privacy_events,
-                                                                                 meta.privacy_event_units)]
+def _charged_data_events(cfg: Config, engine: Engine, meta) -> list:
+    """The data set's one-time events (dataset.json privacy_events) as this run charges them
+    and as its plan calibrated for them (`planning.data_event_is_grouped`: for a group of k
+    under privacy.user_sampling = "examples" unless the event bounds a whole user)."""
+    return [engine.accounted(e) if data_event_is_grouped(cfg, unit) else e
+            for (_, e), unit in zip(meta.privacy_events, meta.privacy_event_units)]
 
 
 def _planned_recalibration(info) -> list:
@@ -612,7 +613,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
     with build_run(cfg) as run:
         engine, info = run.engine, run.privacy
         data_events = list(run.meta.privacy_events)
-        charged_data_events = _charged_data_events(engine, run.meta)
+        charged_data_events = _charged_data_events(cfg, engine, run.meta)
         engine.ledger_path = run_dir / "ledger.json" if engine.ledger is not None else None
         if resume:
             run_state = _restore(engine, run_dir, cfg, charged_data_events, info)
