@@ -22,6 +22,10 @@ config's generator, 26 tables of `--rows` rows each). Every system reads the sam
   widedp-sparse-ray        the same on Ray shard actors (cluster.num_shards of the config).
   widedp-sparse-ray-compiled  the same over the compiled data plane (cluster.data_plane =
                            "compiled": one compiled Ray graph carries every round).
+  widedp-sparse-ray-eager, widedp-sparse-ray-compiled-eager
+                           the two Ray systems with the write-back in a round of its own
+                           (cluster.fold_write_back = false; the default folds it into the
+                           next step's lookup: one round fewer per step).
   widedp-dpsgd             noise on every row, in one process, one shard.
   widedp-nonprivate        in one process, one shard.
 
@@ -69,7 +73,8 @@ from _common import (DATA_DIR, announce_machine, ensure_config_dataset, fmt_byte
 from opacus_compare import _timed, torch_step  # noqa: E402  (the same training step and timing loop)
 
 SYSTEMS = ("pytorch-nonprivate", "opacus-ghost", "widedp-sparse-inprocess", "widedp-sparse-sharded", "widedp-sparse-ray",
-           "widedp-sparse-ray-compiled", "widedp-dpsgd", "widedp-nonprivate")
+           "widedp-sparse-ray-compiled", "widedp-sparse-ray-eager", "widedp-sparse-ray-compiled-eager", "widedp-dpsgd",
+           "widedp-nonprivate")
 LABELS = {
     "pytorch-nonprivate": "plain PyTorch, EmbeddingBag(sparse=True) + SGD, non-private (the floor)",
     "opacus-ghost": "Opacus ghost clipping DP-SGD (the peer)",
@@ -77,6 +82,8 @@ LABELS = {
     "widedp-sparse-sharded": "widedp sparse, in-process, Ray's shards",
     "widedp-sparse-ray": "widedp sparse, Ray shards",
     "widedp-sparse-ray-compiled": "widedp sparse, Ray shards, compiled data plane",
+    "widedp-sparse-ray-eager": "widedp sparse, Ray shards, write-back round of its own",
+    "widedp-sparse-ray-compiled-eager": "widedp sparse, Ray shards, compiled data plane, write-back round of its own",
     "widedp-dpsgd": "widedp dpsgd, in-process",
     "widedp-nonprivate": "widedp nonprivate, in-process",
 }
@@ -87,6 +94,9 @@ ONE_SHARD = ["cluster.num_shards=1"]
 WIDEDP = {"widedp-sparse-inprocess": ("sparse", "local", ONE_SHARD), "widedp-sparse-sharded": ("sparse", "local", []),
           "widedp-sparse-ray": ("sparse", "ray", []),
           "widedp-sparse-ray-compiled": ("sparse", "ray", ["cluster.data_plane=compiled"]),
+          "widedp-sparse-ray-eager": ("sparse", "ray", ["cluster.fold_write_back=false"]),
+          "widedp-sparse-ray-compiled-eager": ("sparse", "ray", ["cluster.data_plane=compiled",
+                                                                 "cluster.fold_write_back=false"]),
           "widedp-dpsgd": ("dpsgd", "local", ONE_SHARD),
           "widedp-nonprivate": ("nonprivate", "local", ONE_SHARD)}
 FLOOR, PEER = "pytorch-nonprivate", "opacus-ghost"
@@ -407,7 +417,8 @@ def main(argv=None) -> dict:
     print_tables(results, summary, sizes)
     payload = {"config": args.config, "rows": sizes, "tables": 26, **common, "examples": examples, "steps": steps,
                "warmup": warmup, "max_seconds": max_seconds, "selection": cfg.train.selection, "k": cfg.privacy.k,
-               "num_shards": cfg.cluster.num_shards, "systems": systems, "labels": LABELS, "results": results,
+               "num_shards": cfg.cluster.num_shards, "fold_write_back": cfg.cluster.fold_write_back,
+               "systems": systems, "labels": LABELS, "results": results,
                "summary": summary}
     write_results("dlrm_compare", payload, quick=quick, machine=machine, out=args.out, started=started)
     return payload

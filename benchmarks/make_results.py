@@ -31,7 +31,8 @@ RUN_VARIANTS = {**RUN_VARIANTS, "user_level_k": (
                       "1,4,16", "--user-k", "1,4,16"])}
 #: §2d: the DLRM step at DP batch sizes, ordinary calls against the compiled data plane
 RAY_BATCHES = (1024, 4096, 16384)
-RAY_BATCH_SYSTEMS = "pytorch-nonprivate,opacus-ghost,widedp-sparse-sharded,widedp-sparse-ray,widedp-sparse-ray-compiled"
+RAY_BATCH_SYSTEMS = ("pytorch-nonprivate,opacus-ghost,widedp-sparse-sharded,widedp-sparse-ray,widedp-sparse-ray-compiled,"
+                     "widedp-sparse-ray-eager,widedp-sparse-ray-compiled-eager")
 RUN_VARIANTS["trainer_scaling_16k"] = ("trainer_scaling.py", [
     "--trainers", "1,2", "--batch", "16384", "--examples", "100000", "--steps", "5",
     "--out", "benchmarks/results/trainer_scaling_16k.json"])
@@ -354,8 +355,11 @@ def _dlrm_why(goal: dict, ratios: dict, doc: dict) -> str:
             need = peer / goal["per_size"][rows]["target"]
             parts.append(f"{int(rows):,}: needs ≤ {f(need)} ms per step ({f(need / floor)}× the floor), measured {f(local)} ms")
     if goal["unit"].startswith("Ray"):
-        parts.append(f"one trainer makes 4 rounds of calls to the {doc['num_shards']} shard actors per step (lookup, "
-                     "norms, row sums with the selection, write-back); on "
+        rounds = ("3 rounds of calls to the {} shard actors per step (lookup with the last step's write-back, norms, "
+                  "row sums with the selection)" if doc.get("fold_write_back", False) else
+                  "4 rounds of calls to the {} shard actors per step (lookup, norms, row sums with the selection, "
+                  "write-back)").format(doc["num_shards"])
+        parts.append(f"one trainer makes {rounds}; on "
                      f"{doc['machine'].get('logical_cores', '?')} cores the actors' calls queue behind each other "
                      "(RESULTS §5 splits the overhead by round)")
     return "; ".join(parts)

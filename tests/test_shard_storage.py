@@ -341,3 +341,27 @@ def test_a_re_sent_dispatch_call_runs_once():
         np.testing.assert_array_equal(a, b)
     twice.dispatch((10, *update, False))  # a new call id is a new call
     assert not all(np.array_equal(a, b) for a, b in zip(once.state_dict()["weights"], twice.state_dict()["weights"]))
+
+
+def test_a_folded_write_back_runs_before_the_call_that_carries_it_and_once():
+    """`dispatch` with deferred calls (`ShardGroup.defer`, the folded write-back): the shard
+    applies the previous step's update and then answers the call that carried it, exactly as
+    two separate calls would; a re-sent request (same call id) applies nothing again; only
+    state-changing methods may be deferred."""
+    rng = np.random.default_rng(4)
+    inp, batch = shard_input(rng, 0), 5
+    eager, folded = EmbeddingShard(LAYOUT, 0, lr=0.5), EmbeddingShard(LAYOUT, 0, lr=0.5)
+    stale = eager.lookup(inp, batch)
+    eager.set_pooled_grad(np.ones((inp.bags(batch).example.size, D), np.float32))
+    update = eager.clipped_row_sums(np.ones(batch))
+    eager.dispatch((1, "apply_rows", update, False))
+    want = eager.dispatch((2, "lookup", (inp, batch), False))
+    assert not np.array_equal(want, stale)  # the update shows in the lookup
+    got = folded.dispatch((2, "lookup", (inp, batch), True, (("apply_rows", update),)))
+    np.testing.assert_array_equal(got, want)
+    again = folded.dispatch((2, "lookup", (inp, batch), False, (("apply_rows", update),)))
+    np.testing.assert_array_equal(again, want)
+    for a, b in zip(eager.state_dict()["weights"], folded.state_dict()["weights"]):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="only state-changing calls are deferred, got 'lookup'"):
+        folded.dispatch((3, "ping", (), False, (("lookup", (inp, batch)),)))

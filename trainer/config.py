@@ -377,6 +377,12 @@ class ClusterConfig:
     # shared-memory channels, built once, rebuilt after a lost actor; trainer actors that call the
     # shards themselves use calls).
     data_plane: str = "calls"
+    # Backend "ray": each step's write-back of the noisy selected rows (and DP-SGD's dense-table
+    # update) travels to each shard with the next call instead of a round of its own — one round
+    # fewer per step, the same model bit for bit (docs/DESIGN.md §2, "Folded write-back"); false:
+    # a round of its own (for comparisons). Trainer actors that call the shards themselves always
+    # get their own write-back round.
+    fold_write_back: bool = True
 
     @property
     def trainer_actors(self) -> bool:

@@ -676,7 +676,7 @@ class Engine:
         assert values is not None
         update = values.numpy()
         owner = self.layout.owner(part.tables, part.row_ids)
-        self.shards.call("apply_dense_noise_update", [
+        self.shards.defer("apply_dense_noise_update", [
             (self.step_count, self.dpsgd_noise_key, std, part.tables[owner == s], part.row_ids[owner == s],
              update[owner == s], self.dense_tables, self._step_lr_scale(),
              None if mix_gap is None else (self.mix_key, mix_gap))
@@ -690,7 +690,7 @@ class Engine:
         t = np.searchsorted(self.table_offsets, selected, side="right") - 1
         local_ids = selected - self.table_offsets[t]
         owner = self.layout.owner(t, local_ids)
-        self.shards.call("apply_rows", [(t[owner == s], local_ids[owner == s], values[owner == s], self._step_lr_scale(),
+        self.shards.defer("apply_rows", [(t[owner == s], local_ids[owner == s], values[owner == s], self._step_lr_scale(),
                                          self.step_count + 1) for s in range(self.layout.num_shards)])
 
     # ---- selection ------------------------------------------------------------------------------

@@ -342,17 +342,23 @@ class EmbeddingShard:
 
     def dispatch(self, request: tuple):
         """One call of the shard group's data plane (trainer/shard_group.py): `request` is
-        (call_id, method, args, from_channel); runs `method(*args)`. A request whose call_id is
-        the last one run returns that call's answer again without running it twice: the group
-        re-sends a call after a lost actor without knowing which of the others had run it, and
-        running again would apply an update twice (`apply_rows`) or add a reduction twice
+        (call_id, method, args, from_channel[, before]); runs each deferred `(m, a)` of `before`
+        in order — the previous step's write-back, folded into this call (`ShardGroup.defer`;
+        only MUTATING methods) — then `method(*args)`. A request whose call_id is the last one
+        run returns that call's answer again without running any of it twice: the group re-sends
+        a call after a lost actor without knowing which of the others had run it, and running
+        again would apply an update twice (`apply_rows`) or add a reduction twice
         (`add_clipped_row_sums`, `reduced_row_sums`). `from_channel`: the args came through a
         compiled graph's channel, which reuses its buffers on the next call, so they are copied
         first (this shard keeps some arguments in its step cache); ordinary Ray calls hand the
         shard immutable objects that stay alive while referenced, so they are used as they are."""
-        call_id, method, args, from_channel = request
+        call_id, method, args, from_channel, *rest = request
         if call_id == self._last_call_id:
             return self._last_answer
+        for deferred, deferred_args in (rest[0] if rest else ()):
+            if deferred not in MUTATING:
+                raise ValueError(f"only state-changing calls are deferred, got {deferred!r}")
+            getattr(self, deferred)(*(owned(deferred_args) if from_channel else deferred_args))
         answer = getattr(self, method)(*(owned(args) if from_channel else args))
         self._last_call_id, self._last_answer = call_id, answer
         return answer

@@ -48,13 +48,22 @@ CallObserver = Callable[[ShardCall], None]
 
 
 class ShardGroup:
-    """Base: `call(method, per_shard_args)` runs a shard method on every shard."""
+    """Base: `call(method, per_shard_args)` runs a shard method on every shard.
 
-    def __init__(self, layout: ShardLayout):
+    `defer` queues a state-changing call (the step's write-back) to travel with the next call
+    instead of making a round of its own, where `fold_write_back` is set and no trainer actor
+    calls the shards directly (docs/DESIGN.md §2, "Folded write-back")."""
+
+    def __init__(self, layout: ShardLayout, fold_write_back: bool = False):
         self.layout = layout
         self.bytes_to_shards = 0
         self.bytes_from_shards = 0
         self._observers: list[CallObserver] = []
+        self.fold_write_back = bool(fold_write_back)
+        # True when trainer actors call the shards themselves (set by the engine): their calls do
+        # not pass through this group, so nothing may wait here for the next call.
+        self.direct_callers = False
+        self._pending: list[tuple[str, list]] = []  # deferred (method, per-shard args), in order
 
     def add_observer(self, observer: CallObserver) -> Callable[[], None]:
         """Call `observer(ShardCall)` after every call; returns a function that removes it."""
@@ -66,18 +75,55 @@ class ShardGroup:
         return self.layout.num_shards
 
     def call(self, method: str, per_shard_args: Sequence[tuple]) -> list:
+        """`method(*per_shard_args[s])` on every shard s, after any deferred calls (`defer`),
+        which reach each shard in the same round; the answers in shard order."""
+        before, self._pending = self._pending, []
+        deferred_bytes = [sum(_nbytes(list(a)) for a in args) for _, args in before]
         sent = sum(_nbytes(list(a)) for a in per_shard_args)
         start = time.perf_counter()
-        results = self._call(method, per_shard_args)
+        results = self._call_after(before, method, per_shard_args) if before else self._call(method, per_shard_args)
         seconds = time.perf_counter() - start
         received = sum(_nbytes(r) for r in results)
-        self.bytes_to_shards += sent
+        self.bytes_to_shards += sent + sum(deferred_bytes)
         self.bytes_from_shards += received
         if self._observers:
-            record = ShardCall(method, sent, received, seconds)
-            for observer in list(self._observers):
-                observer(record)
+            # a deferred call is attributed its bytes; its time is inside the call that carried it
+            records = [ShardCall(m, b, 0, 0.0) for (m, _), b in zip(before, deferred_bytes)]
+            records.append(ShardCall(method, sent, received, seconds))
+            for record in records:
+                for observer in list(self._observers):
+                    observer(record)
         return results
+
+    def defer(self, method: str, per_shard_args: Sequence[tuple]) -> None:
+        """Run the state-changing `method` (shard.MUTATING) on every shard: now, or — folded
+        write-back — just before the next call reaches each shard, in that call's round.
+
+        Folded only where `fold_write_back` is set and every shard call passes through this
+        group (not with trainer actors calling the shards): then no shard answers anything, a
+        lookup, an average, a checkpoint's `state_dict`, before it has applied the deferred
+        update, so every answer equals the eager order's. The caller has recorded the step's
+        privacy event before deferring (the ledger precedes any release either way)."""
+        if method not in MUTATING:
+            raise ValueError(f"only state-changing shard calls can be deferred, got {method!r}")
+        if len(per_shard_args) != self.num_shards:
+            raise ValueError(f"defer({method!r}): {len(per_shard_args)} argument tuples for {self.num_shards} shards")
+        if self.fold_write_back and not self.direct_callers:
+            self._pending.append((method, [tuple(a) for a in per_shard_args]))
+        else:
+            self.call(method, per_shard_args)
+
+    @property
+    def pending_calls(self) -> tuple[str, ...]:
+        """The methods deferred to the next call (`defer`), in order."""
+        return tuple(m for m, _ in self._pending)
+
+    def _call_after(self, before: list, method: str, per_shard_args: Sequence[tuple]) -> list:
+        """The deferred calls `before`, then `method`. Here one call after the other; groups
+        whose rounds cost (Ray) send them to each shard as one request."""
+        for deferred, args in before:
+            self._call(deferred, args)
+        return self._call(method, per_shard_args)
 
     def broadcast(self, method: str, *args) -> list:
         return self.call(method, [args] * self.num_shards)
@@ -90,8 +136,8 @@ class ShardGroup:
 
 
 class InProcessShardGroup(ShardGroup):
-    def __init__(self, layout: ShardLayout, **shard_kwargs):
-        super().__init__(layout)
+    def __init__(self, layout: ShardLayout, fold_write_back: bool = False, **shard_kwargs):
+        super().__init__(layout, fold_write_back)
         self.shards = [EmbeddingShard(layout, s, **shard_kwargs) for s in range(layout.num_shards)]
 
     def _call(self, method, per_shard_args):
@@ -182,14 +228,14 @@ class RayShardGroup(ShardGroup):
 
     def __init__(self, layout: ShardLayout, cpus_per_shard: float = 1.0, gpus_per_shard: float = 0.0,
                  placement_strategy: str = "SPREAD", max_restarts: int = 1, data_plane: str = "calls",
-                 **shard_kwargs):
+                 fold_write_back: bool = True, **shard_kwargs):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from widedp.trainer.ray_runtime import ACTOR_OPTIONS
 
-        super().__init__(layout)
+        super().__init__(layout, fold_write_back)
         bundle = {"CPU": cpus_per_shard}
         if gpus_per_shard:
             bundle["GPU"] = gpus_per_shard
@@ -225,17 +271,27 @@ class RayShardGroup(ShardGroup):
         self.restarts = 0  # actors replaced so far
         self._snapshot: Optional[list] = None  # each shard's state at the last state_dict call
         self._log: list[tuple[str, Sequence[tuple]]] = []  # calls since then (see the class docstring)
-        # True when trainer actors call the shards directly (trainer/trainer_group.py): a shard
-        # lost during a step's cache-filling call is restored and the step redone (StepInterrupted).
-        self.direct_callers = False
+        # (`direct_callers`, ShardGroup: trainer actors call the shards directly, trainer/trainer_group.py:
+        # a shard lost during a step's cache-filling call is restored and the step redone, StepInterrupted.)
         self._ray = ray
 
-    def _call(self, method, per_shard_args):
+    def _call_after(self, before, method, per_shard_args):
+        return self._call(method, per_shard_args, before)
+
+    def _call(self, method, per_shard_args, before: Sequence[tuple[str, list]] = ()):
+        """One round: each shard runs the deferred calls `before` (`ShardGroup.defer`) and then
+        `method`, as one request. The deferred calls are logged first, so an actor lost in this
+        round is rebuilt with them applied and then answers `method` alone."""
         from ray.exceptions import RayActorError
 
         self._call_id += 1
+        for deferred, args in before:
+            self._remember(deferred, args, [])
+        per_shard_before = [tuple((deferred, tuple(args[s])) for deferred, args in before)
+                            for s in range(len(per_shard_args))]
         if self.data_plane == "compiled" and method in COMPILED_METHODS and not self.direct_callers:
-            answers = self._compiled_call([(self._call_id, method, tuple(args), True) for args in per_shard_args])
+            answers = self._compiled_call([(self._call_id, method, tuple(args), True, pre)
+                                           for args, pre in zip(per_shard_args, per_shard_before)])
             if answers is not None:
                 self._remember(method, per_shard_args, answers)
                 return answers
@@ -243,8 +299,8 @@ class RayShardGroup(ShardGroup):
             self._teardown_graph()  # trainer actors call the shards themselves: ordinary calls only
         # Ordinary actor calls (also the compiled plane's fallback: the same call id, so a shard
         # that already ran this call answers it again without running it twice).
-        refs = [actor.dispatch.remote((self._call_id, method, tuple(args), False))
-                for actor, args in zip(self.actors, per_shard_args)]
+        refs = [actor.dispatch.remote((self._call_id, method, tuple(args), False, pre))
+                for actor, args, pre in zip(self.actors, per_shard_args, per_shard_before)]
         results: list = [None] * len(refs)
         lost: list[tuple[int, Exception]] = []
         for s, ref in enumerate(refs):

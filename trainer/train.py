@@ -40,7 +40,7 @@ import time
 import uuid
 import zipfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -138,13 +138,14 @@ def _layout(meta, cfg: Config) -> ShardLayout:
 def _shard_group(cfg: Config, layout: ShardLayout):
     from widedp.trainer.shard_group import InProcessShardGroup, RayShardGroup
 
-    kwargs = dict(optimizer=cfg.train.optimizer, lr=cfg.train.lr, seed=cfg.train.seed, init_std=cfg.model.init_std,
-                  ema_decay=cfg.train.ema_decay)
+    kwargs: dict[str, Any] = dict(optimizer=cfg.train.optimizer, lr=cfg.train.lr, seed=cfg.train.seed,
+                                  init_std=cfg.model.init_std, ema_decay=cfg.train.ema_decay)
     if cfg.cluster.backend == "local":
         return InProcessShardGroup(layout, **kwargs)
     return RayShardGroup(layout, cpus_per_shard=cfg.cluster.cpus_per_shard, gpus_per_shard=cfg.cluster.gpus_per_shard,
                          placement_strategy=cfg.cluster.placement_strategy,
-                         max_restarts=cfg.cluster.max_actor_restarts, data_plane=cfg.cluster.data_plane, **kwargs)
+                         max_restarts=cfg.cluster.max_actor_restarts, data_plane=cfg.cluster.data_plane,
+                         fold_write_back=cfg.cluster.fold_write_back, **kwargs)
 
 
 def _dense_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
@@ -309,7 +310,8 @@ _COMPUTATION_FREE_KEYS = {("train", "log_every"), ("train", "eval_every"), ("tra
                           ("train", "eval_batch_size"), ("train", "debug_metrics"), ("train", "tensorboard"), ("cluster", "address"),
                           ("cluster", "backend"), ("cluster", "cpus_per_shard"), ("cluster", "gpus_per_shard"),
                           ("cluster", "placement_strategy"), ("cluster", "max_actor_restarts"), ("cluster", "trainer_placement"),
-                          ("cluster", "cpus_per_trainer"), ("cluster", "data_plane"), ("run_dir", None),
+                          ("cluster", "cpus_per_trainer"), ("cluster", "data_plane"), ("cluster", "fold_write_back"),
+                          ("run_dir", None),
                           # the [by_epsilon] table and the row's key: its values are in the sections
                           ("by_epsilon", None), ("tuned_for_epsilon", None)}
 # Keys a resume may change without changing what the replayed steps compute.
