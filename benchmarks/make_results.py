@@ -45,7 +45,7 @@ NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line",
          "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive",
          "noise_generators", "cli_startup", "user_level", "user_level_examples", "user_level_k", "convert_throughput",
-         "ray_batch_1024", "ray_batch_4096", "ray_batch_16384", "trainer_scaling_16k")
+         "ray_batch_1024", "ray_batch_4096", "ray_batch_16384", "trainer_scaling_16k", "cluster_model")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -1182,6 +1182,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          section_trainers, []),
         *[(f"ray_batch_{b}", f"2d. The Ray data planes at a DP batch size: expected batch {b:,}", section_dlrm, [])
           for b in RAY_BATCHES],
+        ("cluster_model", "2e. A model of many machines, checked on a loopback cluster",
+         _own_section("cluster_model", plot_dir), []),
         ("privacy_overhead", "3. Privacy overhead (sparse vs non-private)", section_overhead, []),
         ("communication", "4. Communication", lambda d: section_communication(d, plots, plot_dir), ["write_back_bytes"]),
         ("phase_breakdown", "5. Where the time of a sparse step goes", lambda d: section_phases(d, plots, plot_dir),

@@ -21,6 +21,7 @@ per trainer gives (run this there: same command).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -30,6 +31,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (TIMING_PRIVACY, announce_machine, ctr_dataset, fmt_bytes, format_table, run_worker, worker_entry,
                      write_results)
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy since boot (/proc/stat: all but idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_time(_actor_self) -> float:
+    return time.process_time()
+
+
+def shard_cpu_seconds(shards) -> list[float]:
+    """Each shard actor's process CPU seconds so far (Ray shards; [] in-process)."""
+    actors = getattr(shards, "actors", None)
+    if not actors:
+        return []
+    import ray
+
+    return ray.get([actor.__ray_call__.remote(_process_time) for actor in actors])
 
 
 def measure(spec: dict) -> dict:
@@ -62,6 +83,7 @@ def measure(spec: dict) -> dict:
         traffic0 = engine.shard_traffic()
         coord0 = engine.shards.bytes_to_shards, engine.shards.bytes_from_shards
         per_trainer0 = engine.trainers.shard_bytes()
+        shard_cpu0, machine0, coordinator0 = shard_cpu_seconds(engine.shards), machine_busy_seconds(), time.process_time()
         times, batch, cpu = [], [], []
         for _ in range(int(spec["steps"])):
             start = time.perf_counter()
@@ -70,6 +92,9 @@ def measure(spec: dict) -> dict:
             batch.append(stats.batch_size)
             cpu.append(stats.trainer_cpu_s)
         n = len(times)
+        coordinator_cpu = (time.process_time() - coordinator0) / n
+        machine_cpu = (machine_busy_seconds() - machine0) / n
+        shard_cpu = [(b - a) / n for a, b in zip(shard_cpu0, shard_cpu_seconds(engine.shards))]
         traffic1 = engine.shard_traffic()
         coord1 = engine.shards.bytes_to_shards, engine.shards.bytes_from_shards
         per_trainer1 = engine.trainers.shard_bytes()
@@ -88,6 +113,11 @@ def measure(spec: dict) -> dict:
             "trainers": trainer_rows,
             "coordinator_bytes_per_step": {"to": (coord1[0] - coord0[0]) / n, "from": (coord1[1] - coord0[1]) / n},
             "all_bytes_per_step": {"to": (traffic1[0] - traffic0[0]) / n, "from": (traffic1[1] - traffic0[1]) / n},
+            # CPU seconds per step: the driver (coordinator, and in-process everything), each shard
+            # actor's process (empty in-process), and the whole machine (/proc/stat: every process,
+            # Ray's daemons included — meaningful on an otherwise idle machine only)
+            "coordinator_cpu_ms_per_step": 1e3 * coordinator_cpu, "shard_cpu_ms_per_step": [1e3 * c for c in shard_cpu],
+            "machine_cpu_ms_per_step": 1e3 * machine_cpu,
         }
     finally:
         run.close()

@@ -1,0 +1,379 @@
+"""A model of the distributed sparse step for S shard actors × N trainer actors: calibrated on one
+configuration, checked against loopback-cluster measurements, then projected to many machines.
+
+What runs (issue 31). `benchmarks/trainer_scaling.py`'s measurement (a loopback multi-node Ray
+cluster, configs/ctr.toml's CTR model, `threshold` selection on the shards, trainer actors
+calling the shards directly) for every (S, N) in --grid, one fresh worker process each, plus an
+idle "ping round" microbenchmark (the coordinator calls S no-op actors and waits for all) for
+the per-round latency λ(S) and the machine CPU one actor call costs.
+
+The model (`predict`, a pure function; tests/test_cluster_model.py). One step of one trainer
+is its rounds to every shard (lookup, per-example norms, clipped row sums: R_t = 3), between
+them its own compute, and on the shards their compute; then the coordinator's rounds
+(reduction with the selection, write-back: R_c = 2) and its own compute (noise, ledger,
+dense update); the coordinator also sends each trainer its task (one call per trainer).
+From S = N = 1 measured at two batches, b₀ and b₀/4 (on this machine), and idle ping rounds:
+  t_T, t_S, t_C  CPU seconds per step of the trainer, the shard and the coordinator processes,
+                 each split into a part per step and a part per example, f + c·b (the line
+                 through the two batches; f ≥ 0);
+  W              the whole machine's busy CPU seconds per step (Ray's daemons included), split
+                 the same way, after taking out κ per actor call;
+  X₀             bytes per step between trainers/coordinator and shards (payload arrays, ∝ b);
+  λ(S), κ        the idle ping round to S actors, and machine CPU seconds per actor call.
+For (S, N, b), every per-example part scaled by b (and, for other tables, by w = F·D/(F₀·D₀)),
+written t(b) = f + w·c·b:
+  calls    = R_t·N·S + R_c·S + N                               actor calls per step
+  critical = (R_t + R_c)·λ(S) + f_T + w·c_T·b/N + f_S + w·c_S·b/S + t_C(b)
+                                                               one trainer's path, the others in parallel
+  cpu      = W(b) + κ·calls                                    all work, wherever it runs
+  network  = max(X/N over a trainer's link, X/S over a shard's link)/β, X = w·X₀·b/b₀
+  loopback (one machine, `cores`):   step = max(critical, cpu/cores)
+  many machines (one actor each):    step = critical + network + (R_t + R_c)·rtt
+The loopback form is what the measurements check (error per (S, N) point, goal: within 25%);
+the many-machine form adds what loopback cannot show, links of β bytes/s and a round trip per
+round, and assumes a machine per actor (cores ≥ the actor's threads) and no overlap of compute
+with transfers (pessimistic). Its inputs beyond the calibration (β, rtt, Criteo-1TB's shape)
+are stated with the projection; λ(S) beyond the measured S is the line fitted through the
+measured ones (the caller's fan-out cost grows with S).
+
+Projection: S = N ∈ {8, 32, 128} at b = 65,536 on Criteo-1TB's shape (the 26 published
+cardinalities, each capped at the 40M hash size; D = 128 as in MLPerf's DLRM), 25 and 100 Gb/s.
+
+    python benchmarks/cluster_model.py [--quick] [--grid 1,2,4] [--batch 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (TIMING_PRIVACY, announce_machine, ctr_dataset, fmt_bytes, format_table, run_worker,  # noqa: E402
+                     worker_entry, write_results)
+
+TRAINER_ROUNDS = 3  # trainer → every shard: lookup, per-example norms, clipped row sums
+COORDINATOR_ROUNDS = 2  # coordinator → every shard: reduction + selection, write-back
+#: Criteo-1TB's 26 categorical cardinalities (days 0–23, as MLPerf's DLRM reference lists them)
+CRITEO_1TB_CARDINALITIES = (
+    227605432, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 130229467, 3067956, 405282, 10, 2209, 11938, 155, 4, 976,
+    14, 292775614, 40790948, 187188510, 590152, 12973, 108, 36)
+CRITEO_HASH = 40_000_000
+CRITEO_DIM = 128
+LINKS_GBPS = (25, 100)
+RTT_S = 50e-6  # one round trip inside a datacenter network (assumed; stated in RESULTS)
+MODEL_GOAL = 0.25  # the model within 25% of every loopback measurement it is checked against
+
+
+def latency_line(latency: dict) -> tuple[float, float]:
+    """(λ₀, λ₁) of λ(S) = λ₀ + λ₁·S, least squares through the measured {S: seconds}."""
+    xs, ys = [float(s) for s in latency], [float(v) for v in latency.values()]  # keys may be JSON strings
+    if len(xs) == 1:
+        return ys[0], 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, max(slope, 0.0)
+
+
+def round_latency(latency: dict, shards: int) -> float:
+    """λ(S): the measured value at a measured S, else the fitted line."""
+    measured = {int(s): float(v) for s, v in latency.items()}
+    if shards in measured:
+        return measured[shards]
+    lam0, lam1 = latency_line(latency)
+    return lam0 + lam1 * shards
+
+
+def calls_per_step(shards: int, trainers: int) -> int:
+    """Actor calls per step: each trainer's rounds to every shard, the coordinator's, and one task per trainer."""
+    return TRAINER_ROUNDS * trainers * shards + COORDINATOR_ROUNDS * shards + trainers
+
+
+def _split(cal: dict, key: str, scale: float, share: int = 1) -> float:
+    """One role's CPU seconds per step: its part per step, plus its part per example scaled by
+    `scale` (batch and width against the calibration) and divided among `share` actors."""
+    fixed = cal.get("fixed", {}).get(key, 0.0)
+    return fixed + (cal[key] - fixed) * scale / share
+
+
+def predict(cal: dict, shards: int, trainers: int, batch: float, *, cores: Optional[float] = None,
+            link_bytes_per_s: Optional[float] = None, rtt_s: float = 0.0, width: float = 1.0) -> dict:
+    """The modelled step (seconds) for S = `shards`, N = `trainers` at expected batch `batch`.
+
+    `cal`: the calibration (keys batch, trainer_cpu_s, shard_cpu_s, coordinator_cpu_s,
+    machine_cpu_s — each at the calibration batch —, optionally `fixed` {key: the part of it
+    per step, not per example}, bytes_per_step, latency_s {S: s}, call_cpu_s); `cores`: one
+    machine with that many cores (loopback: the step is at least all its CPU work over the
+    cores); `link_bytes_per_s`: a machine per actor joined by links of that speed (adds the
+    transfer time of the busiest link and `rtt_s` per round); `width`: per-example work and
+    bytes relative to the calibration model (F·D / F₀·D₀)."""
+    scale = batch / cal["batch"] * width
+    rounds = TRAINER_ROUNDS + COORDINATOR_ROUNDS
+    critical = rounds * round_latency(cal["latency_s"], shards) + (
+        _split(cal, "trainer_cpu_s", scale, trainers) + _split(cal, "shard_cpu_s", scale, shards)
+        + _split(cal, "coordinator_cpu_s", scale))
+    calls = calls_per_step(shards, trainers)
+    cpu = _split(cal, "machine_cpu_s", scale) + cal["call_cpu_s"] * (calls - calls_per_step(1, 1))
+    total_bytes = scale * cal["bytes_per_step"]
+    out = {"critical_s": critical, "cpu_s": cpu, "calls": calls, "bytes_per_shard": total_bytes / shards,
+           "bytes_per_trainer": total_bytes / trainers}
+    step = critical
+    if cores is not None:
+        step = max(step, cpu / cores)
+    if link_bytes_per_s is not None:
+        out["network_s"] = max(total_bytes / trainers, total_bytes / shards) / link_bytes_per_s + rounds * rtt_s
+        step += out["network_s"]
+    out["step_s"] = step
+    return out
+
+
+def criteo_shape() -> dict:
+    """Criteo-1TB's tables under the 40M hash: rows per table, total rows, bytes of the tables at D = 128."""
+    rows = [min(c, CRITEO_HASH) for c in CRITEO_1TB_CARDINALITIES]
+    return {"rows": rows, "total_rows": sum(rows), "table_bytes": sum(rows) * CRITEO_DIM * 4,
+            "features": len(rows), "dim": CRITEO_DIM}
+
+
+# ---- measurements ----------------------------------------------------------------------------------
+
+def ping_worker(spec: dict) -> dict:
+    """Idle ping rounds: the driver calls S no-op actors (1 CPU each, a loopback cluster of
+    `nodes` nodes like the step's) and waits for all; median round time per S, and machine CPU
+    per call."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from trainer_scaling import machine_busy_seconds
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": spec["head_cpus"]})
+    for _ in range(spec["nodes"] - 1):
+        cluster.add_node(num_cpus=spec["node_cpus"])
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+
+    @ray.remote(num_cpus=1, scheduling_strategy="SPREAD")
+    class Nop:
+        def ping(self):
+            return None
+
+    out: dict = {"latency_s": {}, "call_cpu_s": {}}
+    try:
+        for s in spec["shards"]:
+            actors = [Nop.remote() for _ in range(s)]
+            ray.get([a.ping.remote() for a in actors])
+            for _ in range(20):
+                ray.get([a.ping.remote() for a in actors])
+            times = []
+            busy0 = machine_busy_seconds()
+            for _ in range(spec["rounds"]):
+                t = time.perf_counter()
+                ray.get([a.ping.remote() for a in actors])
+                times.append(time.perf_counter() - t)
+            out["call_cpu_s"][str(s)] = (machine_busy_seconds() - busy0) / (spec["rounds"] * s)
+            out["latency_s"][str(s)] = statistics.median(times)
+            for a in actors:
+                ray.kill(a)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return out
+
+
+def step_spec(data: Path, shards: int, trainers: int, batch: int, steps: int, nodes: int, config: str) -> dict:
+    """trainer_scaling.measure's spec for S shards and N trainer actors on a loopback cluster."""
+    overrides = [f"data.path={data}", "data.synth=", "train.selection=threshold", f"train.batch_size={batch}",
+                 "data.validation_fraction=0", *TIMING_PRIVACY, "privacy.threshold=auto", f"cluster.num_shards={shards}",
+                 "cluster.backend=ray", f"cluster.num_trainers={trainers}", "cluster.trainer_placement=actors",
+                 "cluster.cpus_per_trainer=1", "cluster.cpus_per_shard=1"]
+    return {"overrides": overrides, "nodes": nodes, "head_cpus": 2,
+            "node_cpus": max(2, -(-(trainers + shards) // (nodes - 1)) + 1), "config": config, "warmup": 2,
+            "steps": steps}
+
+
+def _role_seconds(point: dict) -> dict:
+    return {"trainer_cpu_s": point["trainers"][0]["cpu_ms_per_step"] / 1e3,
+            "shard_cpu_s": sum(point["shard_cpu_ms_per_step"]) / 1e3,
+            "coordinator_cpu_s": point["coordinator_cpu_ms_per_step"] / 1e3,
+            "machine_cpu_s": point["machine_cpu_ms_per_step"] / 1e3}
+
+
+def calibration(point: dict, small: Optional[dict], ping: dict) -> dict:
+    """The model's inputs from the S = N = 1 measurements (at the batch, and `small` at a
+    quarter of it: the part of each role's CPU per step, f of f + c·b, is where the line
+    through the two meets b = 0, at least 0 and at most the whole) and the ping rounds."""
+    batch = point["batch_mean"]
+    cal: dict = {"batch": batch, **_role_seconds(point),
+                 "bytes_per_step": point["all_bytes_per_step"]["to"] + point["all_bytes_per_step"]["from"],
+                 "latency_s": {int(s): v for s, v in ping["latency_s"].items()},
+                 "call_cpu_s": statistics.median(ping["call_cpu_s"].values())}
+    if small is not None:
+        lo, b_lo = _role_seconds(small), small["batch_mean"]
+        cal["fixed"] = {k: min(max(v - (v - lo[k]) / (batch - b_lo) * batch, 0.0), v)
+                        for k, v in _role_seconds(point).items()}
+        cal["small_batch"] = b_lo
+    return cal
+
+
+def check_rows(cal: dict, points: Sequence[dict], cores: float) -> list[dict]:
+    """Measured against predicted (loopback form) for every measured (S, N)."""
+    rows = []
+    for p in points:
+        pred = predict(cal, p["num_shards"], p["num_trainers"], p["batch_mean"], cores=cores)
+        measured = p["step_ms_median"] / 1e3
+        rows.append({"shards": p["num_shards"], "trainers": p["num_trainers"], "batch": p["batch_mean"],
+                     "measured_s": measured, "predicted_s": pred["step_s"], "critical_s": pred["critical_s"],
+                     "cpu_bound_s": pred["cpu_s"] / cores, "error": pred["step_s"] / measured - 1,
+                     "machine_cpu_s": p["machine_cpu_ms_per_step"] / 1e3, "predicted_cpu_s": pred["cpu_s"],
+                     "calibration": p["num_shards"] == 1 and p["num_trainers"] == 1})
+    return rows
+
+
+def projections(cal: dict, calibration_dims: tuple[int, int], sizes: Sequence[int] = (8, 32, 128),
+                batch: int = 65536) -> list[dict]:
+    """The many-machine form on Criteo-1TB's shape, S = N = each size, each link speed."""
+    shape = criteo_shape()
+    width = shape["features"] * shape["dim"] / (calibration_dims[0] * calibration_dims[1])
+    rows = []
+    for size in sizes:
+        for gbps in LINKS_GBPS:
+            pred = predict(cal, size, size, batch, link_bytes_per_s=gbps * 1e9 / 8, rtt_s=RTT_S, width=width)
+            rows.append({"shards": size, "trainers": size, "batch": batch, "gbps": gbps, **pred,
+                         "examples_per_s": batch / pred["step_s"], "table_bytes_per_shard": shape["table_bytes"] / size})
+    return rows
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="26 × 2,000 rows, S, N ∈ {1, 2}, 2 timed steps")
+    parser.add_argument("--config", default="configs/ctr.toml")
+    parser.add_argument("--grid", default="1,2,4", help="the S and N values measured (every pair)")
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--rows", type=int, default=None, help="total rows of the 26 tables (default 520,000)")
+    parser.add_argument("--examples", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    started = time.time()
+    machine = announce_machine()
+    grid = [1, 2] if args.quick and args.grid == "1,2,4" else [int(x) for x in args.grid.split(",") if x]
+    if 1 not in grid:
+        raise SystemExit("--grid must include 1: the model is calibrated at S = N = 1")
+    rows = args.rows or (52_000 if args.quick else 520_000)
+    examples = args.examples or (10_000 if args.quick else 50_000)
+    steps = args.steps or (2 if args.quick else 6)
+    data = ctr_dataset(rows, examples)
+    cores = float(machine.get("logical_cores") or 2)
+    print("--- ping rounds", flush=True)
+    ping = run_worker(__file__, {"kind": "ping", "shards": grid, "rounds": 20 if args.quick else 200,
+                                 "nodes": args.nodes, "head_cpus": 2, "node_cpus": max(2, max(grid))}, timeout=900)
+    if "error" in ping:
+        raise SystemExit(f"ping rounds failed: {ping['error']}")
+    print("    " + ", ".join(f"S={s}: {1e3 * v:.2f} ms" for s, v in ping["latency_s"].items()), flush=True)
+    points = []
+    for s in grid:
+        for n in grid:
+            print(f"--- S={s} N={n}", flush=True)
+            spec = step_spec(data, s, n, args.batch, steps, args.nodes, args.config)
+            res = run_worker(Path(__file__).with_name("trainer_scaling.py"), spec, timeout=1800)
+            if "error" in res:
+                print(f"    failed: {res['error']}", flush=True)
+                continue
+            print(f"    {res['step_ms_median']:.1f} ms/step, machine CPU {res['machine_cpu_ms_per_step']:.0f} ms/step",
+                  flush=True)
+            points.append(res)
+    base = next((p for p in points if p["num_shards"] == 1 and p["num_trainers"] == 1), None)
+    if base is None:
+        raise SystemExit("the calibration point S = N = 1 failed")
+    print(f"--- S=1 N=1 at batch {args.batch // 4} (calibration: work per step against per example)", flush=True)
+    small = run_worker(Path(__file__).with_name("trainer_scaling.py"),
+                       step_spec(data, 1, 1, args.batch // 4, steps, args.nodes, args.config), timeout=1800)
+    if "error" in small:
+        print(f"    failed: {small['error']}; every role's CPU taken as per example", flush=True)
+        small = None
+    cal = calibration(base, small, ping)
+    from widedp.trainer.config import load_config
+
+    m = load_config(args.config, []).model
+    dims = (26, m.embedding_dim)
+    checks = check_rows(cal, points, cores)
+    proj = projections(cal, dims)
+    print(format_table(["S", "N", "measured ms", "predicted ms", "error", "critical ms", "CPU/cores ms"],
+                       [[r["shards"], r["trainers"], f"{1e3 * r['measured_s']:.1f}", f"{1e3 * r['predicted_s']:.1f}",
+                         f"{100 * r['error']:+.0f}%", f"{1e3 * r['critical_s']:.1f}", f"{1e3 * r['cpu_bound_s']:.1f}"]
+                        for r in checks]))
+    print(format_table(["S = N", "Gb/s", "step ms", "examples/s", "bytes per shard", "tables per shard"],
+                       [[r["shards"], r["gbps"], f"{1e3 * r['step_s']:.1f}", f"{r['examples_per_s']:,.0f}",
+                         fmt_bytes(r["bytes_per_shard"]), fmt_bytes(r["table_bytes_per_shard"])] for r in proj]))
+    payload = {"config": args.config, "rows": rows, "examples": examples, "batch": args.batch, "grid": grid,
+               "nodes": args.nodes, "cores": cores, "calibration_dims": dims, "ping": ping, "calibration": cal,
+               "small_point": small,
+               "points": points, "checks": checks, "projections": proj, "criteo": criteo_shape(), "rtt_s": RTT_S}
+    write_results("cluster_model", payload, quick=args.quick, machine=machine, out=args.out, started=started)
+    return payload
+
+
+def results_section(doc: dict) -> tuple[list[str], list]:
+    """docs/RESULTS.md's section (benchmarks/make_results.py)."""
+    cal, checks = doc["calibration"], doc["checks"]
+    lam = ", ".join(f"S = {s}: {1e3 * float(v):.2f} ms" for s, v in doc["ping"]["latency_s"].items())
+    lines = [f"`{doc['config']}`'s CTR model (26 tables, {doc['rows']:,} rows in all), `threshold` selection on the "
+             f"shards, S shard actors × N trainer actors calling them directly, on a loopback cluster of {doc['nodes']} "
+             f"Ray nodes on this {doc['cores']:g}-core machine, expected batch {doc['batch']:,}. The model "
+             "(`benchmarks/cluster_model.py`'s docstring) is calibrated at S = N = 1 only: CPU per step of the trainer "
+             f"{1e3 * cal['trainer_cpu_s']:.1f} ms, the shard {1e3 * cal['shard_cpu_s']:.1f} ms, the coordinator "
+             f"{1e3 * cal['coordinator_cpu_s']:.1f} ms, the machine {1e3 * cal['machine_cpu_s']:.1f} ms"
+             + (" (of which per step, whatever the batch, from a second run at batch "
+                f"{cal['small_batch']:,.0f}: " + ", ".join(f"{k.split('_')[0]} {1e3 * v:.1f} ms" for k, v in
+                                                        cal["fixed"].items()) + ")" if "fixed" in cal else "") + "; "
+             f"{fmt_bytes(cal['bytes_per_step'])} per step; idle ping rounds λ(S) {lam}; "
+             f"{1e6 * cal['call_cpu_s']:.0f} µs of machine CPU per actor call. Every other row is a prediction checked "
+             "against its measurement (loopback form: max(critical path, CPU work / cores)).", "",
+             "| S | N | measured ms | predicted ms | error | critical path ms | CPU work / cores ms | machine CPU ms (measured / predicted) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in checks:
+        tag = " (calibration)" if r["calibration"] else ""
+        lines.append(f"| {r['shards']} | {r['trainers']}{tag} | {1e3 * r['measured_s']:.1f} | {1e3 * r['predicted_s']:.1f} | "
+                     f"{100 * r['error']:+.0f}% | {1e3 * r['critical_s']:.1f} | {1e3 * r['cpu_bound_s']:.1f} | "
+                     f"{1e3 * r['machine_cpu_s']:.0f} / {1e3 * r['predicted_cpu_s']:.0f} |")
+    shape = doc["criteo"]
+    lines += ["", f"Projection (many-machine form: a machine per actor, the busiest link's transfer and "
+              f"{1e6 * doc['rtt_s']:.0f} µs per round added, no overlap of compute and transfer) on Criteo-1TB's shape: "
+              f"the 26 published cardinalities capped at the 40M hash size ({shape['total_rows']:,} rows, "
+              f"{fmt_bytes(shape['table_bytes'])} of tables at D = {shape['dim']}), per-example work and bytes scaled "
+              f"by F·D relative to the calibration model, λ(S) beyond the measured S from the line through the "
+              "measured ones.", "",
+              "| S = N | link | step ms | examples/s | critical path ms | transfer ms | bytes per shard per step | tables per shard |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in doc["projections"]:
+        lines.append(f"| {r['shards']} | {r['gbps']} Gb/s | {1e3 * r['step_s']:.1f} | {r['examples_per_s']:,.0f} | "
+                     f"{1e3 * r['critical_s']:.1f} | {1e3 * r['network_s']:.1f} | {fmt_bytes(r['bytes_per_shard'])} | "
+                     f"{fmt_bytes(r['table_bytes_per_shard'])} |")
+    checked = [r for r in checks if not r["calibration"]]
+    worst = max(checked, key=lambda r: abs(r["error"])) if checked else None
+    goals = []
+    if worst is not None:
+        ok = all(abs(r["error"]) <= MODEL_GOAL for r in checked)
+        off = [f"S = {r['shards']}, N = {r['trainers']}: {100 * r['error']:+.0f}%" for r in checked
+               if abs(r["error"]) > MODEL_GOAL]
+        goals.append((f"the many-machine model within {100 * MODEL_GOAL:.0f}% of the loopback measurements it is "
+                      "checked against (S, N ∈ {" + ", ".join(str(g) for g in doc["grid"]) + "})",
+                      f"{len(checked)} predicted points; worst S = {worst['shards']}, N = {worst['trainers']}: "
+                      f"{100 * worst['error']:+.0f}%", "**met**" if ok else "**missed**",
+                      "" if ok else "outside: " + "; ".join(off)))
+    return lines, goals
+
+
+def worker(spec: dict) -> dict:
+    if spec.get("kind") == "ping":
+        return ping_worker(spec)
+    raise ValueError(f"unknown worker kind {spec.get('kind')!r}")
+
+
+if __name__ == "__main__":
+    if not worker_entry(worker):
+        main()

@@ -1,0 +1,109 @@
+"""The many-machine step model of benchmarks/cluster_model.py (a pure function): what each term
+means, checked on hand-made calibrations — and the RESULTS goal row computed from the checks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import cluster_model as cm  # noqa: E402
+
+CAL = {"batch": 1000.0, "trainer_cpu_s": 0.040, "shard_cpu_s": 0.020, "coordinator_cpu_s": 0.010,
+       "machine_cpu_s": 0.100, "bytes_per_step": 8e6, "latency_s": {1: 0.002, 2: 0.003, 4: 0.005},
+       "call_cpu_s": 0.001}
+
+
+def test_at_the_calibration_point_the_model_returns_the_calibration():
+    p = cm.predict(CAL, 1, 1, 1000, cores=2)
+    assert p["cpu_s"] == pytest.approx(CAL["machine_cpu_s"])  # all the measured work, nothing invented
+    assert p["critical_s"] == pytest.approx(5 * 0.002 + 0.040 + 0.020 + 0.010)
+    assert p["step_s"] == pytest.approx(max(p["critical_s"], 0.100 / 2))
+    assert p["calls"] == 3 + 2 + 1
+
+
+def test_trainers_and_shards_split_their_own_work_and_add_calls():
+    one, many = cm.predict(CAL, 1, 1, 1000), cm.predict(CAL, 4, 2, 1000)
+    # the trainer's share halves, the shard's quarters, the coordinator's stays; λ(4) per round
+    assert many["critical_s"] == pytest.approx(5 * 0.005 + 0.040 / 2 + 0.020 / 4 + 0.010)
+    assert many["calls"] == 3 * 2 * 4 + 2 * 4 + 2
+    # the same work in all, plus a CPU cost per extra call
+    assert many["cpu_s"] - one["cpu_s"] == pytest.approx(CAL["call_cpu_s"] * (many["calls"] - one["calls"]))
+    assert many["bytes_per_shard"] == pytest.approx(8e6 / 4) and many["bytes_per_trainer"] == pytest.approx(8e6 / 2)
+
+
+def test_on_one_machine_the_step_is_at_least_all_its_work_over_the_cores():
+    p = cm.predict(CAL, 4, 4, 8000, cores=2)
+    assert p["step_s"] == pytest.approx(p["cpu_s"] / 2) and p["cpu_s"] / 2 > p["critical_s"]
+
+
+def test_batch_and_width_scale_work_and_bytes_not_latency():
+    base, wide = cm.predict(CAL, 2, 2, 1000), cm.predict(CAL, 2, 2, 2000, width=4)
+    rounds = 5 * cm.round_latency(CAL["latency_s"], 2)
+    assert wide["critical_s"] - rounds == pytest.approx(8 * (base["critical_s"] - rounds))
+    assert wide["bytes_per_shard"] == pytest.approx(8 * base["bytes_per_shard"])
+
+
+def test_links_add_the_busiest_link_and_a_round_trip_per_round():
+    p = cm.predict(CAL, 8, 2, 1000, link_bytes_per_s=1e9, rtt_s=1e-4)
+    assert p["network_s"] == pytest.approx(8e6 / 2 / 1e9 + 5 * 1e-4)  # the trainers' links are the busiest
+    assert p["step_s"] == pytest.approx(p["critical_s"] + p["network_s"])
+
+
+def test_round_latency_is_measured_where_measured_and_the_fitted_line_elsewhere():
+    lam0, lam1 = cm.latency_line({1: 0.002, 2: 0.003, 4: 0.005})
+    assert (lam0, lam1) == (pytest.approx(0.001), pytest.approx(0.001))
+    assert cm.round_latency(CAL["latency_s"], 2) == 0.003
+    assert cm.round_latency(CAL["latency_s"], 128) == pytest.approx(0.001 + 0.001 * 128)
+    # a latency that falls with S is not extrapolated downward
+    assert cm.latency_line({1: 0.004, 2: 0.003})[1] == 0.0
+
+
+def test_criteo_shape_caps_each_table_at_the_hash_size():
+    shape = cm.criteo_shape()
+    assert shape["features"] == 26 and max(shape["rows"]) == cm.CRITEO_HASH
+    assert sum(1 for r in shape["rows"] if r == cm.CRITEO_HASH) == 5  # the five tables above 40M
+    assert shape["table_bytes"] == shape["total_rows"] * 128 * 4
+
+
+def _doc(errors):
+    checks = [{"shards": 1, "trainers": 1, "batch": 1000, "measured_s": 0.1, "predicted_s": 0.1, "critical_s": 0.1,
+               "cpu_bound_s": 0.05, "error": 0.0, "machine_cpu_s": 0.1, "predicted_cpu_s": 0.1, "calibration": True}]
+    for i, e in enumerate(errors):
+        checks.append({**checks[0], "shards": 2, "trainers": i + 1, "predicted_s": 0.1 * (1 + e), "error": e,
+                       "calibration": False})
+    proj = [{"shards": 8, "trainers": 8, "gbps": 25, "step_s": 0.2, "examples_per_s": 3e5, "critical_s": 0.1,
+             "network_s": 0.1, "bytes_per_shard": 1e6, "table_bytes_per_shard": 1e9}]
+    return {"config": "configs/ctr.toml", "rows": 520000, "nodes": 3, "cores": 2, "batch": 4096, "grid": [1, 2],
+            "calibration": {**CAL, "latency_s": {"1": 0.002}}, "ping": {"latency_s": {"1": 0.002}}, "checks": checks,
+            "projections": proj, "criteo": cm.criteo_shape(), "rtt_s": 5e-5}
+
+
+def test_the_goal_row_is_met_only_when_every_checked_point_is_within_a_quarter():
+    _, goals = cm.results_section(_doc([0.10, -0.20]))
+    assert goals[0][2] == "**met**" and "worst S = 2, N = 2: -20%" in goals[0][1]
+    _, goals = cm.results_section(_doc([0.10, 0.30]))
+    assert goals[0][2] == "**missed**" and "S = 2, N = 2: +30%" in goals[0][3]
+
+
+def test_work_per_step_does_not_grow_with_the_batch_and_is_not_divided():
+    """A role's CPU measured at two batches splits into a part per step and a part per example:
+    only the latter grows with the batch and is shared among the actors of that role."""
+    small = {"batch_mean": 250.0, "trainers": [{"cpu_ms_per_step": 16.0}], "shard_cpu_ms_per_step": [5.0],
+             "coordinator_cpu_ms_per_step": 7.0, "machine_cpu_ms_per_step": 40.0}
+    big = {"batch_mean": 1000.0, "trainers": [{"cpu_ms_per_step": 40.0}], "shard_cpu_ms_per_step": [20.0],
+           "coordinator_cpu_ms_per_step": 10.0, "machine_cpu_ms_per_step": 100.0,
+           "all_bytes_per_step": {"to": 4e6, "from": 4e6}}
+    cal = cm.calibration(big, small, {"latency_s": {"1": 0.002}, "call_cpu_s": {"1": 0.001}})
+    assert cal["fixed"] == {"trainer_cpu_s": pytest.approx(0.008), "shard_cpu_s": pytest.approx(0.0),
+                            "coordinator_cpu_s": pytest.approx(0.006), "machine_cpu_s": pytest.approx(0.020)}
+    p = cm.predict(cal, 1, 2, 4000)
+    # trainer: 8 ms + 32 ms·4/2; shard 20 ms·4; coordinator 6 ms + 4 ms·4
+    assert p["critical_s"] == pytest.approx(5 * 0.002 + (0.008 + 0.064) + 0.080 + (0.006 + 0.016))
+    assert p["cpu_s"] == pytest.approx(0.020 + 0.080 * 4 + 0.001 * (p["calls"] - 6))
+    # without the second batch every role is taken as per example (the pessimistic reading)
+    whole = cm.predict(cm.calibration(big, None, {"latency_s": {"1": 0.002}, "call_cpu_s": {"1": 0.001}}), 1, 2, 4000)
+    assert whole["critical_s"] > p["critical_s"]
