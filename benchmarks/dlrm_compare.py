@@ -222,7 +222,8 @@ def torch_worker(spec: dict) -> dict:
     spec = dict(spec, num_dense=int(dense.shape[1]))
     torch.manual_seed(spec["seed"])
     t0 = time.perf_counter()
-    model = _torch_model(rows, spec, bag=(system == FLOOR))
+    device = torch.device(spec.get("device", "cpu"))
+    model = _torch_model(rows, spec, bag=(system == FLOOR)).to(device)
     groups = [{"params": list(model.tables.parameters()), "lr": spec["lr"]},
               {"params": list(model.dense.parameters()), "lr": spec["dense_lr"]}]
     optimizer = torch.optim.SGD(groups, lr=spec["lr"])
@@ -247,8 +248,9 @@ def torch_worker(spec: dict) -> dict:
     build_s = time.perf_counter() - t0
 
     expected_batch = spec["batch"] if system == FLOOR else n / len(loader)
-    return _timed(torch_step(model, optimizer, criterion, loader), spec, build_s,
-                  extra={"train_examples": n, "table_rows": rows, "expected_batch": expected_batch})
+    return _timed(torch_step(model, optimizer, criterion, loader, device if device.type != "cpu" else None), spec,
+                  build_s, extra={"train_examples": n, "table_rows": rows, "expected_batch": expected_batch,
+                                  "device": str(device)})
 
 
 def worker(spec: dict) -> dict:
@@ -371,6 +373,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=None, help="default 3 (quick 1)")
     parser.add_argument("--max-seconds", type=float, default=None, help="per configuration (default 120, quick 20)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--device", default="cpu",
+                        help="where plain PyTorch and Opacus run (cuda: the GPU; widedp's shards take the GPU "
+                             "whenever torch sees one, its dense part stays on the CPU)")
     parser.add_argument("--out")
     parser.add_argument("--recompute", metavar="FILE", help="re-derive ratios and goals of an existing results file")
     args = parser.parse_args(argv)
@@ -406,7 +411,8 @@ def main(argv=None) -> dict:
         data, data_over = _dataset(args.config, rows, examples, cfg.data.seed, args.set)
         for system in systems:
             row: dict = {"system": system, "rows": rows, "tables": 26}
-            spec = dict(common, system=system, data=str(data), steps=steps, warmup=warmup, max_seconds=max_seconds)
+            spec = dict(common, system=system, data=str(data), steps=steps, warmup=warmup, max_seconds=max_seconds,
+                        device=args.device)
             if system in WIDEDP:
                 mode, backend, placement = WIDEDP[system]
                 extra = [*data_over, f"train.batch_size={batch}", "train.optimizer=sgd", *placement]

@@ -140,9 +140,11 @@ def torch_worker(spec: dict) -> dict:
                   extra={"vocab": vocab, "train_examples": n})
 
 
-def torch_step(model, optimizer, criterion, loader):
+def torch_step(model, optimizer, criterion, loader, device=None):
     """One plain PyTorch / Opacus training step per call over `loader` (cycled); batches are
-    (*model inputs, labels). Returns the step function; it returns the batch's size."""
+    (*model inputs, labels). Returns the step function; it returns the batch's size. `device`
+    (a CUDA device): the batch is copied there each step and the step waits for the GPU to
+    finish, so a timed step is the whole step."""
     def batches():
         while True:
             yield from loader
@@ -151,9 +153,15 @@ def torch_step(model, optimizer, criterion, loader):
 
     def step():
         *inputs, labels = next(it)
+        if device is not None:
+            inputs, labels = [x.to(device, non_blocking=True) for x in inputs], labels.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         criterion(model(*inputs), labels).backward()
         optimizer.step()
+        if device is not None and device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
         return int(inputs[0].shape[0])
 
     return step

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import widedp.trainer.shard as shard_module
 from widedp.selection.keyed_random import NoiseKey
@@ -365,3 +366,30 @@ def test_a_folded_write_back_runs_before_the_call_that_carries_it_and_once():
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="only state-changing calls are deferred, got 'lookup'"):
         folded.dispatch((3, "ping", (), False, (("lookup", (inp, batch)),)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the CUDA path needs a GPU: benchmarks/gpu_check.sh runs this on a GPU machine")
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_a_shard_on_the_gpu_computes_what_the_cpu_shard_computes(monkeypatch, optimizer):
+    """With CUDA the shard holds its tables on the GPU (FBGEMM's CUDA kernels) and answers as
+    the CPU shard does: lookups, per-example norms, clipped row sums, the write-back."""
+    rng = np.random.default_rng(7)
+    inp, batch = shard_input(rng, 0), 5
+    gpu = EmbeddingShard(LAYOUT, 0, optimizer=optimizer, lr=0.5, seed=1)
+    assert gpu.flat.is_cuda
+    monkeypatch.setattr(shard_module, "_device", lambda: (torch.device("cpu"), shard_module.ComputeDevice.CPU,
+                                                          shard_module.EmbeddingLocation.HOST))
+    cpu = EmbeddingShard(LAYOUT, 0, optimizer=optimizer, lr=0.5, seed=1)
+    assert not cpu.flat.is_cuda
+    grads = rng.normal(size=(inp.bags(batch).example.size, D)).astype(np.float32)
+    answers = []
+    for shard in (gpu, cpu):
+        pooled = shard.lookup(inp, batch)
+        norms = shard.example_sq_norms(grads)
+        sums = shard.clipped_row_sums(np.full(batch, 0.5))
+        shard.apply_rows(*sums)
+        answers.append([pooled, norms, *sums, *shard.state_dict()["weights"]])
+    assert len(answers[0]) == len(answers[1])
+    for got, want in zip(*answers):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
