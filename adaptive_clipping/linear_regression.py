@@ -10,8 +10,10 @@ another block), and n — which sets the number of steps — would be private; s
 *not* claimed here. (A replace-one guarantee is implied by add/remove with group size 2; the
 converse does not hold.) The seed's DP-SSGD (Gaussian noise) is accounted as plain one-pass
 Gaussian (parallel composition), always an upper bound on its true cost, *without* amplification
-by shuffling: that needs FMT21's (ε₀, δ₀) theorem, which could not be verified (see
-`adaptive_clipping.shuffling`). Amplification is offered where the verified pure-DP theorem
+by shuffling here. FMT21's (ε₀, δ₀) theorem itself could not be read; `adaptive_clipping.shuffling`
+proves its own extension (Lemma S, for one record per step) and benchmarks/dp_ambssgd.py accounts
+the b = 1 Gaussian with it — for the block schedule (b > 1) it cannot lower the noise (the
+module's "Scope"). Amplification is offered here where the verified pure-DP theorem
 applies: `dp_ssgd(noise="laplace", batch_size=1, amplification="shuffling")`, whose every step is
 a pure ε₀-DP local randomizer of the one record it reads (section "DP-SSGD with Laplace noise").
 
@@ -277,8 +279,9 @@ def dp_ssgd(X, y, *, rho: Optional[float] = None, batch_size: int, lr: float, cl
     `noise="gaussian"` (default, needs `rho`): w ← w - η[(1/b)Σ clip_C(g_i) + (σC/b)ξ], σ = √(2/ρ),
     ℓ2 clip; sensitivity 2C/b; event `GaussianDpEvent(σ/2)`; each point is read once, so the run
     is ρ-zCDP by parallel composition (`accounting="zcdp"`). Not amplified: the seed's Theorem
-    3.1 uses FMT21's (ε₀, δ₀) theorem, not verified here (see `adaptive_clipping.shuffling`), so
-    this accounting is an upper bound.
+    3.1 uses FMT21's (ε₀, δ₀) theorem, whose text could not be read; `adaptive_clipping.shuffling`'s
+    Lemma S covers b = 1 only (benchmarks/dp_ambssgd.py uses it there), so this accounting is
+    an upper bound.
     `noise="laplace"` (needs `eps0`, no `rho`): w ← w - η[(1/b)Σ clip¹_C(g_i) + Lap(2C/(b·ε₀))^d],
     C an ℓ1 clip (`noisy_clipped_mean_laplace`); each step is pure ε₀-DP, event
     `laplace_event(ε₀)`, the run ε₀-DP by parallel composition (`accounting="pure"`).

@@ -1,6 +1,7 @@
 """Privacy amplification by shuffling for *pure* ε₀-DP local randomizers (Feldman, McMillan &
 Talwar, "Hiding Among the Clones", FOCS 2021 — FMT21 below; arXiv 2012.12803; the authors' code is
-github.com/apple/ml-shuffling-amplification, read at commit 993d285, never copied).
+github.com/apple/ml-shuffling-amplification, read at commit 993d285, never copied), and its
+extension to (ε₀, δ₀)-DP randomizers such as the Gaussian (Lemma S below, proved here).
 
 Sources, and what each one settles. (a) The authors' code `computeamplification.py`: its docstrings
 state the binomial-mixture pair below (`deltacomp`, `onestep`) and its `closedformanalysis` is the
@@ -84,32 +85,77 @@ DP-SSGD (`adaptive_clipping.linear_regression.dp_ssgd`). With `noise="laplace"` 
 step is a pure ε₀-DP local randomizer of the one record it reads, for every prefix of outputs
 (ℓ1 clip to C, per-coordinate Laplace scale 2C/ε₀; the argument is in that module's docstring),
 so the hypothesis above holds exactly and `dp_ssgd(noise="laplace", batch_size=1,
-amplification="shuffling")` is accounted by `shuffled_epsilon(ε₀, n, δ)`. The default Gaussian
-DP-SSGD is **not** covered; its accounting stays unamplified (plain parallel composition, an
-upper bound), and amplification is refused for it and for any b > 1:
-1. Its noise is Gaussian, which is (ε₀, δ₀)-DP per example for no finite ε₀ with δ₀ = 0: the
-   theorems above need pure ε₀-DP randomizers. Only FMT21's approximate-DP extension (the seed's
-   Theorem 3.1 cites FMT21 Thm 3.8 for it) could apply, and we could **not verify its exact
-   statement**. What is missing, precisely: (i) the additive δ term — we recall something of the
-   form δ + (e^ε + 1)(1 + e^{-ε₀}/2)·n·δ₀ but have no readable source for the constant;
-   (ii) its regime condition on ε₀ (and on n, δ₀); (iii) whether its ε is Thm 3.1's closed form
-   at ε₀ itself or at a transformed ε₀ (approximate-to-pure reductions of local randomizers
-   commonly inflate ε₀ by a constant factor), and so whether the *numerical* clone bound may be
-   substituted for it; (iv) whether it is stated for adaptive randomizers, as DP-SGD needs.
-   Searched: the stored ar5iv copy of 2012.12803 (abstract only), the authors' code (pure ε₀
-   only, per its README), the differentialprivacy.org post "Privacy Doona" (says the result
-   extends to approximate LDP, no statement), the seed (formulas lost), and the code index. One
-   unattributed third-party script there uses the δ term in (i) but pairs it with another ε
-   formula and regime (log(n/(8·log(2/δ')) - 1)) that match neither the authors' code nor our
-   reading, so it verifies nothing. Implementing `shuffled_epsilon_approx` would need (i)-(iv)
-   from FMT21's text (arXiv 2012.12803, §3, the (ε₀, δ₀) theorem and the lemma it rests on).
-2. With blocks of b > 1 examples (the benchmark uses b = max(m, n/100)) a step is not a local
-   randomizer of one record: its output depends jointly on b records. Treating each block as
-   one "user" is possible (a uniform permutation cut into blocks is a uniform partition followed
-   by a uniform order of the blocks), but then a randomizer must be private against replacing
-   its whole block — sensitivity 2C instead of 2C/b, b²·ρ in zCDP — which destroys the gain.
-So even with (i)-(iv) only b = 1 (the seed's Algorithm 1) could be amplified; with Laplace
-noise and b = 1 it is, by the pure-DP theorem above.
+amplification="shuffling")` is accounted by `shuffled_epsilon(ε₀, n, δ)`.
+
+Approximate-DP randomizers ((ε₀, δ₀), the Gaussian): what was read, and what is used.
+- FMT21's approximate-DP theorem is its Thm 3.8 (the seed's §3.1 cites "(Feldman et al., 2021,
+  Theorem 3.8)" for DP-SSGD; the seed's Thm A.3 restates it, in words only: "R^(i)(z_{1:i-1}, ·)
+  is a (·)-DP local randomizer for all values of auxiliary inputs ... samples a uniformly random
+  permutation ... Then for any δ such that (·), A_s is (·)-DP", formulas lost in extraction; its
+  proof then uses "the Gaussian mechanism" per step and "the assumption in Theorem A.3" on ε₀).
+  FMT21's own text still could not be read (stored ar5iv copy: abstract and introduction only;
+  its abstract says the result "extends to approximate differential privacy with nearly the same
+  guarantees"). Two third-party readings of Thm 3.8 were found, agreeing with each other:
+  (a) issue #1 of apple/ml-shuffling-amplification (a reader, 2026): the regime condition
+  "ε₀ ≤ log(n/(16 log(2/δ)))" appears in "Lemma 3.5, Theorem 3.8, and Proposition 5.3" and should
+  read log(4/δ) as in the authors' code; (b) a third-party script in the code index (a
+  "MusCATPrivacy" class, not by the authors) computing, for n shuffled (ε₀, δ₀)-DP steps,
+  ε = Thm 3.1's closed form at ε₀ itself and δ_total = δ + (e^ε + 1)(1 + e^{-ε₀}/2)·n·δ₀ under the
+  regime ε₀ ≤ log(n/(16 log(2/δ))). Neither is the theorem's text, neither says whether the
+  *numerical* bound may replace the closed form, and (b) is unattributed. So nothing below rests
+  on them: we use instead the following statement, proved here (the tests check each step of the
+  construction on random finite randomizers and the end result on an exactly enumerated protocol).
+
+Lemma S. Let each R^(i)(z_<i, ·) be an (ε₀, δ₀)-DP local randomizer for every prefix z_<i
+(D_{e^{ε₀}}(R(x)‖R(x')) ≤ δ₀ for all records x, x'), with δ₀ ≤ 1 - e^{-ε₀}, each record read by
+exactly one step (the shuffled one-pass setting above, replace-one neighbours). If δ ≥ δ_pure(ε),
+the (P, Q) divergence at ε₀ computed by `clone_delta`, then A_s is (ε, δ + (1 + e^ε)·n·κ·δ₀)-DP
+with κ = max(1, 2e^{-ε₀}). [Compare (b): our κ ≤ 1 + e^{-ε₀}/2 for ε₀ ≥ log(3/2); below that ours
+is the larger, up to 2 vs 1.5.]
+Proof. Fix the neighbours X0 = (x_1^0, x_2..x_n), X1 = (x_1^1, x_2..x_n) and a prefix; write
+R_b = R(x_1^b), R_j = R(x_j), p = e^{-ε₀}. (1) The pair: R'_0 = min(R_0, e^{ε₀}R_1) + g_0,
+R'_1 = min(R_1, e^{ε₀}R_0) + g_1 with g_b ≥ 0 of mass m_b = D_{e^{ε₀}}(R_b‖R_{1-b}) ≤ δ₀ placed
+under the slack e^{ε₀}min(R_{1-b}, e^{ε₀}R_b) - min(R_b, e^{ε₀}R_{1-b}) (its mass,
+e^{ε₀}(1 - m_{1-b}) - (1 - m_b), is ≥ m_b as m_{1-b} ≤ 1 - p). Then R'_0, R'_1 are
+distributions, e^{-ε₀} ≤ R'_0/R'_1 ≤ e^{ε₀} pointwise, and TV(R_b, R'_b) ≤ m_b ≤ δ₀.
+(2) The others: with c = (p/2)(R'_0 + R'_1), the deficit (c - R_j)_+ is at most
+(p/2)[(R_0 - e^{ε₀}R_j)_+ + (R_1 - e^{ε₀}R_j)_+ + g_0 + g_1] (as p·e^{ε₀} = 1), of mass
+≤ (p/2)(2δ₀ + 2δ₀) = 2pδ₀; R'_j = max(R_j, c) - t·(R_j - c)_+, t = deficit mass / mass of
+(R_j - c)_+ ≤ 1, is a distribution ≥ c with TV(R_j, R'_j) ≤ 2pδ₀ (a value x_j equal to x_1^b
+takes R'_b, TV ≤ δ₀: hence κ = max(1, 2p)). (3) On the values of X0 ∪ X1, for every prefix,
+R' satisfies exactly what FMT21's reduction uses: R'_0 = αQ_0 + (1-α)Q_1,
+R'_1 = (1-α)Q_0 + αQ_1 with Q_0, Q_1 distributions (possible iff the pair is ε₀-close), and
+R'_j = (p/2)Q_0 + (p/2)Q_1 + (1-p)·LO_j (all depending on the prefix), so A_s run with R' is a
+post-processing of (P, Q): given the counts (k_0, k_1) of Q_0- and Q_1-draws, pick the
+C = k_0 + k_1 - 1 clones uniformly among users 2..n, put the k_0 + k_1 "Q-users" and the others
+at uniformly random positions with a uniformly random arrangement of the labels (π is uniform
+and independent of the labels, so given the counts this is the true joint law), then run the
+steps in order drawing from Q_0^(i)(z_<i), Q_1^(i)(z_<i) or LO_j^(i)(z_<i) — which needs only
+x_1^0, x_1^1, x_2..x_n, not which of X0, X1 holds. Hence A_s run with R' is
+(ε, δ_pure(ε))-DP for this pair. (4) Run on the same data, A_s with R and with R' differ by at most the sum of
+the per-step TVs (hybrid over the n steps): T ≤ n·κ·δ₀. Then
+P[A(X0) ∈ S] ≤ P[A'(X0) ∈ S] + T ≤ e^ε P[A'(X1) ∈ S] + δ + T ≤ e^ε P[A(X1) ∈ S] + δ + (1 + e^ε)T. ∎
+`approx_shuffled_epsilon` evaluates this (exact numerical δ_pure, never the closed form).
+The Gaussian: a step adding N(0, s²I) to a function of one record with ℓ2 sensitivity Δ (over
+all pairs of records) is (ε₀, δ₀(ε₀))-DP for every ε₀ on its exact profile
+δ₀(ε₀) = Φ(Δ/(2s) - ε₀s/Δ) - e^{ε₀}Φ(-Δ/(2s) - ε₀s/Δ) (`gaussian_delta`); any ε₀ may be chosen,
+so `gaussian_shuffled_epsilon` / `gaussian_noise_for_epsilon` scan ε₀ and keep the best, and
+also compare with no amplification (the profile itself: each record is read once).
+Scope, precisely:
+1. One record per randomizer. For DP-SSGD this is b = 1 (the seed's Algorithm 1): step i reads
+   x_π(i), outputs g_i = clip_C(∇ℓ(w_{i-1}; x_π(i))) + N(0, (σC)²I) with w_{i-1} a function of
+   g_<i, so Δ = 2C (replace-one: two arbitrary records) and s = σC.
+2. Blocks of b > 1 (the benchmark's Gaussian schedule, b = max(m, n/100)) are NOT covered by the
+   functions here as a b = 1 bound. Sound only: cutting a uniform permutation into blocks is a
+   uniform partition (data-independent, same under X0 and X1) followed by a uniform order of the
+   blocks, so conditionally on the partition the n/b blocks are "super-records" shuffled once and
+   Lemma S applies to them, but with (ε₀, δ₀) of a block randomizer against an *arbitrary* other
+   block: the block mean (1/b)Σ clip_C(g) moves by up to Δ = 2C, against noise s = σC/b, i.e.
+   Δ/s = 2b/σ instead of one record's 2/σ. That bound is what the functions here give when
+   called with Δ = 2C, s = σC/b and n/b records; at b = n/100 it is far worse than no
+   amplification (see benchmarks/dp_ambssgd.py). (FMT21's SODA 2023 follow-up separates the
+   pair's ε from the clones'; it was not read and is not used.)
+3. Replace-one neighbours only; δ₀ ≤ 1 - e^{-ε₀}; the adaptive form as in Thm 3.2 above.
 """
 
 from __future__ import annotations
@@ -272,3 +318,191 @@ def _check(eps0, n, delta) -> tuple[float, int, float]:
     if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not (0 < delta < 1):
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
     return float(eps0), int(n), float(delta)
+
+
+# ---- approximate-DP local randomizers ((ε₀, δ₀)), and the Gaussian ---------------------------
+
+def approx_delta_term(eps: float, eps0: float, delta0: float, n: int) -> float:
+    """The additive price of δ₀ > 0 (Lemma S of the module docstring): (1 + e^ε)·n·max(1, 2e^{-ε₀})·δ₀,
+    added to the pure reduction's δ(ε) at ε₀. (FMT21's own Thm 3.8 states
+    (e^ε + 1)(1 + e^{-ε₀}/2)·n·δ₀ per our third-party reading; not used, see the docstring.)"""
+    return (1.0 + math.exp(eps)) * n * max(1.0, 2.0 * math.exp(-eps0)) * delta0
+
+
+def approx_shuffled_epsilon(eps0: float, delta0: float, n: int, delta: float, *, iterations: int = 40) -> float:
+    """ε at δ for n shuffled adaptive (ε₀, δ₀)-DP local randomizers (one record each, replace-one
+    neighbours), by Lemma S of the module docstring: the smallest certified ε (bisection, the
+    returned point checked) with clone_delta(ε₀, n, ε) + approx_delta_term(ε, ε₀, δ₀, n) ≤ δ, or
+    ε₀ when that is smaller and δ₀ ≤ δ (no amplification: each record read once), or `math.inf`
+    when neither reaches δ. δ₀ = 0 gives exactly `shuffled_epsilon(ε₀, n, δ)`.
+    Needs δ₀ ≤ 1 - e^{-ε₀} (the lemma's condition; ValueError otherwise)."""
+    eps0, n, delta = _check(eps0, n, delta)
+    delta0 = _check_delta0(delta0, eps0)
+    if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) or iterations < 1:
+        raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
+    if delta0 == 0.0:
+        return numerical_epsilon(eps0, n, delta, iterations=int(iterations))
+    fallback = eps0 if delta0 <= delta else math.inf
+    red = _Reduction(eps0, n)
+
+    def ok(eps: float) -> bool:
+        return red.delta(eps) + approx_delta_term(eps, eps0, delta0, n) <= delta
+
+    if ok(0.0):
+        return 0.0
+    if not ok(eps0):  # δ(ε) ≥ the δ₀ term, which grows with ε: nothing at or above ε₀ passes either
+        # below ε₀ the term is smaller; search [0, ε₀] for any passing point by bisection from a scan
+        grid = [eps0 * k / 64.0 for k in range(1, 64)]
+        passing = [e for e in grid if ok(e)]
+        if not passing:
+            return fallback
+        hi = passing[0]
+        lo = hi - eps0 / 64.0
+    else:
+        lo, hi = 0.0, eps0
+    for _ in range(int(iterations)):
+        mid = 0.5 * (lo + hi)
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return min(hi, fallback)
+
+
+def gaussian_delta(eps: float, sensitivity: float, noise_std: float) -> float:
+    """The exact privacy profile of the Gaussian mechanism (Balle & Wang 2018, analytic Gaussian):
+    the smallest δ for which adding N(0, s²I) to a function of ℓ2 sensitivity Δ is (ε, δ)-DP,
+    δ(ε) = Φ(Δ/(2s) - εs/Δ) - e^ε·Φ(-Δ/(2s) - εs/Δ), both directions equal. Evaluated in log
+    space (no cancellation) and rounded up by a relative 1e-9."""
+    eps = _nonneg("eps", eps)
+    mu = _positive_finite("sensitivity", sensitivity) / _positive_finite("noise_std", noise_std)
+    a, b = mu / 2.0 - eps / mu, -mu / 2.0 - eps / mu
+    log_a, log_b = float(special.log_ndtr(a)), float(special.log_ndtr(b))
+    gap = eps + log_b - log_a  # < 0: the profile is positive for every finite ε
+    if gap >= 0.0:
+        return 0.0
+    return float(math.exp(log_a) * -math.expm1(gap)) * (1.0 + 1e-9)
+
+
+def gaussian_epsilon(delta: float, sensitivity: float, noise_std: float) -> float:
+    """The Gaussian mechanism's own ε at δ (no amplification): the smallest ε (bisection, rounded
+    up, the returned point checked) with `gaussian_delta(ε) ≤ δ`."""
+    delta = _check(1.0, 1, delta)[2]
+    if gaussian_delta(0.0, sensitivity, noise_std) <= delta:
+        return 0.0
+    hi = 1.0
+    while gaussian_delta(hi, sensitivity, noise_std) > delta:
+        hi *= 2.0
+    lo = 0.0 if hi == 1.0 else hi / 2.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if gaussian_delta(mid, sensitivity, noise_std) <= delta:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def gaussian_shuffled_epsilon(sensitivity: float, noise_std: float, n: int, delta: float) -> dict:
+    """(ε, δ) of n shuffled adaptive Gaussian local randomizers, each reading ONE record and adding
+    N(0, s²I) to a function of that record with ℓ2 sensitivity Δ over all pairs of records (for
+    DP-SSGD with b = 1 and ℓ2 clip C: Δ = 2C). Each step is (ε₀, δ₀(ε₀))-DP for every ε₀ with
+    δ₀ = `gaussian_delta`; this scans ε₀ (32 points of (0, log(n) + 2], then 16 between the best
+    one's neighbours; any choice is a valid bound) with `approx_shuffled_epsilon`, and also takes
+    the unamplified ε (`gaussian_epsilon`: each record is read once). Returns {"epsilon", "eps0",
+    "delta0", "amplified", "unamplified_epsilon"}; the ε returned is certified whatever the grid."""
+    n = _check(1.0, n, 0.5)[1]
+    delta = _check(1.0, 1, delta)[2]
+    plain = gaussian_epsilon(delta, sensitivity, noise_std)
+    best: dict = {"epsilon": plain, "eps0": None, "delta0": None, "amplified": False, "unamplified_epsilon": plain}
+
+    def try_eps0(eps0: float) -> float:
+        delta0 = gaussian_delta(eps0, sensitivity, noise_std)
+        if delta0 > min(delta, -math.expm1(-eps0)):
+            return math.inf
+        eps = approx_shuffled_epsilon(eps0, delta0, n, delta, iterations=30)
+        if eps < best["epsilon"]:
+            best.update(epsilon=eps, eps0=eps0, delta0=delta0, amplified=True)
+        return eps
+
+    top = max(1.0, math.log(n) + 2.0)
+    coarse = np.linspace(0.0, top, 33)[1:]
+    scores = [try_eps0(float(e)) for e in coarse]
+    k = int(np.argmin(scores))
+    if math.isfinite(scores[k]):
+        lo, hi = (coarse[k - 1] if k > 0 else 0.0), (coarse[k + 1] if k + 1 < len(coarse) else top)
+        for e in np.linspace(lo, hi, 18)[1:-1]:
+            try_eps0(float(e))
+    return best
+
+
+def gaussian_noise_for_epsilon(epsilon: float, sensitivity: float, n: int, delta: float, *,
+                               grid: int = 256, iterations: int = 50) -> dict:
+    """Calibration: the smallest Gaussian noise std s (over a grid of ε₀, each found by bisection,
+    rounded up) such that n shuffled one-record Gaussian randomizers of ℓ2 sensitivity Δ are
+    (ε, δ)-DP by Lemma S, or by the unamplified profile when that needs less noise. For each ε₀
+    in `grid` points of (ε, log(n) + 2]: the largest δ₀ Lemma S allows at ε,
+    δ₀* = min((δ - clone_delta(ε₀, n, ε)) / ((1 + e^ε)·n·max(1, 2e^{-ε₀})), 1 - e^{-ε₀}),
+    then the smallest s with gaussian_delta(ε₀, Δ, s) ≤ δ₀*. The returned triple (s, ε₀, δ₀) is
+    re-checked against Lemma S's inequality (certified). Returns {"noise_std", "eps0",
+    "delta0", "amplified", "unamplified_noise_std"} (eps0/delta0 None when unamplified)."""
+    epsilon = _positive_finite("epsilon", epsilon)
+    sensitivity = _positive_finite("sensitivity", sensitivity)
+    n = _check(1.0, n, 0.5)[1]
+    delta = _check(1.0, 1, delta)[2]
+    if isinstance(grid, bool) or not isinstance(grid, (int, np.integer)) or grid < 1:
+        raise ValueError(f"grid must be an integer >= 1, got {grid!r}")
+
+    def smallest_std(eps: float, target: float) -> float:
+        """The smallest s (rounded up) with gaussian_delta(eps, Δ, s) ≤ target (decreasing in s)."""
+        hi = sensitivity
+        while gaussian_delta(eps, sensitivity, hi) > target:
+            hi *= 2.0
+        lo = hi / 2.0
+        while gaussian_delta(eps, sensitivity, lo) <= target and lo > 1e-12 * sensitivity:
+            hi, lo = lo, lo / 2.0
+        for _ in range(int(iterations)):
+            mid = 0.5 * (lo + hi)
+            if gaussian_delta(eps, sensitivity, mid) <= target:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    plain = smallest_std(epsilon, delta)
+    best: dict = {"noise_std": plain, "eps0": None, "delta0": None, "amplified": False,
+                  "unamplified_noise_std": plain}
+    top = max(epsilon, math.log(n) + 2.0)
+    for eps0 in np.linspace(epsilon, top, int(grid) + 1)[1:]:
+        eps0 = float(eps0)
+        red = _Reduction(eps0, n)
+        room = delta - red.delta(epsilon)
+        if room <= 0.0:
+            continue
+        cap = min(room / approx_delta_term(epsilon, eps0, 1.0, n), -math.expm1(-eps0))
+        s = smallest_std(eps0, cap)
+        d0 = gaussian_delta(eps0, sensitivity, s)
+        if s < best["noise_std"] and red.delta(epsilon) + approx_delta_term(epsilon, eps0, d0, n) <= delta \
+                and d0 <= -math.expm1(-eps0):
+            best.update(noise_std=s, eps0=eps0, delta0=d0, amplified=True)
+    return best
+
+
+def _check_delta0(delta0, eps0: float) -> float:
+    if isinstance(delta0, bool) or not isinstance(delta0, (int, float)) or not (0 <= delta0 < 1):
+        raise ValueError(f"delta0 must be in [0, 1), got {delta0!r}")
+    if delta0 > -math.expm1(-eps0):
+        raise ValueError(f"delta0 = {delta0!r} exceeds 1 - e^-eps0 = {-math.expm1(-eps0):.3g} (Lemma S's condition)")
+    return float(delta0)
+
+
+def _nonneg(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
+    return float(v)
+
+
+def _positive_finite(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {v!r}")
+    return float(v)
