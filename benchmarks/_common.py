@@ -562,7 +562,7 @@ def default_selection_threshold(cfg) -> Optional[dict]:
     train_set, _ = _ensure_dataset(cfg)
     meta = train_set.meta
     plan, info, _ = plan_run(cfg, len(train_set), meta.table_sizes, [e for _, e in meta.privacy_events],
-                             meta.feature_tables)
+                             meta.feature_tables, feature_max_ids=meta.max_ids_per_example())
     if plan is None or plan.selection_params is None:  # every table dense: no selection
         return None
     return {"threshold": plan.selection_params.threshold, "rule": info.threshold_rule}

@@ -121,6 +121,8 @@ def test_parquet_lists_shared_table_unit_and_timestamp(tmp_path):
     assert meta.table_sizes == {"item": 1000, "tags": 50} and meta.pooling["history"] == "mean"
     assert meta.unit_column and meta.timestamp_column and meta.test_examples is None
     assert "privacy_events" not in meta.extra and read_meta(out) == meta
+    # the public bound on ids per example the dense-table rule reads: tags has no max_length
+    assert meta.max_ids_per_example() == {"item": 1, "history": 3, "tags": None}
     got = _rows(out / "data.parquet")
     h = lambda v: _hash_id(v, 1000)  # noqa: E731
     assert [r["item"] for r in got] == [h(7), h(8), 0]

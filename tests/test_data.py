@@ -84,6 +84,7 @@ def test_ctr_round_trip_take_and_iter(small_ctr):
     assert meta.features == [f"cat_{i}" for i in range(26)]
     assert meta.feature_tables["cat_7"] == "t_7" and meta.table_sizes["t_7"] == 47
     assert set(meta.pooling.values()) == {"sum"} and 0.5 < meta.bayes_auc < 1
+    assert set(meta.max_ids_per_example().values()) == {1}  # one id per feature
     assert meta.extra["source"] == "synth ctr seed=3"
     labels, dense, cats = _ctr_arrays(small_ctr)
     train, test = open_dataset(small_ctr, test_fraction=0.25, seed=1)
@@ -129,6 +130,10 @@ def test_cbow_round_trip(small_text):
     assert meta.table_sizes == {"input": 60, "output": 60} and meta.bayes_auc is None
     ctx, tgt, neg = _cbow_rows(small_text)
     assert all(1 <= len(c) <= 8 for c in ctx)
+    # the public bound the dense-table rule reads holds for every example
+    bounds = meta.max_ids_per_example()
+    assert bounds == {"context": 8, "target": 1, **{f"neg_{i}": 1 for i in range(8)}}
+    assert max(len(c) for c in ctx) <= bounds["context"]
     train, test = open_dataset(small_text, test_fraction=0.1, seed=0)
     idx = np.array([3, 1, 2, 400, 3])
     b = train.take(idx)

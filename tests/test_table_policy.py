@@ -22,7 +22,36 @@ ROWS = {"small": 7, "edge": 1024, "above": 1025, "big": 2_000_000}
 def test_auto_rule_makes_exactly_the_tables_up_to_the_batch_size_dense():
     policy = resolve_table_policy(ROWS, expected_batch_size=1024)
     assert policy.dense == ("small", "edge") and policy.sparse == ("above", "big")
-    assert "1024" in policy.rule and "expected batch size" in policy.rule
+    assert "b = 1024" in policy.rule and "edge 1024" in policy.rule
+
+
+def test_auto_rule_counts_the_ids_one_example_can_put_into_a_table():
+    """dense iff rows ≤ b·m_t: a table a batch can cover. A list feature of max_length 20 can
+    touch 20 rows per example; a table read by two single-id features 2; unbounded counts 1."""
+    rows = {"one_hot": 1025, "history": 20_000, "shared": 2048, "unbounded": 1025, "huge": 2_000_000}
+    per_table = {"one_hot": 1, "history": 20, "shared": 2, "unbounded": None, "huge": 20}
+    policy = resolve_table_policy(rows, expected_batch_size=1024, ids_per_example=per_table)
+    assert policy.dense == ("history", "shared") and policy.sparse == ("one_hot", "unbounded", "huge")
+    assert "history 20480" in policy.rule and "unbounded 1024" in policy.rule
+    # an explicit privacy.dense_max_rows is one bound for every table, as before
+    fixed = resolve_table_policy(rows, expected_batch_size=1024, ids_per_example=per_table, dense_max_rows=2048)
+    assert fixed.dense == ("one_hot", "shared", "unbounded") and "privacy.dense_max_rows)" in fixed.rule
+
+
+def test_the_bound_per_table_is_the_sum_over_its_features_and_unbounded_wins(tmp_path):
+    """planning.table_policy adds the features' bounds per table (public metadata)."""
+    from widedp.trainer.planning import table_policy
+
+    cfg = _config(tmp_path, '[privacy]\ntable_default = "auto"\n')  # b = 100
+    rows = {"item": 2000, "campaign": 150, "input": 150, "context_only": 700}
+    features = {"ad": "item", "history": "item", "campaign": "campaign", "context": "input", "extra": "input",
+                "words": "context_only"}
+    bounds = {"ad": 1, "history": 20, "campaign": 1, "context": 8, "extra": None, "words": 8}
+    policy = table_policy(cfg, rows, 10_000, features, bounds)
+    # item: 2000 ≤ 100·(1 + 20); campaign 150 > 100·1; input: "extra" is unbounded, so 1 id:
+    # 150 > 100; context_only 700 ≤ 100·8
+    assert policy.dense == ("item", "context_only") and policy.sparse == ("campaign", "input")
+    assert table_policy(cfg, rows, 10_000).dense == ()  # without the metadata: b·1 for every table
 
 
 def test_dense_max_rows_moves_the_boundary_and_overrides_win():

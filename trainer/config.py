@@ -284,10 +284,12 @@ class PrivacyConfig:
                "(trainer/recalibration.auto_noise_multiplier)")
     # Per-table policy of sparse mode (trainer/table_policy.py): "dense" tables are noised and
     # updated every step like DP-SGD, "sparse" ones go through the selection. "auto": dense when
-    # the table has at most dense_max_rows rows. [privacy.tables] name = "dense" | "sparse" overrides.
+    # the table has at most dense_max_rows rows ("auto": b × the most ids one example puts into it,
+    # from the data set's public bounds). [privacy.tables] name = "dense" | "sparse" overrides.
     table_default: str = "auto"
     dense_max_rows: AutoInt = auto_or(int, "tables with at most this many rows are dense (table_default = auto); "
-                                           "auto: the expected batch size")
+                                           "auto: the expected batch size × the most ids one example "
+                                           "puts into the table (public bounds of the data set)")
     tables: dict = dataclasses.field(default_factory=dict)
     secure_mode: bool = False  # 4-draw Gaussian (floating-point attack resistant); needs secret randomness
     # Sampling, selection and noise come from fresh OS entropy unless reproducible = true, which

@@ -78,15 +78,25 @@ class PrivacyInfo:
         return dataclasses.asdict(self)
 
 
-def table_policy(cfg: Config, table_rows: Mapping[str, int], n: int) -> Optional[TablePolicy]:
+def table_policy(cfg: Config, table_rows: Mapping[str, int], n: int,
+                 feature_tables: Optional[Mapping[str, str]] = None,
+                 feature_max_ids: Optional[Mapping[str, Optional[int]]] = None) -> Optional[TablePolicy]:
     """A sparse run's per-table policy (trainer/table_policy.py) from the config, the tables'
-    sizes and the expected batch size min(batch_size, n); None outside sparse mode."""
+    sizes, the expected batch size min(batch_size, n) and, per table, the most ids one example
+    puts into it (the sum over the features reading it of `feature_max_ids`, public metadata;
+    None if any is unbounded); None outside sparse mode."""
     if cfg.train.mode != "sparse":
         return None
     p = cfg.privacy
+    per_table: Optional[dict[str, Optional[int]]] = None
+    if feature_tables is not None and feature_max_ids is not None:
+        per_table = {}
+        for feature, table in feature_tables.items():
+            bound, sofar = feature_max_ids.get(feature), per_table.get(table, 0)
+            per_table[table] = None if bound is None or sofar is None else sofar + int(bound)
     return resolve_table_policy(table_rows, expected_batch_size=min(cfg.train.batch_size, n),
                                 default=p.table_default, dense_max_rows=p.resolved("dense_max_rows"),
-                                overrides=p.tables)
+                                overrides=p.tables, ids_per_example=per_table)
 
 
 def recalibration_plan(cfg: Config, n: int, delta: float, group_size: int = 1) -> Optional[dict]:
@@ -109,15 +119,17 @@ def recalibration_plan(cfg: Config, n: int, delta: float, group_size: int = 1) -
 
 def plan_run(cfg: Config, n: int, table_rows: Mapping[str, int], data_events: Sequence[ev.DpEvent] = (),
              feature_tables: Optional[Mapping[str, str]] = None, num_units: Optional[int] = None,
-             data_event_units: Optional[Sequence[str]] = None
+             data_event_units: Optional[Sequence[str]] = None,
+             feature_max_ids: Optional[Mapping[str, Optional[int]]] = None
              ) -> tuple[Optional[PrivacyPlan], PrivacyInfo, Optional[TablePolicy]]:
     """A run's table policy and privacy plan: the selection runs over the sparse tables' rows.
     `feature_tables` ({feature: table}, public metadata) gives the false-positive budget's
     scale: one row per feature of a sparse table per example. `num_units`: the users when the
     training examples are each user's kept ones (privacy.user_sampling = "examples").
     `data_event_units`: per data event, "user" when it bounds a whole user (charged as it is,
-    `data_event_charged`), else "example"."""
-    policy = table_policy(cfg, table_rows, n)
+    `data_event_charged`), else "example". `feature_max_ids`: per feature, the most ids one
+    example holds (`DatasetMeta.max_ids_per_example`), for the "auto" dense-table rule."""
+    policy = table_policy(cfg, table_rows, n, feature_tables, feature_max_ids)
     sparse = policy.sparse if policy else tuple(table_rows)
     selectable = sum(int(table_rows[name]) for name in sparse)
     rows_per_example = None if feature_tables is None else sum(t in sparse for t in feature_tables.values())

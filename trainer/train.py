@@ -205,7 +205,8 @@ def build_run(cfg: Config, train_transform=None) -> Run:
     elif example_units is not None:  # user level: n, q, b and δ are over units (trainer/engine.py)
         n = int(example_units.max()) + 1
     plan, info, policy = plan_run(cfg, n, meta.table_sizes, [e for _, e in meta.privacy_events], meta.feature_tables,
-                                  num_units=num_units, data_event_units=meta.privacy_event_units)
+                                  num_units=num_units, data_event_units=meta.privacy_event_units,
+                                  feature_max_ids=meta.max_ids_per_example())
     ledger = PrivacyLedger(cfg.privacy.accountant, info.delta) if plan is not None else None
     shards = _shard_group(cfg, layout)
     sampler: "PoissonSampler | UnitPoissonSampler"

@@ -133,6 +133,23 @@ class DatasetMeta:
         """ctr: the features stored as list<int64> bags (``[]`` when absent)."""
         return list(self.extra.get("list_features", []))
 
+    def max_ids_per_example(self) -> dict[str, Optional[int]]:
+        """Per feature, the most ids (rows of its table, repeats counted) one example holds — a
+        public bound from the format and the conversion: 1 for a single-id feature; cbow's
+        ``context`` 2·window; a list feature its schema's ``max_length``. None where nothing
+        bounds it (a list without ``max_length``, or a data set written without the key)."""
+        if self.kind == "cbow":
+            window = self.extra.get("window")
+            context = None if window is None else 2 * int(window)
+            return {f: context if f == "context" else 1 for f in self.features}
+        lists = set(self.list_features)
+        declared = (self.extra.get("schema") or {}).get("categorical", {})
+        out: dict[str, Optional[int]] = {}
+        for f in self.features:
+            bound = (declared.get(f) or {}).get("max_length") if f in lists else 1
+            out[f] = None if bound is None else int(bound)
+        return out
+
     @property
     def unit_column(self) -> bool:
         """Whether the Parquet files hold an int64 ``unit`` column (the privacy unit)."""
