@@ -10,7 +10,8 @@ Per step t (seed §4.1, Alg 2), with q = 1/m:
    then one of the m groups is picked uniformly): the picked group is then exactly a Poisson
    sample at rate q = 1/m — every example is in it independently with probability 1/m,
    independently of earlier steps. That is the sampling our accountants and the amplification
-   lemma treat (`PoissonSampledDpEvent`). We do *not* keep one fixed partition for all T steps:
+   lemma treat (`PoissonSampledDpEvent`). By default we do *not* keep one fixed partition for all
+   T steps (the fixed mode below does, with its own accounting):
    with a fixed partition the steps that pick the same group reuse the same examples, so whether
    x participates is not a fresh independent coin per step, and an adversary who can tell the
    groups apart from the outputs (e.g. groups touching different features) learns which steps
@@ -56,6 +57,38 @@ RDP hold for every m, T); only the printed claim needs it, and it is flagged as 
 anyway. Note that with m ≥ 10√T the seed's ε' = εm/(2√(2T log(2/δ))) ≥ 5ε/√(2 log(2/δ)), so for
 ε ≳ 1 Lemma 1's own condition ε' ≤ 1 fails: the printed claim is then doubly unsupported.
 
+**Fixed partition (`groups=...`), the seed's own Alg 2.** The seed's line 3 picks one of m
+groups of a partition {D_1..D_m} fixed for the whole run; its utility theorem (Thm 2) needs that
+partition to satisfy assumption (1) (every group's summed gradient has ≤ c₁ non-zero coordinates
+for every w). Fresh random groups (the default above) do not satisfy (1) on ordinary sparse data,
+so `groups` lets a caller pass the fixed partition (a list of m disjoint arrays of row indices,
+chosen from public information before the run, e.g. a public user or source id; rows in no
+group are never used). Choosing *which* partition is data-independent and public, but the
+privacy does depend on the partition being **reused**: the argument above (no ε amplification
+for the steps that pick x's group) applies, so the Poisson accounting of the default mode would
+under-count and is NOT used. Instead, the fixed mode is charged with a bound that needs no
+amplification, valid (add/remove-one, x in any group) because the sequence of picked groups is
+drawn independently of the data:
+- condition on the picks; only the K steps that pick x's group differ between D and D' (the
+  others run on identical groups), so the run is a K-fold adaptive composition of NumericSparse,
+  with RDP at most K·ρ(α), ρ the unsampled per-round curve;
+- K ~ Binomial(T, 1/m), the same law under D and D'; by joint convexity of (P, Q) ↦ ∫P^αQ^{1-α}
+  over the mixture on the picks,
+  ε_RDP(α) ≤ (1/(α−1))·log E[e^{(α−1)Kρ(α)}] = T/(α−1)·log(1 − q + q·e^{(α−1)ρ(α)}), q = 1/m,
+  converted to (ε, δ) as the RDP accountant does (`fixed_partition_epsilon`);
+- `history` is then [(NumericSparse, T)] with no sampling (every step charged in full), a weaker
+  but valid history for any accountant. The corrected Theorem 1 (Lemma 1 amplification) is
+  reported "unsupported" for this mode.
+The partition only changes which rows are averaged: the sensitivity (s = c₂m/n) and NumericSparse
+are the same as in the default mode. With `calibration="rdp"` the fixed mode's ε' is chosen so
+that `fixed_partition_epsilon` equals the target ε (so at the same ε it runs with a smaller ε',
+i.e. more noise, than the default mode).
+
+`diagnostics=True` additionally returns, per step, the support size (non-zeros) and the largest
+|coordinate| of the group gradient u before NumericSparse, and the picked group (fixed mode):
+these are **not private** (exact functions of the data), for checking assumption (1) in
+benchmarks and tests only.
+
 `calibration="rdp"` keeps δ' and α's formula but chooses ε' (by bisection) so that the RDP
 accountant's ε equals the target ε — the honest way to run Alg 2 "at ε" (the seed's ε' spends
 far less than ε under RDP, and more than ε under the corrected Theorem 1).
@@ -70,7 +103,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 from scipy import optimize
@@ -79,6 +112,7 @@ from widedp.accounting import events as ev
 from widedp.accounting.base import accountant_names, make_accountant
 from widedp.accounting.calibration import svt_event
 from widedp.accounting.paper import advanced_composition, poisson_amplification
+from widedp.accounting import rdp as rdp_mod
 from widedp.selection.sparse_vector import numeric_sparse
 from widedp.sparse_learners import linear_models as lm
 
@@ -90,10 +124,15 @@ class DpErmResult:
     """What `dp_erm_sparse` returns.
 
     `w`: the final model (dense d-vector). `history`: the privacy events of the run, for any
-    accountant ([(PoissonSampled(1/m, SparseVectorDpEvent), T)]). `epsilon`, `delta`: the
+    accountant ([(PoissonSampled(1/m, SparseVectorDpEvent), T)]; fixed mode: [(SparseVectorDpEvent, T)],
+    every step charged unsampled). `epsilon`, `delta`: the
     smallest valid bound among `accounting` (see the module docstring). `epsilon_prime`,
     `delta_prime`, `threshold`, `sensitivity`: the per-step NumericSparse parameters used.
-    `answered`: number of coordinates updated at each step.
+    `answered`: number of coordinates updated at each step. `partition`: "fresh" (a fresh random
+    partition per step, Poisson accounting) or "fixed" (the caller's `groups`, accounted by
+    `fixed_partition_epsilon`). `diagnostics` (only with `diagnostics=True`; NOT private):
+    per-step `support` (non-zeros of the group gradient), `max_abs` (its largest |coordinate|),
+    `group_size` (rows averaged) and, in the fixed mode, `picked` (the group's index).
     """
 
     w: np.ndarray
@@ -107,6 +146,8 @@ class DpErmResult:
     threshold: float
     sensitivity: float
     answered: np.ndarray
+    partition: str = "fresh"
+    diagnostics: Optional[dict[str, np.ndarray]] = None
 
 
 def seed_epsilon_prime(epsilon: float, delta: float, num_groups: int, steps: int) -> tuple[float, float]:
@@ -207,6 +248,122 @@ def rdp_epsilon_prime(epsilon: float, delta: float, max_answers: int, num_groups
     return eps_prime
 
 
+#: Orders for the fixed-partition bound: the RDP accountant's grid and its edge extensions (a bound
+#: holds at every order, so the minimum over more orders is still a bound).
+FIXED_PARTITION_ORDERS: tuple[float, ...] = tuple(sorted(set(rdp_mod.DEFAULT_ORDERS) | set(rdp_mod.EDGE_ORDERS_ABOVE)
+                                                         | set(rdp_mod.EDGE_ORDERS_BELOW)))
+
+
+def fixed_partition_rdp(epsilon_prime: float, delta_prime: float, max_answers: int, num_groups: int, steps: int,
+                        orders=FIXED_PARTITION_ORDERS) -> np.ndarray:
+    """RDP curve of T Alg 2 steps over a FIXED partition of m groups (module docstring):
+    T/(α−1)·log(1 − q + q·e^{(α−1)ρ(α)}), q = 1/m, ρ the curve of one unsampled NumericSparse
+    round (ε', δ', c₁ releasing values). Add/remove-one; x may sit in any group."""
+    a = np.asarray(orders, dtype=np.float64)
+    rho = rdp_mod.rdp_curve(svt_event(epsilon_prime, delta_prime, max_answers, release_values=True), a)
+    q = 1.0 / num_groups
+    log_stay = math.log1p(-q) if q < 1.0 else -math.inf
+    return steps / (a - 1.0) * np.logaddexp(log_stay, math.log(q) + (a - 1.0) * rho)
+
+
+@functools.lru_cache(maxsize=256)
+def fixed_partition_epsilon(epsilon_prime: float, delta_prime: float, max_answers: int, num_groups: int, steps: int,
+                            delta: float) -> float:
+    """(ε at δ) of T Alg 2 steps over a fixed partition: `fixed_partition_rdp` converted as the RDP
+    accountant converts (Balle et al. 2020, Thm 21), minimized over `FIXED_PARTITION_ORDERS`."""
+    curve = fixed_partition_rdp(epsilon_prime, delta_prime, max_answers, num_groups, steps)
+    return rdp_mod.rdp_to_epsilon(FIXED_PARTITION_ORDERS, curve, delta)[0]
+
+
+def fixed_partition_history(epsilon_prime: float, delta_prime: float, max_answers: int, steps: int) -> History:
+    """A valid (conservative) history for the fixed mode: every step charged as an unsampled
+    NumericSparse round (no amplification at all)."""
+    return [(svt_event(epsilon_prime, delta_prime, max_answers, release_values=True), steps)]
+
+
+def fixed_partition_accounting(epsilon_prime: float, delta_prime: float, max_answers: int, num_groups: int,
+                               steps: int, delta: float) -> dict[str, Any]:
+    """Every bound we have for an Alg 2 run over a fixed partition, at total δ (module docstring).
+
+    Keys: `theorem1_printed` (the seed's claim, not a guarantee), `theorem1_corrected` (always
+    "unsupported": Lemma 1's amplification needs a fresh sample per step), `rdp_fixed_partition`
+    (the mixture bound, valid), and one key per registered accountant other than `paper` on the
+    conservative `fixed_partition_history` (its ε, or "unsupported: why")."""
+    return dict(_fixed_partition_accounting(float(epsilon_prime), float(delta_prime), int(max_answers),
+                                            int(num_groups), int(steps), float(delta)))
+
+
+@functools.lru_cache(maxsize=256)
+def _fixed_partition_accounting(epsilon_prime: float, delta_prime: float, max_answers: int, num_groups: int,
+                                steps: int, delta: float) -> dict[str, Any]:
+    T, m = steps, num_groups
+    out: dict[str, Any] = {
+        "theorem1_printed": 2.0 * epsilon_prime * math.sqrt(2.0 * T * math.log(2.0 / delta)) / m,
+        "theorem1_printed_note": "seed Thm 1 (Lemma 1 as stated): NOT a guarantee, and for a fixed partition its "
+                                 "amplification step does not apply at all",
+        "lemma1_condition_epsilon_prime_le_1": epsilon_prime <= 1.0,
+        "theorem1_corrected": "unsupported: a fixed partition reuses its groups, so Lemma 1's amplification by "
+                              "sampling does not apply (see rdp_fixed_partition)",
+        "rdp_fixed_partition": fixed_partition_epsilon(epsilon_prime, delta_prime, max_answers, m, T, delta),
+    }
+    history = fixed_partition_history(epsilon_prime, delta_prime, max_answers, T)
+    for name in accountant_names():
+        if name == "paper":
+            out[name] = "unsupported: Theorem 3 is Alg 3's bound; Alg 2 uses Theorem 1"
+            continue
+        acc = make_accountant(name)
+        found = acc.unsupported(history)
+        if found is not None:
+            out[name] = f"unsupported: {found[1].reason}"
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out[name] = float(acc.epsilon(history, delta))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def fixed_partition_epsilon_prime(epsilon: float, delta: float, max_answers: int, num_groups: int, steps: int,
+                                  delta_prime: float) -> float:
+    """The ε' at which `fixed_partition_epsilon` for the whole run equals `epsilon` (bisection)."""
+
+    def spent(log_eps_prime: float) -> float:
+        return fixed_partition_epsilon(math.exp(log_eps_prime), delta_prime, max_answers, num_groups, steps,
+                                       delta) - epsilon
+
+    lo, hi = math.log(1e-4), math.log(1e4)
+    if spent(lo) > 0:
+        raise ValueError(f"epsilon={epsilon} is too small for T={steps} steps over a fixed partition of "
+                         f"{num_groups} groups")
+    if spent(hi) < 0:
+        return math.exp(hi)
+    eps_prime = math.exp(optimize.brentq(spent, lo, hi, xtol=1e-6))
+    while spent(math.log(eps_prime)) > 0:
+        eps_prime *= 1 - 1e-6
+    return eps_prime
+
+
+def _check_groups(groups, m: int, n: int) -> list[np.ndarray]:
+    """The caller's fixed partition as sorted int arrays; refuses overlaps and rows out of range."""
+    if isinstance(groups, np.ndarray) or not isinstance(groups, Sequence):
+        raise ValueError(f"groups must be a sequence of m = num_groups arrays of row indices, got {type(groups).__name__}")
+    if len(groups) != m:
+        raise ValueError(f"groups must hold num_groups = {m} groups, got {len(groups)}")
+    out = []
+    for i, g in enumerate(groups):
+        a = np.asarray(g)
+        if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+            raise ValueError(f"groups[{i}] must be a 1-d array of integer row indices")
+        a = np.sort(a.astype(np.int64))
+        if a.size and (a[0] < 0 or a[-1] >= n):
+            raise ValueError(f"groups[{i}] has row indices outside [0, {n})")
+        out.append(a)
+    allrows = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+    if np.unique(allrows).size != allrows.size:
+        raise ValueError("groups must be disjoint (each row in at most one group): the accounting charges one group per row")
+    return out
+
+
 def _check_int(name: str, value, lo: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
         raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
@@ -239,6 +396,8 @@ def dp_erm_sparse(
     radius: Optional[float] = None,
     w0: Optional[np.ndarray] = None,
     public_n: Optional[int] = None,
+    groups: Optional[Sequence] = None,
+    diagnostics: bool = False,
 ) -> DpErmResult:
     """Run Alg 2 on (X, y): T steps of NumericSparse on the average gradient of a random group.
 
@@ -253,7 +412,14 @@ def dp_erm_sparse(
     `learning_rate`, λ = `l2` (ridge term, post-processing), `radius`: project w onto that ℓ2
     ball after each step. `threshold`: α (default Lemma 4's, see `lemma4_threshold`).
     `calibration`: "seed" (ε' = εm/(2√(2T log(2/δ)))) or "rdp" (ε' such that the RDP accountant
-    spends exactly ε).
+    spends exactly ε; in the fixed mode, `fixed_partition_epsilon`).
+    `groups`: None (default: a fresh random partition per step, Poisson accounting) or the seed's
+    FIXED partition, m = `num_groups` disjoint arrays of row indices chosen from public
+    information (each step picks one uniformly); privacy does not depend on which partition is
+    passed, but reusing one partition forfeits amplification, so this mode is accounted by
+    `fixed_partition_epsilon`, not by the Poisson history (module docstring).
+    `diagnostics`: also return the per-step support size / largest coordinate of the group
+    gradient (NOT private: for checking assumption (1) in benchmarks and tests).
     rng: production callers must seed it from OS entropy (`np.random.default_rng()`).
 
     Raises ValueError naming the parameter (or the row of X) that is invalid. Warns when Thm 1's
@@ -294,9 +460,11 @@ def dp_erm_sparse(
                       "the seed's printed (epsilon, delta) claim does not apply; the returned epsilon is the "
                       "smallest valid bound (corrected Theorem 1 / RDP), which does not need it", UserWarning,
                       stacklevel=2)
+    fixed = None if groups is None else _check_groups(groups, m, n)
     eps_prime, delta_prime = seed_epsilon_prime(epsilon, delta, m, T)
     if calibration == "rdp":
-        eps_prime = rdp_epsilon_prime(epsilon, delta, c1, m, T, delta_prime)
+        eps_prime = (rdp_epsilon_prime(epsilon, delta, c1, m, T, delta_prime) if fixed is None
+                     else fixed_partition_epsilon_prime(epsilon, delta, c1, m, T, delta_prime))
     s = c2 * m / n_pub
     alpha = lemma4_threshold(s, d, c1, n_pub, eps_prime, delta_prime) if threshold is None else float(threshold)
     if not math.isfinite(alpha):
@@ -305,11 +473,22 @@ def dp_erm_sparse(
     linf = lm.row_norms(data.X, "inf")
     q = 1.0 / m
     answered = np.zeros(T, dtype=np.int64)
+    diag = {key: np.zeros(T, dtype=dt) for key, dt in (("support", np.int64), ("max_abs", np.float64),
+                                                        ("group_size", np.int64), ("picked", np.int64))}
     for t in range(T):
-        k = int(rng.binomial(n, q))
-        rows = np.sort(rng.choice(n, size=k, replace=False)) if k else np.zeros(0, dtype=np.int64)
+        if fixed is None:
+            k = int(rng.binomial(n, q))
+            rows = np.sort(rng.choice(n, size=k, replace=False)) if k else np.zeros(0, dtype=np.int64)
+        else:
+            diag["picked"][t] = g = int(rng.integers(m))
+            rows = fixed[g]
+            k = rows.size
         scalars = lm.clip_scalars(lm.per_example_scalars(data, rows, w), linf[rows], c2) if k else np.zeros(0)
         ids, vals = lm.sparse_weighted_sum(data.X, rows, scalars)
+        if diagnostics:
+            diag["support"][t] = np.count_nonzero(vals)
+            diag["max_abs"][t] = float(np.abs(vals).max()) * (m / n_pub) if vals.size else 0.0
+            diag["group_size"][t] = k
         sel = numeric_sparse(ids, vals * (m / n_pub), d, alpha, c1, eps_prime, delta_prime, s, rng,
                              release_values=True)
         answered[t] = sel.ids.size
@@ -319,9 +498,16 @@ def dp_erm_sparse(
             w[sel.ids] -= eta * sel.values
         w = lm.project_l2(w, radius)
 
-    accounting = alg2_accounting(eps_prime, delta_prime, c1, m, T, delta)
+    if fixed is None:
+        accounting = alg2_accounting(eps_prime, delta_prime, c1, m, T, delta)
+        history = alg2_history(eps_prime, delta_prime, c1, m, T)
+        diag.pop("picked")
+    else:
+        accounting = fixed_partition_accounting(eps_prime, delta_prime, c1, m, T, delta)
+        history = fixed_partition_history(eps_prime, delta_prime, c1, T)
     return DpErmResult(
-        w=w, history=alg2_history(eps_prime, delta_prime, c1, m, T), epsilon=best_valid_epsilon(accounting),
+        w=w, history=history, epsilon=best_valid_epsilon(accounting),
         delta=delta, accounting=accounting, theorem1_condition_met=bool(condition), epsilon_prime=eps_prime,
         delta_prime=delta_prime, threshold=alpha, sensitivity=s, answered=answered,
+        partition="fresh" if fixed is None else "fixed", diagnostics=diag if diagnostics else None,
     )

@@ -247,3 +247,103 @@ def test_alg2_runs_at_ten_million_features_without_a_dense_vector_per_example():
     assert res.w.shape == (d,) and np.isfinite(res.epsilon) and res.epsilon <= 8.0 + 1e-9
     assert peak < 12 * 8 * d  # a handful of d-vectors, never n·d (= 1.6e11 bytes)
     assert set(np.flatnonzero(res.w).tolist()) <= set(np.unique(cols).tolist())
+
+
+# ---- fixed partition (the seed's own Alg 2; assumption (1)) ------------------------------------
+
+
+def _block_problem(rng, m=4, per_group=30, block=5, d=60):
+    """Group g's rows use only features block g = [g·block, (g+1)·block): every group's summed
+    gradient is supported on its block (assumption (1) with c₁ = block) for every w."""
+    n = m * per_group
+    cols = np.stack([np.sort(rng.choice(block, size=2, replace=False)) + (i // per_group) * block for i in range(n)])
+    X = sp.csr_matrix((np.full(2 * n, 0.5), cols.ravel(), np.arange(0, 2 * n + 1, 2)), shape=(n, d))
+    y = rng.choice([-1.0, 1.0], size=n)
+    groups = [np.arange(g * per_group, (g + 1) * per_group) for g in range(m)]
+    return X, y, groups
+
+
+def _run_blocks(X, y, groups, rng, **kw):
+    args = dict(epsilon=1e6, delta=1e-5, num_groups=4, steps=6, max_answers=5, learning_rate=1.0,
+                gradient_bound=1.0, threshold=1e-3, diagnostics=True)
+    args.update(kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return dp_erm.dp_erm_sparse(X, y, groups=groups, rng=rng, **args)
+
+
+def test_fixed_partition_is_used_as_given_and_keeps_each_step_on_its_groups_support():
+    rng = np.random.default_rng(20)
+    X, y, groups = _block_problem(rng)
+    res = _run_blocks(X, y, groups, rng)
+    dg = res.diagnostics
+    assert res.partition == "fixed" and dg is not None
+    picked = dg["picked"]
+    np.testing.assert_array_equal(dg["group_size"], [groups[g].size for g in picked])  # the given rows, all of them
+    assert dg["support"].max() <= 5 and dg["support"].min() > 0  # assumption (1) with c₁ = 5, measured
+    # Only the blocks of the picked groups moved, each picked block did (near-noiseless run).
+    moved_blocks = set((np.flatnonzero(res.w) // 5).tolist())
+    assert moved_blocks == set(picked.tolist())
+    # The same data with fresh random groups (the default mode) breaks (1): the check can fail.
+    fresh = _run_blocks(X, y, None, np.random.default_rng(21), max_answers=20)
+    assert fresh.partition == "fresh" and fresh.diagnostics is not None and "picked" not in fresh.diagnostics
+    assert fresh.diagnostics["support"].max() > 5
+
+
+def test_fixed_partition_groups_are_validated():
+    rng = np.random.default_rng(22)
+    X, y, groups = _block_problem(rng)
+    for bad, match in (([g for g in groups[:3]], "num_groups = 4 groups"),
+                       ([groups[0], groups[0], groups[2], groups[3]], "disjoint"),
+                       ([groups[0], groups[1], groups[2], np.array([0, 999])], "outside"),
+                       ([groups[0], groups[1], groups[2], np.array([0.5])], "integer row indices"),
+                       (np.zeros((4, 3), dtype=int), "sequence")):
+        with pytest.raises(ValueError, match=match):
+            _run_blocks(X, y, bad, rng)
+
+
+def test_fixed_partition_accounting_is_the_binomial_mixture_bound_not_the_poisson_one():
+    """Reused groups get no amplification: per run, RDP ≤ (1/(α−1))·log E[e^{(α−1)Kρ(α)}], K ~ Bin(T, 1/m).
+    Checked against an explicit binomial sum; it exceeds the Poisson (fresh-group) bound at the same
+    ε' (charging a fixed partition as Poisson — the broken variant — under-counts), equals T
+    unsampled rounds when m = 1, and does not depend on which partition is passed."""
+    from scipy import stats
+
+    ep, dpr, c1, m, T, delta = 3.0, 1e-6, 5, 10, 7, 1e-5
+    orders = np.array([1.5, 2.0, 4.0, 16.0, 64.0])
+    rho = dp_erm.rdp_mod.rdp_curve(dp_erm.svt_event(ep, dpr, c1, release_values=True), orders)
+    k = np.arange(T + 1)
+    pmf = stats.binom.pmf(k, T, 1.0 / m)
+    explicit = np.log((pmf[None, :] * np.exp((orders[:, None] - 1) * k[None, :] * rho[:, None])).sum(1)) / (orders - 1)
+    np.testing.assert_allclose(dp_erm.fixed_partition_rdp(ep, dpr, c1, m, T, orders), explicit, rtol=1e-10)
+
+    fixed = dp_erm.fixed_partition_epsilon(ep, dpr, c1, m, T, delta)
+    poisson = dp_erm.alg2_accounting(ep, dpr, c1, m, T, delta)["rdp"]
+    unsampled = make_accountant("rdp").epsilon(dp_erm.fixed_partition_history(ep, dpr, c1, T), delta)
+    assert poisson < fixed < unsampled
+    assert dp_erm.fixed_partition_epsilon(ep, dpr, c1, 1, T, delta) == pytest.approx(unsampled, rel=1e-9)
+
+    rng = np.random.default_rng(23)
+    X, y, groups = _block_problem(rng)
+    other = [np.concatenate([groups[g][::2], groups[(g + 1) % 4][1::2]]) for g in range(4)]
+    a = _run_blocks(X, y, groups, rng, epsilon=2.0, threshold=None)
+    b = _run_blocks(X, y, other, rng, epsilon=2.0, threshold=None)
+    assert a.accounting == b.accounting and a.epsilon == b.epsilon and a.epsilon_prime == b.epsilon_prime
+    assert a.epsilon == min(a.accounting["rdp_fixed_partition"], a.accounting["rdp"])
+    assert isinstance(a.accounting["theorem1_corrected"], str) and a.accounting["theorem1_corrected"].startswith("unsupported")
+    (event, count), = a.history  # the history any accountant may use: T unsampled rounds
+    assert count == 6 and isinstance(event, ev.SparseVectorDpEvent)
+    # The default (fresh) mode at the same parameters is still charged with the Poisson history.
+    c = _run_blocks(X, y, None, rng, epsilon=2.0, threshold=None)
+    assert isinstance(c.history[0][0], ev.PoissonSampledDpEvent) and c.epsilon_prime == a.epsilon_prime
+    assert c.epsilon < a.epsilon
+
+
+def test_fixed_partition_rdp_calibration_spends_the_target_and_uses_less_epsilon_prime_than_poisson():
+    rng = np.random.default_rng(24)
+    X, y, groups = _block_problem(rng)
+    fixed = _run_blocks(X, y, groups, rng, epsilon=2.0, threshold=None, calibration="rdp")
+    fresh = _run_blocks(X, y, None, rng, epsilon=2.0, threshold=None, calibration="rdp")
+    assert fixed.epsilon <= 2.0 and fixed.accounting["rdp_fixed_partition"] == pytest.approx(2.0, rel=1e-3)
+    assert fresh.epsilon <= 2.0 and fresh.epsilon == pytest.approx(2.0, rel=1e-3)
+    assert fixed.epsilon_prime < fresh.epsilon_prime  # no amplification: more noise at the same ε
