@@ -201,9 +201,18 @@ def _alg2_accounting(epsilon_prime: float, delta_prime: float, max_answers: int,
     else:
         out["theorem1_corrected"] = f"unsupported: T·q·δ' = {T * q * delta_prime:.3g} leaves no slack below δ = {delta}"
     history = alg2_history(epsilon_prime, delta_prime, max_answers, m, T)
+    out.update(_accountants_epsilon(history, delta, "unsupported: Theorem 3 is Alg 3's bound (δ = 2Tqδ'); "
+                                                    "Alg 2 uses Theorem 1"))
+    return out
+
+
+def _accountants_epsilon(history, delta: float, paper: str) -> dict[str, Any]:
+    """ε of `history` at `delta` by every registered accountant, or why it does not apply
+    ("paper": `paper`, the reason Theorem 3 does not)."""
+    out: dict[str, Any] = {}
     for name in accountant_names():
         if name == "paper":
-            out[name] = "unsupported: Theorem 3 is Alg 3's bound (δ = 2Tqδ'); Alg 2 uses Theorem 1"
+            out[name] = paper
             continue
         acc = make_accountant(name)
         found = acc.unsupported(history)
@@ -307,18 +316,7 @@ def _fixed_partition_accounting(epsilon_prime: float, delta_prime: float, max_an
         "rdp_fixed_partition": fixed_partition_epsilon(epsilon_prime, delta_prime, max_answers, m, T, delta),
     }
     history = fixed_partition_history(epsilon_prime, delta_prime, max_answers, T)
-    for name in accountant_names():
-        if name == "paper":
-            out[name] = "unsupported: Theorem 3 is Alg 3's bound; Alg 2 uses Theorem 1"
-            continue
-        acc = make_accountant(name)
-        found = acc.unsupported(history)
-        if found is not None:
-            out[name] = f"unsupported: {found[1].reason}"
-            continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out[name] = float(acc.epsilon(history, delta))
+    out.update(_accountants_epsilon(history, delta, "unsupported: Theorem 3 is Alg 3's bound; Alg 2 uses Theorem 1"))
     return out
 
 
