@@ -364,8 +364,30 @@ def results_section(doc: dict) -> tuple[list[str], list]:
                       "checked against (S, N ∈ {" + ", ".join(str(g) for g in doc["grid"]) + "})",
                       f"{len(checked)} predicted points; worst S = {worst['shards']}, N = {worst['trainers']}: "
                       f"{100 * worst['error']:+.0f}%", "**met**" if ok else "**missed**",
-                      "" if ok else "outside: " + "; ".join(off)))
+                      "" if ok else "outside: " + "; ".join(off) + _miss_reason(doc)))
     return lines, goals
+
+
+def _miss_reason(doc: dict) -> str:
+    """What the measurements say the model lacks: machine CPU per extra actor call, measured
+    between the fewest and most calls, against the idle ping's; and the calibration point's
+    step against its own critical path."""
+    pts = {(p["num_shards"], p["num_trainers"]): p for p in doc.get("points", [])}
+    parts = []
+    lo = min(pts, key=lambda k: calls_per_step(*k)) if pts else (1, 1)
+    hi = max(pts, key=lambda k: calls_per_step(*k)) if pts else (1, 1)
+    extra = calls_per_step(*hi) - calls_per_step(*lo)
+    if extra > 0:
+        slope = (pts[hi]["machine_cpu_ms_per_step"] - pts[lo]["machine_cpu_ms_per_step"]) / extra
+        parts.append(f"machine CPU grows {slope:.1f} ms per extra actor call from S, N = {lo} to {hi} against "
+                     f"{1e3 * doc['calibration']['call_cpu_s']:.1f} ms for an idle ping call (a step's calls carry "
+                     "payloads, and every added actor process adds its own per-step work)")
+    base = next((r for r in doc["checks"] if r["calibration"]), None)
+    if base is not None and base["measured_s"] > base["critical_s"]:
+        parts.append(f"at the calibration point the step ({1e3 * base['measured_s']:.0f} ms) exceeds its critical path "
+                     f"({1e3 * base['critical_s']:.0f} ms: CPU + rounds × ping) — serialization and transfers on the "
+                     "path that a ping does not show")
+    return ("; " + "; ".join(parts) + "; so the projections below are optimistic (lower bounds on the step)") if parts else ""
 
 
 def worker(spec: dict) -> dict:

@@ -45,7 +45,8 @@ NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line",
          "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive",
          "noise_generators", "cli_startup", "user_level", "user_level_examples", "user_level_k", "convert_throughput",
-         "ray_batch_1024", "ray_batch_4096", "ray_batch_16384", "trainer_scaling_16k", "cluster_model")
+         "ray_batch_1024", "ray_batch_4096", "ray_batch_16384", "trainer_scaling_16k", "cluster_model", "cbow_large",
+         "modelmix_image")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -526,7 +527,10 @@ def section_phases(doc, plots, out_dir) -> tuple[list, list]:
     plots["phase_breakdown"] = plot_phases(phases, out_dir / "phase_breakdown.png",
                                            title=f"sparse/{doc['selection']} step, {doc['config']}")
     lines = [f"`{doc['config']}`, sparse/{doc['selection']}, median of {doc['steps']} steps after {doc['warmup']} warm-up; "
-             "same config and data in-process (`local`) and on Ray actors.", "",
+             "same config and data in-process (`local`) and on Ray actors"
+             + (" (on Ray each step's write-back travels with the next step's lookup, `cluster.fold_write_back`: "
+                "its shard time is in the lookup row, the write-back row holds the coordinator's part)"
+                if doc.get("fold_write_back") else "") + ".", "",
              "| phase | in-process ms | Ray ms | Ray overhead ms | share of Ray step |", "|---|---:|---:|---:|---:|"]
     for p, v in s["phases"].items():
         lines.append(f"| {labels.get(p, p)} | {f(v['local'])} | {f(v['ray'])} | {f(v['ray_overhead'])} | {100 * v['share']:.0f}% |")
@@ -1076,12 +1080,160 @@ def plot_exposure_ranks(results: list, references: int, path: Path, title: str) 
     edges = [1 + references * i / 20 for i in range(21)]
     for ax, n_c in zip(axes[0], insertions):
         for r in (r for r in results if r["insertions"] == n_c):
-            ax.hist(r["ranks"], bins=edges, histtype="step", linewidth=1.5, label=f"{r['mode']} (p {r['p_value']:.1g})")
+            ax.hist(r["ranks"], bins=edges, histtype="step", linewidth=1.5, label=f"{exposure_label(r)} (p {r['p_value']:.1g})")
         ax.axhline(len(results[0]["ranks"]) / 20, ls="--", color="gray", linewidth=1)
         ax.set(title=f"n_c = {n_c}", xlabel="rank among random phrases", ylabel="canaries")
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     return save(fig, path)
+
+
+#: benchmarks/canary_exposure.py's modes as RESULTS names them: whose method each row is.
+EXPOSURE_LABELS = {"nonprivate": "non-private", "dpsgd": "DP-SGD", "alg3-em": "Alg 3 + EM (seed)"}
+
+
+def exposure_label(r: dict) -> str:
+    """A row's label: our sparse mode says its selector and that it is ours (not the seed's
+    Algorithm 3); the seed's Alg 3 + EM rows say so; a sparse row without a recorded selector
+    stays "sparse"."""
+    if r["mode"] == "sparse":
+        return f"sparse ({r['selection']}, ours)" if r.get("selection") else "sparse"
+    return EXPOSURE_LABELS.get(r["mode"], r["mode"])
+
+
+def _low_rank_count(r: dict, references: int) -> "int | None":
+    """Canaries in the lowest twentieth of ranks (the most exposed bin of the χ² test, 5% under
+    uniform ranks)."""
+    ranks = r.get("ranks")
+    return None if not ranks else sum(1 for x in ranks if x < 1 + references / 20)
+
+
+def _binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X ≥ k) for X ~ Binomial(n, p), exactly."""
+    return min(1.0, sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(max(k, 0), n + 1)))
+
+
+def _sibling_exposure(doc, name: str) -> "dict | None":
+    """Another canary_exposure results file beside this one (for comparing corpora), or None."""
+    path = doc.get("_path")
+    other = Path(path).parent / f"{name}.json" if path else None
+    if other is None or not other.exists() or Path(path).name == other.name:
+        return None
+    try:
+        return json.loads(other.read_text())
+    except ValueError:
+        return None
+
+
+def _exposure_counts_line(r: dict) -> str:
+    c = r["counts"]
+    return (f"n_c = {r['insertions']}: {f(c['examples_per_phrase'])} examples per phrase ({r['insertions']} × "
+            f"{c['examples_per_insertion']}) among n = {f(c['n'])} (share {c['phrase_share']:.2g}); each example "
+            f"sampled T·q = {f(c['steps'])} × {c['sample_rate']:.3g} = {f(c['expected_samples_per_example'])} times, "
+            f"so ≈ {f(c['expected_sampled_examples_per_phrase'])} of the phrase's example gradients among "
+            f"{f(c['examples_sampled_total'])} sampled in training" + (f" ({c['note']})" if c.get("note") else ""))
+
+
+def _exposure_unflagged_nonprivate(doc, ok: list) -> list:
+    """For each non-private row that is not flagged: why, from the run's own numbers — how often
+    its canary examples were seen and what share of the training they are, against the non-private
+    rows that are flagged (here and, if beside, in the synthetic run), and the ranks' lowest bin."""
+    refs = doc["references"]
+    nonprivate = [r for r in ok if r["mode"] == "nonprivate"]
+    out = []
+    for r in (r for r in nonprivate if not r["flagged"]):
+        if "counts" not in r:
+            out.append(f"- Non-private at n_c = {r['insertions']} is not flagged (p {r['p_value']:.2g}); this file "
+                       "records no counts of how often the canaries were seen (rerun the benchmark).")
+            continue
+        flagged = [x for x in nonprivate if x["flagged"] and "counts" in x]
+        other_doc = _sibling_exposure(doc, "canary_exposure") if "kjv" in doc["benchmark"] else None
+        other = [] if other_doc is None or other_doc.get("placement", "line") != doc.get("placement", "line") else [
+            x for x in other_doc.get("results", []) if x.get("mode") == "nonprivate" and "error" not in x
+            and x.get("counts") and x["insertions"] == r["insertions"]]
+        low = _low_rank_count(r, refs)
+        lines = [f"- **Why non-private is not flagged at n_c = {r['insertions']}** (p {r['p_value']:.2g}): "
+                 + _exposure_counts_line(r) + "."]
+        if flagged:
+            smallest = min(flagged, key=lambda x: x["counts"]["phrase_share"])
+            lines.append(f"  In this run non-private is flagged from n_c = {smallest['insertions']} on (p "
+                         f"{smallest['p_value']:.2g}): " + _exposure_counts_line(smallest) + f" — "
+                         f"{smallest['counts']['phrase_share'] / r['counts']['phrase_share']:.3g}× the share.")
+        for x in other:
+            assert other_doc is not None
+            lines.append(f"  The synthetic corpus (`{other_doc['benchmark']}.json`, same placement) at n_c = "
+                         f"{x['insertions']}, where non-private is {'flagged' if x['flagged'] else 'not flagged'} (p "
+                         f"{x['p_value']:.2g}): n = {f(x['counts']['n'])} (corpus {f(x['counts']['corpus_examples'])} "
+                         f"examples against {f(r['counts']['corpus_examples'])} here), share "
+                         f"{x['counts']['phrase_share']:.2g} ({x['counts']['phrase_share'] / r['counts']['phrase_share']:.3g}× "
+                         f"this row's), each example sampled {f(x['counts']['expected_samples_per_example'])} times.")
+        if low is not None:
+            lines.append(f"  Its ranks: {low} of {len(r['ranks'])} canaries in the lowest twentieth (uniform: "
+                         f"{len(r['ranks']) / 20:.0f} ± {math.sqrt(len(r['ranks']) * 0.05 * 0.95):.1f}), mean exposure "
+                         f"{f(r['mean_exposure'])} bits (uniform ranks: ≈ 1/ln 2 = {f(1 / math.log(2))}); that bin "
+                         f"alone, one-sided binomial, p = {_binomial_tail(low, len(r['ranks']), 0.05):.2g} (a post-hoc "
+                         "look, not the χ² test over all 20 bins, which spreads the excess over 19 degrees of freedom).")
+        shares = [x["counts"]["phrase_share"] for x in [*flagged, *other] if x["flagged"]]
+        if shares and min(shares) > r["counts"]["phrase_share"]:
+            lines.append(f"  Every flagged non-private run above gives a phrase a larger share of the training examples "
+                         f"(≥ {min(shares) / r['counts']['phrase_share']:.3g}× this row's {r['counts']['phrase_share']:.2g}): "
+                         "at this share the memorization shifts the ranks by less than the χ² test resolves at p < 0.01 "
+                         "with these canaries (a test's miss, not a guarantee).")
+        elif shares:
+            lines.append("  A flagged non-private run above has no larger share than this row: the share alone does not "
+                         "explain the miss.")
+        out += lines
+    return out
+
+
+def _exposure_seed_differences(doc, seed_rows: list) -> list:
+    """The seed's Alg 3 + EM setting against this run's, every difference listed from the row's
+    recorded settings and counts."""
+    r = seed_rows[0]
+    s, c, ps, sa = r["seed_alg3"]["seed_settings"], r["counts"], r["privacy_settings"], r["seed_alg3"]
+    eps = "; ".join(f"n_c {x['insertions']}: ε'' = {x['seed_alg3']['selection_epsilon']:.3g} per draw, ledger ε "
+                    f"{f(x['claimed_epsilon'])} at δ = {x['delta']:.2g} after {f(x['steps'])} steps (the noise alone "
+                    f"{f(x['seed_alg3']['noise_alone_epsilon'])}, the selection alone "
+                    f"{f(x['seed_alg3']['selection_alone_epsilon'])}; the seed's selection share, ε = "
+                    f"{s['selection_share_epsilon']:g} for the selection alone, would be ε'' = "
+                    f"{x['seed_alg3']['share_selection_epsilon']:.3g} and ε {f(x['seed_alg3']['share_total_epsilon'])} "
+                    "in all)" for x in seed_rows)
+    seed_steps = s["epochs"] * s["train_examples"] // s["batch_size"]
+    return [
+        f"**Alg 3 + EM (seed)** — the seed's Algorithm 3 with the exponential-mechanism selection (Alg 4) at its §6 "
+        f"hyper-parameters where our config has them: `train.selection = em`, σ = {ps['noise_multiplier']} "
+        f"(`privacy.noise_multiplier`; seed: \"by Theorem 3, we set σ = 0.5\", the same σ in §6.5), γ = {ps['gamma']} "
+        f"(k = ⌊γ·rows⌋ = {sa['k']} of {f(sa['selectable_rows'])} rows per step; both tables selected, none noised "
+        f"densely), S1 = {ps['clip_norm']}, S2 = {ps['second_clip_norm']}, S0 = {ps['score_clip']} "
+        f"(`privacy.score_clip`), the seed's total ε = {s['target_epsilon']:g} as the run's budget "
+        f"(`privacy.target_epsilon`). The seed splits ε = {s['target_epsilon']:g}, δ = {s['delta']:g} into ε "
+        f"{s['noise_share_epsilon']:g} for the noise and {s['selection_share_epsilon']:g} for the selection through its "
+        "Theorem 3, which amplifies each part by q separately and linearly; our ledger charges each step as one "
+        "Poisson-sampled composition of the selection and the noise (plus the data set's one-time events), so the "
+        f"selection's per-draw ε'' is the largest whose steps spend at most ε = {s['target_epsilon']:g} at our δ "
+        "in all, and the claimed ε is what the run's ledger spent: " + eps + ".",
+        "",
+        "Differences from the seed's setting (Alg 3 + EM rows; the DP-SGD and fest-threshold rows are ours throughout):",
+        "",
+        f"- Model: our CBOW with negative sampling, two {f(sa['selectable_rows'] // 2)}-row tables (input and output) of "
+        "dimension 100 — the seed counts one 1K × 100 table (100K parameters).",
+        f"- Corpus: {doc.get('corpus', 'the config')} ({f(c['corpus_examples'])} training examples, window "
+        f"{c['window']}) — seed: {s['corpus']}, {f(s['train_examples'])} training examples.",
+        f"- Steps, batch, optimizer: T = {f(c['steps'])} at expected batch b = {c['batch_size']} (each example sampled "
+        f"T·q = {f(c['expected_samples_per_example'])} times), {c['optimizer']} lr {f(c['lr'])} (the other rows' "
+        f"settings) — seed: {s['epochs']} epochs at b = {s['batch_size']} (≈ {f(seed_steps)} steps), "
+        f"{s['optimizer']} lr {s['lr']:g}. With k = {sa['k']}, each row is selected T·k/rows = "
+        f"{f(sa['expected_selections_per_row'])} times in the whole run.",
+        "- Selection granularity: whole rows, utility min(‖G_r‖, S0) of a row's averaged gradient, k draws without "
+        "replacement — seed: single coordinates |ĝ(j)| clipped to S0, ⌊γp⌋ = 100 coordinate draws (one row's worth).",
+        f"- σ and S2: our σ multiplies the step's ℓ2 sensitivity min(S1/b, 2·S2) on the average; the seed's noise is "
+        f"σ·min(S1/b, S2), with S2 binding at its b = {s['batch_size']} (S1/b = {s['clip_norm'] / s['batch_size']:g} > "
+        f"S2); at b = {c['batch_size']}, S1/b = {ps['clip_norm'] / c['batch_size']:.3g} < 2·S2, so S2 does not bind.",
+        f"- ε and δ: the seed's ε = {s['target_epsilon']:g} is its Theorem 3 bound at δ = {s['delta']:g}; ours is the "
+        "ledger's (Rényi for the exponential mechanism, composed with the noise inside each sampled step) at our "
+        "δ = min(0.1/n, n^-1.1), with the selection given what σ = 0.5 leaves of ε = 30 rather than the seed's 10.",
+        "- The seed's DP-SGD canary runs use σ = 0.5 too; our DP-SGD rows are calibrated to ε = 8.",
+    ]
 
 
 def section_exposure(doc, plots: "dict | None" = None, plot_dir: "Path | None" = None) -> tuple[list, list]:
@@ -1096,30 +1248,65 @@ def section_exposure(doc, plots: "dict | None" = None, plot_dir: "Path | None" =
            "CBOW examples within reach of the phrase, their contexts mixing its words with the corpus's)"
            if placement == "text" else "as a line of its own (three CBOW examples per insertion, each context the "
            "phrase's other two words: the most an example can memorize of it)")
+    ours = sorted({exposure_label(r) for r in ok if r["mode"] == "sparse"})
+    seed_rows = [r for r in ok if r["mode"] == "alg3-em" and r.get("seed_alg3") and r.get("counts")]
     lines = [f"`{doc['config']}`, corpus: {doc.get('corpus', 'the config')}; {doc['canaries']:,} random 3-word canary "
              f"phrases, each inserted n_c times {how}; each phrase's log-perplexity ranked among {doc['references']:,} random phrases; "
              "Pearson's χ² of the ranks against uniform (flagged: p < 0.01); exposure in bits (at most "
              f"{f(math.log2(doc['references'] + 1))}). Seed Table 2: non-private p ≈ 0.00; DP-SGD and sparse p ≥ 0.31 at "
-             "n_c ≤ 9; sparse p ≈ 0.00 at n_c = 15.", "",
-             "| n_c | mode | claimed ε | χ² p-value | flagged | mean exposure (bits) | median exposure |",
-             "|---:|---|---:|---:|---|---:|---:|"]
-    for r in sorted(ok, key=lambda r: (r["insertions"], r["mode"])):
-        lines.append(f"| {r['insertions']} | {r['mode']} | {f(r['claimed_epsilon'])} | {r['p_value']:.2g} | "
+             "n_c ≤ 9; sparse p ≈ 0.00 at n_c = 15 (the seed's \"DP Sparse\" is its Algorithm 3 with the exponential "
+             "mechanism, σ = 0.5).", ""]
+    if ours:
+        lines += [f"{', '.join(ours)}: OUR sparse mode (`{doc['config']}`'s selection, DP-FEST's fixed frequent rows ∪ "
+                  "Gaussian thresholding where it is fest-threshold, calibrated to the config's ε = 8, clip S1 = 1) — "
+                  "not the seed's Algorithm 3 + EM." + (" The seed's algorithm is the Alg 3 + EM (seed) rows." if seed_rows
+                                                         else " The seed's algorithm was not run in this file."), ""]
+    if seed_rows:
+        lines += _exposure_seed_differences(doc, seed_rows) + [""]
+    lines += ["| n_c | mode | claimed ε | χ² p-value | flagged | mean exposure (bits) | median exposure |",
+              "|---:|---|---:|---:|---|---:|---:|"]
+    order = {m: i for i, m in enumerate(("nonprivate", "dpsgd", "sparse", "alg3-em"))}
+    for r in sorted(ok, key=lambda r: (r["insertions"], order.get(r["mode"], len(order)), r["mode"])):
+        lines.append(f"| {r['insertions']} | {exposure_label(r)} | {f(r['claimed_epsilon'])} | {r['p_value']:.2g} | "
                      f"{'yes' if r['flagged'] else 'no'} | {f(r['mean_exposure'])} | {f(r['median_exposure'])} |")
     for r in doc["results"]:
         if "error" in r:
-            lines.append(f"| {r['insertions']} | {r['mode']} | FAILED: {r['error'][:80]} | | | | |")
+            lines.append(f"| {r['insertions']} | {exposure_label(r)} | FAILED: {r['error'][:80]} | | | | |")
+    if isinstance(doc.get("merged"), dict) and doc["merged"].get("counts_added"):
+        lines += ["", f"The rows not rerun ({doc['merged'].get('other_rows_created')}): {doc['merged']['counts_added']} "
+                      "(no training)."]
+    if doc.get("counts_added"):
+        lines += ["", f"Rows' counts of how often the canaries were seen: {doc['counts_added']}."]
+    if isinstance(doc.get("merged"), dict) and doc["merged"].get("not_run"):
+        lines += ["", "Not measured: " + "; ".join(doc["merged"]["not_run"]) + "."]
+    why = _exposure_unflagged_nonprivate(doc, ok)
+    if why:
+        lines += [""] + why
     nonprivate = [r for r in ok if r["mode"] == "nonprivate"]
-    private_small = [r for r in ok if r["mode"] != "nonprivate" and r["insertions"] <= 9]
+    private_small = [r for r in ok if r["mode"] != "nonprivate" and r["insertions"] <= 9 and r["claimed_epsilon"] <= 8 + 1e-6]
     corpus = (" (real text" if "kjv" in doc["benchmark"] else " (synthetic") + f", placement {placement})"
     goals = [(f"Canary exposure{corpus}: non-private flagged (p < 0.01) at every n_c",
               ", ".join(f"n_c {r['insertions']}: p {r['p_value']:.2g}" for r in nonprivate) or "not measured",
-              "**met**" if nonprivate and all(r["flagged"] for r in nonprivate) else "**missed**", ""),
+              "**met**" if nonprivate and all(r["flagged"] for r in nonprivate) else "**missed**",
+              "not flagged: see the counts under the table" if any(not r["flagged"] for r in nonprivate) else ""),
              (f"Canary exposure{corpus}: DP runs at ε ≤ 8 not flagged at n_c ≤ 9",
-              ", ".join(f"{r['mode']} n_c {r['insertions']}: p {r['p_value']:.2g}" for r in private_small) or "not measured",
+              ", ".join(f"{exposure_label(r)} n_c {r['insertions']}: p {r['p_value']:.2g}" for r in private_small)
+              or "not measured",
               "**met**" if private_small and not any(r["flagged"] for r in private_small) else "**missed**",
               f"a phrase inserted n_c times is a group of {'(2·window + 3)' if placement == 'text' else '3'}·n_c "
               "examples; the example-level ε bounds it only by group privacy (seed §6.5)")]
+    seed_small = [r for r in ok if r["mode"] == "alg3-em" and r["insertions"] <= 9]
+    if seed_small:
+        goals.append((f"Canary exposure{corpus}: the seed's Alg 3 + EM (σ = 0.5) not flagged at n_c ≤ 9 (seed Table 2: "
+                      "p .85, .68)",
+                      ", ".join(f"n_c {r['insertions']}: ε {f(r['claimed_epsilon'])}, p {r['p_value']:.2g}"
+                                for r in seed_small),
+                      "**met**" if not any(r["flagged"] for r in seed_small) else "**missed**",
+                      "; ".join([*(f"n_c {r['insertions']}: p {r['p_value']:.2g} (seed: .00, flagged)"
+                                   for r in ok if r["mode"] == "alg3-em" and r["insertions"] == 15),
+                                 *(f"k = {r['seed_alg3']['k']} rows per step: each row selected "
+                                   f"{f(r['seed_alg3']['expected_selections_per_row'])} times in the run"
+                                   for r in seed_rows[:1])])))
     return lines, goals
 
 
@@ -1193,6 +1380,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
           "auc_vs_eps_ctr", "logloss_vs_eps_ctr", "loss_vs_eps_cbow"]),
         ("calibration_study", "6b. Why the private CTR models were miscalibrated, and the recalibration",
          section_calibration_study, []),
+        ("cbow_large", "6c. CBOW on a large vocabulary (50,000 words): sparse against DP-SGD",
+         _own_section("text_large", plot_dir), []),
         ("paper_fig1", "7. The seed paper's Fig 1 setting, and the accountants compared", lambda d: section_fig1(d, plots, plot_dir),
          ["fig1_loss_curves", "epsilon_vs_step"]),
         ("privacy_audit", "7b. One-run privacy audits of whole training runs",
@@ -1218,6 +1407,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          _own_section("modelmix_accountant", plot_dir), []),
         ("engine_modelmix_adaptive", "14. ModelMix and DP-STAT adaptive S1 on our models (seeds B, C)",
          _own_section("engine_modelmix_adaptive", plot_dir), []),
+        ("modelmix_image", "14b. ModelMix on an image classifier (seed B's kind of model): a small CNN on digits",
+         _own_section("modelmix_image", plot_dir), []),
         ("noise_generators", "15. Noise generators keyed with the full secret: the cost",
          _own_section("noise_generators", plot_dir), []),
         ("cli_startup", "16. CLI start-up: help, config errors, privacy commands",

@@ -294,7 +294,7 @@ def results_section(doc: dict) -> tuple[list[str], list[tuple]]:
     corpus, data = doc.get("corpus", {}), doc.get("dataset", {})
     c = corpus.get("corpus", {})
     pk = ", ".join(f"{k} {v}" for k, v in sorted(corpus.get("packages", {}).items()))
-    lines = ["## CBOW on a large-vocabulary text set (cbow_large)", "",
+    lines = [
              f"Corpus: WordNet glosses + King James Bible verses (Debian {pk}): {c.get('lines', 0):,} lines, "
              f"{c.get('tokens', 0):,} tokens, {c.get('vocabulary', 0):,} distinct words. Vocabulary: "
              f"{doc.get('vocabulary_method', '?')} ({data.get('table_rows', 0):,} rows per table, "
