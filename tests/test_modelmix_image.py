@@ -139,9 +139,24 @@ def test_per_example_gradients_match_a_loop():
     assert float(loop.abs().max()) > 1e-3  # not trivially zero
 
 
-def test_train_runs_smoke():
+def test_load_split_gives_the_public_split():
+    pytest.importorskip("sklearn", reason="the digits data set is in the bench extra: pip install -e '.[bench]'")
     data = mm.load_split()
     assert [len(d[1]) for d in data] == list(mm.SPLIT)
+    x = data[0][0]
+    assert x.shape[1:] == (1, 8, 8) and float(x.min()) >= -1.0 and float(x.max()) <= 1.0
+
+
+def _synthetic_split(seed: int = 0):
+    """Digits-shaped data (8×8 pixels in [−1, 1], ten classes) so the training loop runs without scikit-learn."""
+    g = torch.Generator().manual_seed(seed)  # test data only; nothing private is keyed by it
+    def part(n):
+        return torch.rand(n, 1, 8, 8, generator=g) * 2 - 1, torch.randint(0, 10, (n,), generator=g)
+    return part(64), part(32), part(32)
+
+
+def test_train_runs_smoke():
+    data = _synthetic_split()
     specs = [mm.RunSpec("nonprivate", None, 1.0), mm.RunSpec("dpsgd", 3.0, 1.0, sigma=1.0),
              mm.RunSpec("modelmix", 3.0, 1.0, sigma=1.0, width=4.0, k=100)]
     mm.train_runs(specs, data, batch=16, steps=3)
