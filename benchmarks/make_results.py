@@ -407,7 +407,29 @@ def section_trainers(doc) -> tuple[list, list]:
                   "time and bytes", measured or "not measured",
                   "reported" if wanted <= set(ratios) else "not measured at every N",
                   "2 cores: work per trainer, not wall clock (run trainer_scaling.py where a core per trainer exists)"))
+    goals += trainer_wall_clock_goal(doc, ok)
     return lines, goals
+
+
+def trainer_wall_clock_goal(doc, ok) -> list:
+    """Issue 31's wall-clock goal, at expected batch 16,384 only: N = 2 trainer actors not slower than N = 1."""
+    batch = doc.get("batch", 1024)
+    if batch < 16384:
+        return []
+    by_n = {r["num_trainers"]: r for r in ok if r["label"].startswith("ray")}
+    name = f"N = 2 trainer actors not slower than N = 1 (wall clock) at expected batch {batch:,}"
+    if 1 not in by_n or 2 not in by_n:
+        return [(name, "not measured", "not measured", "run trainer_scaling.py --trainers 1,2 --batch 16384")]
+    one, two = by_n[1], by_n[2]
+    ratio = two["examples_per_sec"] / one["examples_per_sec"]
+    cpu = [sum(t["cpu_ms_per_step"] for t in r["trainers"]) / len(r["trainers"]) for r in (one, two)]
+    return [(name, f"N = 2: {f(two['examples_per_sec'])} examples/s against N = 1's {f(one['examples_per_sec'])} "
+             f"({f(ratio)}×)", "**met**" if ratio >= 1.0 else "**missed**",
+             f"each trainer's CPU per step {f(cpu[0])} → {f(cpu[1])} ms: at this batch the trainers' per-example "
+             "work dominates the per-round overhead, so splitting it pays even with the two trainers and the "
+             "shards on 2 cores" if ratio >= 1.0 else
+             f"each trainer's CPU per step {f(cpu[0])} → {f(cpu[1])} ms, but the two trainers and the shards "
+             "share 2 cores")]
 
 
 def section_overhead(doc) -> tuple[list, list]:

@@ -649,3 +649,22 @@ def test_a_crossover_needs_an_error_below_the_zero_estimates():
     assert sme.measured_crossover(rows, "m") == 10000  # at 1000 it beats the Gaussian but not the zero estimate
     rows[2]["m"] = 0.7
     assert sme.measured_crossover(rows, "m") is None
+
+
+@pytest.mark.parametrize("n2_rate, status", [(1200.0, "**met**"), (900.0, "**missed**")])
+def test_trainer_wall_clock_goal_at_16k_from_examples_per_second(n2_rate, status):
+    """Issue 31's goal 'N = 2 not slower than N = 1 at b = 16k' is computed from the two runs'
+    examples/s, and only for a doc at that batch."""
+    sys.path.insert(0, str(BENCH))
+    import make_results
+
+    def result(n, rate):
+        return {"label": f"ray N={n}", "num_trainers": n, "examples_per_sec": rate,
+                "trainers": [{"cpu_ms_per_step": 10.0 / n} for _ in range(n)]}
+
+    ok = [result(1, 1000.0), result(2, n2_rate)]
+    [(name, measured, got, _)] = make_results.trainer_wall_clock_goal({"batch": 16384}, ok)
+    assert got == status and "16,384" in name and f"({make_results.f(n2_rate / 1000.0)}×)" in measured
+    assert make_results.trainer_wall_clock_goal({"batch": 1024}, ok) == []
+    [(_, _, missing, _)] = make_results.trainer_wall_clock_goal({"batch": 16384}, ok[:1])
+    assert missing == "not measured"
