@@ -103,7 +103,43 @@ def test_work_per_step_does_not_grow_with_the_batch_and_is_not_divided():
     p = cm.predict(cal, 1, 2, 4000)
     # trainer: 8 ms + 32 ms·4/2; shard 20 ms·4; coordinator 6 ms + 4 ms·4
     assert p["critical_s"] == pytest.approx(5 * 0.002 + (0.008 + 0.064) + 0.080 + (0.006 + 0.016))
-    assert p["cpu_s"] == pytest.approx(0.020 + 0.080 * 4 + 0.001 * (p["calls"] - 6))
+    # the machine's work at this batch, the second trainer's own 8 ms per step, and κ per extra call
+    assert p["cpu_s"] == pytest.approx(0.020 + 0.080 * 4 + 0.008 + 0.001 * (p["calls"] - 6))
     # without the second batch every role is taken as per example (the pessimistic reading)
     whole = cm.predict(cm.calibration(big, None, {"latency_s": {"1": 0.002}, "call_cpu_s": {"1": 0.001}}), 1, 2, 4000)
     assert whole["critical_s"] > p["critical_s"]
+
+
+def _point(shards, trainers, batch, trainer_ms, shard_ms, coordinator_ms, machine_ms):
+    return {"num_shards": shards, "num_trainers": trainers, "batch_mean": batch,
+            "trainers": [{"cpu_ms_per_step": trainer_ms}] * trainers, "shard_cpu_ms_per_step": [shard_ms] * shards,
+            "coordinator_cpu_ms_per_step": coordinator_ms, "machine_cpu_ms_per_step": machine_ms,
+            "step_ms_median": machine_ms}  # a CPU-bound step on one core: slower than modelled wherever CPU is
+
+
+def test_the_roles_cpu_adds_up_to_the_models_cpu_and_reads_the_measurement():
+    cal = dict(CAL, fixed={"trainer_cpu_s": 0.008, "shard_cpu_s": 0.004, "coordinator_cpu_s": 0.006,
+                           "machine_cpu_s": 0.030})
+    for shards, trainers in ((1, 1), (2, 1), (4, 2), (4, 4)):
+        [row] = cm.role_rows(cal, [_point(shards, trainers, 2000.0, 30.0, 12.0, 15.0, 200.0)])
+        modelled = (trainers * row["trainer"][1] + shards * row["shard"][1] + row["coordinator"][1]
+                    + row["rest"][1])
+        assert modelled == pytest.approx(cm.predict(cal, shards, trainers, 2000.0)["cpu_s"])
+        assert row["trainer"][0] == pytest.approx(0.030) and row["shard"][0] == pytest.approx(0.012)
+        assert row["rest"][0] == pytest.approx(0.200 - trainers * 0.030 - shards * 0.012 - 0.015)
+
+
+def test_the_miss_reason_names_the_coordinators_growth_and_the_contention():
+    cal = dict(CAL, fixed={"trainer_cpu_s": 0.008, "shard_cpu_s": 0.004, "coordinator_cpu_s": 0.006,
+                           "machine_cpu_s": 0.030})
+    pts = [_point(1, 1, 1000.0, 40.0, 20.0, 10.0, 100.0), _point(1, 2, 1000.0, 24.0, 20.0, 18.0, 130.0),
+           _point(2, 1, 1000.0, 40.0, 12.0, 10.0, 110.0), _point(2, 2, 1000.0, 40.0, 30.0, 30.0, 300.0)]
+    doc = {"calibration": cal, "points": pts, "cores": 2.0, "grid": [1, 2], "checks": [], "projections": [],
+           "config": "c", "rows": 10, "nodes": 3, "batch": 1000, "ping": {"latency_s": {"1": 0.002}},
+           "criteo": cm.criteo_shape(), "rtt_s": 5e-5}
+    doc["calibration"] = dict(cal, small_batch=250.0)
+    _, goals = cm.results_section(doc)
+    assert goals[0][2] == "**missed**"
+    why = goals[0][3]
+    assert "10 → 18 ms from N = 1 to 2 at S = 1" in why  # the coordinator, from the measurements
+    assert "12 measured at N = 1, 30 at N = 2" in why  # a shard's CPU for the same work under contention
