@@ -12,26 +12,32 @@ is its rounds to every shard (lookup, per-example norms, clipped row sums: R_t =
 them its own compute, and on the shards their compute; then the coordinator's rounds
 (reduction with the selection, write-back: R_c = 2) and its own compute (noise, ledger,
 dense update); the coordinator also sends each trainer its task (one call per trainer).
-From S = N = 1 measured at two batches, b₀ and b₀/4 (on this machine), and idle ping rounds:
+From S = N = 1 measured at two batches, b₀ and b₀/4, S = 1 with N = 2 at b₀ (on this machine), and
+idle ping rounds:
   t_T, t_S, t_C  CPU seconds per step of the trainer, the shard and the coordinator processes,
                  each split into a part per step and a part per example, f + c·b (the line
                  through the two batches; f ≥ 0);
   W              the whole machine's busy CPU seconds per step (Ray's daemons included), split
                  the same way, after taking out κ per actor call;
   X₀             bytes per step between trainers/coordinator and shards (payload arrays, ∝ b);
-  λ(S), κ        the idle ping round to S actors, and machine CPU seconds per actor call.
+  λ(S)           the idle ping round to S actors;
+  κ, g_C         from S = 1, N = 2 against S = N = 1: the machine's CPU outside the role processes
+                 per extra actor call *with the step's payloads* (an idle ping's is recorded beside
+                 it: far less), and the coordinator's CPU per extra trainer (each trainer's task and
+                 its dense gradient to sum). Without that point: the ping's κ and g_C = 0.
 For (S, N, b), every per-example part scaled by b (and, for other tables, by w = F·D/(F₀·D₀)),
 written t(b) = f + w·c·b:
   calls    = R_t·N·S + R_c·S + N                               actor calls per step
-  critical = (R_t + R_c)·λ(S) + f_T + w·c_T·b/N + f_S + w·c_S·b/S + t_C(b)
+  critical = (R_t + R_c)·λ(S) + f_T + w·c_T·b/N + f_S + w·c_S·b/S + t_C(b) + g_C·(N − 1)
                                                                one trainer's path, the others in parallel
-  cpu      = W(b) + (N − 1)·f_T + (S − 1)·f_S + κ·(calls − calls(1, 1))
+  cpu      = W(b) + (N − 1)·f_T + (S − 1)·f_S + κ·(calls − calls(1, 1)) + g_C·(N − 1)
                                                                all work, wherever it runs (each process
                                                                pays its own part per step)
   network  = max(X/N over a trainer's link, X/S over a shard's link)/β, X = w·X₀·b/b₀
   loopback (one machine, `cores`):   step = max(critical, cpu/cores)
   many machines (one actor each):    step = critical + network + (R_t + R_c)·rtt
-The loopback form is what the measurements check (error per (S, N) point, goal: within 25%);
+The loopback form is what the measurements check (error per (S, N) point other than the two
+calibration points, goal: within 25%);
 the many-machine form adds what loopback cannot show, links of β bytes/s and a round trip per
 round, and assumes a machine per actor (cores ≥ the actor's threads) and no overlap of compute
 with transfers (pessimistic). Its inputs beyond the calibration (β, rtt, Criteo-1TB's shape)
@@ -115,14 +121,16 @@ def predict(cal: dict, shards: int, trainers: int, batch: float, *, cores: Optio
     bytes relative to the calibration model (F·D / F₀·D₀)."""
     scale = batch / cal["batch"] * width
     rounds = TRAINER_ROUNDS + COORDINATOR_ROUNDS
+    per_trainer = cal.get("coordinator_per_trainer_s", 0.0) * (trainers - 1)
     critical = rounds * round_latency(cal["latency_s"], shards) + (
         _split(cal, "trainer_cpu_s", scale, trainers) + _split(cal, "shard_cpu_s", scale, shards)
-        + _split(cal, "coordinator_cpu_s", scale))
+        + _split(cal, "coordinator_cpu_s", scale) + per_trainer)
     calls = calls_per_step(shards, trainers)
     # Every trainer and every shard process pays its own part per step (measured once at S = N = 1).
     fixed = cal.get("fixed", {})
     extra_processes = (trainers - 1) * fixed.get("trainer_cpu_s", 0.0) + (shards - 1) * fixed.get("shard_cpu_s", 0.0)
-    cpu = _split(cal, "machine_cpu_s", scale) + extra_processes + cal["call_cpu_s"] * (calls - calls_per_step(1, 1))
+    cpu = (_split(cal, "machine_cpu_s", scale) + extra_processes + per_trainer
+           + cal["call_cpu_s"] * (calls - calls_per_step(1, 1)))
     total_bytes = scale * cal["bytes_per_step"]
     out = {"critical_s": critical, "cpu_s": cpu, "calls": calls, "bytes_per_shard": total_bytes / shards,
            "bytes_per_trainer": total_bytes / trainers}
@@ -206,7 +214,7 @@ def _role_seconds(point: dict) -> dict:
             "machine_cpu_s": point["machine_cpu_ms_per_step"] / 1e3}
 
 
-def calibration(point: dict, small: Optional[dict], ping: dict) -> dict:
+def calibration(point: dict, small: Optional[dict], ping: dict, two_trainers: Optional[dict] = None) -> dict:
     """The model's inputs from the S = N = 1 measurements (at the batch, and `small` at a
     quarter of it: the part of each role's CPU per step, f of f + c·b, is where the line
     through the two meets b = 0, at least 0 and at most the whole) and the ping rounds."""
@@ -220,7 +228,18 @@ def calibration(point: dict, small: Optional[dict], ping: dict) -> dict:
         cal["fixed"] = {k: min(max(v - (v - lo[k]) / (batch - b_lo) * batch, 0.0), v)
                         for k, v in _role_seconds(point).items()}
         cal["small_batch"] = b_lo
+    cal["ping_call_cpu_s"] = cal["call_cpu_s"]
+    if two_trainers is not None:
+        one, two = _role_seconds_all(point), _role_seconds_all(two_trainers)
+        extra_calls = calls_per_step(1, 2) - calls_per_step(1, 1)
+        cal["call_cpu_s"] = max((two["rest"] - one["rest"]) / extra_calls, 0.0)
+        cal["coordinator_per_trainer_s"] = max(two["coordinator"] - one["coordinator"], 0.0)
+        cal["second_point"] = [1, 2]
     return cal
+
+
+def _calibration_points(cal: dict) -> list:
+    return [[1, 1]] + ([list(cal["second_point"])] if "second_point" in cal else [])
 
 
 def check_rows(cal: dict, points: Sequence[dict], cores: float) -> list[dict]:
@@ -233,7 +252,7 @@ def check_rows(cal: dict, points: Sequence[dict], cores: float) -> list[dict]:
                      "measured_s": measured, "predicted_s": pred["step_s"], "critical_s": pred["critical_s"],
                      "cpu_bound_s": pred["cpu_s"] / cores, "error": pred["step_s"] / measured - 1,
                      "machine_cpu_s": p["machine_cpu_ms_per_step"] / 1e3, "predicted_cpu_s": pred["cpu_s"],
-                     "calibration": p["num_shards"] == 1 and p["num_trainers"] == 1})
+                     "calibration": [p["num_shards"], p["num_trainers"]] in _calibration_points(cal)})
     return rows
 
 
@@ -247,9 +266,9 @@ def role_rows(cal: dict, points: Sequence[dict]) -> list[dict]:
         shards, trainers = p["num_shards"], p["num_trainers"]
         scale = p["batch_mean"] / cal["batch"]
         trainer, shard = _split(cal, "trainer_cpu_s", scale, trainers), _split(cal, "shard_cpu_s", scale, shards)
-        coordinator = _split(cal, "coordinator_cpu_s", scale)
+        coordinator = _split(cal, "coordinator_cpu_s", scale) + cal.get("coordinator_per_trainer_s", 0.0) * (trainers - 1)
         rest = (_split(cal, "machine_cpu_s", scale) - _split(cal, "trainer_cpu_s", scale)
-                - _split(cal, "shard_cpu_s", scale) - coordinator
+                - _split(cal, "shard_cpu_s", scale) - _split(cal, "coordinator_cpu_s", scale)
                 + cal["call_cpu_s"] * (calls_per_step(shards, trainers) - calls_per_step(1, 1)))
         measured = _role_seconds_all(p)
         rows.append({"shards": shards, "trainers": trainers,
@@ -332,7 +351,8 @@ def main(argv=None) -> dict:
     if "error" in small:
         print(f"    failed: {small['error']}; every role's CPU taken as per example", flush=True)
         small = None
-    cal = calibration(base, small, ping)
+    two = next((p for p in points if p["num_shards"] == 1 and p["num_trainers"] == 2), None)
+    cal = calibration(base, small, ping, two)
     from widedp.trainer.config import load_config
 
     m = load_config(args.config, []).model
@@ -357,22 +377,30 @@ def main(argv=None) -> dict:
 def results_section(doc: dict) -> tuple[list[str], list]:
     """docs/RESULTS.md's section (benchmarks/make_results.py)."""
     cal = doc["calibration"]
-    # The predictions are recomputed from the stored calibration and measurements, so the section
-    # always shows this file's model (the measurements are the run's).
+    pts = {(p["num_shards"], p["num_trainers"]): p for p in doc.get("points", [])}
+    if (1, 1) in pts:
+        # The calibration and predictions are recomputed from the stored measurements, so the
+        # section always shows this file's model (the measurements are the run's).
+        cal = calibration(pts[(1, 1)], doc.get("small_point"), doc["ping"], pts.get((1, 2)))
     checks = check_rows(cal, doc["points"], doc["cores"]) if doc.get("points") else doc["checks"]
     proj = projections(cal, tuple(doc["calibration_dims"])) if doc.get("calibration_dims") else doc["projections"]
     lam = ", ".join(f"S = {s}: {1e3 * float(v):.2f} ms" for s, v in doc["ping"]["latency_s"].items())
     lines = [f"`{doc['config']}`'s CTR model (26 tables, {doc['rows']:,} rows in all), `threshold` selection on the "
              f"shards, S shard actors × N trainer actors calling them directly, on a loopback cluster of {doc['nodes']} "
              f"Ray nodes on this {doc['cores']:g}-core machine, expected batch {doc['batch']:,}. The model "
-             "(`benchmarks/cluster_model.py`'s docstring) is calibrated at S = N = 1 only: CPU per step of the trainer "
+             "(`benchmarks/cluster_model.py`'s docstring) is calibrated at S = N = 1"
+             + (" and S = 1, N = 2" if "second_point" in cal else " only") + ": CPU per step of the trainer "
              f"{1e3 * cal['trainer_cpu_s']:.1f} ms, the shard {1e3 * cal['shard_cpu_s']:.1f} ms, the coordinator "
              f"{1e3 * cal['coordinator_cpu_s']:.1f} ms, the machine {1e3 * cal['machine_cpu_s']:.1f} ms"
              + (" (of which per step, whatever the batch, from a second run at batch "
                 f"{cal['small_batch']:,.0f}: " + ", ".join(f"{k.split('_')[0]} {1e3 * v:.1f} ms" for k, v in
                                                         cal["fixed"].items()) + ")" if "fixed" in cal else "") + "; "
              f"{fmt_bytes(cal['bytes_per_step'])} per step; idle ping rounds λ(S) {lam}; "
-             f"{1e6 * cal['call_cpu_s']:.0f} µs of machine CPU per actor call. Every other row is a prediction checked "
+             + (f"from S = 1, N = 2: {1e3 * cal['call_cpu_s']:.1f} ms of machine CPU outside the role processes per "
+                f"extra actor call with the step's payloads (an idle ping call: {1e3 * cal['ping_call_cpu_s']:.1f} ms) "
+                f"and {1e3 * cal['coordinator_per_trainer_s']:.1f} ms of coordinator CPU per extra trainer"
+                if "second_point" in cal else f"{1e6 * cal['call_cpu_s']:.0f} µs of machine CPU per actor call")
+             + ". Every other row is a prediction checked "
              "against its measurement (loopback form: max(critical path, CPU work / cores)).", "",
              "| S | N | measured ms | predicted ms | error | critical path ms | CPU work / cores ms | machine CPU ms (measured / predicted) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -406,6 +434,15 @@ def results_section(doc: dict) -> tuple[list[str], list]:
         lines.append(f"| {r['shards']} | {r['gbps']} Gb/s | {1e3 * r['step_s']:.1f} | {r['examples_per_s']:,.0f} | "
                      f"{1e3 * r['critical_s']:.1f} | {1e3 * r['network_s']:.1f} | {fmt_bytes(r['bytes_per_shard'])} | "
                      f"{fmt_bytes(r['table_bytes_per_shard'])} |")
+    g_c = cal.get("coordinator_per_trainer_s", 0.0)
+    if g_c > 0 and proj:
+        big = max(proj, key=lambda r: r["trainers"])
+        share = g_c * (big["trainers"] - 1) / big["step_s"]
+        lines += ["", f"At S = N = {big['trainers']} the coordinator's work per extra trainer ({1e3 * g_c:.1f} ms, "
+                  f"measured from N = 1 to 2: each trainer's task and its dense gradient summed) is "
+                  f"{100 * share:.0f}% of the projected step: it runs serially on one process, so beyond a few dozen "
+                  "trainers the step is bound by it — summing the trainers' dense gradients among themselves (a "
+                  "tree or ring reduction) instead of at the coordinator is what would take it off the path."]
     checked = [r for r in checks if not r["calibration"]]
     worst = max(checked, key=lambda r: abs(r["error"])) if checked else None
     goals = []
@@ -417,11 +454,11 @@ def results_section(doc: dict) -> tuple[list[str], list]:
                       "checked against (S, N ∈ {" + ", ".join(str(g) for g in doc["grid"]) + "})",
                       f"{len(checked)} predicted points; worst S = {worst['shards']}, N = {worst['trainers']}: "
                       f"{100 * worst['error']:+.0f}%", "**met**" if ok else "**missed**",
-                      "" if ok else "outside: " + "; ".join(off) + _miss_reason(doc, checks, roles, worst)))
+                      "" if ok else "outside: " + "; ".join(off) + _miss_reason(doc, cal, checks, roles, worst)))
     return lines, goals
 
 
-def _miss_reason(doc: dict, checks: Sequence[dict], roles: Sequence[dict], worst: dict) -> str:
+def _miss_reason(doc: dict, cal: dict, checks: Sequence[dict], roles: Sequence[dict], worst: dict) -> str:
     """What the measurements say the model lacks: at the worst point, each role's measured CPU
     against its modelled CPU; machine CPU per extra actor call, measured between the fewest and
     most calls, against the idle ping's; and the calibration point's step against its own
@@ -435,7 +472,7 @@ def _miss_reason(doc: dict, checks: Sequence[dict], roles: Sequence[dict], worst
                      "modelled (" + ", ".join(f"{k} {v:.1f}×" for k, v in ratio.items()) + ")")
         by = {(r["shards"], r["trainers"]): r for r in roles}
         n_max, s_max = max(k[1] for k in by), max(k[0] for k in by)
-        if (1, 1) in by and (1, n_max) in by and n_max > 1:
+        if (1, 1) in by and (1, n_max) in by and n_max > 1 and "coordinator_per_trainer_s" not in cal:
             parts.append(f"the coordinator's work grows with N (it sends each trainer its task and sums the trainers' "
                          f"dense gradients: {1e3 * by[(1, 1)]['coordinator'][0]:.0f} → "
                          f"{1e3 * by[(1, n_max)]['coordinator'][0]:.0f} ms from N = 1 to {n_max} at S = 1), which the "
@@ -453,9 +490,9 @@ def _miss_reason(doc: dict, checks: Sequence[dict], roles: Sequence[dict], worst
     extra = calls_per_step(*hi) - calls_per_step(*lo)
     if extra > 0:
         slope = (pts[hi]["machine_cpu_ms_per_step"] - pts[lo]["machine_cpu_ms_per_step"]) / extra
-        parts.append(f"machine CPU grows {slope:.1f} ms per extra actor call from S, N = {lo} to {hi} against "
-                     f"{1e3 * doc['calibration']['call_cpu_s']:.1f} ms for an idle ping call (a step's calls carry "
-                     "payloads, and every added actor process adds its own per-step work)")
+        parts.append(f"machine CPU grows {slope:.1f} ms per extra actor call from S, N = {lo} to {hi} against the "
+                     f"model's {1e3 * cal['call_cpu_s']:.1f} ms (an idle ping call: "
+                     f"{1e3 * cal.get('ping_call_cpu_s', cal['call_cpu_s']):.1f} ms)")
     base = next((r for r in checks if r["calibration"]), None)
     if base is not None and base["measured_s"] > base["critical_s"]:
         parts.append(f"at the calibration point the step ({1e3 * base['measured_s']:.0f} ms) exceeds its critical path "

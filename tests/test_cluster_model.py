@@ -114,7 +114,7 @@ def _point(shards, trainers, batch, trainer_ms, shard_ms, coordinator_ms, machin
     return {"num_shards": shards, "num_trainers": trainers, "batch_mean": batch,
             "trainers": [{"cpu_ms_per_step": trainer_ms}] * trainers, "shard_cpu_ms_per_step": [shard_ms] * shards,
             "coordinator_cpu_ms_per_step": coordinator_ms, "machine_cpu_ms_per_step": machine_ms,
-            "step_ms_median": machine_ms}  # a CPU-bound step on one core: slower than modelled wherever CPU is
+            "step_ms_median": machine_ms, "all_bytes_per_step": {"to": 4e6, "from": 4e6}}  # a CPU-bound step on one core: slower than modelled wherever CPU is
 
 
 def test_the_roles_cpu_adds_up_to_the_models_cpu_and_reads_the_measurement():
@@ -135,11 +135,30 @@ def test_the_miss_reason_names_the_coordinators_growth_and_the_contention():
     pts = [_point(1, 1, 1000.0, 40.0, 20.0, 10.0, 100.0), _point(1, 2, 1000.0, 24.0, 20.0, 18.0, 130.0),
            _point(2, 1, 1000.0, 40.0, 12.0, 10.0, 110.0), _point(2, 2, 1000.0, 40.0, 30.0, 30.0, 300.0)]
     doc = {"calibration": cal, "points": pts, "cores": 2.0, "grid": [1, 2], "checks": [], "projections": [],
-           "config": "c", "rows": 10, "nodes": 3, "batch": 1000, "ping": {"latency_s": {"1": 0.002}},
+           "config": "c", "rows": 10, "nodes": 3, "batch": 1000, "ping": {"latency_s": {"1": 0.002}, "call_cpu_s": {"1": 0.001}},
            "criteo": cm.criteo_shape(), "rtt_s": 5e-5}
     doc["calibration"] = dict(cal, small_batch=250.0)
     _, goals = cm.results_section(doc)
     assert goals[0][2] == "**missed**"
     why = goals[0][3]
-    assert "10 → 18 ms from N = 1 to 2 at S = 1" in why  # the coordinator, from the measurements
     assert "12 measured at N = 1, 30 at N = 2" in why  # a shard's CPU for the same work under contention
+    # S = 1, N = 2 is the second calibration point: the coordinator's 8 ms per extra trainer and the
+    # machine's rest per extra call with payloads, (130 - 2·24 - 20 - 18) - (100 - 40 - 20 - 10) = 14 ms
+    # over 4 extra calls (3 rounds to the shard and a task), come from it (so it is not checked, and the coordinator's growth is modelled)
+    cal2 = cm.calibration(pts[0], None, doc["ping"], pts[1])
+    assert cal2["coordinator_per_trainer_s"] == pytest.approx(0.008)
+    assert cal2["call_cpu_s"] == pytest.approx(0.014 / 4)
+    assert "from N = 1 to 2 at S = 1" not in why
+    lines, _ = cm.results_section(doc)
+    assert any("| 1 | 2 (calibration) |" in line for line in lines)
+
+
+def test_without_the_second_point_the_coordinators_growth_is_named_as_unmodelled():
+    cal = dict(CAL, fixed={"trainer_cpu_s": 0.008, "shard_cpu_s": 0.004, "coordinator_cpu_s": 0.006,
+                           "machine_cpu_s": 0.030}, small_batch=250.0)
+    pts = [_point(1, 1, 1000.0, 40.0, 20.0, 10.0, 100.0), _point(1, 4, 1000.0, 24.0, 20.0, 30.0, 300.0)]
+    doc = {"calibration": cal, "points": pts, "cores": 2.0, "grid": [1, 4], "checks": [], "projections": [],
+           "config": "c", "rows": 10, "nodes": 3, "batch": 1000, "ping": {"latency_s": {"1": 0.002}, "call_cpu_s": {"1": 0.001}},
+           "criteo": cm.criteo_shape(), "rtt_s": 5e-5}
+    _, goals = cm.results_section(doc)
+    assert "10 → 30 ms from N = 1 to 4 at S = 1" in goals[0][3]
