@@ -55,7 +55,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (announce_machine, DATA_DIR, REPO, default_selection_threshold, ensure_config_dataset, format_table,
+from _common import (announce_machine, DATA_DIR, REPO, default_selection_threshold, ensure_config_dataset, format_table, results_path,
                      train_point, write_results)
 
 DATASETS = {"criteo_like": "configs/ctr_criteo_like.toml", "heavytail": "configs/ctr_heavytail.toml",
@@ -316,6 +316,21 @@ def _per_dataset(parser, option: str, items: list, kind: type) -> dict:
     return out
 
 
+def merge_previous(path: Path, records: list, settings: dict) -> tuple[list, dict, Optional[dict]]:
+    """This run's records and settings, plus the previous results' (at `path`) for every data set
+    this run did not train; and what was merged (None: nothing to merge)."""
+    if not path.exists():
+        return records, settings, None
+    old = json.loads(path.read_text())
+    ran = set(settings)
+    kept = [r for r in old.get("records", []) if r.get("dataset") not in ran]
+    if not kept:
+        return records, settings, None
+    others = {d: v for d, v in old.get("settings", {}).items() if d not in ran}
+    return records + kept, {**others, **settings}, {"rerun": sorted(ran), "other_rows_created": old.get("created", "?"),
+                                                    "other_datasets": sorted(others)}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny grid: ε 1 and 8, one seed, small data, 15 steps")
@@ -344,6 +359,8 @@ def main(argv=None) -> dict:
                         help="apply each (data set, mode, ε)'s tuned values from DIR/{dataset}_{mode}_eps{ε}.json "
                              "(benchmarks/tune.py, chosen on validation) on top of the configs' [by_epsilon] rows; "
                              "default '': the configs as they are")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the existing results' rows of the data sets not run now (their records, settings)")
     parser.add_argument("--runs-dir", default=None)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -402,6 +419,9 @@ def main(argv=None) -> dict:
             records = pool.map(_run_job, jobs, chunksize=1)
     else:
         records = [run_one(*job) for job in jobs]
+    merged = None
+    if args.merge:
+        records, settings, merged = merge_previous(results_path("privacy_utility", quick, args.out), records, settings)
     points = aggregate(records)
     g = goals(points)
     print()
@@ -426,7 +446,7 @@ def main(argv=None) -> dict:
     for line in goal_lines(g):
         print(line)
     payload = {"eps": eps_list, "seeds": seeds, "modes": modes, "selections": selections, "settings": settings,
-               "records": records, "points": points, "goals": g}
+               "records": records, "points": points, "goals": g, **({"merged": merged} if merged else {})}
     write_results("privacy_utility", payload, quick=quick, machine=machine, out=args.out, started=started)
     return payload
 

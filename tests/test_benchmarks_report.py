@@ -668,3 +668,21 @@ def test_trainer_wall_clock_goal_at_16k_from_examples_per_second(n2_rate, status
     assert make_results.trainer_wall_clock_goal({"batch": 1024}, ok) == []
     [(_, _, missing, _)] = make_results.trainer_wall_clock_goal({"batch": 16384}, ok[:1])
     assert missing == "not measured"
+
+
+def test_privacy_utility_merge_keeps_the_other_data_sets_rows_only(tmp_path):
+    """`--merge`: the previous results' records of data sets not run now are kept; a data set run
+    now replaces its old rows; nothing to merge without a previous file."""
+    sys.path.insert(0, str(BENCH))
+    import privacy_utility
+
+    old = {"created": "then", "settings": {"ctr": {"config": "a"}, "criteo_like": {"config": "old"}},
+           "records": [{"dataset": "ctr", "seed": 0}, {"dataset": "criteo_like", "seed": 0, "old": True}]}
+    path = tmp_path / "privacy_utility.json"
+    path.write_text(json.dumps(old))
+    new = [{"dataset": "criteo_like", "seed": 0}]
+    records, settings, merged = privacy_utility.merge_previous(path, new, {"criteo_like": {"config": "new"}})
+    assert records == new + [{"dataset": "ctr", "seed": 0}]
+    assert settings == {"ctr": {"config": "a"}, "criteo_like": {"config": "new"}}
+    assert merged == {"rerun": ["criteo_like"], "other_rows_created": "then", "other_datasets": ["ctr"]}
+    assert privacy_utility.merge_previous(tmp_path / "none.json", new, {"criteo_like": {}}) == (new, {"criteo_like": {}}, None)
