@@ -46,7 +46,7 @@ NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "
          "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive",
          "noise_generators", "cli_startup", "user_level", "user_level_examples", "user_level_k", "convert_throughput",
          "ray_batch_1024", "ray_batch_4096", "ray_batch_16384", "trainer_scaling_16k", "cluster_model", "cbow_large",
-         "modelmix_image")
+         "modelmix_image", "data_plane_probe")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -1393,6 +1393,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
           for b in RAY_BATCHES],
         ("cluster_model", "2e. A model of many machines, checked on a loopback cluster",
          _own_section("cluster_model", plot_dir), []),
+        ("data_plane_probe", "2f. The per-step data plane: ordinary calls, a compiled graph, torch.distributed (gloo)",
+         _own_section("data_plane_probe", plot_dir), []),
         ("privacy_overhead", "3. Privacy overhead (sparse vs non-private)", section_overhead, []),
         ("communication", "4. Communication", lambda d: section_communication(d, plots, plot_dir), ["write_back_bytes"]),
         ("phase_breakdown", "5. Where the time of a sparse step goes", lambda d: section_phases(d, plots, plot_dir),
