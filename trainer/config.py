@@ -345,6 +345,9 @@ TRAINER_PLACEMENTS = ("auto", "actors", "coordinator")
 DATA_PLANES = ("calls", "compiled")  # trainer/shard_group.py's (config checks before Ray loads)
 
 
+MAX_INLINE_BYTES = 1 << 30  # 1 GiB: Ray sends an inlined object in one gRPC message
+
+
 @dataclasses.dataclass
 class ClusterConfig:
     backend: str = "ray"  # "ray" | "local" (in-process shards)
@@ -385,6 +388,11 @@ class ClusterConfig:
     # a round of its own (for comparisons). Trainer actors that call the shards themselves always
     # get their own write-back round.
     fold_write_back: bool = True
+    # Embedded local Ray only (no cluster.address): Ray objects up to this many bytes travel
+    # inside the actor call instead of through the object store (Ray's max_direct_call_object_size,
+    # default 100 kB; a cluster of your own takes it at `ray start --system-config`). A step's
+    # shard calls carry 0.1-30 MB on the CTR model (docs/DESIGN.md §2.1 has the measurements).
+    inline_bytes: int = 8 * 1024 * 1024
 
     @property
     def trainer_actors(self) -> bool:
@@ -407,6 +415,8 @@ class ClusterConfig:
              'cluster.trainer_placement = "actors" needs cluster.backend = "ray"'),
             (self.cpus_per_trainer > 0, "cluster.cpus_per_trainer must be > 0"),
             (self.data_plane in DATA_PLANES, f"cluster.data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}"),
+            (0 < self.inline_bytes <= MAX_INLINE_BYTES,
+             f"cluster.inline_bytes must be in (0, {MAX_INLINE_BYTES}], got {self.inline_bytes}"),
             (self.placement_strategy in PLACEMENT_STRATEGIES,
              f"cluster.placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {self.placement_strategy!r}"),
         ])

@@ -40,10 +40,13 @@ class ClusterConnectionError(ValueError):
     """The Ray cluster cannot be reached as configured (address, token)."""
 
 
-def ensure_ray(address: str = "", needed_cpus: float = 1.0, *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+def ensure_ray(address: str = "", needed_cpus: float = 1.0, *, timeout_s: float = CONNECT_TIMEOUT_S,
+               inline_bytes: Optional[int] = None) -> None:
     """Connect this process to Ray once: `address` (or RAY_ADDRESS) or an embedded local Ray
-    with at least `needed_cpus` CPUs. Raises ClusterConnectionError within about `timeout_s`
-    seconds when an existing cluster cannot be reached or refuses this process's token."""
+    with at least `needed_cpus` CPUs, passing objects up to `inline_bytes` inline
+    (`local_system_config`; default DEFAULT_INLINE_BYTES). Raises ClusterConnectionError within
+    about `timeout_s` seconds when an existing cluster cannot be reached or refuses this
+    process's token."""
     import ray
 
     if ray.is_initialized():
@@ -60,7 +63,7 @@ def ensure_ray(address: str = "", needed_cpus: float = 1.0, *, timeout_s: float 
     # of the last `ray start` on this machine (/tmp/ray/ray_current_cluster) and then reject num_cpus.
     ray.init(address="local", num_cpus=max(int(-(-needed_cpus // 1)), os.cpu_count() or 1),
              include_dashboard=False, log_to_driver=False, configure_logging=False,
-             _system_config=dict(LOCAL_SYSTEM_CONFIG))
+             _system_config=local_system_config(DEFAULT_INLINE_BYTES if inline_bytes is None else inline_bytes))
 
 
 #: Options of every actor widedp creates (shards, trainers, their replacements): not detached,
@@ -85,7 +88,17 @@ ACTOR_OPTIONS = {"lifetime": "non_detached"}
 #: object store. Inline up to 8 MB: the Ray CTR step (4 shards, 2 cores) went from 66 to 53 ms,
 #: the lookup round from 17 to 11 ms (measured together, docs/DESIGN.md §2.1). A cluster of
 #: your own takes the same settings at `ray start --system-config '{...}'`.
-LOCAL_SYSTEM_CONFIG = {"max_direct_call_object_size": 8 * 1024 * 1024, "task_rpc_inlined_bytes_limit": 16 * 1024 * 1024}
+DEFAULT_INLINE_BYTES = 8 * 1024 * 1024  # cluster.inline_bytes' default
+
+
+def local_system_config(inline_bytes: int) -> dict:
+    """The embedded Ray's settings: objects up to `inline_bytes` inline in the call, and room for
+    two of them in one task's RPC."""
+    return {"max_direct_call_object_size": int(inline_bytes),
+            "task_rpc_inlined_bytes_limit": max(2 * int(inline_bytes), 10 * 1024 * 1024)}
+
+
+LOCAL_SYSTEM_CONFIG = local_system_config(DEFAULT_INLINE_BYTES)
 
 
 def split_address(address: str) -> tuple[str, int]:

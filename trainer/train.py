@@ -171,7 +171,8 @@ def build_run(cfg: Config, train_transform=None) -> Run:
         from widedp.trainer.ray_runtime import ensure_ray
 
         trainer_cpus = cfg.cluster.cpus_per_trainer * cfg.cluster.num_trainers if cfg.cluster.trainer_actors else 0.0
-        ensure_ray(cfg.cluster.address, needed_cpus=cfg.cluster.cpus_per_shard * cfg.cluster.num_shards + trainer_cpus)
+        ensure_ray(cfg.cluster.address, needed_cpus=cfg.cluster.cpus_per_shard * cfg.cluster.num_shards + trainer_cpus,
+                   inline_bytes=cfg.cluster.inline_bytes)
     train_set, test_set = _ensure_dataset(cfg)
     validation_set = None
     if cfg.data.validation_fraction > 0:
