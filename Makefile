@@ -38,7 +38,8 @@ $(STAMP): pyproject.toml Makefile
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+	# --durations: the slowest tests in every log, to keep the suite inside CI's time.
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=20 tests
 
 # A run directory is never written twice (docs/DESIGN.md §1): each demo trains into a new one.
 DEMO_RUN = runs/quickstart-$(shell date +%Y%m%d-%H%M%S)
