@@ -16,6 +16,11 @@ it is not a minimum over bounds computed on data-dependent quantities. Where bot
 is the tighter one in the regimes we train in (about 3× below RDP for DP-SGD at ε ≈ 0.3;
 tests/test_auto_accountant.py keeps pld ≤ rdp and pld ≈ prv under test on a grid).
 
+PLD also declines a Gaussian whose noise multiplier is so small that its grid would not fit in
+memory (`pld_gaussian.grid_points` > MAX_GRID_POINTS: σ below ≈ 0.03 at the 1e-4 grid) — a
+function of the event's public parameters, like the rest of the choice — and such a history
+goes to RDP (a σ = 0.001 run once asked PLD for 5·10⁹ points: 38 GiB).
+
 `supports` / `check` stay structural: a history is supported iff the PLD or the RDP accountant
 supports all of it (`unsupported`). The RDP accountant supports every event the PLD one does,
 so a ledger that checks each recorded entry on its own (`PrivacyLedger.record`) never holds a

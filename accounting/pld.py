@@ -22,9 +22,12 @@ from collections import OrderedDict
 
 from dp_accounting.pld import privacy_loss_distribution
 
-from widedp.accounting.base import register
-from widedp.accounting.gaussian_reduction import GaussianReducibleAccountant, Piece
-from widedp.accounting.pld_gaussian import gaussian_pld, group_gaussian_pld, self_composed
+from typing import Optional
+
+from widedp.accounting import events as ev
+from widedp.accounting.base import Unsupported, register, split_event
+from widedp.accounting.gaussian_reduction import GaussianReducibleAccountant, Piece, gaussian_pieces
+from widedp.accounting.pld_gaussian import MAX_GRID_POINTS, gaussian_pld, grid_points, group_gaussian_pld, self_composed
 
 
 @register
@@ -41,6 +44,27 @@ class PldAccountant(GaussianReducibleAccountant):
         self.value_discretization_interval = value_discretization_interval
         self.group_value_discretization_interval = max(group_value_discretization_interval,
                                                        value_discretization_interval)
+
+    def _event_problem(self, event: ev.DpEvent) -> Optional[Unsupported]:
+        """The structural checks, then the grid: a Gaussian whose σ is so small that its PLD
+        would need more than MAX_GRID_POINTS points (`pld_gaussian.grid_points`) is declined
+        with a reason, not built until memory runs out ("auto" then uses RDP). From the
+        event's parameters only (public), no ε."""
+        problem = super()._event_problem(event)
+        if problem is not None:
+            return problem
+        for q, sigma, _count, group in gaussian_pieces([(split_event(event, self.name)[0], 1)], self.name,
+                                                       self.sampled_groups):
+            if q == 0 or not 0 < sigma < math.inf:
+                continue
+            interval = self.group_value_discretization_interval if group > 1 else self.value_discretization_interval
+            points = grid_points(sigma, q, interval, group)
+            if points > MAX_GRID_POINTS:
+                return Unsupported(event, f"noise multiplier {sigma:.3g} is too small for the PLD grid: about "
+                                          f"{points:.2g} points at interval {interval:g} (at most "
+                                          f"{MAX_GRID_POINTS:.0e}); use the rdp accountant (privacy.accountant = "
+                                          "auto falls back to it)")
+        return None
 
     def pieces_epsilon(self, pieces: list[Piece], delta: float) -> float:
         """ε at δ of the composed pieces, as dp_accounting's PLDAccountant composes the events

@@ -94,6 +94,24 @@ class VectorizedGaussianPrivacyLoss(plm.GaussianPrivacyLoss):
         return np.clip(deltas, 0, 1)
 
 
+#: The most grid points one distribution may need before the PLD accountant declines it (about
+#: 80 MB per array of the PMF's construction; σ below ≈ 0.03 at the default 1e-4 grid).
+MAX_GRID_POINTS = 10_000_000
+
+
+def grid_points(noise_multiplier: float, sampling_prob: float, value_discretization_interval: float,
+                group_size: int = 1) -> float:
+    """About how many grid points `gaussian_pld` (or a group's mixture, `group_size` = k) needs:
+    the privacy loss of N(0, σ²) against N(k, σ²) over x within ±10σ of the means (the −50 log-mass
+    truncation) spans (k² + 20kσ)/σ², half of it when Poisson-sampled (the loss is then bounded
+    below by log(1 − q)), divided by the grid interval."""
+    if not noise_multiplier > 0:
+        return float("inf")
+    k = float(group_size)
+    span = (k * k + 20.0 * k * noise_multiplier) / noise_multiplier ** 2
+    return span / (2.0 if sampling_prob < 1.0 else 1.0) / value_discretization_interval
+
+
 def gaussian_pld(noise_multiplier: float, sampling_prob: float = 1.0,
                  value_discretization_interval: float = 1e-4) -> pld_lib.PrivacyLossDistribution:
     """The PLD of one application of the Gaussian mechanism with sensitivity 1 and noise
