@@ -721,3 +721,25 @@ def test_gap_levers_compare_each_sweeps_best_with_the_config_as_is_on_validation
     assert "clip only" not in why
     tuning["ctr_dpsgd_eps8_levers"]["records"].append(rec(["train.lr_schedule=cosine", "train.ema_decay=0"], 0.752))
     assert make_results.gap_levers(tuning, points)[1][0][2] == "**met**"
+
+
+def test_gap_levers_render_into_results_md(tmp_path):
+    """The §9a section and its goal row come out of a whole render (goal rows carry the benchmark);
+    a data set the privacy-utility section does not draw ("toy") keeps the rest of the render small."""
+    sys.path.insert(0, str(BENCH))
+    import make_results
+
+    rec = {"overrides": ["privacy.target_epsilon=8", "data.validation_fraction=0.1", "train.lr_schedule=constant",
+                         "train.ema_decay=0"], "validation_metrics": {"auc": 0.74}, "test_metrics": {"auc": 0.74}}
+    res = tmp_path / "results"
+    (res / "tuning").mkdir(parents=True)
+    (res / "tuning" / "toy_sparse_eps8_levers.json").write_text(json.dumps(
+        {"name": "toy_sparse_eps8_levers", "config": "configs/ctr.toml", "metric": "auc", "better": "max",
+         "chosen_on": "validation", "set": ["privacy.target_epsilon=8"], "records": [rec]}))
+    points = [{"dataset": "toy", "mode": m, "selection": sel, "target_epsilon": e, "metrics": {"auc": {"median": v}}}
+              for m, sel, e, v in (("nonprivate", None, None, 0.77), ("sparse", "fest-threshold", 8.0, 0.75))]
+    (res / "privacy_utility.json").write_text(json.dumps({"benchmark": "privacy_utility", "quick": False,
+                                                          "machine": _machine(), "points": points, "goals": {}}))
+    md = make_results.render(res, tmp_path / "docs").read_text()
+    assert "## 9a. Levers against the gap to non-private at ε = 8" in md
+    assert "| toy sparse: a lever closes half the gap to non-private at ε = 8 |" in md and "| tune |" in md
