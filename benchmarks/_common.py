@@ -314,6 +314,45 @@ def worker_entry(fn: Callable[[dict], dict]) -> bool:
 # ---- data sets ----------------------------------------------------------------------------------
 
 
+def bible_verses(extracted: Path) -> list[str]:
+    """The King James Bible's 31,102 verses, one string each without its "Ge1:1" reference, read
+    with the `bible` program of the Debian packages bible-kjv-text + bible-kjv extracted under
+    `extracted` (usr/bin/bible, usr/lib)."""
+    reader, data = extracted / "usr/bin/bible", extracted / "usr/lib"
+    verses = subprocess.run([str(reader), "-f", "-p", str(data), "gen1:1-rev22:21"], check=True,
+                            capture_output=True, text=True).stdout.splitlines()
+    verses = [v.split(" ", 1)[1] for v in verses if " " in v]
+    if len(verses) < 31000:
+        raise RuntimeError(f"the bible reader printed {len(verses)} verses, expected 31,102")
+    return verses
+
+
+def extract_debs(packages: Sequence[str], into: Path) -> None:
+    """`apt-get download` each Debian package into `into` and extract them all under into/root."""
+    for package in packages:
+        subprocess.run(["apt-get", "download", package], cwd=into, check=True, capture_output=True)
+    for deb in into.glob("*.deb"):
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(into / "root")], check=True)
+
+
+def kjv_corpus(root: Path = DATA_DIR / "kjv") -> Path:
+    """root/kjv.txt: the King James Bible (public domain), one verse per line; fetched once
+    (apt-get download bible-kjv-text bible-kjv), written atomically."""
+    import tempfile
+
+    corpus = root / "kjv.txt"
+    if corpus.exists():
+        return corpus
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        extract_debs(("bible-kjv-text", "bible-kjv"), Path(tmp))
+        verses = bible_verses(Path(tmp) / "root")
+    partial = corpus.with_suffix(".txt.tmp")
+    partial.write_text("\n".join(verses) + "\n")
+    partial.replace(corpus)
+    return corpus
+
+
 def table_sizes(total_rows: int, tables: int = 26) -> list[int]:
     """`total_rows` split into `tables` near-equal tables (the first ones one row larger)."""
     base, extra = divmod(int(total_rows), tables)

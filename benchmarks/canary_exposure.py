@@ -38,14 +38,13 @@ import json
 import math
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (DATA_DIR, announce_machine, ensure_config_dataset, format_table, quick_data_overrides, results_path,
-                     run_worker, worker_entry, write_results)
+from _common import (DATA_DIR, announce_machine, ensure_config_dataset, format_table, kjv_corpus, quick_data_overrides,
+                     results_path, run_worker, worker_entry, write_results)
 
 MODES = ("nonprivate", "dpsgd", "sparse", "alg3-em")
 
@@ -188,19 +187,7 @@ def kjv_dataset(root: Path = DATA_DIR / "kjv") -> Path:
     out = root / "cbow_vocab1000"
     if (out / "dataset.json").exists():
         return out
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
-        for package in ("bible-kjv-text", "bible-kjv"):
-            subprocess.run(["apt-get", "download", package], cwd=tmp, check=True, capture_output=True)
-        for deb in Path(tmp).glob("*.deb"):
-            subprocess.run(["dpkg-deb", "-x", str(deb), str(Path(tmp) / "root")], check=True)
-        reader, data = Path(tmp) / "root/usr/bin/bible", Path(tmp) / "root/usr/lib"
-        verses = subprocess.run([str(reader), "-f", "-p", str(data), "gen1:1-rev22:21"], check=True,
-                                capture_output=True, text=True).stdout.splitlines()
-        if len(verses) < 31000:
-            raise RuntimeError(f"the bible reader printed {len(verses)} verses, expected 31,102")
-        corpus = root / "kjv.txt"
-        corpus.write_text("\n".join(v.split(" ", 1)[1] for v in verses if " " in v) + "\n")  # drop "Ge1:1"
+    corpus = kjv_corpus(root)
     subprocess.run([sys.executable, "-m", "widedp.trainer.cli", "convert", "text", str(corpus), str(out), "--vocab", "1000"],
                    check=True, capture_output=True)
     return out

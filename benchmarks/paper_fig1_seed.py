@@ -65,9 +65,7 @@ import argparse
 import dataclasses
 import math
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -77,7 +75,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DATA_DIR, announce_machine, format_table, write_results  # noqa: E402
+from _common import DATA_DIR, announce_machine, format_table, kjv_corpus, write_results  # noqa: E402
 
 SEED = {"vocab": 1000, "dim": 100, "window": 4, "negatives": 8, "batch": 20, "lr": 1e-3, "epochs": 20,
         "train": 200_000, "val": 100_000, "test": 200_000, "S1": 15.0, "S2": 0.05, "gamma": 0.001, "S0": 0.1,
@@ -127,25 +125,9 @@ def zipf_topic_sentences(num_sentences: int, vocab: int = 1000, topics: int = 10
 
 
 def kjv_verses(root: Path = DATA_DIR / "kjv") -> list[str]:
-    """The King James Bible, one verse per line (Debian bible-kjv-text via apt-get download,
-    as benchmarks/canary_exposure.py's kjv_dataset() fetches it; cached as root/kjv.txt)."""
-    corpus = root / "kjv.txt"
-    if not corpus.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=root) as tmp:
-            for package in ("bible-kjv-text", "bible-kjv"):
-                subprocess.run(["apt-get", "download", package], cwd=tmp, check=True, capture_output=True)
-            for deb in Path(tmp).glob("*.deb"):
-                subprocess.run(["dpkg-deb", "-x", str(deb), str(Path(tmp) / "root")], check=True)
-            reader, data = Path(tmp) / "root/usr/bin/bible", Path(tmp) / "root/usr/lib"
-            verses = subprocess.run([str(reader), "-f", "-p", str(data), "gen1:1-rev22:21"], check=True,
-                                    capture_output=True, text=True).stdout.splitlines()
-            if len(verses) < 31000:
-                raise RuntimeError(f"the bible reader printed {len(verses)} verses, expected 31,102")
-            tmp_corpus = corpus.with_suffix(".txt.tmp")
-            tmp_corpus.write_text("\n".join(v.split(" ", 1)[1] for v in verses if " " in v) + "\n")
-            tmp_corpus.replace(corpus)
-    return corpus.read_text().splitlines()
+    """The King James Bible, one verse per line (`_common.kjv_corpus`: Debian bible-kjv-text via
+    apt-get download, cached as root/kjv.txt, shared with benchmarks/canary_exposure.py)."""
+    return kjv_corpus(root).read_text().splitlines()
 
 
 def text_sentences(lines: list[str], vocab: int) -> tuple[list[np.ndarray], list[str], dict]:

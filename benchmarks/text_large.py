@@ -47,7 +47,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DATA_DIR, REPO, announce_machine, write_results  # noqa: E402
+from _common import DATA_DIR, REPO, announce_machine, bible_verses, write_results  # noqa: E402
 
 ROOT = DATA_DIR / "text_large"
 PACKAGES = ("wordnet-base", "bible-kjv-text", "bible-kjv")
@@ -143,12 +143,7 @@ def build_corpus(root: Path = ROOT) -> Path:
                 for lemma, (t, s) in wordnet_lemmas(fh).items():
                     t0, s0 = lemmas.get(lemma, (0, 0))
                     lemmas[lemma] = (t0 + t, s0 + s)
-        reader, data = tmp / "root/usr/bin/bible", tmp / "root/usr/lib"
-        verses = subprocess.run([str(reader), "-f", "-p", str(data), "gen1:1-rev22:21"], check=True,
-                                capture_output=True, text=True).stdout.splitlines()
-        verses = [v.split(" ", 1)[1] for v in verses if " " in v]  # drop "Ge1:1"
-        if len(verses) < 31000:
-            raise RuntimeError(f"the bible reader printed {len(verses)} verses, expected 31,102")
+        verses = bible_verses(tmp / "root")
     lines = glosses + verses
     (root / "corpus.txt.tmp").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (root / "corpus.txt.tmp").replace(root / "corpus.txt")
