@@ -594,7 +594,7 @@ def results_section(doc: dict) -> tuple[list[str], list]:
                        f"{r['step_own_cpu_ms']:.1f} | {idle} |")
     recorded = [(b, rec["recorded_step_ms"]) for b, rec in doc["records"].items() if rec.get("recorded_step_ms")]
     if recorded:
-        lines += ["", "For comparison, the recorded real step (shards computing, 4 shards; the records above): "
+        lines += ["", "For comparison, the real step as recorded when this probe ran (shards computing, 4 shards; §2d shows the latest run): "
                   + "; ".join(f"b = {int(b):,}: " + ", ".join(f"{s} {v:.1f} ms" for s, v in steps.items())
                               for b, steps in recorded) + "."]
     text = choice_text(choice)

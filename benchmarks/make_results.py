@@ -33,6 +33,8 @@ RUN_VARIANTS = {**RUN_VARIANTS, "user_level_k": (
 RAY_BATCHES = (1024, 4096, 16384)
 RAY_BATCH_SYSTEMS = ("pytorch-nonprivate,opacus-ghost,widedp-sparse-sharded,widedp-sparse-ray,widedp-sparse-ray-compiled,"
                      "widedp-sparse-ray-eager,widedp-sparse-ray-compiled-eager")
+RUN_VARIANTS["phase_breakdown_16k"] = ("phase_breakdown.py", [
+    "--set", "train.batch_size=16384", "--steps", "8", "--warmup", "2", "--out", "benchmarks/results/phase_breakdown_16k.json"])
 RUN_VARIANTS["trainer_scaling_16k"] = ("trainer_scaling.py", [
     "--trainers", "1,2", "--batch", "16384", "--examples", "100000", "--steps", "5",
     "--out", "benchmarks/results/trainer_scaling_16k.json"])
@@ -45,7 +47,7 @@ NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line",
          "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive",
          "noise_generators", "cli_startup", "user_level", "user_level_examples", "user_level_k", "convert_throughput",
-         "ray_batch_1024", "ray_batch_4096", "ray_batch_16384", "trainer_scaling_16k", "cluster_model", "cbow_large",
+         "ray_batch_1024", "ray_batch_4096", "ray_batch_16384", "trainer_scaling_16k", "phase_breakdown_16k", "cluster_model", "cbow_large",
          "modelmix_image", "data_plane_probe")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
@@ -535,7 +537,7 @@ def section_communication(doc, plots, out_dir) -> tuple[list, list]:
     return lines, goals
 
 
-def section_phases(doc, plots, out_dir) -> tuple[list, list]:
+def section_phases(doc, plots, out_dir, name: str = "phase_breakdown") -> tuple[list, list]:
     from widedp.trainer.report import plot_phases
 
     s = doc.get("summary") or {}
@@ -546,9 +548,10 @@ def section_phases(doc, plots, out_dir) -> tuple[list, list]:
     labels = {**doc.get("phase_labels", {}), **PHASE_LABELS}
     phases = {f"{b} ({f(s['step_ms'][b])} ms)": {labels.get(p, p): max(0.0, v[b]) for p, v in s["phases"].items()}
               for b in ("local", "ray")}
-    plots["phase_breakdown"] = plot_phases(phases, out_dir / "phase_breakdown.png",
-                                           title=f"sparse/{doc['selection']} step, {doc['config']}")
-    lines = [f"`{doc['config']}`, sparse/{doc['selection']}, median of {doc['steps']} steps after {doc['warmup']} warm-up; "
+    batch = f", expected batch {doc['batch']:,}" if doc.get("batch") else ""
+    plots[name] = plot_phases(phases, out_dir / f"{name}.png", title=f"sparse/{doc['selection']} step, {doc['config']}{batch}")
+    lines = [f"`{doc['config']}`{' ' + ' '.join(f'`{o}`' for o in doc.get('overrides', []))}, sparse/{doc['selection']}, "
+             f"median of {doc['steps']} steps after {doc['warmup']} warm-up; "
              "same config and data in-process (`local`) and on Ray actors"
              + (" (on Ray each step's write-back travels with the next step's lookup, `cluster.fold_write_back`: "
                 "its shard time is in the lookup row, the write-back row holds the coordinator's part)"
@@ -1459,6 +1462,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
         ("communication", "4. Communication", lambda d: section_communication(d, plots, plot_dir), ["write_back_bytes"]),
         ("phase_breakdown", "5. Where the time of a sparse step goes", lambda d: section_phases(d, plots, plot_dir),
          ["phase_breakdown"]),
+        ("phase_breakdown_16k", "5 (b = 16k). Where the time of a sparse step goes at expected batch 16,384",
+         lambda d: section_phases(d, plots, plot_dir, "phase_breakdown_16k"), ["phase_breakdown_16k"]),
         ("privacy_utility", "6. Privacy-utility", lambda d: section_utility(d, plots, plot_dir),
          ["auc_vs_eps_criteo_like", "logloss_vs_eps_criteo_like", "auc_vs_eps_heavytail", "logloss_vs_eps_heavytail",
           "auc_vs_eps_ctr", "logloss_vs_eps_ctr", "loss_vs_eps_cbow"]),

@@ -80,7 +80,8 @@ def main(argv=None) -> dict:
                             for p, v in summary["phases"].items()]))
         print(f"\nstep (median): in-process {summary['step_ms']['local']:.1f} ms, Ray {summary['step_ms']['ray']:.1f} ms; "
               f"Ray overhead {summary['ray_overhead_ms']:.1f} ms/step ({100 * summary['ray_overhead_share']:.0f}% of the Ray step)")
-    payload = {"config": args.config, "selection": selection, "steps": steps, "warmup": warmup, "runs": runs,
+    payload = {"config": args.config, "overrides": list(args.set), "batch": cfg.train.batch_size,
+               "selection": selection, "steps": steps, "warmup": warmup, "runs": runs,
                "summary": summary, "phase_labels": PHASE_LABELS,
                # on Ray the write-back then travels with the next step's lookup: its time is in "lookup"
                "fold_write_back": cfg.cluster.fold_write_back}
