@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import re
 import sys
@@ -75,7 +76,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DATA_DIR, announce_machine, format_table, kjv_corpus, write_results  # noqa: E402
+from _common import DATA_DIR, announce_machine, format_table, kjv_corpus, results_path, write_results  # noqa: E402
 
 SEED = {"vocab": 1000, "dim": 100, "window": 4, "negatives": 8, "batch": 20, "lr": 1e-3, "epochs": 20,
         "train": 200_000, "val": 100_000, "test": 200_000, "S1": 15.0, "S2": 0.05, "gamma": 0.001, "S0": 0.1,
@@ -827,6 +828,32 @@ def build_corpus(name: str, settings: dict, sizes: tuple[int, int, int], seed: i
     return {"name": name, "description": desc, "data": data}
 
 
+def merge_runs(previous: Optional[dict], new: dict) -> dict:
+    """`new`'s runs added to `previous` results (None: `new` as it is): per corpus, a run of the
+    same method replaced, the others kept, the corpus' `settled` and `ordering` recomputed;
+    `merged` names the runs this command trained and when the others were."""
+    if previous is None:
+        return new
+    out = {k: v for k, v in previous.items()
+           if k not in ("benchmark", "quick", "created", "command", "wall_seconds", "machine", "merged")}
+    out["corpora"] = [dict(c, runs=list(c["runs"])) for c in previous.get("corpora", [])]
+    rerun = []
+    for corpus in new.get("corpora", []):
+        old = next((c for c in out["corpora"] if c["name"] == corpus["name"]), None)
+        if old is None:
+            out["corpora"].append(corpus)
+            old = corpus
+        else:
+            for run in corpus["runs"]:
+                old["runs"] = [r for r in old["runs"] if r.get("method") != run.get("method")] + [run]
+        rerun += [f"{corpus['name']}:{r.get('method')}" for r in corpus["runs"]]
+        ok = [r for r in old["runs"] if "error" not in r]
+        old["settled"] = settled(ok)[0]
+        old["ordering"] = {key: corpus_ordering(ok, key) for key, _ in LOSSES}
+    out["merged"] = {"rerun": rerun, "other_rows_created": previous.get("created", "?")}
+    return out
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, 300 steps")
@@ -843,9 +870,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--eval-examples", type=int, default=5000)
     parser.add_argument("--budget-minutes", type=float, default=45.0)
     parser.add_argument("--budget-note", default="")
+    parser.add_argument("--merge", action="store_true",
+                        help="add these runs to the existing results (a run of the same corpus and method replaced)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     started = time.time()
+    previous = None
+    if args.merge:
+        path = results_path("paper_fig1_seed", args.quick, args.out)
+        previous = json.loads(path.read_text()) if path.exists() else None
     import torch
 
     torch.set_num_threads(1)
@@ -915,7 +948,9 @@ def main(argv=None) -> dict:
                   f"{r.get('epsilon_spent')}", flush=True)
             corpus["settled"] = settled([r for r in runs if "error" not in r])[0]
             corpus["ordering"] = {key: corpus_ordering([r for r in runs if "error" not in r], key) for key, _ in LOSSES}
-            write_results("paper_fig1_seed", payload, quick=args.quick, machine=machine, out=args.out, started=started)
+            write_results("paper_fig1_seed", merge_runs(previous, payload), quick=args.quick, machine=machine,
+                          out=args.out, started=started)
+    payload = merge_runs(previous, payload)
     print("\n" + format_table(["corpus", "run", "steps", "train loss", "test loss"],
                               [[c["name"], r["method"], r.get("steps"), r.get("final_train_loss"), r.get("final_test_loss")]
                                for c in payload["corpora"] for r in c["runs"]]))

@@ -287,3 +287,22 @@ def test_pairs_are_compared_at_the_last_step_both_reached():
     b["curve"]["test_loss"] = [6.25, 4.0, 5.5]  # svt below em at 50, above at 100
     assert fig.settled([a, b]) == (False, [50, 100])
     assert fig.settled([a]) == (None, [])
+
+
+def test_merge_adds_runs_replaces_same_method_and_recomputes_the_corpus_ordering():
+    """`--merge`: a new corpus' runs join the previous results; a run of the same corpus and
+    method replaces the old one; `merged` names what this command ran."""
+    def run(method, train, test):
+        return {"method": method, "steps": 10, "final_train_loss": train, "final_test_loss": test,
+                "curve": {"step": [0, 5, 10], "train_loss": [6.0, 6.1, train], "test_loss": [6.0, 6.1, test]}}
+
+    previous = {"created": "then", "machine": {}, "settings": {"k": 1},
+                "corpora": [{"name": "kjv", "runs": [run("em", 6.5, 6.5), run("dpsgd-0.32", 7.0, 7.0)]}]}
+    new = {"settings": {"k": 1}, "corpora": [{"name": "kjv", "runs": [run("svt", 6.6, 6.6), run("em", 6.4, 6.4)]}]}
+    out = fig.merge_runs(previous, new)
+    [kjv] = out["corpora"]
+    assert [r["method"] for r in kjv["runs"]] == ["dpsgd-0.32", "svt", "em"]
+    assert next(r for r in kjv["runs"] if r["method"] == "em")["final_train_loss"] == 6.4
+    assert out["merged"] == {"rerun": ["kjv:svt", "kjv:em"], "other_rows_created": "then"}
+    assert "machine" not in out and "ordering" in kjv
+    assert fig.merge_runs(None, new) is new
