@@ -850,6 +850,9 @@ def merge_runs(previous: Optional[dict], new: dict) -> dict:
         ok = [r for r in old["runs"] if "error" not in r]
         old["settled"] = settled(ok)[0]
         old["ordering"] = {key: corpus_ordering(ok, key) for key, _ in LOSSES}
+    note = new.get("settings", {}).get("budget_note")
+    if note and "settings" in out:
+        out["settings"] = dict(out["settings"], budget_note=f"{out['settings'].get('budget_note', '')}; then {note}")
     out["merged"] = {"rerun": rerun, "other_rows_created": previous.get("created", "?")}
     return out
 
