@@ -94,6 +94,9 @@ class EmbeddingShard:
                  eps: float = 1e-8, ema_decay: float = 0.0):
         """`ema_decay` β > 0 keeps an exponential moving average of every row's iterates
         (`averaged_weights`), updated lazily: only rows written in a step cost anything."""
+        from widedp.trainer.memory import keep_freed_memory
+
+        keep_freed_memory()  # as the coordinator: a shard actor's per-step buffers stay in its heap
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"embedding optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         if not 0.0 <= ema_decay < 1.0:

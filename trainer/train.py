@@ -166,7 +166,9 @@ def build_run(cfg: Config, train_transform=None) -> Run:
     `train_transform(train_split) -> split`: applied to the training split before anything is
     planned from it (the one-run audit adds its canaries there, trainer/audit.py)."""
     from widedp.trainer.data import PoissonSampler, UnitPoissonSampler
+    from widedp.trainer.memory import keep_freed_memory
 
+    keep_freed_memory()  # the step's large buffers stay in the heap between steps (trainer/memory.py)
     if cfg.cluster.backend == "ray":  # connection problems surface before any data work
         from widedp.trainer.ray_runtime import ensure_ray
 

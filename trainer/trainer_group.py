@@ -116,6 +116,9 @@ class _TrainerActor(TrainerRole):
     """A `TrainerRole` that builds its `DirectShardGroup` from shard actor handles."""
 
     def __init__(self, index, model, layout, train_set, shard_actors, options):
+        from widedp.trainer.memory import keep_freed_memory
+
+        keep_freed_memory()  # a trainer actor's per-step buffers stay in its heap (trainer/memory.py)
         super().__init__(index, model, layout, train_set, DirectShardGroup(layout, shard_actors), options)
 
     def set_shard_actors(self, shard_actors: list) -> None:
