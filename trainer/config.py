@@ -345,6 +345,7 @@ TRAINER_PLACEMENTS = ("auto", "actors", "coordinator")
 DATA_PLANES = ("calls", "compiled")  # trainer/shard_group.py's (config checks before Ray loads)
 
 
+DEFAULT_INLINE_BYTES = 8 * 1024 * 1024  # cluster.inline_bytes (trainer/ray_runtime.py reads it from here)
 MAX_INLINE_BYTES = 1 << 30  # 1 GiB: Ray sends an inlined object in one gRPC message
 
 
@@ -392,7 +393,7 @@ class ClusterConfig:
     # inside the actor call instead of through the object store (Ray's max_direct_call_object_size,
     # default 100 kB; a cluster of your own takes it at `ray start --system-config`). A step's
     # shard calls carry 0.1-30 MB on the CTR model (docs/DESIGN.md §2.1 has the measurements).
-    inline_bytes: int = 8 * 1024 * 1024
+    inline_bytes: int = DEFAULT_INLINE_BYTES
 
     @property
     def trainer_actors(self) -> bool:

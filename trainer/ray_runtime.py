@@ -26,6 +26,8 @@ import os
 import socket
 from typing import Optional
 
+from widedp.trainer.config import DEFAULT_INLINE_BYTES  # cluster.inline_bytes' default
+
 #: Seconds the pre-connection check waits for the cluster's GCS to answer.
 CONNECT_TIMEOUT_S = 5.0
 
@@ -88,7 +90,6 @@ ACTOR_OPTIONS = {"lifetime": "non_detached"}
 #: object store. Inline up to 8 MB: the Ray CTR step (4 shards, 2 cores) went from 66 to 53 ms,
 #: the lookup round from 17 to 11 ms (measured together, docs/DESIGN.md §2.1). A cluster of
 #: your own takes the same settings at `ray start --system-config '{...}'`.
-DEFAULT_INLINE_BYTES = 8 * 1024 * 1024  # cluster.inline_bytes' default
 
 
 def local_system_config(inline_bytes: int) -> dict:
