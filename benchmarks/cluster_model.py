@@ -8,7 +8,8 @@ idle "ping round" microbenchmark (the coordinator calls S no-op actors and waits
 the per-round latency λ(S) and the machine CPU one actor call costs.
 
 The model (`predict`, a pure function; tests/test_cluster_model.py). One step of one trainer
-is its rounds to every shard (lookup, per-example norms, clipped row sums: R_t = 3), between
+is its rounds to every shard (lookup, clipped row sums with the pooled-output gradients: R_t = 2;
+the per-example norms are computed on the trainer, cluster.norms_on_trainer), between
 them its own compute, and on the shards their compute; then the coordinator's rounds
 (reduction with the selection, write-back: R_c = 2) and its own compute (noise, ledger,
 dense update); the coordinator also sends each trainer its task (one call per trainer).
@@ -64,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (TIMING_PRIVACY, announce_machine, ctr_dataset, fmt_bytes, format_table, run_worker,  # noqa: E402
                      worker_entry, write_results)
 
-TRAINER_ROUNDS = 3  # trainer → every shard: lookup, per-example norms, clipped row sums
+TRAINER_ROUNDS = 2  # trainer → every shard: lookup, clipped row sums (the norms on the trainer)
 COORDINATOR_ROUNDS = 2  # coordinator → every shard: reduction + selection, write-back
 #: Criteo-1TB's 26 categorical cardinalities (days 0–23, as MLPerf's DLRM reference lists them)
 CRITEO_1TB_CARDINALITIES = (

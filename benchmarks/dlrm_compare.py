@@ -26,6 +26,10 @@ config's generator, 26 tables of `--rows` rows each). Every system reads the sam
                            the two Ray systems with the write-back in a round of its own
                            (cluster.fold_write_back = false; the default folds it into the
                            next step's lookup: one round fewer per step).
+  widedp-sparse-ray-norms-round
+                           Ray shards with the per-example norms computed on the shards in a
+                           round of their own (cluster.norms_on_trainer = false; the default
+                           computes them on the trainer from the ids: one round fewer per step).
   widedp-dpsgd             noise on every row, in one process, one shard.
   widedp-nonprivate        in one process, one shard.
 
@@ -73,7 +77,8 @@ from _common import (DATA_DIR, announce_machine, ensure_config_dataset, fmt_byte
 from opacus_compare import _timed, torch_step  # noqa: E402  (the same training step and timing loop)
 
 SYSTEMS = ("pytorch-nonprivate", "opacus-ghost", "widedp-sparse-inprocess", "widedp-sparse-sharded", "widedp-sparse-ray",
-           "widedp-sparse-ray-compiled", "widedp-sparse-ray-eager", "widedp-sparse-ray-compiled-eager", "widedp-dpsgd",
+           "widedp-sparse-ray-compiled", "widedp-sparse-ray-eager", "widedp-sparse-ray-compiled-eager",
+           "widedp-sparse-ray-norms-round", "widedp-dpsgd",
            "widedp-nonprivate")
 LABELS = {
     "pytorch-nonprivate": "plain PyTorch, EmbeddingBag(sparse=True) + SGD, non-private (the floor)",
@@ -84,6 +89,7 @@ LABELS = {
     "widedp-sparse-ray-compiled": "widedp sparse, Ray shards, compiled data plane",
     "widedp-sparse-ray-eager": "widedp sparse, Ray shards, write-back round of its own",
     "widedp-sparse-ray-compiled-eager": "widedp sparse, Ray shards, compiled data plane, write-back round of its own",
+    "widedp-sparse-ray-norms-round": "widedp sparse, Ray shards, norms round on the shards",
     "widedp-dpsgd": "widedp dpsgd, in-process",
     "widedp-nonprivate": "widedp nonprivate, in-process",
 }
@@ -97,6 +103,7 @@ WIDEDP = {"widedp-sparse-inprocess": ("sparse", "local", ONE_SHARD), "widedp-spa
           "widedp-sparse-ray-eager": ("sparse", "ray", ["cluster.fold_write_back=false"]),
           "widedp-sparse-ray-compiled-eager": ("sparse", "ray", ["cluster.data_plane=compiled",
                                                                  "cluster.fold_write_back=false"]),
+          "widedp-sparse-ray-norms-round": ("sparse", "ray", ["cluster.norms_on_trainer=false"]),
           "widedp-dpsgd": ("dpsgd", "local", ONE_SHARD),
           "widedp-nonprivate": ("nonprivate", "local", ONE_SHARD)}
 FLOOR, PEER = "pytorch-nonprivate", "opacus-ghost"
@@ -424,6 +431,7 @@ def main(argv=None) -> dict:
     payload = {"config": args.config, "rows": sizes, "tables": 26, **common, "examples": examples, "steps": steps,
                "warmup": warmup, "max_seconds": max_seconds, "selection": cfg.train.selection, "k": cfg.privacy.k,
                "num_shards": cfg.cluster.num_shards, "fold_write_back": cfg.cluster.fold_write_back,
+               "norms_on_trainer": cfg.cluster.norms_on_trainer,
                "systems": systems, "labels": LABELS, "results": results,
                "summary": summary}
     write_results("dlrm_compare", payload, quick=quick, machine=machine, out=args.out, started=started)

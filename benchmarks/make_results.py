@@ -32,7 +32,7 @@ RUN_VARIANTS = {**RUN_VARIANTS, "user_level_k": (
 #: §2d: the DLRM step at DP batch sizes, ordinary calls against the compiled data plane
 RAY_BATCHES = (1024, 4096, 16384)
 RAY_BATCH_SYSTEMS = ("pytorch-nonprivate,opacus-ghost,widedp-sparse-sharded,widedp-sparse-ray,widedp-sparse-ray-compiled,"
-                     "widedp-sparse-ray-eager,widedp-sparse-ray-compiled-eager")
+                     "widedp-sparse-ray-eager,widedp-sparse-ray-norms-round")
 RUN_VARIANTS["phase_breakdown_16k"] = ("phase_breakdown.py", [
     "--set", "train.batch_size=16384", "--steps", "8", "--warmup", "2", "--out", "benchmarks/results/phase_breakdown_16k.json"])
 RUN_VARIANTS["trainer_scaling_16k"] = ("trainer_scaling.py", [
@@ -358,10 +358,11 @@ def _dlrm_why(goal: dict, ratios: dict, doc: dict) -> str:
             need = peer / goal["per_size"][rows]["target"]
             parts.append(f"{int(rows):,}: needs ≤ {f(need)} ms per step ({f(need / floor)}× the floor), measured {f(local)} ms")
     if goal["unit"].startswith("Ray"):
-        rounds = ("3 rounds of calls to the {} shard actors per step (lookup with the last step's write-back, norms, "
-                  "row sums with the selection)" if doc.get("fold_write_back", False) else
-                  "4 rounds of calls to the {} shard actors per step (lookup, norms, row sums with the selection, "
-                  "write-back)").format(doc["num_shards"])
+        folded, norms_here = doc.get("fold_write_back", False), doc.get("norms_on_trainer", False)
+        names = (["lookup with the last step's write-back" if folded else "lookup"] + ([] if norms_here else ["norms"])
+                 + ["row sums with the selection" + (" and the pooled-output gradients" if norms_here else "")]
+                 + ([] if folded else ["write-back"]))
+        rounds = f"{len(names)} rounds of calls to the {doc['num_shards']} shard actors per step ({', '.join(names)})"
         parts.append(f"one trainer makes {rounds}; on "
                      f"{doc['machine'].get('logical_cores', '?')} cores the actors' calls queue behind each other "
                      "(RESULTS §5 splits the overhead by round)")

@@ -2,8 +2,9 @@
 
 The engine times each phase of a step (trainer/engine.py `StepStats.phases`): sample + batch
 read, lookup (route ids, shards' partial pooled embeddings), dense forward/backward with
-per-example gradients (torch.func), per-example norms (shards' ghost norms + dense norms,
-clip factors), clipped row sums (shards) and dense sums, selection (over the whole
+per-example gradients (torch.func), per-example norms (embedding norms from the ids on the
+trainer, or the shards' with cluster.norms_on_trainer = false, + dense norms, clip factors),
+clipped row sums (shards; the pooled-output gradients travel with the factors) and dense sums, selection (over the whole
 vocabulary), S2 clip + Gaussian noise, ledger record, write-back (selected rows to the
 shards, optimizer there), dense optimizer update. Time outside every phase is the budget
 check before the step and the ε report after it.
@@ -30,7 +31,7 @@ PHASE_LABELS = {
     "sample": "sample + read batch",
     "lookup": "lookup (shards)",
     "dense_forward_backward": "dense fwd/bwd + dense norms (pass 1)",
-    "norms": "per-example norms (shards) + clip factors",
+    "norms": "per-example norms (on the trainer; cluster.norms_on_trainer = false: the shards) + clip factors",
     "row_sums": "clipped row sums",
     "dense_clipped_sum": "dense clipped sum (pass 2)",
     "selection": "selection",

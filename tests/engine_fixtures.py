@@ -228,7 +228,7 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
                 lr=0.1, dense_lr=0.05, model="dlrm", sampler=None, dense_optimizer="sgd", init_std=0.3,
                 plan_overrides=None, dense_tables=(), ema_decay=0.0, num_trainers=1,
                 selection_on_shards=False, trainer_actors=False, fuse_selection=True, example_units=None,
-                group_size=1, data_plane="calls", fold_write_back=None):
+                group_size=1, data_plane="calls", fold_write_back=None, norms_on_trainer=True):
     """An engine over `ds`. Extras (defaults keep the original behaviour): `sampler` replaces
     the Poisson `SimpleSampler(len(ds), q, seed + 7)` (e.g. a `ListSampler`);
     `dense_optimizer` is "sgd" | "adam" | "adagrad" (lr = dense_lr); `plan_overrides` replaces
@@ -242,7 +242,7 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
     (a unit index per example; q and b stay as given); `group_size`: every event charged for
     groups of that many examples (user level by example sampling); `data_plane`: the Ray shard
     group's ("calls" or "compiled"); `fold_write_back`: the group's (None: its default, off
-    in-process, on for Ray)."""
+    in-process, on for Ray); `norms_on_trainer`: the engine's (False: the shards' norms round)."""
     from widedp.trainer.shard_group import InProcessShardGroup, RayShardGroup
 
     layout = layout_for(ds, num_shards, dim)
@@ -266,4 +266,4 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
                   randomness=PrivacyRandomness.from_seed(seed), dense_tables=dense_tables, ema_decay=ema_decay,
                   num_trainers=num_trainers, selection_on_shards=selection_on_shards, trainer_actors=trainer_actors,
                   cpus_per_trainer=0.25, fuse_selection=fuse_selection, example_units=example_units,
-                  group_size=group_size)
+                  group_size=group_size, norms_on_trainer=norms_on_trainer)

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import cluster_model as cm  # noqa: E402
 
+ROUNDS = cm.TRAINER_ROUNDS + cm.COORDINATOR_ROUNDS  # one trainer's rounds to every shard, then the coordinator's
 CAL = {"batch": 1000.0, "trainer_cpu_s": 0.040, "shard_cpu_s": 0.020, "coordinator_cpu_s": 0.010,
        "machine_cpu_s": 0.100, "bytes_per_step": 8e6, "latency_s": {1: 0.002, 2: 0.003, 4: 0.005},
        "call_cpu_s": 0.001}
@@ -20,16 +21,16 @@ CAL = {"batch": 1000.0, "trainer_cpu_s": 0.040, "shard_cpu_s": 0.020, "coordinat
 def test_at_the_calibration_point_the_model_returns_the_calibration():
     p = cm.predict(CAL, 1, 1, 1000, cores=2)
     assert p["cpu_s"] == pytest.approx(CAL["machine_cpu_s"])  # all the measured work, nothing invented
-    assert p["critical_s"] == pytest.approx(5 * 0.002 + 0.040 + 0.020 + 0.010)
+    assert p["critical_s"] == pytest.approx(ROUNDS * 0.002 + 0.040 + 0.020 + 0.010)
     assert p["step_s"] == pytest.approx(max(p["critical_s"], 0.100 / 2))
-    assert p["calls"] == 3 + 2 + 1
+    assert p["calls"] == cm.TRAINER_ROUNDS + cm.COORDINATOR_ROUNDS + 1  # S = N = 1: each round one call, one task
 
 
 def test_trainers_and_shards_split_their_own_work_and_add_calls():
     one, many = cm.predict(CAL, 1, 1, 1000), cm.predict(CAL, 4, 2, 1000)
     # the trainer's share halves, the shard's quarters, the coordinator's stays; λ(4) per round
-    assert many["critical_s"] == pytest.approx(5 * 0.005 + 0.040 / 2 + 0.020 / 4 + 0.010)
-    assert many["calls"] == 3 * 2 * 4 + 2 * 4 + 2
+    assert many["critical_s"] == pytest.approx(ROUNDS * 0.005 + 0.040 / 2 + 0.020 / 4 + 0.010)
+    assert many["calls"] == cm.TRAINER_ROUNDS * 2 * 4 + cm.COORDINATOR_ROUNDS * 4 + 2
     # the same work in all, plus a CPU cost per extra call
     assert many["cpu_s"] - one["cpu_s"] == pytest.approx(CAL["call_cpu_s"] * (many["calls"] - one["calls"]))
     assert many["bytes_per_shard"] == pytest.approx(8e6 / 4) and many["bytes_per_trainer"] == pytest.approx(8e6 / 2)
@@ -42,14 +43,14 @@ def test_on_one_machine_the_step_is_at_least_all_its_work_over_the_cores():
 
 def test_batch_and_width_scale_work_and_bytes_not_latency():
     base, wide = cm.predict(CAL, 2, 2, 1000), cm.predict(CAL, 2, 2, 2000, width=4)
-    rounds = 5 * cm.round_latency(CAL["latency_s"], 2)
+    rounds = ROUNDS * cm.round_latency(CAL["latency_s"], 2)
     assert wide["critical_s"] - rounds == pytest.approx(8 * (base["critical_s"] - rounds))
     assert wide["bytes_per_shard"] == pytest.approx(8 * base["bytes_per_shard"])
 
 
 def test_links_add_the_busiest_link_and_a_round_trip_per_round():
     p = cm.predict(CAL, 8, 2, 1000, link_bytes_per_s=1e9, rtt_s=1e-4)
-    assert p["network_s"] == pytest.approx(8e6 / 2 / 1e9 + 5 * 1e-4)  # the trainers' links are the busiest
+    assert p["network_s"] == pytest.approx(8e6 / 2 / 1e9 + ROUNDS * 1e-4)  # the trainers' links are the busiest
     assert p["step_s"] == pytest.approx(p["critical_s"] + p["network_s"])
 
 
@@ -102,9 +103,9 @@ def test_work_per_step_does_not_grow_with_the_batch_and_is_not_divided():
                             "coordinator_cpu_s": pytest.approx(0.006), "machine_cpu_s": pytest.approx(0.020)}
     p = cm.predict(cal, 1, 2, 4000)
     # trainer: 8 ms + 32 ms·4/2; shard 20 ms·4; coordinator 6 ms + 4 ms·4
-    assert p["critical_s"] == pytest.approx(5 * 0.002 + (0.008 + 0.064) + 0.080 + (0.006 + 0.016))
+    assert p["critical_s"] == pytest.approx(ROUNDS * 0.002 + (0.008 + 0.064) + 0.080 + (0.006 + 0.016))
     # the machine's work at this batch, the second trainer's own 8 ms per step, and κ per extra call
-    assert p["cpu_s"] == pytest.approx(0.020 + 0.080 * 4 + 0.008 + 0.001 * (p["calls"] - 6))
+    assert p["cpu_s"] == pytest.approx(0.020 + 0.080 * 4 + 0.008 + 0.001 * (p["calls"] - (ROUNDS + 1)))
     # without the second batch every role is taken as per example (the pessimistic reading)
     whole = cm.predict(cm.calibration(big, None, {"latency_s": {"1": 0.002}, "call_cpu_s": {"1": 0.001}}), 1, 2, 4000)
     assert whole["critical_s"] > p["critical_s"]
@@ -144,10 +145,10 @@ def test_the_miss_reason_names_the_coordinators_growth_and_the_contention():
     assert "12 measured at N = 1, 30 at N = 2" in why  # a shard's CPU for the same work under contention
     # S = 1, N = 2 is the second calibration point: the coordinator's 8 ms per extra trainer and the
     # machine's rest per extra call with payloads, (130 - 2·24 - 20 - 18) - (100 - 40 - 20 - 10) = 14 ms
-    # over 4 extra calls (3 rounds to the shard and a task), come from it (so it is not checked, and the coordinator's growth is modelled)
+    # over 3 extra calls (2 rounds to the shard and a task), come from it (so it is not checked, and the coordinator's growth is modelled)
     cal2 = cm.calibration(pts[0], None, doc["ping"], pts[1])
     assert cal2["coordinator_per_trainer_s"] == pytest.approx(0.008)
-    assert cal2["call_cpu_s"] == pytest.approx(0.014 / 4)
+    assert cal2["call_cpu_s"] == pytest.approx(0.014 / 3)
     assert "from N = 1 to 2 at S = 1" not in why
     lines, _ = cm.results_section(doc)
     assert any("| 1 | 2 (calibration) |" in line for line in lines)

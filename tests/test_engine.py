@@ -80,9 +80,10 @@ def plan_overrides(selection):
 def build(ds, batches, *, mode, selection="em", num_shards=1, second_clip=None, backend="local",
           optimizer="sgd", dense_optimizer="sgd", model="dlrm", target_epsilon=1e9, seed=SEED, overrides=None,
           dense_tables=(), lr=LR, dense_lr=DENSE_LR, ema_decay=0.0, num_trainers=1, selection_on_shards=False,
-          trainer_actors=False, fuse_selection=True, example_units=None, data_plane="calls", fold_write_back=None):
+          trainer_actors=False, fuse_selection=True, example_units=None, data_plane="calls", fold_write_back=None,
+          norms_on_trainer=True):
     return make_engine(ds, num_shards=num_shards, mode=mode, selection=selection, backend=backend, example_units=example_units,
-                       data_plane=data_plane, fold_write_back=fold_write_back,
+                       data_plane=data_plane, fold_write_back=fold_write_back, norms_on_trainer=norms_on_trainer,
                        optimizer=optimizer, dense_optimizer=dense_optimizer, q=Q, seed=seed, dim=DIM,
                        second_clip=second_clip, lr=lr, dense_lr=dense_lr, model=model, init_std=INIT_STD,
                        sampler=ListSampler(batches), target_epsilon=target_epsilon, dense_tables=dense_tables,
@@ -166,6 +167,18 @@ def test_engine_matches_reference(mode, selection, second_clip, num_shards):
     if selection in ("fest", "fest-threshold"):
         history.insert(0, (engine.ledger.history[0][0], 1))
     assert stats[-1].epsilon == pytest.approx(make_accountant("rdp").epsilon(history, engine.ledger.delta), rel=1e-9)
+
+
+@pytest.mark.parametrize("mode,selection", [("sparse", "em"), ("sparse", "fest-threshold"), ("dpsgd", None),
+                                            ("nonprivate", None)])
+def test_the_shards_norms_round_matches_reference(mode, selection):
+    """`norms_on_trainer=False`, the shards' norms round (the reference path the trainer-side
+    norms replaced, and the fallback), still trains the reference's model."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 4)
+    engine, ref, _, _ = run_both(ds, batches, mode, selection=selection or "em", num_shards=2, second_clip=S2,
+                                 norms_on_trainer=False)
+    assert_params_close(engine_params(engine), ref.state())
 
 
 DATA_PARALLEL_MODES = [("sparse", "threshold"), ("sparse", "em"), ("dpsgd", None), ("nonprivate", None)]
@@ -804,16 +817,18 @@ def test_example_sq_norms_match_autograd(num_shards):
 
 # ---- 3b. shard-local traffic ----------------------------------------------------------------------
 
+@pytest.mark.parametrize("norms_on_trainer", [True, False], ids=["norms_on_trainer", "norms_round"])
 @pytest.mark.parametrize("mode", ["sparse", "nonprivate"])
-def test_each_shard_is_sent_and_returns_only_its_own_bags_and_examples(mode):
+def test_each_shard_is_sent_and_returns_only_its_own_bags_and_examples(mode, norms_on_trainer):
     """Per shard and call, the payload is its own work: partial pools and pooled-output
     gradients for the bags it holds ids of (bags × D floats), clip factors and norms for its
-    examples — never the batch's whole B × F × D pooled tensor."""
+    examples — never the batch's whole B × F × D pooled tensor. With the norms on the trainer
+    there is no norms round: the pooled-output gradients travel with the clip factors."""
     from widedp.trainer.shard_group import _nbytes
 
     ds = dataset()
     batches = batches_with_crafted(ds, 1)
-    engine = build(ds, batches, mode=mode, selection="em", num_shards=3)
+    engine = build(ds, batches, mode=mode, selection="em", num_shards=3, norms_on_trainer=norms_on_trainer)
     seen: dict = {}
     real_call = engine.shards._call
 
@@ -828,11 +843,16 @@ def test_each_shard_is_sent_and_returns_only_its_own_bags_and_examples(mode):
     bags = [b.example.size for b in engine._bags[0]]
     examples = [b.examples.size for b in engine._bags[0]]
     assert seen["lookup"][1] == [n * D * 4 for n in bags]
-    norms = "example_sq_norms" if mode == "sparse" else "set_pooled_grad"
-    assert seen[norms][0] == [n * D * 4 for n in bags]
-    if mode == "sparse":
-        assert seen["example_sq_norms"][1] == [e * 8 for e in examples]
-    assert seen["clipped_row_sums"][0] == [e * 8 for e in examples]
+    if norms_on_trainer:
+        assert "example_sq_norms" not in seen and "set_pooled_grad" not in seen
+        # factors, pooled-output gradients and the trainer index (an int: 8 bytes)
+        assert seen["clipped_row_sums"][0] == [e * 8 + n * D * 4 + 8 for e, n in zip(examples, bags)]
+    else:
+        norms = "example_sq_norms" if mode == "sparse" else "set_pooled_grad"
+        assert seen[norms][0] == [n * D * 4 for n in bags]
+        if mode == "sparse":
+            assert seen["example_sq_norms"][1] == [e * 8 for e in examples]
+        assert seen["clipped_row_sums"][0] == [e * 8 + 8 for e in examples]  # factors and the trainer index
     assert max(bags) < B * F and min(bags) > 0  # the batch really is split: less than B × F each
 
 

@@ -167,10 +167,10 @@ def test_the_engine_refuses_mixing_outside_dpsgd_and_with_a_non_sgd_dense_optimi
 # ---- refined clipping (seed B Alg 2, privacy.mix_coordinates = k) ------------------------------------
 
 def _shard_after_norms(seed=0):
-    """An in-process shard holding one step's contributions (lookup + norms done)."""
+    """An in-process shard holding one step's contributions (lookup + the shards' norms round)."""
     ds = wide_ctr(n=48, seed=seed)
     batches = poisson_batches(len(ds), 0.5, 21 + seed, 1)
-    engine = _engine(ds, batches, WIDTH, num_shards=1)
+    engine = _engine(ds, batches, WIDTH, num_shards=1, norms_on_trainer=False)
     role = engine.trainers.roles[0]
     role.begin_part(batches[0])
     shard = engine.shards.shards[0] if hasattr(engine.shards, "shards") else engine.shards._shards[0]

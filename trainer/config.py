@@ -378,6 +378,12 @@ class ClusterConfig:
     # the rows the step uses (one round fewer); false: a call of its own (the same output, bit
     # for bit; for comparisons).
     fuse_selection: bool = True
+    # Each trainer computes its examples' embedding-gradient norms itself, from the batch's ids and
+    # the pooled-output gradients (trainer/example_norms.py), and the pooled gradients travel to
+    # the shards with the clip factors: one round fewer per step (user level keeps the shards'
+    # per-unit norms). false: the shards compute the norms in a round of their own (the same
+    # norms; for comparisons).
+    norms_on_trainer: bool = True
     # How the coordinator reaches the shard actors each round (backend "ray"; trainer/shard_group.py):
     # "calls" (one Ray actor call per shard per round) or "compiled" (a compiled Ray graph with
     # shared-memory channels, built once, rebuilt after a lost actor; trainer actors that call the

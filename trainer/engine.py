@@ -3,9 +3,10 @@
 Privacy assumption: add/remove-one neighbouring datasets, Poisson sampling at rate q = b/n,
 sums normalized by the expected batch size b (docs/DESIGN.md §1). One step (docs/DESIGN.md §2):
   sample → route ids → shards: partial pooled embeddings of their bags → coordinator: dense
-  forward/backward (dense per-example norms by ghost norms, trainer/dense_grads.py) → shards:
-  per-example partial squared norms over unique rows → clip factors min(1, S1/‖g_j‖) over
-  embeddings + dense → shards: clipped row sums → selection over the whole vocabulary → S2 clip
+  forward/backward (dense per-example norms by ghost norms, trainer/dense_grads.py) → per-example
+  squared norms over unique rows (from the ids and pooled-output gradients, trainer/example_norms.py;
+  or on the shards) → clip factors min(1, S1/‖g_j‖) over embeddings + dense → shards: clipped
+  row sums → selection over the whole vocabulary → S2 clip
   → Gaussian noise on selected rows and dense params → ledger.record(event) → release: (ids,
   noisy rows) of selected rows to the shards, dense optimizer step.
 Modes: `nonprivate` (no clip/noise, touched rows updated), `dpsgd` (every row and dense param
@@ -140,7 +141,7 @@ class Engine:
                  randomness: Optional[PrivacyRandomness] = None, secure_mode: bool = False, ledger_path=None,
                  dense_tables: tuple[int, ...] = (), ema_decay: float = 0.0, dense_grad_method: str = "auto",
                  num_trainers: int = 1, selection_on_shards: bool = False, trainer_actors: bool = False,
-                 cpus_per_trainer: float = 1.0, fuse_selection: bool = True,
+                 cpus_per_trainer: float = 1.0, fuse_selection: bool = True, norms_on_trainer: bool = True,
                  example_units: Optional[np.ndarray] = None, group_size: int = 1):
         """`dense_tables`: in `sparse` mode, the indices of the tables noised densely every step
         (trainer/table_policy.py); `dpsgd` noises every table, `nonprivate` none. `ema_decay`
@@ -157,7 +158,10 @@ class Engine:
         as the selection over the whole vocabulary here, which is the reference path). With one
         trainer and `fuse_selection`, each shard selects in the call that makes its row sums
         and returns only the rows the step can use (`_shard_selects`); otherwise in a call of
-        its own after them (the reference for the fused call).
+        its own after them (the reference for the fused call). `norms_on_trainer`: each trainer
+        computes its examples' embedding-gradient norms from the ids and pooled-output gradients
+        (trainer/example_norms.py) and sends the pooled gradients with the clip factors; else the
+        shards compute them in a round of their own (the reference; user level always).
         `trainer_actors`: the N trainers run as Ray actors (trainer/trainer_group.py,
         `cpus_per_trainer` CPUs each) that call the shard actors directly — the shards must be
         a RayShardGroup; otherwise they run here, one after another.
@@ -215,6 +219,7 @@ class Engine:
         self._clip_event: Optional[ev.DpEvent] = None
         self.selection_on_shards = bool(selection_on_shards)
         self.fuse_selection = bool(fuse_selection)
+        self.norms_on_trainer = bool(norms_on_trainer)
         self._keep_rows: Optional[tuple] = None  # (fixed rows it was made from, per-shard global ids)
         self.step_count = 0
         self.recalibrated_at: Optional[int] = None  # the step after which train.recalibrate last ran
@@ -466,7 +471,7 @@ class Engine:
             coordinate_clip=p.mix_coordinates if p is not None else 1,
             reduce_at_shards=self.num_trainers > 1 or actors,
             contribution_clip=p.selection_params.contribution_clip if counts_on_shards and p is not None else None,
-            dense_tables=self.dense_tables)
+            dense_tables=self.dense_tables, norms_on_trainer=self.norms_on_trainer)
         if actors:
             if not hasattr(self.shards, "actors"):
                 raise ValueError("trainer actors need the shards on Ray (cluster.backend = \"ray\")")

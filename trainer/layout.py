@@ -135,6 +135,16 @@ class ShardBags:
     id_example: np.ndarray
 
 
+def id_weights(layout: ShardLayout, lengths: np.ndarray, feature: np.ndarray, example: np.ndarray,
+               batch_size: int) -> np.ndarray:
+    """Each id's pooling weight w_i (float32): 1/|bag| for mean pooling, 1 for sum pooling.
+    `route` sends them to the shards; trainer/example_norms.py uses them for the norms.
+    `lengths`: feature-major [F·B]; `feature`, `example`: per id."""
+    bag = lengths[feature * batch_size + example]
+    mean = np.array([f.pooling == "mean" for f in layout.features], dtype=bool)
+    return np.where(mean[feature], 1.0 / np.maximum(bag, 1), 1.0).astype(np.float32)
+
+
 def route(layout: ShardLayout, kjt, batch_size: int, example_ids=None) -> list[ShardInput]:
     """Split a batch's ids (KeyedJaggedTensor with keys == layout features) by owning shard.
 
@@ -151,9 +161,7 @@ def route(layout: ShardLayout, kjt, batch_size: int, example_ids=None) -> list[S
     # KJT is feature-major: lengths[f*B + j] is the bag size of feature f for example j.
     feature = np.repeat(np.repeat(np.arange(n_feat), batch_size), lengths)
     example = np.repeat(np.tile(np.arange(batch_size), n_feat), lengths)
-    bag = lengths[feature * batch_size + example]
-    mean = np.array([f.pooling == "mean" for f in layout.features])
-    weight = np.where(mean[feature], 1.0 / np.maximum(bag, 1), 1.0).astype(np.float32)
+    weight = id_weights(layout, lengths, feature, example, batch_size)
     table_rows = np.array([layout.tables[layout.table_index(f.table)].num_rows for f in layout.features])
     table_of_feature = np.array([layout.table_index(f.table) for f in layout.features], dtype=np.int64)
     if values.size:

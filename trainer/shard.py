@@ -290,7 +290,8 @@ class EmbeddingShard:
         return sq.numpy()
 
     def clipped_row_sums(self, factors: np.ndarray, trainer: int = 0, selection_weights=None,
-                         select: Optional[ShardSelect] = None, coordinate_bound: Optional[float] = None):
+                         select: Optional[ShardSelect] = None, coordinate_bound: Optional[float] = None,
+                         bag_grads: Optional[np.ndarray] = None):
         """Σ_j factor_j · ∂L_j/∂E[t, r] over the trainer's batch, for every touched (t, r) of
         this shard; `factors` for this shard's examples (`inp.bags(B).examples` order).
         `selection_weights`: the same examples' contribution weights, kept for `select_rows`.
@@ -301,7 +302,12 @@ class EmbeddingShard:
         use come back — those in this shard's part of the selection or in `select.keep_rows`,
         and every touched row of a dense table — as (tables, global ids, sums, part, touched:
         how many rows were touched here). `coordinate_bound`: refined clipping — each example's
-        clipped row gradient clamped to ±bound per coordinate before the sum (`_clamped_row_sums64`)."""
+        clipped row gradient clamped to ±bound per coordinate before the sum (`_clamped_row_sums64`).
+        `bag_grads`: this step's pooled-output gradients of this shard's bags (as in
+        `example_sq_norms`), when the trainer computed the norms itself (trainer/example_norms.py)
+        and no norms round ran: the pooled gradients and the factors travel in this one call."""
+        if bag_grads is not None:
+            self._contributions(bag_grads, trainer)
         self._keep_selection_weights(selection_weights, trainer)
         keys, sums = self._step_row_sums = (self._clipped_row_sums64(factors, trainer) if coordinate_bound is None
                                             else self._clamped_row_sums64(factors, trainer, coordinate_bound))
@@ -323,10 +329,12 @@ class EmbeddingShard:
         return tables[keep], global_ids[keep], flat[keep], part, int(keys.size)
 
     def add_clipped_row_sums(self, factors: np.ndarray, trainer: int, selection_weights=None,
-                             coordinate_bound: Optional[float] = None) -> None:
+                             coordinate_bound: Optional[float] = None, bag_grads: Optional[np.ndarray] = None) -> None:
         """Data-parallel trainers: add trainer `trainer`'s clipped row sums (as in
-        `clipped_row_sums`) to this step's reduction here, where the rows live; nothing
-        travels back until `reduced_row_sums`."""
+        `clipped_row_sums`, `bag_grads` too) to this step's reduction here, where the rows live;
+        nothing travels back until `reduced_row_sums`."""
+        if bag_grads is not None:
+            self._contributions(bag_grads, trainer)
         self._keep_selection_weights(selection_weights, trainer)
         self._row_sum_parts.append(self._clipped_row_sums64(factors, trainer) if coordinate_bound is None
                                    else self._clamped_row_sums64(factors, trainer, coordinate_bound))
@@ -396,7 +404,7 @@ class EmbeddingShard:
         """(sorted row keys t·max_rows + local id, float64 sums) of the trainer's clipped rows."""
         cache = self._cache(trainer)
         if "contrib" not in cache:  # nonprivate mode skips the norm pass
-            raise RuntimeError("clipped_row_sums needs example_sq_norms (or set_pooled_grad) first")
+            raise RuntimeError("clipped_row_sums needs bag_grads, or example_sq_norms (or set_pooled_grad) first")
         inp, contrib, bags = cache["inp"], cache["contrib"], cache["bags"]
         if inp.example.size == 0:
             return np.empty(0, np.int64), torch.zeros((0, self.layout.dim), dtype=torch.float64)
@@ -412,7 +420,7 @@ class EmbeddingShard:
         Alg 2): repeated ids of one example in one row add up first, as in `example_sq_norms`."""
         cache = self._cache(trainer)
         if "contrib" not in cache:
-            raise RuntimeError("clipped_row_sums needs example_sq_norms first")
+            raise RuntimeError("clipped_row_sums needs bag_grads or example_sq_norms first")
         inp, contrib, bags = cache["inp"], cache["contrib"], cache["bags"]
         if inp.example.size == 0:
             return np.empty(0, np.int64), torch.zeros((0, self.layout.dim), dtype=torch.float64)

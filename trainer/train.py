@@ -226,7 +226,8 @@ def build_run(cfg: Config, train_transform=None) -> Run:
                     dense_tables=policy.dense_indices([t.name for t in layout.tables]) if policy else (),
                     ema_decay=cfg.train.ema_decay, num_trainers=cfg.cluster.num_trainers,
                     selection_on_shards=cfg.cluster.selection_on_shards,
-                    fuse_selection=cfg.cluster.fuse_selection, trainer_actors=cfg.cluster.trainer_actors,
+                    fuse_selection=cfg.cluster.fuse_selection, norms_on_trainer=cfg.cluster.norms_on_trainer,
+                    trainer_actors=cfg.cluster.trainer_actors,
                     cpus_per_trainer=cfg.cluster.cpus_per_trainer, example_units=example_units,
                     group_size=info.group_size or 1)
     return Run(cfg, engine, train_set, test_set, meta, info, validation_set)

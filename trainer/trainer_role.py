@@ -27,6 +27,7 @@ import torch
 from widedp.adaptive_clipping.dp_stat import counts_above
 from widedp.selection.threshold import contribution_weights
 from widedp.trainer.dense_grads import DenseGradients, dense_gradients
+from widedp.trainer.example_norms import embedding_sq_norms
 from widedp.trainer.layout import ShardLayout, route
 from widedp.trainer.table_policy import SparseVocabulary
 
@@ -112,6 +113,10 @@ class TrainerOptions:
     # ModelMix's refined clipping (seed B Alg 2): after the ℓ2 clip to S1 every coordinate of each
     # example's gradient is clamped to ±S1/√k (k = this); 1: ℓ2 clipping only.
     coordinate_clip: int = 1
+    # The embedding-gradient norms computed here from the ids and pooled-output gradients
+    # (trainer/example_norms.py), the pooled gradients sent with the clip factors (one round);
+    # False, and always at user level: the shards compute them in a round of their own.
+    norms_on_trainer: bool = True
 
 
 def pooled_lookup(layout: ShardLayout, shards, batch, B: int, example_ids=None, averaged: bool = False,
@@ -176,6 +181,9 @@ class TrainerRole:
         self.bags: list = []  # this step's bags per shard (training lookup)
         self._batch: Optional[tuple] = None  # (batch, B, UnitSample or None) of this step
         self._pending: Optional[tuple] = None  # begin_part's state until finish_part
+        # per shard, the pooled-output gradients of its bags still to be sent (with the clip
+        # factors, `norms_on_trainer`); None when the shards already have them
+        self._unsent_bag_grads: Optional[list] = None
 
     # ---- placement hooks ------------------------------------------------------------------------
     def set_shards(self, shards) -> None:
@@ -267,24 +275,20 @@ class TrainerRole:
         clock.mark("norms")
         weights = self._selection_weights(batch, B, units)
         clock.mark("selection_weights")
-        per_shard = [(factors[b.examples],) + (() if weights is None else (weights[b.examples],)) for b in self.bags]
+        # per shard: its examples' (factors, selection weights or None, pooled gradients or None)
+        grads, self._unsent_bag_grads = self._unsent_bag_grads, None
+        per_shard = [(factors[b.examples], None if weights is None else weights[b.examples],
+                      None if grads is None else grads[s]) for s, b in enumerate(self.bags)]
+        if bound is not None and select is not None:
+            raise ValueError("refined clipping (coordinate_clip > 1) runs without selection (dpsgd mode)")
         row_sums = None
-        if bound is not None:  # refined clipping: every (example, row) clamped on the shards
-            if select is not None:
-                raise ValueError("refined clipping (coordinate_clip > 1) runs without selection (dpsgd mode)")
-            if o.reduce_at_shards:
-                self.shards.call("add_clipped_row_sums", [(f, self.index, w[0] if w else None, bound)
-                                                          for f, *w in per_shard])
-            else:
-                row_sums = self.shards.call("clipped_row_sums", [(f, 0, w[0] if w else None, None, bound)
-                                                                 for f, *w in per_shard])
-        elif select is not None:
-            row_sums = self.shards.call("clipped_row_sums", [(f, 0, w[0] if w else None, sel)
-                                                             for (f, *w), sel in zip(per_shard, select)])
-        elif o.reduce_at_shards:
-            self.shards.call("add_clipped_row_sums", [(f, self.index, *w) for f, *w in per_shard])
+        # `bound`: refined clipping, every (example, row) clamped on the shards
+        if o.reduce_at_shards:
+            self.shards.call("add_clipped_row_sums", [(f, self.index, w, bound, g) for f, w, g in per_shard])
         else:
-            row_sums = self.shards.call("clipped_row_sums", [(f, 0, *w) if w else (f,) for f, *w in per_shard])
+            sels = select if select is not None else [None] * len(per_shard)
+            row_sums = self.shards.call("clipped_row_sums", [(f, 0, w, sel, bound, g)
+                                                             for (f, w, g), sel in zip(per_shard, sels)])
         clock.mark("row_sums")
         dense_sum = self._dense_clipped_sum(dense, factors, bound)
         clock.mark("dense_clipped_sum")
@@ -311,12 +315,18 @@ class TrainerRole:
 
     def _sq_norms(self, g_pooled: np.ndarray, dense: Optional[DenseGradients], B: int,
                   units: Optional[UnitSample] = None) -> Optional[np.ndarray]:
-        """‖g_j‖² over each example's whole gradient: embedding rows (ghost norms on the shards,
-        unique rows) + dense parameters. Non-private: None (the shards keep the pooled grads).
-        User level: ‖Σ_{j∈u} g_j‖² per unit [num_units] — the two parts are disjoint parameter
-        blocks, so the squared norms of the unit's summed gradient in each add up."""
+        """‖g_j‖² over each example's whole gradient: embedding rows (unique rows; here from the
+        ids with `norms_on_trainer`, else on the shards) + dense parameters. Non-private: None
+        (the shards get the pooled grads). User level: ‖Σ_{j∈u} g_j‖² per unit [num_units] — the
+        two parts are disjoint parameter blocks, so the squared norms of the unit's summed
+        gradient in each add up."""
+        self._unsent_bag_grads = None
+        here = self.options.norms_on_trainer and units is None
+        if here:  # the shards get the pooled gradients with the clip factors (finish_part)
+            self._unsent_bag_grads = [per_bag(g_pooled, b) for b in self.bags]
         if self.options.mode == "nonprivate":
-            self.shards.call("set_pooled_grad", [self._as(per_bag(g_pooled, b)) for b in self.bags])
+            if not here:
+                self.shards.call("set_pooled_grad", [self._as(per_bag(g_pooled, b)) for b in self.bags])
             return None
         if units is not None:
             parts = self.shards.call("unit_sq_norms", [self._as(per_bag(g_pooled, b), units.units[b.examples],
@@ -331,8 +341,14 @@ class TrainerRole:
         return sq
 
     def embedding_sq_norms(self, g_pooled: np.ndarray, B: int) -> np.ndarray:
-        """Per-example squared norms of the embedding-row gradients [B]: each shard gets the
-        pooled-output gradients of its own bags and returns its examples' partial norms."""
+        """Per-example squared norms of the embedding-row gradients [B] of this step's batch:
+        here from its ids (`norms_on_trainer`: trainer/example_norms.py; the pooled gradients go
+        to the shards later, with the clip factors), or each shard gets the pooled-output
+        gradients of its own bags and returns its examples' partial norms (the reference)."""
+        if self._unsent_bag_grads is not None:
+            if self._batch is None:
+                raise RuntimeError(f"trainer {self.index} has no batch this step")
+            return embedding_sq_norms(self.layout, self._batch[0].sparse, B, g_pooled)
         parts = self.shards.call("example_sq_norms", [self._as(per_bag(g_pooled, b)) for b in self.bags])
         sq = np.zeros(B)
         for bag, part in zip(self.bags, parts):
