@@ -901,6 +901,11 @@ def section_tuning(doc: dict, path: Path) -> list:
     return lines + [""]
 
 
+#: §9a's clip-only sweeps (σ ≈ 0: not private), by the suffix after `{dataset}_{mode}_clip_only`
+CLIP_ONLY_SWEEPS = {"": "clip only (σ ≈ 0: not private) at the private lr",
+                    "_nplr": "clip only (σ ≈ 0: not private) at non-private's lr"}
+
+
 def gap_levers(tuning: dict, points: list) -> tuple[list, list]:
     """RESULTS §9a: the sweeps `{dataset}_{mode}_eps8_*` (benchmarks/tune.py, chosen on validation)
     against their `_eps8_levers` sweep's config-as-is point (constant lr, no EMA), and what closing
@@ -921,7 +926,8 @@ def gap_levers(tuning: dict, points: list) -> tuple[list, list]:
         rows = []
         clip_only = name[: -len("eps8_levers")] + "clip_only"
         for other, doc in sorted(tuning.items()):
-            if not other.startswith(prefix) and other != clip_only:
+            clip_sweep = other == clip_only or other.startswith(clip_only + "_")
+            if not other.startswith(prefix) and not clip_sweep:
                 continue
             ok = [r for r in doc["records"] if metric in (r.get("validation_metrics") or {})]
             if not ok:
@@ -930,8 +936,10 @@ def gap_levers(tuning: dict, points: list) -> tuple[list, list]:
             fixed = [o for o in doc.get("set", []) if not o.startswith("privacy.target_epsilon")]
             point = " ".join(o for o in [*fixed, *best["overrides"][len(doc.get("set", [])):]]
                              if not o.startswith("data.validation_fraction"))
-            sweep = ("clip only (σ ≈ 0: not private, the clipping's share of the gap)" if other == clip_only
-                     else other[len(prefix):])
+            sweep = (CLIP_ONLY_SWEEPS.get(other[len(clip_only):], "clip only " + other[len(clip_only):])
+                     if clip_sweep else other[len(prefix):])
+            if best.get("stopped_by_budget"):
+                point += f" [stopped by the budget after {best.get('steps')} steps]"
             rows.append((sweep, point or "(config as is)", best["validation_metrics"][metric],
                          (best.get("test_metrics") or {}).get(metric)))
         dataset, mode = name.split("_")[0], name.split("_")[1]

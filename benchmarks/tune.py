@@ -68,7 +68,7 @@ def _run_point(job: tuple) -> dict:
             return {**record, "error": f"{type(exc).__name__}: {exc}"[:300]}
     record["wall_s"] = time.perf_counter() - t0
     for key in ("mode", "selection", "epsilon", "test_metrics", "validation_metrics", "noise_multiplier", "rows_selected_mean",
-                "rows_touched_mean", "bayes_auc"):
+                "rows_touched_mean", "bayes_auc", "steps", "stopped_by_budget"):
         record[key] = summary.get(key)
     return record
 
@@ -121,7 +121,9 @@ def main(argv=None) -> dict:
     ok.sort(key=lambda r: r[key][metric], reverse=(better == "max"))
     print()
     print(format_table(["point", f"{chosen_on} {metric} (chosen on)", f"test {metric}", "ε", "σ", "rows selected"],
-                       [[" ".join(r["overrides"][len(fixed):]), f"{r[key][metric]:.4f}",
+                       [[" ".join(r["overrides"][len(fixed):])
+                         + (f" [stopped by the budget after {r.get('steps')} steps]" if r.get("stopped_by_budget") else ""),
+                         f"{r[key][metric]:.4f}",
                          _four((r.get("test_metrics") or {}).get(metric)), r.get("epsilon"), r.get("noise_multiplier"),
                          r.get("rows_selected_mean")] for r in ok]))
     best = ok[0] if ok else None
