@@ -83,7 +83,10 @@ ROUND_PARTS = {
     "norms": {"request": [("example_sq_norms", "to", True)], "answer": [("example_sq_norms", "from", False)]},
     "row_sums": {"request": [("clipped_row_sums", "to", False)], "answer": [("clipped_row_sums", "from", True)]},
 }
-RECORD_SYSTEM = "widedp-sparse-ray"
+#: The step whose payloads the probe replays: the one with the shards' norms round (three rounds;
+#: the default step computes the norms on the trainer and sends the pooled-output gradients with
+#: the row sums' factors, two rounds with the same bytes: docs/DESIGN.md §2.2, "Norms on the trainer").
+RECORD_SYSTEM = "widedp-sparse-ray-norms-round"
 #: the recorded real steps (shards computing) the section shows beside the probe: calls, compiled
 RECORDED_STEPS = ("widedp-sparse-ray", "widedp-sparse-ray-compiled")
 HEAD_BYTES = 64  # the part of an answer copied from its request (`echo_answer`)
@@ -93,7 +96,7 @@ SHARD_CPUS = 0.5  # configs/ctr.toml's cluster.cpus_per_shard
 # ---- payloads ---------------------------------------------------------------------------------------
 
 def record_for(batch: int, results_dir: Path = RESULTS_DIR) -> dict:
-    """The ordinary-calls Ray step's record at expected batch `batch` (its bytes per method)."""
+    """The recorded Ray step's (`RECORD_SYSTEM`) record at expected batch `batch` (its bytes per method)."""
     path = Path(results_dir) / f"ray_batch_{batch}.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: run `python benchmarks/make_results.py`'s ray_batch_{batch} "
