@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from widedp.selection._sparse import unique_ints
-from widedp.trainer.layout import ShardLayout, id_weights
+from widedp.trainer.layout import ShardLayout, id_coordinates, id_weights
 
 
 def embedding_sq_norms(layout: ShardLayout, kjt, batch_size: int, pooled_grads: np.ndarray) -> np.ndarray:
@@ -37,8 +37,7 @@ def embedding_sq_norms(layout: ShardLayout, kjt, batch_size: int, pooled_grads: 
     if B == 0:
         return np.zeros(0)
     lengths = kjt.lengths().numpy().astype(np.int64, copy=False)
-    table_of = np.array([layout.table_index(f.table) for f in layout.features], dtype=np.int64)
-    if np.unique(table_of).size == F and (lengths.size == 0 or lengths.max() <= 1):
+    if layout.no_row_repeats(lengths):
         # No example touches a row twice, and a bag's one id has weight 1 (sum, or the mean of
         # one): ‖∂L_j/∂E‖² = Σ_f [bag (j, f) not empty]·‖∂L_j/∂pooled_{j,f}‖², no gather needed.
         # (einsum accumulates in float64 without a float64 copy of g: 5x faster than torch's
@@ -46,13 +45,12 @@ def embedding_sq_norms(layout: ShardLayout, kjt, batch_size: int, pooled_grads: 
         sq = np.einsum("bfd,bfd->bf", g, g, dtype=np.float64)
         return (sq * lengths.reshape(F, B).T).sum(1)
     values = kjt.values().numpy().astype(np.int64, copy=False)
-    feature = np.repeat(np.repeat(np.arange(F), B), lengths)
-    example = np.repeat(np.tile(np.arange(B), F), lengths)
+    feature, example = id_coordinates(lengths, F, B)
     weight = torch.from_numpy(id_weights(layout, lengths, feature, example, B))
     grads = torch.from_numpy(g.reshape(B * F, D))
     contrib = weight.unsqueeze(1) * grads[torch.from_numpy(example * F + feature)]  # float32, as on the shards
     total_rows = max(layout.vocabulary_size, 1)
-    rows = layout.table_offsets[table_of[feature]] + values
+    rows = layout.table_offsets[layout.feature_tables[feature]] + values
     uniq, group = unique_ints(example * total_rows + rows, return_inverse=True)
     sums = torch.zeros((uniq.size, D), dtype=torch.float64).index_add_(
         0, torch.from_numpy(np.asarray(group, dtype=np.int64)), contrib.double())

@@ -57,6 +57,22 @@ class ShardLayout:
     def table_index(self, name: str) -> int:
         return [t.name for t in self.tables].index(name)
 
+    @property
+    def feature_tables(self) -> np.ndarray:
+        """The table index of each feature (int64, in `features` order)."""
+        return np.array([self.table_index(f.table) for f in self.features], dtype=np.int64)
+
+    @property
+    def tables_unshared(self) -> bool:
+        """Every feature reads a table of its own (no two features share one)."""
+        tables = self.feature_tables
+        return bool(np.unique(tables).size == tables.size)
+
+    def no_row_repeats(self, lengths: np.ndarray) -> bool:
+        """No example of a batch touches a (table, row) twice: tables unshared and every bag
+        (`lengths`, a KJT's) holds at most one id."""
+        return self.tables_unshared and (lengths.size == 0 or int(lengths.max()) <= 1)
+
     def block_size(self, table: TableSpec) -> int:
         return -(-table.num_rows // self.num_shards)
 
@@ -135,6 +151,15 @@ class ShardBags:
     id_example: np.ndarray
 
 
+def id_coordinates(lengths: np.ndarray, num_features: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(feature, example) of every id of a KJT whose lengths are feature-major — lengths[f·B + j]
+    is the bag size of feature f for example j — in the KJT's value order."""
+    lengths = np.asarray(lengths).reshape(-1)
+    feature = np.repeat(np.repeat(np.arange(num_features), batch_size), lengths)
+    example = np.repeat(np.tile(np.arange(batch_size), num_features), lengths)
+    return feature, example
+
+
 def id_weights(layout: ShardLayout, lengths: np.ndarray, feature: np.ndarray, example: np.ndarray,
                batch_size: int) -> np.ndarray:
     """Each id's pooling weight w_i (float32): 1/|bag| for mean pooling, 1 for sum pooling.
@@ -157,13 +182,10 @@ def route(layout: ShardLayout, kjt, batch_size: int, example_ids=None) -> list[S
         raise ValueError(f"batch features {keys} do not match the model's features {expected}")
     values = kjt.values().numpy().astype(np.int64, copy=False)
     lengths = kjt.lengths().numpy().astype(np.int64, copy=False)
-    n_feat = len(keys)
-    # KJT is feature-major: lengths[f*B + j] is the bag size of feature f for example j.
-    feature = np.repeat(np.repeat(np.arange(n_feat), batch_size), lengths)
-    example = np.repeat(np.tile(np.arange(batch_size), n_feat), lengths)
+    feature, example = id_coordinates(lengths, len(keys), batch_size)
     weight = id_weights(layout, lengths, feature, example, batch_size)
     table_rows = np.array([layout.tables[layout.table_index(f.table)].num_rows for f in layout.features])
-    table_of_feature = np.array([layout.table_index(f.table) for f in layout.features], dtype=np.int64)
+    table_of_feature = layout.feature_tables
     if values.size:
         bad = np.flatnonzero((values < 0) | (values >= table_rows[feature]))
         if bad.size:

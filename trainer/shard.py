@@ -110,9 +110,9 @@ class EmbeddingShard:
         self.ranges = [layout.row_range(t, shard_index) for t in layout.tables]
         self.starts = np.array([start for start, _ in self.ranges], dtype=np.int64)
         num_tables, dim = len(layout.tables), layout.dim
-        self.feature_table = np.array([layout.table_index(f.table) for f in layout.features], dtype=np.int64)
+        self.feature_table = layout.feature_tables
         # Each feature reads its own table: ids of different bags never share a row.
-        self.tables_unshared = bool(np.unique(self.feature_table).size == self.feature_table.size)
+        self.tables_unshared = layout.tables_unshared
         # One TBE holds every table of the shard. Its "features" (channels) are the layout's
         # features plus one channel for each table no feature uses (so every table can be
         # written), ordered by table: FBGEMM's CPU row-wise Adagrad needs a table's channels

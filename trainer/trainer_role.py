@@ -28,7 +28,7 @@ from widedp.adaptive_clipping.dp_stat import counts_above
 from widedp.selection.threshold import contribution_weights
 from widedp.trainer.dense_grads import DenseGradients, dense_gradients
 from widedp.trainer.example_norms import embedding_sq_norms
-from widedp.trainer.layout import ShardLayout, route
+from widedp.trainer.layout import ShardLayout, id_coordinates, route
 from widedp.trainer.table_policy import SparseVocabulary
 
 
@@ -147,11 +147,8 @@ def example_global_rows(layout: ShardLayout, batch, B: int) -> tuple[np.ndarray,
     """(offsets, global row ids) per example across all features (jagged, batch order)."""
     kjt = batch.sparse
     values = kjt.values().numpy().astype(np.int64)
-    lengths = kjt.lengths().numpy().astype(np.int64).reshape(len(layout.features), B)
-    table_of = np.array([layout.table_index(f.table) for f in layout.features])
-    feature = np.repeat(np.repeat(np.arange(lengths.shape[0]), B), lengths.reshape(-1))
-    example = np.repeat(np.tile(np.arange(B), lengths.shape[0]), lengths.reshape(-1))
-    global_ids = values + layout.table_offsets[table_of[feature]]
+    feature, example = id_coordinates(kjt.lengths().numpy().astype(np.int64), len(layout.features), B)
+    global_ids = values + layout.table_offsets[layout.feature_tables[feature]]
     order = np.argsort(example, kind="stable")
     counts = np.bincount(example, minlength=B)
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), global_ids[order]
@@ -161,10 +158,9 @@ def weights_of_one_id_bags(layout: ShardLayout, lengths: np.ndarray, dense_table
     """`contribution_weights` min(1, C1/√n_j) without sorting, when no example can touch a row
     twice: every feature reads its own table and every bag [F, B] (`lengths`) holds at most
     one id, so n_j is example j's number of ids in sparse tables. None otherwise."""
-    table_of = np.array([layout.table_index(f.table) for f in layout.features], dtype=np.int64)
-    if np.unique(table_of).size != table_of.size or (lengths.size and lengths.max() > 1):
+    if not layout.no_row_repeats(lengths):
         return None
-    sparse = ~np.isin(table_of, np.asarray(tuple(dense_tables), dtype=np.int64))
+    sparse = ~np.isin(layout.feature_tables, np.asarray(tuple(dense_tables), dtype=np.int64))
     distinct_rows = lengths[sparse].sum(0)
     return np.minimum(1.0, clip_norm / np.sqrt(np.maximum(distinct_rows, 1)))
 
