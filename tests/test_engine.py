@@ -648,6 +648,9 @@ def test_a_killed_trainer_or_shard_actor_is_restored_and_the_step_redone(ray_clu
     try:
         for step in range(1, len(batches) + 1):
             if step == 3:
+                # step 2's write-back was sent without waiting (folded, trainer actors): the
+                # victim dies with it in flight, possibly before applying it
+                assert len(engine.shards._unhanded) == 1
                 actors = engine.trainers.actors if victim == "trainer" else engine.shards.actors
                 ray_cluster.kill(actors[1], no_restart=True)
             assert engine.step() is not None
@@ -658,6 +661,52 @@ def test_a_killed_trainer_or_shard_actor_is_restored_and_the_step_redone(ray_clu
     assert_params_equal(got[0], want[0])
     assert got[1] == want[1] and got[2] == len(batches)
     assert got[3] == ((1, 1, 0) if victim == "trainer" else (1, 0, 1))
+
+
+@ON_THE_MODULES_RAY
+def test_with_trainer_actors_the_coordinator_sends_the_write_back_without_waiting(ray_cluster, monkeypatch):
+    """Folded write-back with trainer actors: step t's release is sent to the shards and not
+    waited for (no round of the coordinator's own carries `apply_rows`); the trainers' lookups
+    of step t+1 name it (`take_releases`: one release per shard per step), so each shard
+    applies it before answering them — the run equals the eager one bit for bit."""
+    from widedp.trainer.shard_group import RayShardGroup
+
+    ds = dataset()
+    batches = batches_with_crafted(ds, 3)
+    kw = dict(mode="sparse", selection="threshold", num_shards=2, second_clip=S2, optimizer="adagrad",
+              selection_on_shards=True, num_trainers=2)
+    rounds: list = []
+    handed: list = []
+    call, take = RayShardGroup.call, RayShardGroup.take_releases
+
+    def counted_call(self, method, per_shard_args):
+        rounds.append(method)
+        return call(self, method, per_shard_args)
+
+    def counted_take(self):
+        releases = take(self)
+        handed.append(None if releases is None else [len(r) for r in releases])
+        return releases
+
+    monkeypatch.setattr(RayShardGroup, "call", counted_call)
+    monkeypatch.setattr(RayShardGroup, "take_releases", counted_take)
+    runs = {}
+    for fold in (False, True):
+        rounds.clear()
+        handed.clear()
+        engine = build(ds, batches, backend="ray", trainer_actors=True, fold_write_back=fold, **kw)
+        try:
+            for _ in batches:
+                assert engine.step() is not None
+            runs[fold] = (engine_params(engine), engine.ledger.state_dict(), engine.shard_traffic(),
+                          rounds.count("apply_rows"), list(handed))
+        finally:
+            engine.shutdown()
+    assert_params_equal(runs[True][0], runs[False][0])
+    assert runs[True][1:3] == runs[False][1:3]  # ledger; bytes to and from the shards
+    assert runs[False][3] == len(batches) and runs[True][3] == 0
+    assert runs[False][4] == [None] * len(batches)
+    assert runs[True][4] == [None] + [[1, 1]] * (len(batches) - 1)
 
 
 def _dead_on_arrival(ray_cluster, make):

@@ -351,6 +351,12 @@ class EmbeddingShard:
     def ping(self) -> int:
         return self.shard_index
 
+    def after(self, method: str, args: tuple, *released):
+        """`method(*args)`, called by a trainer actor with the coordinator's unawaited
+        write-back calls to this shard as `released` (their answers: Ray resolves ObjectRef
+        arguments before the call starts, so the update is applied before this runs)."""
+        return getattr(self, method)(*args)
+
     def dispatch(self, request: tuple):
         """One call of the shard group's data plane (trainer/shard_group.py): `request` is
         (call_id, method, args, from_channel[, before]); runs each deferred `(m, a)` of `before`

@@ -110,8 +110,23 @@ class ShardGroup:
             raise ValueError(f"defer({method!r}): {len(per_shard_args)} argument tuples for {self.num_shards} shards")
         if self.fold_write_back and not self.direct_callers:
             self._pending.append((method, [tuple(a) for a in per_shard_args]))
+        elif self.fold_write_back and self._release_unawaited(method, per_shard_args):
+            pass  # sent; the trainers' next calls wait for it at the shards (`take_releases`)
         else:
             self.call(method, per_shard_args)
+
+    def _release_unawaited(self, method: str, per_shard_args: Sequence[tuple]) -> bool:
+        """Trainer actors calling directly: send the state-changing call without waiting for
+        it, where the placement can make the trainers' next calls wait for it at each shard
+        (`take_releases`). False here: the caller runs it as a round of its own."""
+        return False
+
+    def take_releases(self) -> Optional[list]:
+        """Per shard, the unawaited releases since the last take (`_release_unawaited`) that
+        the trainers' next shard calls must follow; None when there are none. Each is handed
+        out once: a step redone after a lost actor runs after `restore_lost`, which waits for
+        every shard to have run what this group sent it."""
+        return None
 
     @property
     def pending_calls(self) -> tuple[str, ...]:
@@ -271,6 +286,10 @@ class RayShardGroup(ShardGroup):
         self.restarts = 0  # actors replaced so far
         self._snapshot: Optional[list] = None  # each shard's state at the last state_dict call
         self._log: list[tuple[str, Sequence[tuple]]] = []  # calls since then (see the class docstring)
+        # releases sent without waiting (trainer actors, folded write-back): per release, each
+        # shard's ObjectRef; `_unhanded` not yet given to the trainers, `_unawaited` not yet checked
+        self._unawaited: list[list] = []
+        self._unhanded: list[list] = []
         # (`direct_callers`, ShardGroup: trainer actors call the shards directly, trainer/trainer_group.py:
         # a shard lost during a step's cache-filling call is restored and the step redone, StepInterrupted.)
         self._ray = ray
@@ -278,12 +297,54 @@ class RayShardGroup(ShardGroup):
     def _call_after(self, before, method, per_shard_args):
         return self._call(method, per_shard_args, before)
 
+    def _release_unawaited(self, method, per_shard_args):
+        """Folded write-back with trainer actors (docs/DESIGN.md §2.2): the update is logged
+        (an actor lost before or while applying it is rebuilt with it), sent to every shard,
+        and not waited for here. The trainers' next lookups name its answers as arguments
+        (`take_releases`, `EmbeddingShard.after`), so Ray starts each lookup only once its
+        shard has applied the update; this group's own later calls follow it anyway (Ray runs
+        one caller's calls to an actor in the order sent). Its answers are checked, and an
+        error it raised surfaces, at this group's next call (`_check_releases`)."""
+        self._call_id += 1
+        self._remember(method, per_shard_args, [])
+        refs = [actor.dispatch.remote((self._call_id, method, tuple(args), False))
+                for actor, args in zip(self.actors, per_shard_args)]
+        self._unawaited.append(refs)
+        self._unhanded.append(refs)
+        self.bytes_to_shards += sum(_nbytes(list(a)) for a in per_shard_args)
+        if self._observers:
+            record = ShardCall(method, sum(_nbytes(list(a)) for a in per_shard_args), 0, 0.0)
+            for observer in list(self._observers):
+                observer(record)
+        return True
+
+    def take_releases(self):
+        handed, self._unhanded = self._unhanded, []
+        if not handed:
+            return None
+        return [[refs[s] for refs in handed] for s in range(self.layout.num_shards)]
+
+    def _check_releases(self) -> None:
+        """Wait for the unawaited releases (done by now when a trainer's lookup followed them)
+        and raise what a shard method raised; a lost actor is left to the call that finds it."""
+        from ray.exceptions import RayActorError
+
+        sent, self._unawaited = self._unawaited, []
+        for refs in sent:
+            for ref in refs:
+                try:
+                    self._ray.get(ref)
+                except RayActorError:
+                    pass  # the log holds the update: the replacement actor gets it (`_rebuild`)
+
     def _call(self, method, per_shard_args, before: Sequence[tuple[str, list]] = ()):
         """One round: each shard runs the deferred calls `before` (`ShardGroup.defer`) and then
         `method`, as one request. The deferred calls are logged first, so an actor lost in this
         round is rebuilt with them applied and then answers `method` alone."""
         from ray.exceptions import RayActorError
 
+        if self._unawaited:
+            self._check_releases()
         self._call_id += 1
         for deferred, args in before:
             self._remember(deferred, args, [])
@@ -362,6 +423,11 @@ class RayShardGroup(ShardGroup):
         released step (checkpoint + the released updates since). Returns their indices."""
         from ray.exceptions import RayActorError
 
+        # A ping follows every call this group sent the shard (one caller's calls run in order),
+        # so once it answers, the unawaited releases have run there; a replaced actor gets them
+        # from the log. The step is redone without waiting for them again.
+        self._unhanded = []
+        self._check_releases()
         dead = []
         for s, actor in enumerate(self.actors):
             try:

@@ -107,8 +107,18 @@ class DirectShardGroup(ShardGroup):
         self.actors = list(actors)
         self._ray = ray
 
+    def follow(self, releases: Optional[list]) -> None:
+        """The coordinator's unawaited releases (per shard, ObjectRefs of its write-back calls:
+        `RayShardGroup.take_releases`) that this trainer's next call to each shard must follow."""
+        self._releases = releases
+
     def _call(self, method, per_shard_args):
-        refs = [getattr(actor, method).remote(*args) for actor, args in zip(self.actors, per_shard_args)]
+        releases, self._releases = getattr(self, "_releases", None), None
+        if releases is None:
+            refs = [getattr(actor, method).remote(*args) for actor, args in zip(self.actors, per_shard_args)]
+        else:  # top-level ObjectRef arguments: Ray starts the call once they are ready (applied)
+            refs = [actor.after.remote(method, tuple(args), *done)
+                    for actor, args, done in zip(self.actors, per_shard_args, releases)]
         return self._ray.get(refs)
 
 
@@ -173,10 +183,13 @@ class RayTrainers(TrainerGroup):
     def parts(self, samples, dense_state, select=None, chooser=None):
         if dense_state is not None:
             self._last_dense_state = dense_state
+        # the coordinator's write-back of the last step, sent without waiting: each trainer's
+        # lookup follows it at every shard (None: nothing in flight)
+        releases = self.shards.take_releases()
         if chooser is None:
-            refs = [actor.step_part.remote(idx, dense_state, select) for actor, idx in zip(self.actors, samples)]
+            refs = [actor.step_part.remote(idx, dense_state, select, releases) for actor, idx in zip(self.actors, samples)]
             return self._gather(refs, "step_part")
-        counts = self._gather([actor.begin_part.remote(idx, dense_state, chooser.candidates)
+        counts = self._gather([actor.begin_part.remote(idx, dense_state, chooser.candidates, releases)
                                for actor, idx in zip(self.actors, samples)], "begin_part")
         clip = chooser(np.sum(counts, axis=0))
         return self._gather([actor.finish_part.remote(clip, _with_clip(select, clip)) for actor in self.actors],

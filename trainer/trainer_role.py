@@ -203,26 +203,29 @@ class TrainerRole:
         return (*args, self.index) if self.options.num_trainers > 1 else args
 
     # ---- the step ---------------------------------------------------------------------------------
-    def step_part(self, idx, dense_state: Optional[dict] = None, select: Optional[list] = None
-                  ) -> TrainerPart:
+    def step_part(self, idx, dense_state: Optional[dict] = None, select: Optional[list] = None,
+                  releases: Optional[list] = None) -> TrainerPart:
         """This trainer's share of a step on its sampled examples `idx` (sorted dataset
         indices of its partition) with the configured S1: `begin_part` then `finish_part`.
         `dense_state`: the dense parameters to load first (Ray). `select` (the only trainer;
         per shard, a `trainer.shard.ShardSelect`): each shard runs its part of the selection
         with its row sums and returns the rows the coordinator can use and its part
         (`EmbeddingShard.clipped_row_sums`) — one round instead of two. `idx` may be a
-        `UnitSample` (user level): the clip factors are then per unit (`begin_part`)."""
-        self.begin_part(idx, dense_state)
+        `UnitSample` (user level): the clip factors are then per unit (`begin_part`).
+        `releases`: as in `begin_part`."""
+        self.begin_part(idx, dense_state, releases=releases)
         return self.finish_part(self.options.clip_norm, select)
 
     def begin_part(self, idx, dense_state: Optional[dict] = None,
-                   candidates: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
+                   candidates: Optional[np.ndarray] = None, releases: Optional[list] = None) -> Optional[np.ndarray]:
         """The first half of the share, up to the per-example gradient norms: lookup, dense
         forward/backward, norms. With `candidates` (privacy.clip_norm = "adaptive",
         trainer/adaptive_clip.py) returns the counts of this trainer's examples whose norm
         exceeds each candidate — the coordinator noises their sum and picks S1 — else None.
         User level (`idx` a `UnitSample`): the norms are per unit, ‖Σ_{j∈u} g_j‖ (the norm of
-        the unit's summed gradient, embeddings and dense parameters), and so are the counts."""
+        the unit's summed gradient, embeddings and dense parameters), and so are the counts.
+        `releases` (trainer actors, folded write-back): per shard, the coordinator's write-back
+        calls still in flight; the lookup starts at each shard only after they ran there."""
         cpu = time.process_time()
         units: Optional[UnitSample] = None
         if isinstance(idx, UnitSample):
@@ -234,6 +237,8 @@ class TrainerRole:
         idx = np.asarray(idx, dtype=np.int64)
         batch, B = self.train_set.take(idx), int(idx.size)
         self._batch = (batch, B, units)
+        if releases is not None:
+            self.shards.follow(releases)
         pooled, self.bags = pooled_lookup(self.layout, self.shards, batch, B, example_ids=idx,
                                           trainer_arg=(self.index,) if o.num_trainers > 1 else ())
         clock.mark("lookup")
