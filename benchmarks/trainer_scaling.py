@@ -128,6 +128,37 @@ def measure(spec: dict) -> dict:
             cluster.shutdown()
 
 
+def merge_repeats(reps: list[dict]) -> dict:
+    """One configuration's repeats as one result: the timed steps of every repeat pooled (median
+    over all of them), CPU seconds and bytes per step averaged over the repeats, each repeat's
+    own median kept (`repeat_step_ms_medians`); the first failure if any repeat failed."""
+    failed = [r for r in reps if "error" in r]
+    if failed:
+        return dict(failed[0])
+    if len(reps) == 1:
+        return dict(reps[0], repeat_step_ms_medians=[reps[0]["step_ms_median"]])
+
+    def mean(values):
+        return float(sum(values) / len(values))
+
+    out = dict(reps[0])
+    steps = [t for r in reps for t in r["step_ms"]]
+    batch = mean([r["batch_mean"] for r in reps])
+    med = statistics.median(steps)
+    out.update(step_ms=steps, step_ms_median=med, steps_timed=len(steps), batch_mean=batch,
+               examples_per_sec=batch / (med / 1e3), repeat_step_ms_medians=[r["step_ms_median"] for r in reps],
+               coordinator_cpu_ms_per_step=mean([r["coordinator_cpu_ms_per_step"] for r in reps]),
+               machine_cpu_ms_per_step=mean([r["machine_cpu_ms_per_step"] for r in reps]),
+               shard_cpu_ms_per_step=[mean(c) for c in zip(*[r["shard_cpu_ms_per_step"] for r in reps])],
+               wall_s=sum(r["wall_s"] for r in reps), build_s=mean([r["build_s"] for r in reps]))
+    for key in ("coordinator_bytes_per_step", "all_bytes_per_step"):
+        out[key] = {d: mean([r[key][d] for r in reps]) for d in ("to", "from")}
+    out["trainers"] = [dict(t, **{k: mean([r["trainers"][i][k] for r in reps])
+                                  for k in ("cpu_ms_per_step", "bytes_to_shards_per_step", "bytes_from_shards_per_step")})
+                       for i, t in enumerate(reps[0]["trainers"])]
+    return out
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="26 x 2,000 rows, 2 timed steps")
@@ -140,8 +171,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--selection", default="threshold")
     parser.add_argument("--batch", type=int, default=1024, help="expected batch (train.batch_size; default 1024)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every configuration this many times, interleaved (N=1, N=2, N=1, N=2, ...); "
+                             "the step-time median is over the timed steps of all repeats")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     started = time.time()
     machine = announce_machine()
     rows = args.rows or (52_000 if args.quick else 520_000)
@@ -158,14 +194,19 @@ def main(argv=None) -> dict:
                                                   "cluster.trainer_placement=actors", "cluster.cpus_per_trainer=1",
                                                   "cluster.cpus_per_shard=1"],
                                     "nodes": args.nodes, "head_cpus": 2, "node_cpus": max(2, -(-(n + args.shards) // (args.nodes - 1)) + 1)}))
-    for label, spec in specs:
-        spec.update(config=args.config, warmup=2, steps=steps)
-        print(f"--- {label}", flush=True)
-        res = run_worker(__file__, spec, timeout=1800)
+    runs: dict[str, list[dict]] = {label: [] for label, _ in specs}
+    for rep in range(args.repeats):  # interleaved, so a slow minute of the machine hits every configuration
+        for label, spec in specs:
+            spec.update(config=args.config, warmup=2, steps=steps)
+            print(f"--- {label}" + (f" (repeat {rep + 1} of {args.repeats})" if args.repeats > 1 else ""), flush=True)
+            res = run_worker(__file__, spec, timeout=1800)
+            if "error" in res:
+                print(f"    failed: {res['error']}", flush=True)
+            runs[label].append(res)
+    for label, _ in specs:
+        res = merge_repeats(runs[label])
         res["label"] = label
         results.append(res)
-        if "error" in res:
-            print(f"    failed: {res['error']}", flush=True)
     ok = [r for r in results if "error" not in r]
     one = next((r for r in ok if r["label"] == "ray N=1"), None)
     local = next((r for r in ok if r["label"] == "in-process"), None)
@@ -186,7 +227,7 @@ def main(argv=None) -> dict:
     if local and one:
         print(f"Ray N=1 step / in-process step: {one['step_ms_median'] / local['step_ms_median']:.2f}x")
     payload = {"rows": rows, "examples": examples, "shards": args.shards, "nodes": args.nodes,
-               "selection": args.selection, "batch": args.batch, "results": results}
+               "selection": args.selection, "batch": args.batch, "repeats": args.repeats, "results": results}
     write_results("trainer_scaling", payload, quick=args.quick, machine=machine, out=args.out, started=started)
     return payload
 
