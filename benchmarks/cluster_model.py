@@ -11,10 +11,8 @@ The model (`predict`, a pure function; tests/test_cluster_model.py). One step of
 is its rounds to every shard (lookup, clipped row sums with the pooled-output gradients: R_t = 2;
 the per-example norms are computed on the trainer, cluster.norms_on_trainer), between
 them its own compute, and on the shards their compute; then the coordinator's rounds
-(reduction with the selection, write-back: R_c = 2, of which the write-back is sent without
-waiting — the next step's lookups follow it at the shards —, so R_t + R_c − 1 rounds are on the
-step's path) and its own compute (noise, ledger, dense update); the coordinator also sends each
-trainer its task (one call per trainer).
+(reduction with the selection, write-back: R_c = 2) and its own compute (noise, ledger,
+dense update); the coordinator also sends each trainer its task (one call per trainer).
 From S = N = 1 measured at two batches, b₀ and b₀/4, S = 1 with N = 2 at b₀ (on this machine), and
 idle ping rounds:
   t_T, t_S, t_C  CPU seconds per step of the trainer, the shard and the coordinator processes,
@@ -69,9 +67,6 @@ from _common import (TIMING_PRIVACY, announce_machine, ctr_dataset, fmt_bytes, f
 
 TRAINER_ROUNDS = 2  # trainer → every shard: lookup, clipped row sums (the norms on the trainer)
 COORDINATOR_ROUNDS = 2  # coordinator → every shard: reduction + selection, write-back
-# the write-back is sent without waiting (trainer actors, folded write-back: docs/DESIGN.md §2.2):
-# its calls cost CPU but the coordinator does not wait on them, and the next lookups follow it
-WAITED_ROUNDS = TRAINER_ROUNDS + COORDINATOR_ROUNDS - 1
 #: Criteo-1TB's 26 categorical cardinalities (days 0–23, as MLPerf's DLRM reference lists them)
 CRITEO_1TB_CARDINALITIES = (
     227605432, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 130229467, 3067956, 405282, 10, 2209, 11938, 155, 4, 976,
@@ -126,7 +121,7 @@ def predict(cal: dict, shards: int, trainers: int, batch: float, *, cores: Optio
     transfer time of the busiest link and `rtt_s` per round); `width`: per-example work and
     bytes relative to the calibration model (F·D / F₀·D₀)."""
     scale = batch / cal["batch"] * width
-    rounds = WAITED_ROUNDS
+    rounds = TRAINER_ROUNDS + COORDINATOR_ROUNDS
     per_trainer = cal.get("coordinator_per_trainer_s", 0.0) * (trainers - 1)
     critical = rounds * round_latency(cal["latency_s"], shards) + (
         _split(cal, "trainer_cpu_s", scale, trainers) + _split(cal, "shard_cpu_s", scale, shards)

@@ -670,6 +670,23 @@ def test_trainer_wall_clock_goal_at_16k_from_examples_per_second(n2_rate, status
     assert missing == "not measured"
 
 
+@pytest.mark.parametrize("n2_medians, status", [([350.0, 380.0, 390.0], "**met**"), ([390.0, 410.0, 420.0], "**missed**")])
+def test_trainer_wall_clock_goal_needs_most_interleaved_repeats_to_agree(n2_medians, status):
+    """With interleaved repeats the pooled ratio alone does not meet the goal: at least half of
+    the repeats must have N = 2 not slower (here the pooled rate favours N = 2 both times)."""
+    sys.path.insert(0, str(BENCH))
+    import make_results
+
+    def result(n, rate, medians):
+        return {"label": f"ray N={n}", "num_trainers": n, "examples_per_sec": rate, "repeat_step_ms_medians": medians,
+                "trainers": [{"cpu_ms_per_step": 10.0 / n} for _ in range(n)]}
+
+    ok = [result(1, 1000.0, [550.0, 400.0, 400.0]), result(2, 1030.0, n2_medians)]
+    [(_, measured, got, why)] = make_results.trainer_wall_clock_goal({"batch": 16384}, ok)
+    assert got == status and "3 interleaved repeats" in measured
+    assert ("N = 2 not slower in 3 of 3 repeats" if status == "**met**" else "in 1 of 3 repeats") in why
+
+
 def test_privacy_utility_merge_keeps_the_other_data_sets_rows_only(tmp_path):
     """`--merge`: the previous results' records of data sets not run now are kept; a data set run
     now replaces its old rows; nothing to merge without a previous file."""

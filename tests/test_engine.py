@@ -645,12 +645,13 @@ def test_a_killed_trainer_or_shard_actor_is_restored_and_the_step_redone(ray_clu
               selection_on_shards=True, num_trainers=2)
     want = _in_process_run(ds, batches, **kw)  # uninterrupted (equal to Ray's: the test above)
     engine = build(ds, batches, backend="ray", trainer_actors=True, **kw)
+    engine.shards.unawaited_write_back = victim == "shard"  # both orders of the write-back recovered
     try:
         for step in range(1, len(batches) + 1):
             if step == 3:
-                # step 2's write-back was sent without waiting (folded, trainer actors): the
-                # victim dies with it in flight, possibly before applying it
-                assert len(engine.shards._unhanded) == 1
+                # with cluster.unawaited_write_back (the shard case) step 2's write-back was sent
+                # without waiting: the shard dies with it in flight, possibly before applying it
+                assert len(engine.shards._unhanded) == (1 if victim == "shard" else 0)
                 actors = engine.trainers.actors if victim == "trainer" else engine.shards.actors
                 ray_cluster.kill(actors[1], no_restart=True)
             assert engine.step() is not None
@@ -665,7 +666,7 @@ def test_a_killed_trainer_or_shard_actor_is_restored_and_the_step_redone(ray_clu
 
 @ON_THE_MODULES_RAY
 def test_with_trainer_actors_the_coordinator_sends_the_write_back_without_waiting(ray_cluster, monkeypatch):
-    """Folded write-back with trainer actors: step t's release is sent to the shards and not
+    """cluster.unawaited_write_back, with trainer actors: step t's release is sent to the shards and not
     waited for (no round of the coordinator's own carries `apply_rows`); the trainers' lookups
     of step t+1 name it (`take_releases`: one release per shard per step), so each shard
     applies it before answering them — the run equals the eager one bit for bit."""
@@ -695,6 +696,7 @@ def test_with_trainer_actors_the_coordinator_sends_the_write_back_without_waitin
         rounds.clear()
         handed.clear()
         engine = build(ds, batches, backend="ray", trainer_actors=True, fold_write_back=fold, **kw)
+        engine.shards.unawaited_write_back = True  # cluster.unawaited_write_back (default off)
         try:
             for _ in batches:
                 assert engine.step() is not None

@@ -392,9 +392,14 @@ class ClusterConfig:
     # Backend "ray": each step's write-back of the noisy selected rows (and DP-SGD's dense-table
     # update) travels to each shard with the next call instead of a round of its own — one round
     # fewer per step, the same model bit for bit (docs/DESIGN.md §2, "Folded write-back"); false:
-    # a round of its own (for comparisons). Trainer actors that call the shards themselves always
-    # get their own write-back round.
+    # a round of its own (for comparisons). Trainer actors that call the shards themselves get
+    # their own write-back round unless unawaited_write_back is set.
     fold_write_back: bool = True
+    # Trainer actors with fold_write_back: the coordinator sends the write-back without waiting and
+    # the trainers' next lookups wait for it at each shard (ObjectRef arguments). Off by default:
+    # in interleaved A/B runs on 2 cores it saved 1-14 ms per step at b = 1,024 (N = 1) but was
+    # slower at b = 16,384 in 5 of 6 pairs (median +47 ms), N = 2 mixed (docs/DESIGN.md §2.2).
+    unawaited_write_back: bool = False
     # Embedded local Ray only (no cluster.address): Ray objects up to this many bytes travel
     # inside the actor call instead of through the object store (Ray's max_direct_call_object_size,
     # default 100 kB; a cluster of your own takes it at `ray start --system-config`). A step's

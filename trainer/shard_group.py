@@ -243,7 +243,7 @@ class RayShardGroup(ShardGroup):
 
     def __init__(self, layout: ShardLayout, cpus_per_shard: float = 1.0, gpus_per_shard: float = 0.0,
                  placement_strategy: str = "SPREAD", max_restarts: int = 1, data_plane: str = "calls",
-                 fold_write_back: bool = True, **shard_kwargs):
+                 fold_write_back: bool = True, unawaited_write_back: bool = False, **shard_kwargs):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -290,6 +290,7 @@ class RayShardGroup(ShardGroup):
         # shard's ObjectRef; `_unhanded` not yet given to the trainers, `_unawaited` not yet checked
         self._unawaited: list[list] = []
         self._unhanded: list[list] = []
+        self.unawaited_write_back = bool(unawaited_write_back)  # cluster.unawaited_write_back
         # (`direct_callers`, ShardGroup: trainer actors call the shards directly, trainer/trainer_group.py:
         # a shard lost during a step's cache-filling call is restored and the step redone, StepInterrupted.)
         self._ray = ray
@@ -304,7 +305,10 @@ class RayShardGroup(ShardGroup):
         (`take_releases`, `EmbeddingShard.after`), so Ray starts each lookup only once its
         shard has applied the update; this group's own later calls follow it anyway (Ray runs
         one caller's calls to an actor in the order sent). Its answers are checked, and an
-        error it raised surfaces, at this group's next call (`_check_releases`)."""
+        error it raised surfaces, at this group's next call (`_check_releases`). Only with
+        `unawaited_write_back` (cluster.unawaited_write_back); else False: a round of its own."""
+        if not self.unawaited_write_back:
+            return False
         self._call_id += 1
         self._remember(method, per_shard_args, [])
         refs = [actor.dispatch.remote((self._call_id, method, tuple(args), False))

@@ -145,7 +145,8 @@ def _shard_group(cfg: Config, layout: ShardLayout):
     return RayShardGroup(layout, cpus_per_shard=cfg.cluster.cpus_per_shard, gpus_per_shard=cfg.cluster.gpus_per_shard,
                          placement_strategy=cfg.cluster.placement_strategy,
                          max_restarts=cfg.cluster.max_actor_restarts, data_plane=cfg.cluster.data_plane,
-                         fold_write_back=cfg.cluster.fold_write_back, **kwargs)
+                         fold_write_back=cfg.cluster.fold_write_back,
+                         unawaited_write_back=cfg.cluster.unawaited_write_back, **kwargs)
 
 
 def _dense_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
