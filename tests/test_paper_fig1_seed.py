@@ -120,7 +120,9 @@ def _empirical_noise_std(run, trials: int = 150) -> tuple[float, float]:
 
 def _noise_ok(run, expected_std: float, expected_fraction: float) -> bool:
     std, frac = _empirical_noise_std(run, trials=40 if run.plan.selection is None else 150)
-    return abs(std / expected_std - 1) < 0.08 and abs(frac - expected_fraction) < 1e-9
+    # 1e-4, not 0: a finite-precision Gaussian draw is exactly 0.0 now and then (one in 80,000
+    # values moves the fraction by 1.25e-5); the broken variants are off by 1 - k/p or more
+    return abs(std / expected_std - 1) < 0.08 and abs(frac - expected_fraction) < 1e-4
 
 
 class _NoNoise(fig.SeedRun):

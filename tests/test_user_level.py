@@ -194,10 +194,10 @@ def _clip_per_example(monkeypatch):
     """The broken variant: claims user level (units given, n = users) but clips each example."""
     begin = TrainerRole.begin_part
 
-    def per_example_begin(self, idx, dense_state=None, candidates=None):
+    def per_example_begin(self, idx, dense_state=None, candidates=None, releases=None):
         if isinstance(idx, UnitSample):
             idx = idx.examples
-        return begin(self, idx, dense_state, candidates)
+        return begin(self, idx, dense_state, candidates, releases)
 
     monkeypatch.setattr(TrainerRole, "begin_part", per_example_begin)
 

@@ -130,8 +130,8 @@ def _clip_per_example(run):
         raise ValueError("--broken clip-per-example breaks user-level clipping: set privacy.unit = \"user\"")
     real = TrainerRole.begin_part
 
-    def per_example(self, idx, dense_state=None, candidates=None):
-        return real(self, idx.examples if isinstance(idx, UnitSample) else idx, dense_state, candidates)
+    def per_example(self, idx, dense_state=None, candidates=None, releases=None):
+        return real(self, idx.examples if isinstance(idx, UnitSample) else idx, dense_state, candidates, releases)
 
     TrainerRole.begin_part = per_example  # type: ignore[method-assign]
     try:
