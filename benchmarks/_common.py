@@ -623,6 +623,15 @@ def set_aside_stale_run(run_dir: Path) -> Optional[Path]:
     return aside
 
 
+def one_torch_thread() -> None:
+    """In a spawned worker of a parallel grid (`--jobs`): one torch (and OpenMP) thread, so two
+    jobs on 2 cores do not oversubscribe them."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def train_point(cfg, run_dir: Path, fresh: bool, record: dict, label: str, keys: Sequence[str]) -> bool:
     """One grid point (`train_or_reuse`) into `record`: its summary's `keys`, `reused` when the
     saved run was taken, `wall_s`; on a training error `record["error"]` instead, printed under

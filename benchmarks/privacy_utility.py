@@ -163,12 +163,9 @@ def _add_missing_metrics(record: dict, run_dir: Path) -> None:
 
 def _run_job(job: tuple) -> dict:
     """run_one in a spawned worker process: one torch thread."""
-    import os
+    from _common import one_torch_thread
 
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch
-
-    torch.set_num_threads(1)
+    one_torch_thread()
     return run_one(*job)
 
 

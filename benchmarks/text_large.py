@@ -217,12 +217,9 @@ def run_point(mode: str, selection: Optional[str], eps, seed: int, extra: Sequen
 
 def _run_point_job(job: tuple) -> dict:
     """run_point in a spawned worker process (`--jobs`): one torch thread."""
-    import os
+    from _common import one_torch_thread
 
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch
-
-    torch.set_num_threads(1)
+    one_torch_thread()
     return run_point(*job)
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 import time
 from multiprocessing import get_context
@@ -34,17 +33,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO, announce_machine, format_table, set_aside_stale_run, write_results  # noqa: E402
+from _common import REPO, announce_machine, format_table, one_torch_thread, set_aside_stale_run, write_results  # noqa: E402
 
 PRIMARY = {"dlrm": ("auc", "max"), "cbow": ("loss", "min")}
 
 
 def _run_point(job: tuple) -> dict:
     config, overrides, run_dir = job
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch
-
-    torch.set_num_threads(1)
+    one_torch_thread()
     sys.path.insert(0, str(REPO))
     from widedp.trainer.config import load_config
     from widedp.trainer.train import train

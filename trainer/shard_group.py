@@ -315,9 +315,10 @@ class RayShardGroup(ShardGroup):
                 for actor, args in zip(self.actors, per_shard_args)]
         self._unawaited.append(refs)
         self._unhanded.append(refs)
-        self.bytes_to_shards += sum(_nbytes(list(a)) for a in per_shard_args)
+        sent = sum(_nbytes(list(a)) for a in per_shard_args)
+        self.bytes_to_shards += sent
         if self._observers:
-            record = ShardCall(method, sum(_nbytes(list(a)) for a in per_shard_args), 0, 0.0)
+            record = ShardCall(method, sent, 0, 0.0)
             for observer in list(self._observers):
                 observer(record)
         return True

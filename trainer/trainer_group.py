@@ -106,6 +106,7 @@ class DirectShardGroup(ShardGroup):
         super().__init__(layout)
         self.actors = list(actors)
         self._ray = ray
+        self._releases: Optional[list] = None  # `follow`: for the next call only
 
     def follow(self, releases: Optional[list]) -> None:
         """The coordinator's unawaited releases (per shard, ObjectRefs of its write-back calls:
@@ -113,7 +114,7 @@ class DirectShardGroup(ShardGroup):
         self._releases = releases
 
     def _call(self, method, per_shard_args):
-        releases, self._releases = getattr(self, "_releases", None), None
+        releases, self._releases = self._releases, None
         if releases is None:
             refs = [getattr(actor, method).remote(*args) for actor, args in zip(self.actors, per_shard_args)]
         else:  # top-level ObjectRef arguments: Ray starts the call once they are ready (applied)
