@@ -238,6 +238,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at a time, each in its own process with one torch thread (2 on 2 cores)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     started = time.time()
     data = build_dataset()
     corpus = json.loads((ROOT / "corpus.json").read_text())
@@ -264,8 +266,6 @@ def main(argv=None) -> dict:
     def key(p):
         return (p["mode"], p.get("selection"), p.get("target_epsilon"), p["seed"], p.get("variant"))
 
-    if args.jobs < 1:
-        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     points: list = []
     specs = [(mode, sel, eps, seed, extra, args.fresh, runs) for mode, sel, eps, seed in jobs]
     if args.jobs > 1:

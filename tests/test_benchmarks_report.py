@@ -242,6 +242,18 @@ def test_tune_refuses_a_validation_fraction_outside_0_1(capsys):
     assert "--validation-fraction must be in [0, 1), got 1.5" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("script, argv, message", [
+    ("trainer_scaling", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    ("text_large", ["--jobs", "0"], "--jobs must be >= 1, got 0")])
+def test_repeat_and_job_counts_below_one_are_refused_naming_the_flag(capsys, script, argv, message):
+    """Refused before any data is built or downloaded, naming the flag and the value."""
+    sys.path.insert(0, str(BENCH))
+    module = __import__(script)
+    with pytest.raises(SystemExit) as info:
+        module.main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_paper_fig1_smoke(tmp_path):
     doc, _ = _bench("paper_fig1", ["--runs", "sparse em,nonprivate", "--steps", "5", "--examples", "2000",
                                    "--eval-examples", "200", "--points", "2"], tmp_path)
