@@ -812,8 +812,23 @@ class _UtilityReasons:
         if not missed:
             return ""
         parts = [f"ε={f(e)}: short by {self._short(v):.4f} ({'within' if self._overlap(sel, e) else 'beyond'} the seed ranges)"
-                 for e, v in missed]
+                 + self._same_mechanism(sel, e) for e, v in missed]
         return "; ".join(parts)
+
+    def _same_mechanism(self, sel, eps) -> str:
+        """Where sparse noises every row (ratio 1: every table dense by the public rule) at DP-SGD's σ, the two
+        modes run one mechanism and a difference between them is the noise draw, not the method."""
+        point = self.points.get(("sparse", sel, eps))
+        sigmas = {mode: sorted(r["noise_multiplier"] for r in self.records
+                               if r["mode"] == mode and r.get("selection") == s and r["target_epsilon"] == eps
+                               and r.get("noise_multiplier") is not None)
+                  for mode, s in (("sparse", sel), ("dpsgd", None))}
+        if point is None or point.get("rows_noised_ratio") != 1.0 or not all(sigmas.values()):
+            return ""
+        if abs(sigmas["sparse"][0] - sigmas["dpsgd"][0]) > 1e-9 * sigmas["dpsgd"][0]:
+            return ""
+        return (f"; every row noised by both at σ {sigmas['dpsgd'][0]:.3g}: sparse runs DP-SGD's mechanism here "
+                "(every table dense by the public rule), so the difference is the noise draw")
 
     def best(self, best: dict) -> str:
         parts = []
@@ -826,7 +841,7 @@ class _UtilityReasons:
             else:
                 (a, b), (c, d) = self._range("sparse", v["selection"], e), self._range("dpsgd", None, e)
                 parts.append(f"ε={f(e)}: short by {self._short(v, best['tolerance']):.4f} beyond the tolerance; seeds "
-                             f"{a:.4f}–{b:.4f} vs dpsgd {c:.4f}–{d:.4f}; {rows}")
+                             f"{a:.4f}–{b:.4f} vs dpsgd {c:.4f}–{d:.4f}; {rows}" + self._same_mechanism(v["selection"], e))
         return "; ".join(parts)
 
     def em_random(self, em: str, er: dict) -> str:

@@ -772,3 +772,27 @@ def test_gap_levers_render_into_results_md(tmp_path):
     md = make_results.render(res, tmp_path / "docs").read_text()
     assert "## 9a. Levers against the gap to non-private at ε = 8" in md
     assert "| toy sparse: a lever closes half the gap to non-private at ε = 8 |" in md and "| tune |" in md
+
+
+@pytest.mark.parametrize("sparse_sigma, rows_ratio, same", [(0.8254, 1.0, True), (0.9, 1.0, False), (0.8254, 2.0, False)])
+def test_a_sparse_miss_at_dpsgds_sigma_on_every_row_is_reported_as_the_same_mechanism(sparse_sigma, rows_ratio, same):
+    """Where every table is dense by the public rule and σ is DP-SGD's, sparse mode runs DP-SGD's
+    mechanism: a loss difference is the noise draw, and the reason says so; with another σ or fewer
+    rows noised the two differ in method and the reason does not."""
+    sys.path.insert(0, str(BENCH))
+    import make_results
+
+    def record(mode, sel, seed, loss, sigma):
+        return {"dataset": "cbow", "mode": mode, "selection": sel, "target_epsilon": 1.0, "seed": seed,
+                "noise_multiplier": sigma, "test_metrics": {"loss": loss}}
+
+    records = [record("dpsgd", None, s, 3.05 + 0.01 * s, 0.8254) for s in range(3)]
+    records += [record("sparse", "fest-threshold", s, 3.06 + 0.01 * s, sparse_sigma) for s in range(3)]
+    points = [{"dataset": "cbow", "mode": "dpsgd", "selection": None, "target_epsilon": 1.0, "rows_noised_ratio": 1.0,
+               "metrics": {"loss": {"median": 3.06, "min": 3.05, "max": 3.07}}},
+              {"dataset": "cbow", "mode": "sparse", "selection": "fest-threshold", "target_epsilon": 1.0,
+               "rows_noised_ratio": rows_ratio, "metrics": {"loss": {"median": 3.07, "min": 3.06, "max": 3.08}}}]
+    reasons = make_results._UtilityReasons({"points": points, "records": records}, "cbow", "loss", "min")
+    text = reasons.versus_dpsgd("fest-threshold", {"per_epsilon": {"1.0": {"ok": False, "sparse": 3.07, "dpsgd": 3.06}}})
+    assert text.startswith("ε=1: short by 0.0100 (within the seed ranges)")
+    assert ("sparse runs DP-SGD's mechanism here" in text) is same

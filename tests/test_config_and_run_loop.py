@@ -170,3 +170,17 @@ def test_changed_computation_keys_ignores_placement_logging_and_recovery_but_not
     assert changed_computation_keys(older, base) == ["train.lr"]
     other = load_config("configs/quickstart.toml", ["train.steps=9", "privacy.k=3"]).to_dict()
     assert changed_computation_keys(base, other) == ["train.steps", "privacy.k"]
+
+
+@pytest.mark.parametrize("key", ["fold_write_back", "unawaited_write_back", "data_plane"])
+def test_when_the_write_back_is_sent_and_over_which_transport_is_not_a_change_of_computation(key):
+    """The cluster's round scheduling (fold, unawaited write-back, data plane) orders and carries the
+    same messages: a run saved before such a key existed, or with another value, computes the same
+    steps (a benchmark reuses it; a reproducible resume may switch it)."""
+    from widedp.trainer.train import _RESUME_FREE_KEYS, changed_computation_keys
+
+    base = load_config("configs/quickstart.toml", []).to_dict()
+    older = json.loads(json.dumps(base))
+    del older["cluster"][key]
+    assert changed_computation_keys(older, base) == []
+    assert changed_computation_keys(older, base, _RESUME_FREE_KEYS) == []

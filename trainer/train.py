@@ -317,6 +317,7 @@ _COMPUTATION_FREE_KEYS = {("train", "log_every"), ("train", "eval_every"), ("tra
                           ("cluster", "backend"), ("cluster", "cpus_per_shard"), ("cluster", "gpus_per_shard"),
                           ("cluster", "placement_strategy"), ("cluster", "max_actor_restarts"), ("cluster", "trainer_placement"),
                           ("cluster", "cpus_per_trainer"), ("cluster", "data_plane"), ("cluster", "fold_write_back"),
+                          ("cluster", "unawaited_write_back"),
                           ("run_dir", None),
                           # the [by_epsilon] table and the row's key: its values are in the sections
                           ("by_epsilon", None), ("tuned_for_epsilon", None)}
