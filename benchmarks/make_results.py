@@ -819,15 +819,12 @@ class _UtilityReasons:
         """Where sparse noises every row (ratio 1: every table dense by the public rule) at DP-SGD's σ, the two
         modes run one mechanism and a difference between them is the noise draw, not the method."""
         point = self.points.get(("sparse", sel, eps))
-        sigmas = {mode: sorted(r["noise_multiplier"] for r in self.records
-                               if r["mode"] == mode and r.get("selection") == s and r["target_epsilon"] == eps
-                               and r.get("noise_multiplier") is not None)
-                  for mode, s in (("sparse", sel), ("dpsgd", None))}
-        if point is None or point.get("rows_noised_ratio") != 1.0 or not all(sigmas.values()):
+        sparse, dpsgd = ({r["noise_multiplier"] for r in self.records if r["mode"] == mode and r.get("selection") == s
+                          and r["target_epsilon"] == eps and r.get("noise_multiplier") is not None}
+                         for mode, s in (("sparse", sel), ("dpsgd", None)))
+        if point is None or point.get("rows_noised_ratio") != 1.0 or len(dpsgd) != 1 or sparse != dpsgd:
             return ""
-        if abs(sigmas["sparse"][0] - sigmas["dpsgd"][0]) > 1e-9 * sigmas["dpsgd"][0]:
-            return ""
-        return (f"; every row noised by both at σ {sigmas['dpsgd'][0]:.3g}: sparse runs DP-SGD's mechanism here "
+        return (f"; every row noised by both at σ {min(dpsgd):.3g}: sparse runs DP-SGD's mechanism here "
                 "(every table dense by the public rule), so the difference is the noise draw")
 
     def best(self, best: dict) -> str:
