@@ -5,7 +5,10 @@ What runs (issue 31). `benchmarks/trainer_scaling.py`'s measurement (a loopback 
 cluster, configs/ctr.toml's CTR model, `threshold` selection on the shards, trainer actors
 calling the shards directly) for every (S, N) in --grid, one fresh worker process each, plus an
 idle "ping round" microbenchmark (the coordinator calls S no-op actors and waits for all) for
-the per-round latency λ(S) and the machine CPU one actor call costs.
+the per-round latency λ(S) and the machine CPU one actor call costs. All of it is repeated
+(--repeats, interleaved: every point once, then again) and each point is its median run — on
+this 2-core machine one run of a point moves by tens of percent, and the calibration takes
+differences of two points, so single runs put that noise into every prediction.
 
 The model (`predict`, a pure function; tests/test_cluster_model.py). One step of one trainer
 is its rounds to every shard (lookup, clipped row sums with the pooled-output gradients: R_t = 2;
@@ -13,8 +16,8 @@ the per-example norms are computed on the trainer, cluster.norms_on_trainer), be
 them its own compute, and on the shards their compute; then the coordinator's rounds
 (reduction with the selection, write-back: R_c = 2) and its own compute (noise, ledger,
 dense update); the coordinator also sends each trainer its task (one call per trainer).
-From S = N = 1 measured at two batches, b₀ and b₀/4, S = 1 with N = 2 at b₀ (on this machine), and
-idle ping rounds:
+From S = N = 1 measured at two batches, b₀ and b₀/4, S = 1 with the most trainers measured
+(N_max, 4 by default) at b₀ (on this machine), and idle ping rounds:
   t_T, t_S, t_C  CPU seconds per step of the trainer, the shard and the coordinator processes,
                  each split into a part per step and a part per example, f + c·b (the line
                  through the two batches; f ≥ 0);
@@ -22,15 +25,22 @@ idle ping rounds:
                  the same way, after taking out κ per actor call;
   X₀             bytes per step between trainers/coordinator and shards (payload arrays, ∝ b);
   λ(S)           the idle ping round to S actors;
-  κ, g_C         from S = 1, N = 2 against S = N = 1: the machine's CPU outside the role processes
+  τ_x            the calibration point's step beyond its critical path (CPU + rounds × λ), per byte
+                 of the step: moving the payloads (serialization, the object store's copies) on
+                 the path, which an idle ping does not show;
+  κ, g_C         from S = 1, N = N_max against S = N = 1: the machine's CPU outside the role processes
                  per extra actor call *with the step's payloads* (an idle ping's is recorded beside
                  it: far less), and the coordinator's CPU per extra trainer (each trainer's task and
-                 its dense gradient to sum). Without that point: the ping's κ and g_C = 0.
+                 its dense gradient to sum). Slopes, so taken over the widest span measured: the
+                 noise of two runs is divided by the most extra calls (9 at N = 4, 3 at N = 2 —
+                 and N = 2 at S = 1 ran with the coordinator's CPU above N = 4's in all four runs
+                 of 2026-11-27, 85–95 ms against 54–63, so a slope through it was twice too
+                 steep). Without that point: the ping's κ and g_C = 0.
 For (S, N, b), every per-example part scaled by b (and, for other tables, by w = F·D/(F₀·D₀)),
 written t(b) = f + w·c·b:
   calls    = R_t·N·S + R_c·S + N                               actor calls per step
   critical = (R_t + R_c)·λ(S) + f_T + w·c_T·b/N + f_S + w·c_S·b/S + t_C(b) + g_C·(N − 1)
-                                                               one trainer's path, the others in parallel
+             + τ_x·max(X/N, X/S)                               one trainer's path, the others in parallel
   cpu      = W(b) + (N − 1)·f_T + (S − 1)·f_S + κ·(calls − calls(1, 1)) + g_C·(N − 1)
                                                                all work, wherever it runs (each process
                                                                pays its own part per step)
@@ -48,7 +58,7 @@ measured ones (the caller's fan-out cost grows with S).
 Projection: S = N ∈ {8, 32, 128} at b = 65,536 on Criteo-1TB's shape (the 26 published
 cardinalities, each capped at the 40M hash size; D = 128 as in MLPerf's DLRM), 25 and 100 Gb/s.
 
-    python benchmarks/cluster_model.py [--quick] [--grid 1,2,4] [--batch 4096]
+    python benchmarks/cluster_model.py [--quick] [--grid 1,2,4] [--batch 4096] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -123,17 +133,19 @@ def predict(cal: dict, shards: int, trainers: int, batch: float, *, cores: Optio
     scale = batch / cal["batch"] * width
     rounds = TRAINER_ROUNDS + COORDINATOR_ROUNDS
     per_trainer = cal.get("coordinator_per_trainer_s", 0.0) * (trainers - 1)
+    total_bytes = scale * cal["bytes_per_step"]
+    # τ_x: the payloads' move on the path, the busiest role's share of the step's bytes
+    transfer = cal.get("transfer_s_per_byte", 0.0) * max(total_bytes / trainers, total_bytes / shards)
     critical = rounds * round_latency(cal["latency_s"], shards) + (
         _split(cal, "trainer_cpu_s", scale, trainers) + _split(cal, "shard_cpu_s", scale, shards)
-        + _split(cal, "coordinator_cpu_s", scale) + per_trainer)
+        + _split(cal, "coordinator_cpu_s", scale) + per_trainer) + transfer
     calls = calls_per_step(shards, trainers)
     # Every trainer and every shard process pays its own part per step (measured once at S = N = 1).
     fixed = cal.get("fixed", {})
     extra_processes = (trainers - 1) * fixed.get("trainer_cpu_s", 0.0) + (shards - 1) * fixed.get("shard_cpu_s", 0.0)
     cpu = (_split(cal, "machine_cpu_s", scale) + extra_processes + per_trainer
            + cal["call_cpu_s"] * (calls - calls_per_step(1, 1)))
-    total_bytes = scale * cal["bytes_per_step"]
-    out = {"critical_s": critical, "cpu_s": cpu, "calls": calls, "bytes_per_shard": total_bytes / shards,
+    out = {"critical_s": critical, "transfer_s": transfer, "cpu_s": cpu, "calls": calls, "bytes_per_shard": total_bytes / shards,
            "bytes_per_trainer": total_bytes / trainers}
     step = critical
     if cores is not None:
@@ -215,7 +227,7 @@ def _role_seconds(point: dict) -> dict:
             "machine_cpu_s": point["machine_cpu_ms_per_step"] / 1e3}
 
 
-def calibration(point: dict, small: Optional[dict], ping: dict, two_trainers: Optional[dict] = None) -> dict:
+def calibration(point: dict, small: Optional[dict], ping: dict, more_trainers: Optional[dict] = None) -> dict:
     """The model's inputs from the S = N = 1 measurements (at the batch, and `small` at a
     quarter of it: the part of each role's CPU per step, f of f + c·b, is where the line
     through the two meets b = 0, at least 0 and at most the whole) and the ping rounds."""
@@ -230,13 +242,47 @@ def calibration(point: dict, small: Optional[dict], ping: dict, two_trainers: Op
                         for k, v in _role_seconds(point).items()}
         cal["small_batch"] = b_lo
     cal["ping_call_cpu_s"] = cal["call_cpu_s"]
-    if two_trainers is not None:
-        one, two = _role_seconds_all(point), _role_seconds_all(two_trainers)
-        extra_calls = calls_per_step(1, 2) - calls_per_step(1, 1)
+    if more_trainers is not None:
+        n_more = more_trainers["num_trainers"]
+        if more_trainers["num_shards"] != 1 or n_more < 2:
+            raise ValueError(f"the second calibration point must be S = 1 with N >= 2, got S = "
+                             f"{more_trainers['num_shards']}, N = {n_more}")
+        one, two = _role_seconds_all(point), _role_seconds_all(more_trainers)
+        extra_calls = calls_per_step(1, n_more) - calls_per_step(1, 1)
         cal["call_cpu_s"] = max((two["rest"] - one["rest"]) / extra_calls, 0.0)
-        cal["coordinator_per_trainer_s"] = max(two["coordinator"] - one["coordinator"], 0.0)
-        cal["second_point"] = [1, 2]
+        cal["coordinator_per_trainer_s"] = max(two["coordinator"] - one["coordinator"], 0.0) / (n_more - 1)
+        cal["second_point"] = [1, n_more]
+    if "step_ms_median" in point and cal["bytes_per_step"] > 0:
+        # τ_x: what of the calibration point's step its CPU and idle rounds do not explain, per byte
+        beyond = point["step_ms_median"] / 1e3 - predict(cal, 1, 1, batch)["critical_s"]
+        cal["transfer_s_per_byte"] = max(beyond, 0.0) / cal["bytes_per_step"]
     return cal
+
+
+def median_run(runs: Sequence[dict]) -> dict:
+    """Of repeated measurements of one (S, N, b), the run whose step time is the median (the
+    lower median for an even count), returned whole so its CPU and byte figures stay that run's;
+    every repeat's step time is kept beside it (`repeat_step_ms`, in measurement order)."""
+    if not runs:
+        raise ValueError("median_run needs at least one run")
+    ordered = sorted(runs, key=lambda r: r["step_ms_median"])
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    chosen["repeat_step_ms"] = [r["step_ms_median"] for r in runs]
+    return chosen
+
+
+def median_ping(pings: Sequence[dict]) -> dict:
+    """Repeated ping rounds: per S, the median of the repeats' round latency and CPU per call."""
+    keys = pings[0]["latency_s"].keys()
+    return {"latency_s": {s: statistics.median(p["latency_s"][s] for p in pings) for s in keys},
+            "call_cpu_s": {s: statistics.median(p["call_cpu_s"][s] for p in pings) for s in keys},
+            "repeats": len(pings)}
+
+
+def _most_trainers(points: dict) -> Optional[dict]:
+    """The second calibration point: S = 1 with the most trainers measured (None if only N = 1)."""
+    n = max((k[1] for k in points if k[0] == 1), default=1)
+    return points[(1, n)] if n > 1 else None
 
 
 def _calibration_points(cal: dict) -> list:
@@ -253,6 +299,7 @@ def check_rows(cal: dict, points: Sequence[dict], cores: float) -> list[dict]:
                      "measured_s": measured, "predicted_s": pred["step_s"], "critical_s": pred["critical_s"],
                      "cpu_bound_s": pred["cpu_s"] / cores, "error": pred["step_s"] / measured - 1,
                      "machine_cpu_s": p["machine_cpu_ms_per_step"] / 1e3, "predicted_cpu_s": pred["cpu_s"],
+                     "repeat_step_s": [v / 1e3 for v in p.get("repeat_step_ms", [p["step_ms_median"]])],
                      "calibration": [p["num_shards"], p["num_trainers"]] in _calibration_points(cal)})
     return rows
 
@@ -313,6 +360,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--examples", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="interleaved repeats of every point, each point its median run (default 3; --quick 1)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     started = time.time()
@@ -323,37 +372,51 @@ def main(argv=None) -> dict:
     rows = args.rows or (52_000 if args.quick else 520_000)
     examples = args.examples or (10_000 if args.quick else 50_000)
     steps = args.steps or (2 if args.quick else 6)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     data = ctr_dataset(rows, examples)
     cores = float(machine.get("logical_cores") or 2)
-    print("--- ping rounds", flush=True)
-    ping = run_worker(__file__, {"kind": "ping", "shards": grid, "rounds": 20 if args.quick else 200,
-                                 "nodes": args.nodes, "head_cpus": 2, "node_cpus": max(2, max(grid))}, timeout=900)
-    if "error" in ping:
-        raise SystemExit(f"ping rounds failed: {ping['error']}")
-    print("    " + ", ".join(f"S={s}: {1e3 * v:.2f} ms" for s, v in ping["latency_s"].items()), flush=True)
-    points = []
-    for s in grid:
-        for n in grid:
-            print(f"--- S={s} N={n}", flush=True)
-            spec = step_spec(data, s, n, args.batch, steps, args.nodes, args.config)
-            res = run_worker(Path(__file__).with_name("trainer_scaling.py"), spec, timeout=1800)
-            if "error" in res:
-                print(f"    failed: {res['error']}", flush=True)
-                continue
-            print(f"    {res['step_ms_median']:.1f} ms/step, machine CPU {res['machine_cpu_ms_per_step']:.0f} ms/step",
-                  flush=True)
-            points.append(res)
+    pings, runs, smalls = [], {}, []
+    # Repeats are interleaved (every point once, then again) so a slow spell of the machine
+    # lands on every point alike rather than on one; each point is then its median run.
+    for rep in range(args.repeats):
+        tag = f" (repeat {rep + 1} of {args.repeats})" if args.repeats > 1 else ""
+        print(f"--- ping rounds{tag}", flush=True)
+        ping = run_worker(__file__, {"kind": "ping", "shards": grid, "rounds": 20 if args.quick else 200,
+                                     "nodes": args.nodes, "head_cpus": 2, "node_cpus": max(2, max(grid))}, timeout=900)
+        if "error" in ping:
+            raise SystemExit(f"ping rounds failed: {ping['error']}")
+        print("    " + ", ".join(f"S={s}: {1e3 * v:.2f} ms" for s, v in ping["latency_s"].items()), flush=True)
+        pings.append(ping)
+        for s in grid:
+            for n in grid:
+                print(f"--- S={s} N={n}{tag}", flush=True)
+                spec = step_spec(data, s, n, args.batch, steps, args.nodes, args.config)
+                res = run_worker(Path(__file__).with_name("trainer_scaling.py"), spec, timeout=1800)
+                if "error" in res:
+                    print(f"    failed: {res['error']}", flush=True)
+                    continue
+                print(f"    {res['step_ms_median']:.1f} ms/step, machine CPU {res['machine_cpu_ms_per_step']:.0f} "
+                      "ms/step", flush=True)
+                runs.setdefault((s, n), []).append(res)
+        print(f"--- S=1 N=1 at batch {args.batch // 4}{tag} (calibration: work per step against per example)",
+              flush=True)
+        small = run_worker(Path(__file__).with_name("trainer_scaling.py"),
+                           step_spec(data, 1, 1, args.batch // 4, steps, args.nodes, args.config), timeout=1800)
+        if "error" in small:
+            print(f"    failed: {small['error']}", flush=True)
+        else:
+            smalls.append(small)
+    ping = median_ping(pings)
+    points = [median_run(runs[key]) for key in sorted(runs)]
     base = next((p for p in points if p["num_shards"] == 1 and p["num_trainers"] == 1), None)
     if base is None:
         raise SystemExit("the calibration point S = N = 1 failed")
-    print(f"--- S=1 N=1 at batch {args.batch // 4} (calibration: work per step against per example)", flush=True)
-    small = run_worker(Path(__file__).with_name("trainer_scaling.py"),
-                       step_spec(data, 1, 1, args.batch // 4, steps, args.nodes, args.config), timeout=1800)
-    if "error" in small:
-        print(f"    failed: {small['error']}; every role's CPU taken as per example", flush=True)
-        small = None
-    two = next((p for p in points if p["num_shards"] == 1 and p["num_trainers"] == 2), None)
-    cal = calibration(base, small, ping, two)
+    small = median_run(smalls) if smalls else None
+    if small is None:
+        print("    the small-batch point failed: every role's CPU taken as per example", flush=True)
+    cal = calibration(base, small, ping, _most_trainers({(p["num_shards"], p["num_trainers"]): p for p in points}))
     from widedp.trainer.config import load_config
 
     m = load_config(args.config, []).model
@@ -368,6 +431,7 @@ def main(argv=None) -> dict:
                        [[r["shards"], r["gbps"], f"{1e3 * r['step_s']:.1f}", f"{r['examples_per_s']:,.0f}",
                          fmt_bytes(r["bytes_per_shard"]), fmt_bytes(r["table_bytes_per_shard"])] for r in proj]))
     payload = {"config": args.config, "rows": rows, "examples": examples, "batch": args.batch, "grid": grid,
+               "repeats": args.repeats, "pings": pings,
                "nodes": args.nodes, "cores": cores, "calibration_dims": dims, "ping": ping, "calibration": cal,
                "small_point": small,
                "points": points, "checks": checks, "projections": proj, "criteo": criteo_shape(), "rtt_s": RTT_S}
@@ -382,7 +446,7 @@ def results_section(doc: dict) -> tuple[list[str], list]:
     if (1, 1) in pts:
         # The calibration and predictions are recomputed from the stored measurements, so the
         # section always shows this file's model (the measurements are the run's).
-        cal = calibration(pts[(1, 1)], doc.get("small_point"), doc["ping"], pts.get((1, 2)))
+        cal = calibration(pts[(1, 1)], doc.get("small_point"), doc["ping"], _most_trainers(pts))
     checks = check_rows(cal, doc["points"], doc["cores"]) if doc.get("points") else doc["checks"]
     proj = projections(cal, tuple(doc["calibration_dims"])) if doc.get("calibration_dims") else doc["projections"]
     lam = ", ".join(f"S = {s}: {1e3 * float(v):.2f} ms" for s, v in doc["ping"]["latency_s"].items())
@@ -390,26 +454,35 @@ def results_section(doc: dict) -> tuple[list[str], list]:
              f"shards, S shard actors × N trainer actors calling them directly, on a loopback cluster of {doc['nodes']} "
              f"Ray nodes on this {doc['cores']:g}-core machine, expected batch {doc['batch']:,}. The model "
              "(`benchmarks/cluster_model.py`'s docstring) is calibrated at S = N = 1"
-             + (" and S = 1, N = 2" if "second_point" in cal else " only") + ": CPU per step of the trainer "
+             + (f" and S = 1, N = {cal['second_point'][1]}" if "second_point" in cal else " only")
+             + ": CPU per step of the trainer "
              f"{1e3 * cal['trainer_cpu_s']:.1f} ms, the shard {1e3 * cal['shard_cpu_s']:.1f} ms, the coordinator "
              f"{1e3 * cal['coordinator_cpu_s']:.1f} ms, the machine {1e3 * cal['machine_cpu_s']:.1f} ms"
              + (" (of which per step, whatever the batch, from a second run at batch "
                 f"{cal['small_batch']:,.0f}: " + ", ".join(f"{k.split('_')[0]} {1e3 * v:.1f} ms" for k, v in
                                                         cal["fixed"].items()) + ")" if "fixed" in cal else "") + "; "
-             f"{fmt_bytes(cal['bytes_per_step'])} per step; idle ping rounds λ(S) {lam}; "
-             + (f"from S = 1, N = 2: {1e3 * cal['call_cpu_s']:.1f} ms of machine CPU outside the role processes per "
+             f"{fmt_bytes(cal['bytes_per_step'])} per step"
+             + (f", moved on the path at {1e9 * cal['transfer_s_per_byte']:.2f} ns per byte (τ_x: the calibration "
+                "step beyond its CPU and idle rounds)" if "transfer_s_per_byte" in cal else "")
+             + f"; idle ping rounds λ(S) {lam}; "
+             + (f"from S = 1, N = {cal.get('second_point', [1, 2])[1]}: {1e3 * cal['call_cpu_s']:.1f} ms of machine "
+                "CPU outside the role processes per "
                 f"extra actor call with the step's payloads (an idle ping call: {1e3 * cal['ping_call_cpu_s']:.1f} ms) "
                 f"and {1e3 * cal['coordinator_per_trainer_s']:.1f} ms of coordinator CPU per extra trainer"
                 if "second_point" in cal else f"{1e6 * cal['call_cpu_s']:.0f} µs of machine CPU per actor call")
              + ". Every other row is a prediction checked "
-             "against its measurement (loopback form: max(critical path, CPU work / cores)).", "",
-             "| S | N | measured ms | predicted ms | error | critical path ms | CPU work / cores ms | machine CPU ms (measured / predicted) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "against its measurement (loopback form: max(critical path, CPU work / cores)). "
+             + (f"Each point is the median of {doc['repeats']} interleaved runs (that run's figures; every run's step "
+                "in the last column), the ping rounds the median of as many." if doc.get("repeats", 1) > 1 else
+                "One run per point."), "",
+             "| S | N | measured ms | predicted ms | error | critical path ms | CPU work / cores ms | machine CPU ms (measured / predicted) | each run's step ms |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in checks:
         tag = " (calibration)" if r["calibration"] else ""
+        each = ", ".join(f"{1e3 * v:.0f}" for v in r.get("repeat_step_s", [r["measured_s"]]))
         lines.append(f"| {r['shards']} | {r['trainers']}{tag} | {1e3 * r['measured_s']:.1f} | {1e3 * r['predicted_s']:.1f} | "
                      f"{100 * r['error']:+.0f}% | {1e3 * r['critical_s']:.1f} | {1e3 * r['cpu_bound_s']:.1f} | "
-                     f"{1e3 * r['machine_cpu_s']:.0f} / {1e3 * r['predicted_cpu_s']:.0f} |")
+                     f"{1e3 * r['machine_cpu_s']:.0f} / {1e3 * r['predicted_cpu_s']:.0f} | {each} |")
     roles = role_rows(cal, doc["points"]) if doc.get("points") else []
     if roles:
         lines += ["", "Where each step's CPU went, ms per step, measured / modelled (a trainer and a shard: the mean "
@@ -424,7 +497,8 @@ def results_section(doc: dict) -> tuple[list[str], list]:
             lines.append(f"| {m} | {n} | " + " | ".join(cells) + f" | {1e3 * meas:.0f} / {1e3 * model:.0f} |")
     shape = doc["criteo"]
     lines += ["", f"Projection (many-machine form: a machine per actor, the busiest link's transfer and "
-              f"{1e6 * doc['rtt_s']:.0f} µs per round added, no overlap of compute and transfer) on Criteo-1TB's shape: "
+              f"{1e6 * doc['rtt_s']:.0f} µs per round added to the loopback path (τ_x's serialization kept), no "
+              "overlap of compute and transfer) on Criteo-1TB's shape: "
               f"the 26 published cardinalities capped at the 40M hash size ({shape['total_rows']:,} rows, "
               f"{fmt_bytes(shape['table_bytes'])} of tables at D = {shape['dim']}), per-example work and bytes scaled "
               f"by F·D relative to the calibration model, λ(S) beyond the measured S from the line through the "
@@ -440,7 +514,8 @@ def results_section(doc: dict) -> tuple[list[str], list]:
         big = max(proj, key=lambda r: r["trainers"])
         share = g_c * (big["trainers"] - 1) / big["step_s"]
         lines += ["", f"At S = N = {big['trainers']} the coordinator's work per extra trainer ({1e3 * g_c:.1f} ms, "
-                  f"measured from N = 1 to 2: each trainer's task and its dense gradient summed) is "
+                  f"measured from N = 1 to {cal.get('second_point', [1, 2])[1]} at S = 1: each trainer's task and its dense "
+                  "gradient summed) is "
                   f"{100 * share:.0f}% of the projected step: it runs serially on one process, so beyond a few dozen "
                   "trainers the step is bound by it — summing the trainers' dense gradients among themselves (a "
                   "tree or ring reduction) instead of at the coordinator is what would take it off the path."]
@@ -473,11 +548,6 @@ def _miss_reason(doc: dict, cal: dict, checks: Sequence[dict], roles: Sequence[d
                      "modelled (" + ", ".join(f"{k} {v:.1f}×" for k, v in ratio.items()) + ")")
         by = {(r["shards"], r["trainers"]): r for r in roles}
         n_max, s_max = max(k[1] for k in by), max(k[0] for k in by)
-        if (1, 1) in by and (1, n_max) in by and n_max > 1 and "coordinator_per_trainer_s" not in cal:
-            parts.append(f"the coordinator's work grows with N (it sends each trainer its task and sums the trainers' "
-                         f"dense gradients: {1e3 * by[(1, 1)]['coordinator'][0]:.0f} → "
-                         f"{1e3 * by[(1, n_max)]['coordinator'][0]:.0f} ms from N = 1 to {n_max} at S = 1), which the "
-                         "model, calibrated at N = 1 only, holds constant")
         if (s_max, 1) in by and (s_max, n_max) in by and n_max > 1:
             lo, hi = by[(s_max, 1)]["shard"], by[(s_max, n_max)]["shard"]
             parts.append(f"on this 2-core machine S + N + 1 busy processes share the cores and a process's CPU for the "

@@ -154,12 +154,56 @@ def test_the_miss_reason_names_the_coordinators_growth_and_the_contention():
     assert any("| 1 | 2 (calibration) |" in line for line in lines)
 
 
-def test_without_the_second_point_the_coordinators_growth_is_named_as_unmodelled():
-    cal = dict(CAL, fixed={"trainer_cpu_s": 0.008, "shard_cpu_s": 0.004, "coordinator_cpu_s": 0.006,
-                           "machine_cpu_s": 0.030}, small_batch=250.0)
-    pts = [_point(1, 1, 1000.0, 40.0, 20.0, 10.0, 100.0), _point(1, 4, 1000.0, 24.0, 20.0, 30.0, 300.0)]
-    doc = {"calibration": cal, "points": pts, "cores": 2.0, "grid": [1, 4], "checks": [], "projections": [],
-           "config": "c", "rows": 10, "nodes": 3, "batch": 1000, "ping": {"latency_s": {"1": 0.002}, "call_cpu_s": {"1": 0.001}},
-           "criteo": cm.criteo_shape(), "rtt_s": 5e-5}
-    _, goals = cm.results_section(doc)
-    assert "10 → 30 ms from N = 1 to 4 at S = 1" in goals[0][3]
+def test_the_call_and_trainer_slopes_are_taken_over_the_most_trainers_measured_at_one_shard():
+    pts = {(1, 1): _point(1, 1, 1000.0, 40.0, 20.0, 10.0, 100.0), (1, 2): _point(1, 2, 1000.0, 24.0, 20.0, 30.0, 200.0),
+           (1, 4): _point(1, 4, 1000.0, 12.0, 20.0, 22.0, 250.0), (2, 2): _point(2, 2, 1000.0, 20.0, 10.0, 30.0, 200.0)}
+    second = cm._most_trainers(pts)
+    assert (second["num_shards"], second["num_trainers"]) == (1, 4)
+    assert cm._most_trainers({(1, 1): pts[(1, 1)], (2, 2): pts[(2, 2)]}) is None  # no S = 1, N > 1: none
+    cal = cm.calibration(pts[(1, 1)], None, {"latency_s": {"1": 0.002}, "call_cpu_s": {"1": 0.001}}, second)
+    assert cal["second_point"] == [1, 4]
+    assert cal["coordinator_per_trainer_s"] == pytest.approx(0.012 / 3)  # 10 → 22 ms over 3 extra trainers
+    # the rest: (250 - 4·12 - 20 - 22) - (100 - 40 - 20 - 10) = 130 ms over the 9 extra calls of N = 4
+    assert cal["call_cpu_s"] == pytest.approx(0.130 / (cm.calls_per_step(1, 4) - cm.calls_per_step(1, 1)))
+    with pytest.raises(ValueError, match="S = 1 with N >= 2"):
+        cm.calibration(pts[(1, 1)], None, {"latency_s": {"1": 0.002}, "call_cpu_s": {"1": 0.001}}, pts[(2, 2)])
+
+
+def test_a_repeated_point_is_its_median_run_whole_with_every_repeat_kept():
+    runs = [{"step_ms_median": 300.0, "machine_cpu_ms_per_step": 900.0},
+            {"step_ms_median": 180.0, "machine_cpu_ms_per_step": 400.0},
+            {"step_ms_median": 200.0, "machine_cpu_ms_per_step": 500.0}]
+    chosen = cm.median_run(runs)
+    # the run in the middle, with its own CPU figure (not a mix of runs), and the repeats in order
+    assert chosen["step_ms_median"] == 200.0 and chosen["machine_cpu_ms_per_step"] == 500.0
+    assert chosen["repeat_step_ms"] == [300.0, 180.0, 200.0]
+    assert "repeat_step_ms" not in runs[2]  # the measurement itself is left as it was
+    assert cm.median_run(runs[:2])["step_ms_median"] == 180.0  # even count: the lower median
+    with pytest.raises(ValueError):
+        cm.median_run([])
+
+
+def test_repeated_ping_rounds_take_the_median_per_shard_count():
+    pings = [{"latency_s": {"1": 0.001, "2": 0.004}, "call_cpu_s": {"1": 1e-3, "2": 2e-3}},
+             {"latency_s": {"1": 0.003, "2": 0.002}, "call_cpu_s": {"1": 3e-3, "2": 1e-3}},
+             {"latency_s": {"1": 0.002, "2": 0.009}, "call_cpu_s": {"1": 2e-3, "2": 5e-3}}]
+    merged = cm.median_ping(pings)
+    assert merged["latency_s"] == {"1": 0.002, "2": 0.004} and merged["call_cpu_s"] == {"1": 2e-3, "2": 2e-3}
+    assert merged["repeats"] == 3
+
+
+def test_the_calibration_step_beyond_its_cpu_and_rounds_is_charged_per_byte_on_the_path():
+    base = _point(1, 1, 1000.0, 40.0, 20.0, 10.0, 100.0)
+    ping = {"latency_s": {"1": 0.002}, "call_cpu_s": {"1": 0.001}}
+    bare = cm.calibration(dict(base, step_ms_median=0.0), None, ping)  # a step inside its critical path
+    assert bare["transfer_s_per_byte"] == 0.0
+    critical = cm.predict(bare, 1, 1, 1000.0)["critical_s"]  # 4 rounds·2 ms + 40 + 20 + 10 ms = 78 ms
+    assert critical == pytest.approx(0.078)
+    cal = cm.calibration(dict(base, step_ms_median=118.0), None, ping)  # 40 ms more, over 8 MB
+    assert cal["transfer_s_per_byte"] == pytest.approx(0.040 / 8e6)
+    # the calibration point is reproduced, and the busiest role's share of the bytes is charged:
+    # at S = 4, N = 2 each trainer moves half of the step's bytes, 20 ms
+    assert cm.predict(cal, 1, 1, 1000.0)["critical_s"] == pytest.approx(0.118)
+    four_two = cm.predict(cal, 4, 2, 1000.0)
+    assert four_two["transfer_s"] == pytest.approx(0.020)
+    assert four_two["critical_s"] - cm.predict(bare, 4, 2, 1000.0)["critical_s"] == pytest.approx(0.020)
