@@ -465,7 +465,7 @@ def results_section(doc: dict) -> tuple[list[str], list]:
              + (f", moved on the path at {1e9 * cal['transfer_s_per_byte']:.2f} ns per byte (τ_x: the calibration "
                 "step beyond its CPU and idle rounds)" if "transfer_s_per_byte" in cal else "")
              + f"; idle ping rounds λ(S) {lam}; "
-             + (f"from S = 1, N = {cal.get('second_point', [1, 2])[1]}: {1e3 * cal['call_cpu_s']:.1f} ms of machine "
+             + (f"from S = 1, N = {cal['second_point'][1]}: {1e3 * cal['call_cpu_s']:.1f} ms of machine "
                 "CPU outside the role processes per "
                 f"extra actor call with the step's payloads (an idle ping call: {1e3 * cal['ping_call_cpu_s']:.1f} ms) "
                 f"and {1e3 * cal['coordinator_per_trainer_s']:.1f} ms of coordinator CPU per extra trainer"
@@ -514,7 +514,7 @@ def results_section(doc: dict) -> tuple[list[str], list]:
         big = max(proj, key=lambda r: r["trainers"])
         share = g_c * (big["trainers"] - 1) / big["step_s"]
         lines += ["", f"At S = N = {big['trainers']} the coordinator's work per extra trainer ({1e3 * g_c:.1f} ms, "
-                  f"measured from N = 1 to {cal.get('second_point', [1, 2])[1]} at S = 1: each trainer's task and its dense "
+                  f"measured from N = 1 to {cal['second_point'][1]} at S = 1: each trainer's task and its dense "
                   "gradient summed) is "
                   f"{100 * share:.0f}% of the projected step: it runs serially on one process, so beyond a few dozen "
                   "trainers the step is bound by it — summing the trainers' dense gradients among themselves (a "
