@@ -12,7 +12,10 @@ a response of the round's size (a buffer kept per size, its first bytes a copy o
   compiled  InputNode → every actor's `dispatch(request_s)` → MultiOutputNode, compiled once per
             S (as `RayShardGroup._compile_graph`) with a channel buffer of
             max(COMPILED_BUFFER_BYTES, the run's largest round input or answer + 1 MB); each
-            answer copied out of its channel (`owned`), as `_compiled_call` does;
+            answer copied out of its channel (`owned`), as `_compiled_call` does; the caller
+            and the actors wait on the channels with Ray's own spinning read;
+  compiled-backoff  the same, every process waiting with sleeps between looks
+            (`cluster.compiled_wait = "backoff"`, trainer/compiled_wait.py: the default);
   gloo      `init_process_group("gloo")` with a TCP store on 127.0.0.1 at a free port, rank 0
             the caller and ranks 1..S the shard actors (each running `gloo_shard_loop` in one
             long actor call). Per round the caller posts, to every shard at once, `isend` of a
@@ -47,8 +50,9 @@ per round (the driver and its descendants: Ray's GCS, raylet, workers and the sh
 and per (transport, S) the CPU its processes use while no round is in flight (`idle` cores:
 between a real step's rounds the caller computes). The choice (`choose`): at each b, the
 transport with the smallest step transport time summed over the S measured, its ratio to
-ordinary calls; and, where that transport's processes use ≥ IDLE_LIMIT_CORES while idle (CPU
-that a real step's compute on the caller and the shards needs), the fastest one that does not.
+ordinary calls; and, where that transport's processes use ≥ IDLE_LIMIT_CORES more than ordinary
+calls' while idle (CPU that a real step's compute on the caller and the shards needs; Ray's own
+daemons idle alike under every transport), the fastest one that does not.
 
     python benchmarks/data_plane_probe.py [--quick] [--batches 1024,4096,16384] [--shards 1,2,4]
 """
@@ -71,9 +75,12 @@ from _common import (REPO, RESULTS_DIR, announce_machine, fmt_bytes, format_tabl
                      worker_entry, write_results)
 from trainer_scaling import machine_busy_seconds  # noqa: E402
 
-TRANSPORTS = ("calls", "compiled", "gloo")
-TRANSPORT_LABELS = {"calls": "ordinary Ray actor calls", "compiled": "compiled Ray graph",
+TRANSPORTS = ("calls", "compiled", "compiled-backoff", "gloo")
+TRANSPORT_LABELS = {"calls": "ordinary Ray actor calls", "compiled": "compiled Ray graph (Ray's spinning reads)",
+                    "compiled-backoff": "compiled Ray graph, sleeping reads",
                     "gloo": "torch.distributed (gloo)"}
+#: the compiled transports' channel waits (trainer/compiled_wait.py, cluster.compiled_wait)
+COMPILED_WAIT = {"compiled": "spin", "compiled-backoff": "backoff"}
 ROUNDS = ("lookup", "norms", "row_sums")
 #: Each round's request and answer: (shard method, direction, split over the shards?) from the
 #: byte accounting's `bytes_per_step`; unsplit parts are per shard (the record's total / its S).
@@ -398,7 +405,11 @@ def measure(spec: dict) -> dict:
         plane: "CallsPlane | CompiledPlane | GlooPlane"
         if transport == "calls":
             plane = CallsPlane(actors, ray)
-        elif transport == "compiled":
+        elif transport in COMPILED_WAIT:
+            from widedp.trainer.compiled_wait import set_compiled_wait, set_compiled_wait_on_actor
+
+            set_compiled_wait(COMPILED_WAIT[transport])
+            ray.get([a.__ray_call__.remote(set_compiled_wait_on_actor, COMPILED_WAIT[transport]) for a in actors])
             largest = max(max(shards * p["request"], p["answer"]) for per in payloads.values() for p in per.values())
             buffer_bytes = max(COMPILED_BUFFER_BYTES, largest + (1 << 20))
             plane = CompiledPlane(actors, ray, buffer_bytes)
@@ -493,24 +504,29 @@ def summarize(raw: Sequence[dict], idle: Sequence[dict]) -> list[dict]:
 
 # ---- the choice -------------------------------------------------------------------------------------
 
-#: A transport whose processes use at least this many cores while no round is in flight (the
-#: compiled graph's polling threads) takes that CPU from the compute between and during a real
-#: step's rounds; `choose` names the fastest transport below it beside the fastest overall.
+#: A transport whose processes use at least this many cores more than ordinary calls' while no
+#: round is in flight, at some S (the compiled graph's spinning reads), takes that CPU from the
+#: compute between and during a real step's rounds; `choose` names the fastest transport below it
+#: beside the fastest overall. Relative to ordinary calls: Ray's daemons idle under every transport.
 IDLE_LIMIT_CORES = 0.1
 
 
 def choose(rows: Sequence[dict]) -> dict:
     """Per b: each transport's step transport time summed over the S measured for every
     transport (ms), the fastest (`best`), each one's ratio to ordinary calls, the fastest at
-    each S, each transport's largest idle CPU over S (cores) and the fastest of those below
+    each S, each transport's largest idle CPU over S (cores), its largest excess over ordinary
+    calls' idle CPU at the same S (`idle_extra`) and the fastest of those whose excess is below
     IDLE_LIMIT_CORES (`best_quiet`, None if none is)."""
     by_b: dict = {}
-    idle: dict = {}
+    idle_at: dict = {}
     for r in rows:
         per_s = by_b.setdefault(int(r["batch"]), {}).setdefault(r["transport"], {})
         per_s[int(r["shards"])] = float(r["step_ms_median"])
         if r.get("idle_own_cores") is not None:
-            idle[r["transport"]] = max(idle.get(r["transport"], 0.0), float(r["idle_own_cores"]))
+            idle_at.setdefault(r["transport"], {})[int(r["shards"])] = float(r["idle_own_cores"])
+    idle = {t: max(v.values()) for t, v in idle_at.items()}
+    base = idle_at.get("calls", {})
+    extra = {t: max(c - base.get(s, 0.0) for s, c in v.items()) for t, v in idle_at.items()}
     out = {}
     for b, per in sorted(by_b.items()):
         common = set.intersection(*(set(v) for v in per.values())) if per else set()
@@ -518,10 +534,11 @@ def choose(rows: Sequence[dict]) -> dict:
             continue
         total = {t: sum(v[s] for s in common) for t, v in per.items()}
         best = min(total, key=lambda t: total[t])
-        quiet = [t for t in total if idle.get(t, 0.0) < IDLE_LIMIT_CORES]
+        quiet = [t for t in total if extra.get(t, 0.0) < IDLE_LIMIT_CORES]
         out[b] = {"shards": sorted(common), "step_ms_sum": total, "best": best,
                   "best_quiet": min(quiet, key=lambda t: total[t]) if quiet else None,
                   "idle_cores": {t: idle[t] for t in total if t in idle},
+                  "idle_extra": {t: extra[t] for t in total if t in extra},
                   "vs_calls": ({t: v / total["calls"] for t, v in total.items()} if total.get("calls") else {}),
                   "fastest_at": {s: min(per, key=lambda t: per[t][s]) for s in sorted(common)}}
     return out
@@ -546,12 +563,15 @@ def choice_text(choice: dict) -> str:
                                                       else "none") for b, c in choice.items())
 
     text = "transport alone, " + which("best")
-    burning = sorted({t for c in choice.values() for t, v in c["idle_cores"].items() if v >= IDLE_LIMIT_CORES})
+    burning = sorted({t for c in choice.values() for t, v in c.get("idle_extra", c["idle_cores"]).items()
+                      if v >= IDLE_LIMIT_CORES})
     if any(c["best"] in burning for c in choice.values()):
         first = next(iter(choice.values()))
-        text += ("; but " + ", ".join(f"the {TRANSPORT_LABELS[t]}'s processes use {first['idle_cores'][t]:.2f} cores "
-                                      "while no round is in flight" for t in burning)
-                 + f" (≥ {IDLE_LIMIT_CORES:g}), CPU a real step's compute needs; without it: " + which("best_quiet"))
+        extra = first.get("idle_extra", first["idle_cores"])
+        text += ("; but " + ", ".join(f"with the {TRANSPORT_LABELS[t]} the processes use {first['idle_cores'][t]:.2f} "
+                                      f"cores while no round is in flight ({extra[t]:.2f} more than with ordinary calls)"
+                                      for t in burning)
+                 + f" (≥ {IDLE_LIMIT_CORES:g} more), CPU a real step's compute needs; without it: " + which("best_quiet"))
     final = {c["best_quiet"] if c["best"] in burning else c["best"] for c in choice.values()}
     if final == {"calls"}:
         text += "; keep ordinary calls (they also carry the shard recovery)"
@@ -611,7 +631,7 @@ def results_section(doc: dict) -> tuple[list[str], list]:
         per_s = ", ".join(f"S = {s}: {TRANSPORT_LABELS[t]}" for s, t in c["fastest_at"].items())
         quiet = ""
         if c["best_quiet"] != c["best"]:
-            quiet = (f"; fastest below {IDLE_LIMIT_CORES:g} idle cores: "
+            quiet = (f"; fastest below {IDLE_LIMIT_CORES:g} idle cores beyond ordinary calls': "
                      + (TRANSPORT_LABELS[c["best_quiet"]] if c["best_quiet"] else "none"))
         goals.append((f"b = {b:,}: the fastest transport for one step's rounds",
                       f"{TRANSPORT_LABELS[c['best']]} (" + ", ".join(f"{t} {v:.2f}×" for t, v in c["vs_calls"].items())

@@ -21,7 +21,10 @@ config's generator, 26 tables of `--rows` rows each). Every system reads the sam
                            Ray's placement without Ray (what the Ray goal compares against).
   widedp-sparse-ray        the same on Ray shard actors (cluster.num_shards of the config).
   widedp-sparse-ray-compiled  the same over the compiled data plane (cluster.data_plane =
-                           "compiled": one compiled Ray graph carries every round).
+                           "compiled": one compiled Ray graph carries every round), its processes
+                           waiting on the channels with sleeps (cluster.compiled_wait = "backoff").
+  widedp-sparse-ray-compiled-spin
+                           the same with Ray's own spinning channel reads (compiled_wait = "spin").
   widedp-sparse-ray-eager, widedp-sparse-ray-compiled-eager
                            the two Ray systems with the write-back in a round of its own
                            (cluster.fold_write_back = false; the default folds it into the
@@ -38,6 +41,11 @@ train.dense_lr for the dense part; plain SGD) and expected batch for every priva
 Both PyTorch systems fetch a batch with one gather per tensor (the dataset's `__getitems__`),
 so neither pays a per-example Python loop that widedp does not; Opacus's own DPDataLoader
 (UniformWithReplacementSampler) draws its batches, the floor an equivalent Poisson sampler.
+
+--repeats R runs every system R times, interleaved per size (A B C … A B C …: load that drifts
+over the run falls on every system), and takes each (system, size)'s step time — and the goals —
+as the median of its repeats' median steps (on this 2-core machine one repeat of the same system
+moved 18 → 31 ms at b = 1,024, enough to flip a ratio goal; the ray_batch_* runs use 3).
 
 Conventions of benchmarks/opacus_compare.py: every (system, size) in a fresh worker process,
 warm-up then timed steps until --steps or --max-seconds, median ms/step, peak memory (the
@@ -70,6 +78,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (DATA_DIR, announce_machine, ensure_config_dataset, fmt_bytes, format_table,  # noqa: E402
@@ -77,7 +87,7 @@ from _common import (DATA_DIR, announce_machine, ensure_config_dataset, fmt_byte
 from opacus_compare import _timed, torch_step  # noqa: E402  (the same training step and timing loop)
 
 SYSTEMS = ("pytorch-nonprivate", "opacus-ghost", "widedp-sparse-inprocess", "widedp-sparse-sharded", "widedp-sparse-ray",
-           "widedp-sparse-ray-compiled", "widedp-sparse-ray-eager", "widedp-sparse-ray-compiled-eager",
+           "widedp-sparse-ray-compiled", "widedp-sparse-ray-compiled-spin", "widedp-sparse-ray-eager", "widedp-sparse-ray-compiled-eager",
            "widedp-sparse-ray-norms-round", "widedp-dpsgd",
            "widedp-nonprivate")
 LABELS = {
@@ -86,7 +96,8 @@ LABELS = {
     "widedp-sparse-inprocess": "widedp sparse, in-process, one shard",
     "widedp-sparse-sharded": "widedp sparse, in-process, Ray's shards",
     "widedp-sparse-ray": "widedp sparse, Ray shards",
-    "widedp-sparse-ray-compiled": "widedp sparse, Ray shards, compiled data plane",
+    "widedp-sparse-ray-compiled": "widedp sparse, Ray shards, compiled data plane (waits with sleeps)",
+    "widedp-sparse-ray-compiled-spin": "widedp sparse, Ray shards, compiled data plane, Ray's spinning waits",
     "widedp-sparse-ray-eager": "widedp sparse, Ray shards, write-back round of its own",
     "widedp-sparse-ray-compiled-eager": "widedp sparse, Ray shards, compiled data plane, write-back round of its own",
     "widedp-sparse-ray-norms-round": "widedp sparse, Ray shards, norms round on the shards",
@@ -100,6 +111,8 @@ ONE_SHARD = ["cluster.num_shards=1"]
 WIDEDP = {"widedp-sparse-inprocess": ("sparse", "local", ONE_SHARD), "widedp-sparse-sharded": ("sparse", "local", []),
           "widedp-sparse-ray": ("sparse", "ray", []),
           "widedp-sparse-ray-compiled": ("sparse", "ray", ["cluster.data_plane=compiled"]),
+          "widedp-sparse-ray-compiled-spin": ("sparse", "ray", ["cluster.data_plane=compiled",
+                                                                "cluster.compiled_wait=spin"]),
           "widedp-sparse-ray-eager": ("sparse", "ray", ["cluster.fold_write_back=false"]),
           "widedp-sparse-ray-compiled-eager": ("sparse", "ray", ["cluster.data_plane=compiled",
                                                                  "cluster.fold_write_back=false"]),
@@ -332,8 +345,20 @@ def goal_line(g: dict) -> str:
     return f"{g['goal']}: {status} — {g['unit']} " + "; ".join(parts)
 
 
+def repeat_step_ms(results: list) -> dict:
+    """(system, rows) -> each repeat's median step ms, in repeat order (rows without "repeat": one)."""
+    out: dict = {}
+    for r in sorted(results, key=lambda r: r.get("repeat", 0)):
+        if r.get("step_ms_median"):
+            out.setdefault((r["system"], r["rows"]), []).append(r["step_ms_median"])
+    return out
+
+
 def summarize(results: list, sizes: list[int], batch: Optional[int] = None) -> dict:
-    step_ms = {(r["system"], r["rows"]): r["step_ms_median"] for r in results if r.get("step_ms_median")}
+    """Ratios and goals on each (system, size)'s step time: the median over repeats of each
+    repeat's median step (--repeats runs every system once per repeat, interleaved)."""
+    per_repeat = repeat_step_ms(results)
+    step_ms = {key: float(np.median(v)) for key, v in per_repeat.items()}
     ratios = {}
     for rows in sizes:
         floor, peer = step_ms.get((FLOOR, rows)), step_ms.get((PEER, rows))
@@ -342,7 +367,8 @@ def summarize(results: list, sizes: list[int], batch: Optional[int] = None) -> d
             t = step_ms.get((s, rows))
             if t is None:
                 continue
-            entry[s] = {"step_ms": t, "x_floor": t / floor if floor else None, "opacus_over": peer / t if peer else None}
+            entry[s] = {"step_ms": t, "x_floor": t / floor if floor else None, "opacus_over": peer / t if peer else None,
+                        "repeats_ms": per_repeat[(s, rows)]}
         ratios[str(rows)] = entry
     goals = evaluate_goals(step_ms, sizes, batch)
     return {"ratios": ratios, "goals": goals, "lines": [goal_line(g) for g in goals]}
@@ -379,6 +405,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20, quick 3)")
     parser.add_argument("--warmup", type=int, default=None, help="default 3 (quick 1)")
     parser.add_argument("--max-seconds", type=float, default=None, help="per configuration (default 120, quick 20)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every system this many times, interleaved (A B C A B C ...: load drifting over the "
+                             "run falls on all); each (system, size) is the median of its repeats' median steps")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--device", default="cpu",
                         help="where plain PyTorch and Opacus run (cuda: the GPU; widedp's shards take the GPU "
@@ -413,11 +442,13 @@ def main(argv=None) -> dict:
           f"bottom {list(m.bottom_mlp)}, top {list(m.top_mlp)}, interaction {m.interaction}; expected batch {batch} "
           f"(Poisson), σ {args.sigma}, S1 {common['clip']}, SGD lr {common['lr']} (dense {common['dense_lr']}), "
           f"widedp sparse/{cfg.train.selection} k {cfg.privacy.k}, {cfg.cluster.num_shards} shards; {examples:,} examples\n")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     results = []
     for rows in sizes:
         data, data_over = _dataset(args.config, rows, examples, cfg.data.seed, args.set)
-        for system in systems:
-            row: dict = {"system": system, "rows": rows, "tables": 26}
+        for repeat, system in ((rep, s) for rep in range(args.repeats) for s in systems):
+            row: dict = {"system": system, "rows": rows, "tables": 26, "repeat": repeat}
             spec = dict(common, system=system, data=str(data), steps=steps, warmup=warmup, max_seconds=max_seconds,
                         device=args.device)
             if system in WIDEDP:
@@ -425,11 +456,13 @@ def main(argv=None) -> dict:
                 extra = [*data_over, f"train.batch_size={batch}", "train.optimizer=sgd", *placement]
                 spec.update(widedp_timing_spec(args.config, mode, cfg.train.selection, backend, extra, args.sigma))
             results.append(run_timed_system(__file__, row, spec, memory_estimate(system, rows, 26, m.embedding_dim),
-                                            f"26×{rows:,}"))
+                                            f"26×{rows:,}" + (f" (repeat {repeat + 1}/{args.repeats})"
+                                                              if args.repeats > 1 else "")))
     summary = summarize(results, sizes, batch)
     print_tables(results, summary, sizes)
     payload = {"config": args.config, "rows": sizes, "tables": 26, **common, "examples": examples, "steps": steps,
-               "warmup": warmup, "max_seconds": max_seconds, "selection": cfg.train.selection, "k": cfg.privacy.k,
+               "warmup": warmup, "max_seconds": max_seconds, "repeats": args.repeats,
+               "selection": cfg.train.selection, "k": cfg.privacy.k,
                "num_shards": cfg.cluster.num_shards, "fold_write_back": cfg.cluster.fold_write_back,
                "norms_on_trainer": cfg.cluster.norms_on_trainer,
                "systems": systems, "labels": LABELS, "results": results,

@@ -32,14 +32,19 @@ RUN_VARIANTS = {**RUN_VARIANTS, "user_level_k": (
 #: §2d: the DLRM step at DP batch sizes, ordinary calls against the compiled data plane
 RAY_BATCHES = (1024, 4096, 16384)
 RAY_BATCH_SYSTEMS = ("pytorch-nonprivate,opacus-ghost,widedp-sparse-sharded,widedp-sparse-ray,widedp-sparse-ray-compiled,"
-                     "widedp-sparse-ray-eager,widedp-sparse-ray-norms-round")
+                     "widedp-sparse-ray-compiled-spin,widedp-sparse-ray-eager,widedp-sparse-ray-norms-round")
 RUN_VARIANTS["phase_breakdown_16k"] = ("phase_breakdown.py", [
     "--set", "train.batch_size=16384", "--steps", "8", "--warmup", "2", "--out", "benchmarks/results/phase_breakdown_16k.json"])
+#: §5 over the compiled data plane (cluster.data_plane = "compiled", its default sleeping waits)
+RUN_VARIANTS.update({f"phase_breakdown_compiled_{tag}": ("phase_breakdown.py", [
+    "--set", "cluster.data_plane=compiled", "--set", f"train.batch_size={b}", *extra,
+    "--out", f"benchmarks/results/phase_breakdown_compiled_{tag}.json"])
+    for tag, b, extra in (("1k", 1024, []), ("16k", 16384, ["--steps", "8", "--warmup", "2"]))})
 RUN_VARIANTS["trainer_scaling_16k"] = ("trainer_scaling.py", [
     "--trainers", "1,2", "--batch", "16384", "--examples", "100000", "--steps", "5", "--repeats", "3",
     "--out", "benchmarks/results/trainer_scaling_16k.json"])
 RUN_VARIANTS.update({f"ray_batch_{b}": ("dlrm_compare.py", [
-    "--rows", "20000", "--batch", str(b), "--systems", RAY_BATCH_SYSTEMS, "--steps", "10", "--warmup", "2",
+    "--rows", "20000", "--batch", str(b), "--systems", RAY_BATCH_SYSTEMS, "--repeats", "3", "--steps", "10", "--warmup", "2",
     "--max-seconds", "60", "--out", f"benchmarks/results/ray_batch_{b}.json"]) for b in RAY_BATCHES})
 
 NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "privacy_overhead", "communication",
@@ -47,7 +52,8 @@ NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line",
          "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive",
          "noise_generators", "cli_startup", "user_level", "user_level_examples", "user_level_k", "convert_throughput",
-         "ray_batch_1024", "ray_batch_4096", "ray_batch_16384", "trainer_scaling_16k", "phase_breakdown_16k", "cluster_model", "cbow_large",
+         "ray_batch_1024", "ray_batch_4096", "ray_batch_16384", "trainer_scaling_16k", "phase_breakdown_16k",
+         "phase_breakdown_compiled_1k", "phase_breakdown_compiled_16k", "cluster_model", "cbow_large",
          "modelmix_image", "data_plane_probe")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
@@ -315,7 +321,7 @@ def section_dlrm(doc) -> tuple[list, list]:
     for r in doc["results"]:
         if r["system"] not in systems:
             systems.append(r["system"])
-    by = {(r["system"], r["rows"]): r for r in doc["results"]}
+    by = {(r["system"], r["rows"]): r for r in doc["results"] if not r.get("repeat")}
     for s in systems:
         cells = []
         for rows in sizes:
@@ -327,9 +333,20 @@ def section_dlrm(doc) -> tuple[list, list]:
                 why = r.get("skipped") or (f"FAILED: {r['error'][:60]}" if r.get("error") else "not run")
                 cells += [why, "–", "–"]
         lines.append(f"| {labels.get(s, s)} | " + " | ".join(cells) + " |")
+    repeats = int(doc.get("repeats", 1))
+    if repeats > 1:
+        lines += ["", f"Every system ran {repeats} times, interleaved (A B C … A B C …: load that drifts over the run "
+                      "falls on all); each step time above is the median of its repeats' median steps, and the goals "
+                      "are taken on those. Each repeat's median step (ms):", ""]
+        for rows in sizes:
+            lines.append(f"- {doc['tables']} × {rows:,}: " + "; ".join(
+                f"{s} " + " / ".join(f(v) for v in e.get("repeats_ms", []))
+                for s, e in ratios.get(str(rows), {}).items()))
     lines += ["", "| system | rows | examples/s | peak RSS (worker) | peak RSS (process tree) |", "|---|---:|---:|---:|---:|"]
+    if repeats > 1:
+        lines[-2] = "| system (first repeat) | rows | examples/s | peak RSS (worker) | peak RSS (process tree) |"
     for r in doc["results"]:
-        if r.get("step_ms_median"):
+        if r.get("step_ms_median") and not r.get("repeat"):
             lines.append(f"| {r['system']} | {r['tables']} × {r['rows']:,} | {f(r.get('examples_per_sec'))} | "
                          f"{fmt_bytes(r.get('ru_maxrss_bytes'))} | {fmt_bytes(r.get('peak_tree_rss_bytes'))} |")
     for g in summ.get("goals", []):
@@ -1497,6 +1514,10 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          ["phase_breakdown"]),
         ("phase_breakdown_16k", "5 (b = 16k). Where the time of a sparse step goes at expected batch 16,384",
          lambda d: section_phases(d, plots, plot_dir, "phase_breakdown_16k"), ["phase_breakdown_16k"]),
+        ("phase_breakdown_compiled_1k", "5 (compiled, b = 1k). The step over the compiled data plane, expected batch 1,024",
+         lambda d: section_phases(d, plots, plot_dir, "phase_breakdown_compiled_1k"), ["phase_breakdown_compiled_1k"]),
+        ("phase_breakdown_compiled_16k", "5 (compiled, b = 16k). The step over the compiled data plane, expected batch 16,384",
+         lambda d: section_phases(d, plots, plot_dir, "phase_breakdown_compiled_16k"), ["phase_breakdown_compiled_16k"]),
         ("privacy_utility", "6. Privacy-utility", lambda d: section_utility(d, plots, plot_dir),
          ["auc_vs_eps_criteo_like", "logloss_vs_eps_criteo_like", "auc_vs_eps_heavytail", "logloss_vs_eps_heavytail",
           "auc_vs_eps_ctr", "logloss_vs_eps_ctr", "loss_vs_eps_cbow"]),

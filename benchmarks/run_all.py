@@ -23,7 +23,9 @@ ORDER = ("selection_scaling", "table_scaling", "communication", "privacy_overhea
          "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive", "modelmix_image", "noise_generators",
          "cli_startup", "user_level", "user_level_examples", "convert_throughput")
 #: Benchmarks that are another script run with extra arguments.
-VARIANTS = {"canary_exposure_kjv": ("canary_exposure.py", ["--kjv"]),
+VARIANTS = {"dlrm_compare": ("dlrm_compare.py", ["--batch", "1024", "--examples", "50000", "--steps", "10",
+                                              "--max-seconds", "40"]),  # §2b's goals are set at b = 1,024
+            "canary_exposure_kjv": ("canary_exposure.py", ["--kjv"]),
             "canary_exposure_line": ("canary_exposure.py", ["--placement", "line"]),
             "canary_exposure_kjv_line": ("canary_exposure.py", ["--kjv", "--placement", "line"]),
             "user_level_examples": ("user_level.py", ["--units", "user-examples", "--no-nonprivate"])}

@@ -172,7 +172,7 @@ def test_changed_computation_keys_ignores_placement_logging_and_recovery_but_not
     assert changed_computation_keys(base, other) == ["train.steps", "privacy.k"]
 
 
-@pytest.mark.parametrize("key", ["fold_write_back", "unawaited_write_back", "data_plane"])
+@pytest.mark.parametrize("key", ["fold_write_back", "unawaited_write_back", "data_plane", "compiled_wait"])
 def test_when_the_write_back_is_sent_and_over_which_transport_is_not_a_change_of_computation(key):
     """The cluster's round scheduling (fold, unawaited write-back, data plane) orders and carries the
     same messages: a run saved before such a key existed, or with another value, computes the same

@@ -567,6 +567,13 @@ def test_ray_matches_in_process(ray_cluster, num_shards, mode, selection, num_tr
             stats = [engine.step() for _ in batches]
             if backend == "ray":
                 assert engine.shards.graphs_compiled == (1 if plane == "compiled" else 0)
+                if plane == "compiled":  # every shard's process and this one wait with sleeps (the default)
+                    import ray
+
+                    from widedp.trainer.compiled_wait import compiled_wait, compiled_wait_of_actor
+                    assert compiled_wait() == "backoff"
+                    assert ray.get([a.__ray_call__.remote(compiled_wait_of_actor)
+                                    for a in engine.shards.actors]) == ["backoff"] * num_shards
             results[backend] = (engine_params(engine), [(s.rows_touched, s.rows_selected, s.loss) for s in stats],
                                 engine.ledger.epsilon(), engine.shards.bytes_to_shards, engine.shards.bytes_from_shards)
         finally:

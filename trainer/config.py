@@ -24,6 +24,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
+from widedp.trainer.compiled_wait import COMPILED_WAITS
 from widedp.trainer.table_policy import DEFAULTS as TABLE_DEFAULTS
 from widedp.trainer.table_policy import POLICIES as TABLE_POLICIES
 
@@ -389,6 +390,11 @@ class ClusterConfig:
     # shared-memory channels, built once, rebuilt after a lost actor; trainer actors that call the
     # shards themselves use calls).
     data_plane: str = "calls"
+    # data_plane "compiled": how the coordinator and the shard actors wait on the graph's channels
+    # (trainer/compiled_wait.py). "backoff": look, then sleep 20 µs doubling to 200 µs between looks
+    # (to 2 ms once a wait has lasted 50 ms); "spin": Ray's own read, which keeps a core busy per waiting process (1.0 core for an idle
+    # actor here) and so takes the cores the step's compute needs where cores are few.
+    compiled_wait: str = "backoff"
     # Backend "ray": each step's write-back of the noisy selected rows (and DP-SGD's dense-table
     # update) travels to each shard with the next call instead of a round of its own — one round
     # fewer per step, the same model bit for bit (docs/DESIGN.md §2, "Folded write-back"); false:
@@ -427,6 +433,8 @@ class ClusterConfig:
              'cluster.trainer_placement = "actors" needs cluster.backend = "ray"'),
             (self.cpus_per_trainer > 0, "cluster.cpus_per_trainer must be > 0"),
             (self.data_plane in DATA_PLANES, f"cluster.data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}"),
+            (self.compiled_wait in COMPILED_WAITS,
+             f"cluster.compiled_wait must be one of {COMPILED_WAITS}, got {self.compiled_wait!r}"),
             (0 < self.inline_bytes <= MAX_INLINE_BYTES,
              f"cluster.inline_bytes must be in (0, {MAX_INLINE_BYTES}], got {self.inline_bytes}"),
             (self.placement_strategy in PLACEMENT_STRATEGIES,

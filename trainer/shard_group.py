@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from widedp.trainer.compiled_wait import COMPILED_WAITS, set_compiled_wait, set_compiled_wait_on_actor
 from widedp.trainer.layout import ShardInput, ShardLayout
 from widedp.trainer.shard import MUTATING, EmbeddingShard, owned
 
@@ -243,7 +244,7 @@ class RayShardGroup(ShardGroup):
 
     def __init__(self, layout: ShardLayout, cpus_per_shard: float = 1.0, gpus_per_shard: float = 0.0,
                  placement_strategy: str = "SPREAD", max_restarts: int = 1, data_plane: str = "calls",
-                 fold_write_back: bool = True, unawaited_write_back: bool = False, **shard_kwargs):
+                 compiled_wait: str = "backoff", fold_write_back: bool = True, unawaited_write_back: bool = False, **shard_kwargs):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -276,7 +277,10 @@ class RayShardGroup(ShardGroup):
             raise ValueError(f"cluster.max_actor_restarts must be >= 0, got {max_restarts}")
         if data_plane not in DATA_PLANES:
             raise ValueError(f"cluster.data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
+        if compiled_wait not in COMPILED_WAITS:
+            raise ValueError(f"cluster.compiled_wait must be one of {COMPILED_WAITS}, got {compiled_wait!r}")
         self.data_plane = data_plane
+        self.compiled_wait = compiled_wait
         self._graph: Any = None  # the compiled dispatch graph (data_plane = "compiled"), built on first use
         self.graphs_compiled = 0  # 1 + one per rebuild after a lost actor
         self._call_id = 0
@@ -405,9 +409,16 @@ class RayShardGroup(ShardGroup):
     def _compile_graph(self):
         """InputNode → every shard's `dispatch(request_s)` → MultiOutputNode, compiled: each call
         of the compiled plane is one execution whatever the method (an actor takes part in one
-        compiled graph at a time, so one graph carries every per-step method)."""
+        compiled graph at a time, so one graph carries every per-step method). The channel
+        waits follow `compiled_wait` in this process and every shard's (process-wide: the last
+        group built in a process sets the driver's)."""
         from ray.dag import InputNode, MultiOutputNode
 
+        # How this process and each shard's wait on the channels (trainer/compiled_wait.py);
+        # set again at every build, so a replacement actor gets it too.
+        set_compiled_wait(self.compiled_wait)
+        self._ray.get([actor.__ray_call__.remote(set_compiled_wait_on_actor, self.compiled_wait)
+                       for actor in self.actors])
         with InputNode() as requests:
             graph = MultiOutputNode([actor.dispatch.bind(requests[s]) for s, actor in enumerate(self.actors)])
         compiled = graph.experimental_compile(_submit_timeout=COMPILED_GET_TIMEOUT_S,

@@ -145,7 +145,7 @@ def _shard_group(cfg: Config, layout: ShardLayout):
     return RayShardGroup(layout, cpus_per_shard=cfg.cluster.cpus_per_shard, gpus_per_shard=cfg.cluster.gpus_per_shard,
                          placement_strategy=cfg.cluster.placement_strategy,
                          max_restarts=cfg.cluster.max_actor_restarts, data_plane=cfg.cluster.data_plane,
-                         fold_write_back=cfg.cluster.fold_write_back,
+                         compiled_wait=cfg.cluster.compiled_wait, fold_write_back=cfg.cluster.fold_write_back,
                          unawaited_write_back=cfg.cluster.unawaited_write_back, **kwargs)
 
 
@@ -316,7 +316,7 @@ _COMPUTATION_FREE_KEYS = {("train", "log_every"), ("train", "eval_every"), ("tra
                           ("train", "eval_batch_size"), ("train", "debug_metrics"), ("train", "tensorboard"), ("cluster", "address"),
                           ("cluster", "backend"), ("cluster", "cpus_per_shard"), ("cluster", "gpus_per_shard"),
                           ("cluster", "placement_strategy"), ("cluster", "max_actor_restarts"), ("cluster", "trainer_placement"),
-                          ("cluster", "cpus_per_trainer"), ("cluster", "data_plane"), ("cluster", "fold_write_back"),
+                          ("cluster", "cpus_per_trainer"), ("cluster", "data_plane"), ("cluster", "compiled_wait"), ("cluster", "fold_write_back"),
                           ("cluster", "unawaited_write_back"),
                           ("run_dir", None),
                           # the [by_epsilon] table and the row's key: its values are in the sections
