@@ -39,7 +39,7 @@ IDLE_PAUSE_S = 2e-3  # after 50 ms of waiting (an idle process): ≤ 2 ms late, 
 _mode = "spin"  # this process's mode; the replaced read consults it on every call
 
 
-def backoff_read(read_once, timeout: Optional[float], timeout_error: type, waiting_since: Optional[float] = None,
+def backoff_read(read_once, timeout: Optional[float], timeout_error: type[BaseException], waiting_since: Optional[float] = None,
                  first_pause_s: float = FIRST_PAUSE_S, max_pause_s: float = MAX_PAUSE_S,
                  long_wait_s: float = LONG_WAIT_S, idle_pause_s: float = IDLE_PAUSE_S,
                  clock=time.monotonic, sleep=time.sleep) -> Any:
@@ -96,9 +96,9 @@ def set_compiled_wait(mode: str) -> None:
             self._widedp_waiting_since = None  # a value came: the next read starts a new wait
             return value
 
-        read._widedp_wait = True
+        read._widedp_wait = True  # type: ignore[attr-defined]
         read.__doc__ = ray_read.__doc__
-        channel.read = read
+        setattr(channel, "read", read)  # Ray's class, replaced in this process only
     _mode = mode
 
 
