@@ -406,10 +406,9 @@ def measure(spec: dict) -> dict:
         if transport == "calls":
             plane = CallsPlane(actors, ray)
         elif transport in COMPILED_WAIT:
-            from widedp.trainer.compiled_wait import set_compiled_wait, set_compiled_wait_on_actor
+            from widedp.trainer.compiled_wait import set_compiled_wait_here_and_on
 
-            set_compiled_wait(COMPILED_WAIT[transport])
-            ray.get([a.__ray_call__.remote(set_compiled_wait_on_actor, COMPILED_WAIT[transport]) for a in actors])
+            set_compiled_wait_here_and_on(actors, COMPILED_WAIT[transport], ray)
             largest = max(max(shards * p["request"], p["answer"]) for per in payloads.values() for p in per.values())
             buffer_bytes = max(COMPILED_BUFFER_BYTES, largest + (1 << 20))
             plane = CompiledPlane(actors, ray, buffer_bytes)
@@ -563,13 +562,12 @@ def choice_text(choice: dict) -> str:
                                                       else "none") for b, c in choice.items())
 
     text = "transport alone, " + which("best")
-    burning = sorted({t for c in choice.values() for t, v in c.get("idle_extra", c["idle_cores"]).items()
-                      if v >= IDLE_LIMIT_CORES})
+    burning = sorted({t for c in choice.values() for t, v in c["idle_extra"].items() if v >= IDLE_LIMIT_CORES})
     if any(c["best"] in burning for c in choice.values()):
         first = next(iter(choice.values()))
-        extra = first.get("idle_extra", first["idle_cores"])
         text += ("; but " + ", ".join(f"with the {TRANSPORT_LABELS[t]} the processes use {first['idle_cores'][t]:.2f} "
-                                      f"cores while no round is in flight ({extra[t]:.2f} more than with ordinary calls)"
+                                      f"cores while no round is in flight ({first['idle_extra'][t]:.2f} more than with "
+                                      "ordinary calls)"
                                       for t in burning)
                  + f" (≥ {IDLE_LIMIT_CORES:g} more), CPU a real step's compute needs; without it: " + which("best_quiet"))
     final = {c["best_quiet"] if c["best"] in burning else c["best"] for c in choice.values()}

@@ -415,6 +415,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out")
     parser.add_argument("--recompute", metavar="FILE", help="re-derive ratios and goals of an existing results file")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.recompute:
         return recompute(Path(args.recompute))
     started = time.time()
@@ -442,8 +444,6 @@ def main(argv=None) -> dict:
           f"bottom {list(m.bottom_mlp)}, top {list(m.top_mlp)}, interaction {m.interaction}; expected batch {batch} "
           f"(Poisson), σ {args.sigma}, S1 {common['clip']}, SGD lr {common['lr']} (dense {common['dense_lr']}), "
           f"widedp sparse/{cfg.train.selection} k {cfg.privacy.k}, {cfg.cluster.num_shards} shards; {examples:,} examples\n")
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
     results = []
     for rows in sizes:
         data, data_over = _dataset(args.config, rows, examples, cfg.data.seed, args.set)

@@ -184,3 +184,9 @@ def test_when_the_write_back_is_sent_and_over_which_transport_is_not_a_change_of
     del older["cluster"][key]
     assert changed_computation_keys(older, base) == []
     assert changed_computation_keys(older, base, _RESUME_FREE_KEYS) == []
+
+
+def test_an_unknown_compiled_wait_is_refused_naming_the_key_and_the_choices():
+    cfg = load_config("configs/quickstart.toml", ["cluster.compiled_wait=sleepy"])
+    with pytest.raises(ConfigError, match=r"cluster.compiled_wait must be one of \('backoff', 'spin'\), got 'sleepy'"):
+        cfg.validate()

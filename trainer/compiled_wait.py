@@ -114,6 +114,13 @@ def set_compiled_wait_on_actor(actor_instance: Any, mode: str) -> str:
     return compiled_wait()
 
 
+def set_compiled_wait_here_and_on(actors, mode: str, ray) -> None:
+    """Set `mode` in this process and in every actor's of `actors` (the processes on the two
+    ends of a compiled graph's channels); returns once every actor has it."""
+    set_compiled_wait(mode)
+    ray.get([actor.__ray_call__.remote(set_compiled_wait_on_actor, mode) for actor in actors])
+
+
 def compiled_wait_of_actor(actor_instance: Any) -> str:
     """For `actor.__ray_call__.remote(compiled_wait_of_actor)`: the mode in the actor's process."""
     return compiled_wait()

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from widedp.trainer.compiled_wait import COMPILED_WAITS, set_compiled_wait, set_compiled_wait_on_actor
+from widedp.trainer.compiled_wait import COMPILED_WAITS, set_compiled_wait_here_and_on
 from widedp.trainer.layout import ShardInput, ShardLayout
 from widedp.trainer.shard import MUTATING, EmbeddingShard, owned
 
@@ -416,9 +416,7 @@ class RayShardGroup(ShardGroup):
 
         # How this process and each shard's wait on the channels (trainer/compiled_wait.py);
         # set again at every build, so a replacement actor gets it too.
-        set_compiled_wait(self.compiled_wait)
-        self._ray.get([actor.__ray_call__.remote(set_compiled_wait_on_actor, self.compiled_wait)
-                       for actor in self.actors])
+        set_compiled_wait_here_and_on(self.actors, self.compiled_wait, self._ray)
         with InputNode() as requests:
             graph = MultiOutputNode([actor.dispatch.bind(requests[s]) for s, actor in enumerate(self.actors)])
         compiled = graph.experimental_compile(_submit_timeout=COMPILED_GET_TIMEOUT_S,
