@@ -439,6 +439,44 @@ class StepTimer:
         return n >= self.steps or (n >= self.min_steps and time.perf_counter() - self.start >= self.max_seconds)
 
 
+def summarize_call_timings(recorded: dict) -> dict:
+    """Per shard method, from `RayShardGroup.record_call_timings`' records (one machine's clock):
+    medians over the rounds of when each shard began its part after the round was sent (the
+    first, the median and the last shard), how long a shard's part ran (wall and CPU of its
+    thread), the CPU of all shards' parts summed, the time from the last shard's end to the
+    answers in hand, and the whole round as the sender saw it; all in ms. A round with a
+    shard missing (replaced actor) is left out."""
+    by_call: dict = {}
+    for records in recorded["shards"]:
+        for call_id, method, start, end, cpu in records:
+            by_call.setdefault(call_id, []).append((start, end, cpu))
+    n_shards = len(recorded["shards"])
+    per: dict = {}
+    for call_id, method, plane, sent, answered in recorded["sent"]:
+        parts = by_call.get(call_id, [])
+        if len(parts) != n_shards:
+            continue
+        starts = sorted(1e3 * (start - sent) for start, _, _ in parts)
+        entry = per.setdefault(method, {"plane": plane, "first": [], "median": [], "last": [], "wall": [], "cpu": [],
+                                        "cpu_sum": [], "return": [], "round": []})
+        entry["first"].append(starts[0])
+        entry["median"].append(statistics.median(starts))
+        entry["last"].append(starts[-1])
+        entry["wall"] += [1e3 * (end - start) for start, end, _ in parts]
+        entry["cpu"] += [1e3 * cpu for _, _, cpu in parts]
+        entry["cpu_sum"].append(1e3 * sum(cpu for _, _, cpu in parts))
+        entry["return"].append(1e3 * (answered - max(end for _, end, _ in parts)))
+        entry["round"].append(1e3 * (answered - sent))
+    out = {}
+    for method, e in per.items():
+        out[method] = {"plane": e["plane"], "rounds": len(e["round"]), "shards": n_shards,
+                       "start_first_ms": statistics.median(e["first"]), "start_median_ms": statistics.median(e["median"]),
+                       "start_last_ms": statistics.median(e["last"]), "shard_wall_ms": statistics.median(e["wall"]),
+                       "shard_cpu_ms": statistics.median(e["cpu"]), "shards_cpu_sum_ms": statistics.median(e["cpu_sum"]),
+                       "return_ms": statistics.median(e["return"]), "round_ms": statistics.median(e["round"])}
+    return out
+
+
 def time_engine(spec: dict) -> dict:
     """Build an engine from a config (+ overrides) with trainer.train.build_run and time its
     steps: `warmup` untimed steps, then up to `steps` timed ones (at least `min_steps`, fewer
@@ -465,8 +503,12 @@ def time_engine(spec: dict) -> dict:
         counter.reset()
         steps, min_steps = int(spec.get("steps", 10)), int(spec.get("min_steps", 2))
         timer = StepTimer(steps, min_steps, float(spec.get("max_seconds", 1e9)))
+        call_timings = bool(spec.get("call_timings")) and hasattr(engine.shards, "record_call_timings")
+        if call_timings:
+            engine.shards.record_call_timings(True)
         if run.run(engine.step_count + steps, [timer]).stopped_by_budget:
             raise RuntimeError("budget exhausted while timing")
+        rounds = summarize_call_timings(engine.shards.record_call_timings(False)) if call_timings else None
         times, phases, batch, touched, selected = timer.times, timer.phases, timer.batch, timer.touched, timer.selected
         n = len(times)
         phase_sum = [sum(p[i] for p in phases.values()) for i in range(n)] if phases else [0.0] * n
@@ -500,6 +542,7 @@ def time_engine(spec: dict) -> dict:
             "bytes_per_step": bytes_per,
             "bytes_to_shards_per_step": sum(v["to"] for v in bytes_per.values()),
             "bytes_from_shards_per_step": sum(v["from"] for v in bytes_per.values()),
+            **({"call_timings": rounds} if rounds is not None else {}),
         }
     finally:
         run.close()

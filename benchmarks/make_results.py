@@ -19,6 +19,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -39,7 +40,8 @@ RUN_VARIANTS["phase_breakdown_16k"] = ("phase_breakdown.py", [
 RUN_VARIANTS.update({f"phase_breakdown_compiled_{tag}": ("phase_breakdown.py", [
     "--set", "cluster.data_plane=compiled", "--set", f"train.batch_size={b}", *extra,
     "--out", f"benchmarks/results/phase_breakdown_compiled_{tag}.json"])
-    for tag, b, extra in (("1k", 1024, []), ("16k", 16384, ["--steps", "8", "--warmup", "2"]))})
+    for tag, b, extra in (("1k", 1024, []), ("4k", 4096, ["--steps", "15", "--warmup", "3"]),
+                          ("16k", 16384, ["--steps", "8", "--warmup", "2"]))})
 RUN_VARIANTS["trainer_scaling_16k"] = ("trainer_scaling.py", [
     "--trainers", "1,2", "--batch", "16384", "--examples", "100000", "--steps", "5", "--repeats", "3",
     "--out", "benchmarks/results/trainer_scaling_16k.json"])
@@ -53,7 +55,7 @@ NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "
          "sparse_mean_estimation", "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive",
          "noise_generators", "cli_startup", "user_level", "user_level_examples", "user_level_k", "convert_throughput",
          "ray_batch_1024", "ray_batch_4096", "ray_batch_16384", "trainer_scaling_16k", "phase_breakdown_16k",
-         "phase_breakdown_compiled_1k", "phase_breakdown_compiled_16k", "cluster_model", "cbow_large",
+         "phase_breakdown_compiled_1k", "phase_breakdown_compiled_4k", "phase_breakdown_compiled_16k", "cluster_model", "cbow_large",
          "modelmix_image", "data_plane_probe")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
@@ -299,8 +301,10 @@ def section_opacus(doc, plots, out_dir) -> tuple[list, list]:
     return lines, goals
 
 
-def section_dlrm(doc) -> tuple[list, list]:
-    """benchmarks/dlrm_compare.py: step time per system and size, × floor, Opacus / system, goals."""
+def section_dlrm(doc, rounds_by_batch: Optional[dict] = None) -> tuple[list, list]:
+    """benchmarks/dlrm_compare.py: step time per system and size, × floor, Opacus / system, goals.
+    `rounds_by_batch`: {expected batch: phase_breakdown doc over the compiled plane}, whose
+    recorded rounds explain a missed compiled-plane goal at that batch."""
     lines, goals = [], []
     sizes, summ = doc["rows"], doc.get("summary", {})
     ratios = summ.get("ratios", {})
@@ -353,11 +357,43 @@ def section_dlrm(doc) -> tuple[list, list]:
         measured = "; ".join(f"{doc['tables']} × {int(rows):,}: " + ("not measured" if p["value"] is None else f"{f(p['value'])}×")
                              + f" (goal {g['op']} {p['target']:g}×)" for rows, p in g["per_size"].items())
         goals.append((g["goal"], f"{g['unit']}: {measured}", "not measured at every size" if g["met"] is None
-                      else met(g["met"]), _dlrm_why(g, ratios, doc) if g["met"] is False else ""))
+                      else met(g["met"]), _dlrm_why(g, ratios, doc, rounds_by_batch) if g["met"] is False else ""))
     return lines, goals
 
 
-def _dlrm_why(goal: dict, ratios: dict, doc: dict) -> str:
+#: the per-step methods of the compiled plane whose rounds a missed compiled goal is explained by,
+#: and the phase of the step (phase_breakdown) each one is
+COMPILED_STEP_ROUNDS = {"lookup": "lookup", "add_clipped_row_sums": "row_sums", "clipped_row_sums": "row_sums",
+                        "reduced_row_sums": "row_sums", "select_rows": "selection"}
+
+
+def compiled_rounds_why(breakdown: dict) -> str:
+    """Where a step's compiled rounds spend their time, from a phase_breakdown doc's recorded
+    rounds (`runs.ray.call_timings`): per round, when the shards began after it was sent (the
+    first and the last) against a shard's own part, and the shards' CPU summed against the cores
+    there are. Empty when the doc has no recorded rounds."""
+    rounds = ((breakdown.get("runs") or {}).get("ray") or {}).get("call_timings") or {}
+    in_process = {p: v.get("local") for p, v in ((breakdown.get("summary") or {}).get("phases") or {}).items()}
+    parts = []
+    for method, phase in COMPILED_STEP_ROUNDS.items():
+        r = rounds.get(method)
+        if not r:
+            continue
+        local = in_process.get(phase)
+        parts.append(f"{method} {f(r['round_ms'])} ms: shards begin {f(r['start_first_ms'])}–{f(r['start_last_ms'])} ms "
+                     f"after it is sent, a shard's part {f(r['shard_wall_ms'])} ms (CPU {f(r['shard_cpu_ms'])}), "
+                     f"{r['shards']} parts' CPU {f(r['shards_cpu_sum_ms'])} ms"
+                     + (f" (the phase in one process: {f(local)} ms)" if local is not None else ""))
+    if not parts:
+        return ""
+    cores = breakdown.get("machine", {}).get("logical_cores", "?")
+    return (f"the rounds (medians, {breakdown.get('steps')} steps of phase_breakdown at this batch): " + "; ".join(parts)
+            + f". With {next(iter(rounds.values()))['shards']} single-threaded shard processes on {cores} cores the "
+            "last shard begins after the others' parts, not after the transport (RESULTS §2f: a round's transport "
+            "alone is ~1/4 of ordinary calls'); a core per shard would start them together")
+
+
+def _dlrm_why(goal: dict, ratios: dict, doc: dict, rounds_by_batch: Optional[dict] = None) -> str:
     """Why a missed dlrm_compare goal is missed, from the same step times: for the Ray goal, the
     overhead per step against what 1.3× allows; for the speed-up goal, the step time it needs
     against the floor."""
@@ -369,8 +405,13 @@ def _dlrm_why(goal: dict, ratios: dict, doc: dict) -> str:
         ray, local = ms("widedp-sparse-ray", rows), ms("widedp-sparse-inprocess", rows)
         sharded = ms("widedp-sparse-sharded", rows)
         peer, floor = ms("opacus-ghost", rows), ms("pytorch-nonprivate", rows)
+        compiled = ms("widedp-sparse-ray-compiled", rows)
         if goal["unit"].startswith("Ray") and ray and sharded:
             parts.append(f"{int(rows):,}: Ray adds {f(ray - sharded)} ms per step, 1.3× allows {f(0.3 * sharded)} ms")
+        elif goal["unit"].startswith("compiled") and compiled and sharded:
+            target = goal["per_size"][rows]["target"]
+            parts.append(f"{int(rows):,}: the compiled plane adds {f(compiled - sharded)} ms per step, {target:g}× allows "
+                         f"{f((target - 1) * sharded)} ms")
         elif goal["unit"].startswith("Opacus / sparse") and peer and local and floor and not goal["per_size"][rows]["met"]:
             need = peer / goal["per_size"][rows]["target"]
             parts.append(f"{int(rows):,}: needs ≤ {f(need)} ms per step ({f(need / floor)}× the floor), measured {f(local)} ms")
@@ -383,6 +424,10 @@ def _dlrm_why(goal: dict, ratios: dict, doc: dict) -> str:
         parts.append(f"one trainer makes {rounds}; on "
                      f"{doc['machine'].get('logical_cores', '?')} cores the actors' calls queue behind each other "
                      "(RESULTS §5 splits the overhead by round)")
+    if goal["unit"].startswith("compiled"):
+        breakdown = (rounds_by_batch or {}).get(int(doc.get("batch") or 0))
+        why = compiled_rounds_why(breakdown) if breakdown else ""
+        parts.append(why or "no recorded rounds at this batch (RESULTS §5, compiled: run phase_breakdown_compiled_*)")
     return "; ".join(parts)
 
 
@@ -591,6 +636,17 @@ def section_phases(doc, plots, out_dir, name: str = "phase_breakdown") -> tuple[
         lines.append(f"| {labels.get(p, p)} | {f(v['local'])} | {f(v['ray'])} | {f(v['ray_overhead'])} | {100 * v['share']:.0f}% |")
     lines += ["", f"- Step: in-process {f(s['step_ms']['local'])} ms, Ray {f(s['step_ms']['ray'])} ms; Ray overhead "
                   f"**{f(s['ray_overhead_ms'])} ms/step** ({100 * s['ray_overhead_share']:.0f}% of the Ray step)."]
+    rounds = (doc["runs"].get("ray") or {}).get("call_timings") or {}
+    if rounds:
+        lines += ["", "The Ray run's rounds of calls to the shards (`RayShardGroup.record_call_timings`, medians over the "
+                      "timed steps; ms after the round was sent, one machine's clock; a shard's CPU is its thread's):", "",
+                  "| method | plane | rounds | first shard begins | median shard | last shard | a shard's part: wall / CPU | "
+                  "parts' CPU summed | last end → answers | round |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for m, r in rounds.items():
+            lines.append(f"| {m} | {r['plane']} | {r['rounds']} | {f(r['start_first_ms'])} | {f(r['start_median_ms'])} | "
+                         f"{f(r['start_last_ms'])} | {f(r['shard_wall_ms'])} / {f(r['shard_cpu_ms'])} | "
+                         f"{f(r['shards_cpu_sum_ms'])} | {f(r['return_ms'])} | {f(r['round_ms'])} |")
+        lines.append("")
     if s["ray_overhead_ms"] < 0:
         lines.append("- A negative overhead means the in-process run was slower: in-process shards run FBGEMM/OpenMP "
                      "with all torch threads in the driver, which on a busy machine spin-waits (see Notes); Ray actors "
@@ -922,8 +978,9 @@ def section_tuning(doc: dict, path: Path) -> list:
     chosen_on = doc.get("chosen_on", "test")  # sweeps written before the validation split chose on test
     key = f"{chosen_on}_metrics"
     fixed = " ".join(f"`{x}`" for x in doc.get("set", []))
+    seeds = f"; every point the median over train.seed {doc['seeds']}" if doc.get("seeds") else ""
     lines = [f"**{doc['name']}** (`{doc['config']}`{' ' + fixed if fixed else ''}; `{_rel(path)}`, {doc.get('created', '')}; "
-             f"best point chosen on the {chosen_on} split{' (optimistic)' if chosen_on == 'test' else ''}):", "",
+             f"best point chosen on the {chosen_on} split{' (optimistic)' if chosen_on == 'test' else ''}{seeds}):", "",
              f"| point | {chosen_on} {metric} | test {metric} | other test metrics | σ | rows selected/step |",
              "|---|---:|---:|---|---:|---:|"]
     ok = [r for r in doc["records"] if metric in (r.get(key) or {})]
@@ -934,7 +991,9 @@ def section_tuning(doc: dict, path: Path) -> list:
         test = r.get("test_metrics") or {}
         others = ", ".join(f"{k} {v:.4f}" for k, v in test.items() if k != metric)
         mark = "**" if i == 0 else ""
-        lines.append(f"| {mark}{point}{mark} | {r[key][metric]:.4f} | {'–' if test.get(metric) is None else f'{test[metric]:.4f}'} | {others} | "
+        spread = (r.get(key.replace("metrics", "range")) or {}).get(metric)
+        chosen = f"{r[key][metric]:.4f}" + (f" ({spread[0]:.4f}–{spread[1]:.4f})" if spread else "")
+        lines.append(f"| {mark}{point}{mark} | {chosen} | {'–' if test.get(metric) is None else f'{test[metric]:.4f}'} | {others} | "
                      f"{f(r.get('noise_multiplier'))} | {f(r.get('rows_selected_mean'))} |")
     for r in doc["records"]:
         if "error" in r:
@@ -1493,16 +1552,20 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
     plot_dir = out_dir / "plots"
     plot_dir.mkdir(parents=True, exist_ok=True)
     plots: dict = {}
+    compiled_rounds = {int(d["batch"]): d for name, d in docs.items()
+                       if name.startswith("phase_breakdown_compiled") and d.get("batch")}
     sections = [
         ("table_scaling", "1. Step time versus table size", lambda d: section_scaling(d, plots, plot_dir),
          ["step_time_vs_rows"]),
         ("opacus_compare", "2. Against Opacus DP-SGD (CBOW)", lambda d: section_opacus(d, plots, plot_dir),
          ["throughput_vs_opacus"]),
-        ("dlrm_compare", "2b. DLRM-style CTR step: plain PyTorch, Opacus, widedp", section_dlrm, []),
+        ("dlrm_compare", "2b. DLRM-style CTR step: plain PyTorch, Opacus, widedp",
+         lambda d: section_dlrm(d, compiled_rounds), []),
         ("trainer_scaling", "2c. Data-parallel trainer actors on a multi-node Ray cluster", section_trainers, []),
         ("trainer_scaling_16k", "2c (b = 16k). Data-parallel trainer actors at expected batch 16,384",
          section_trainers, []),
-        *[(f"ray_batch_{b}", f"2d. The Ray data planes at a DP batch size: expected batch {b:,}", section_dlrm, [])
+        *[(f"ray_batch_{b}", f"2d. The Ray data planes at a DP batch size: expected batch {b:,}",
+           lambda d: section_dlrm(d, compiled_rounds), [])
           for b in RAY_BATCHES],
         ("cluster_model", "2e. A model of many machines, checked on a loopback cluster",
          _own_section("cluster_model", plot_dir), []),
@@ -1516,6 +1579,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          lambda d: section_phases(d, plots, plot_dir, "phase_breakdown_16k"), ["phase_breakdown_16k"]),
         ("phase_breakdown_compiled_1k", "5 (compiled, b = 1k). The step over the compiled data plane, expected batch 1,024",
          lambda d: section_phases(d, plots, plot_dir, "phase_breakdown_compiled_1k"), ["phase_breakdown_compiled_1k"]),
+        ("phase_breakdown_compiled_4k", "5 (compiled, b = 4k). The step over the compiled data plane, expected batch 4,096",
+         lambda d: section_phases(d, plots, plot_dir, "phase_breakdown_compiled_4k"), ["phase_breakdown_compiled_4k"]),
         ("phase_breakdown_compiled_16k", "5 (compiled, b = 16k). The step over the compiled data plane, expected batch 16,384",
          lambda d: section_phases(d, plots, plot_dir, "phase_breakdown_compiled_16k"), ["phase_breakdown_compiled_16k"]),
         ("privacy_utility", "6. Privacy-utility", lambda d: section_utility(d, plots, plot_dir),
@@ -1579,7 +1644,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
     tuning = sorted((results_dir / "tuning").glob("*.json")) if (results_dir / "tuning").is_dir() else []
     if tuning:
         body += ["## 9. Hyperparameter tuning (how the configs' values were chosen)", "",
-                 "Each sweep: `benchmarks/tune.py`, one run per point on in-process shards; the best point is chosen "
+                 "Each sweep: `benchmarks/tune.py`, one run per point on in-process shards (sweeps run with `--seeds`: "
+                 "one per seed, each point the median, min–max beside it); the best point is chosen "
                  "on the split each table names (validation: held out of training, never the test split; older "
                  "sweeps chose on test, labelled optimistic). The configs' comments cite these tables.", ""]
         for path in tuning:

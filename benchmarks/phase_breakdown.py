@@ -11,7 +11,11 @@ check before the step and the ε report after it.
 
 Ray overhead: the same config and data run once with in-process shards and once with Ray
 actors (each in a fresh process); the per-phase difference of the medians is what Ray's
-task submission, serialization and scheduling cost in that phase.
+task submission, serialization and scheduling cost in that phase. The Ray run also records,
+per round of calls to the shards, when it was sent, when each shard began and ended its part
+(and its CPU time) and when the answers were in hand (`RayShardGroup.record_call_timings`; one
+machine's clock): where a round's time goes between transport, shards waiting for a core, and
+the shards' own work.
 
     python benchmarks/phase_breakdown.py [--quick] [--config configs/ctr.toml]
 """
@@ -69,7 +73,7 @@ def main(argv=None) -> dict:
     runs = {}
     for backend in ("local", "ray"):
         spec = {"config": args.config, "overrides": timing_overrides("sparse", selection, backend, overrides),
-                "steps": steps, "warmup": warmup, "max_seconds": 600}
+                "steps": steps, "warmup": warmup, "max_seconds": 600, "call_timings": backend == "ray"}
         r = run_worker(__file__, spec, timeout=3600)
         runs[backend] = r
         if "error" in r:
@@ -79,6 +83,14 @@ def main(argv=None) -> dict:
         print(format_table(["phase", "in-process ms", "Ray ms", "Ray overhead ms", "share of Ray step"],
                            [[PHASE_LABELS.get(p, p), v["local"], v["ray"], v["ray_overhead"], f"{100 * v['share']:.0f}%"]
                             for p, v in summary["phases"].items()]))
+        rounds = runs["ray"].get("call_timings") or {}
+        if rounds:
+            print(f"\nRay rounds (medians; ms after the round was sent, on this machine's clock; {len(rounds)} methods):")
+            print(format_table(["method", "plane", "rounds", "first shard starts", "median shard", "last shard",
+                                "a shard's part (wall / CPU)", "shards' CPU summed", "last end → answers", "round"],
+                               [[m, r["plane"], r["rounds"], r["start_first_ms"], r["start_median_ms"], r["start_last_ms"],
+                                 f"{r['shard_wall_ms']:.2f} / {r['shard_cpu_ms']:.2f}", r["shards_cpu_sum_ms"],
+                                 r["return_ms"], r["round_ms"]] for m, r in rounds.items()]))
         print(f"\nstep (median): in-process {summary['step_ms']['local']:.1f} ms, Ray {summary['step_ms']['ray']:.1f} ms; "
               f"Ray overhead {summary['ray_overhead_ms']:.1f} ms/step ({100 * summary['ray_overhead_share']:.0f}% of the Ray step)")
     payload = {"config": args.config, "overrides": list(args.set), "batch": cfg.train.batch_size,

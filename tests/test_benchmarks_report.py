@@ -242,6 +242,43 @@ def test_tune_refuses_a_validation_fraction_outside_0_1(capsys):
     assert "--validation-fraction must be in [0, 1), got 1.5" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("seeds", ["1,x", "-1", "3,3"])
+def test_tune_refuses_seeds_that_are_not_distinct_nonnegative_integers(capsys, seeds):
+    sys.path.insert(0, str(BENCH))
+    import tune
+
+    with pytest.raises(SystemExit):
+        tune.main(["--config", "configs/ctr.toml", "--name", "x", "--seeds", seeds])
+    assert f"--seeds {seeds!r}" in capsys.readouterr().err
+
+
+def test_tune_chooses_on_the_median_over_seeds_and_a_failed_seed_fails_its_point():
+    """One record per point: metrics are medians over its seeds with their ranges; the seed
+    override is not part of the point (so `best` can be applied as it is); one failed seed makes
+    the whole point a failure rather than a median of the others."""
+    sys.path.insert(0, str(BENCH))
+    import tune
+
+    def run(lr, seed, auc, error=None):
+        r = {"overrides": ["data.validation_fraction=0.1", f"train.lr={lr}", f"train.seed={seed}"], "run_dir": f"p{lr}_{seed}"}
+        if error:
+            return {**r, "error": error}
+        return {**r, "validation_metrics": {"auc": auc, "logloss": 0.5}, "test_metrics": {"auc": auc - 0.01},
+                "noise_multiplier": 4.0, "rows_selected_mean": 100.0 * seed, "wall_s": 1.0}
+
+    points = tune.median_over_seeds([run(3, 0, 0.70), run(3, 1, 0.76), run(3, 2, 0.72),
+                                     run(5, 0, 0.80), run(5, 1, 0.60), run(5, 2, 0.61),
+                                     run(7, 0, 0.90), run(7, 1, 0.0, error="RuntimeError: diverged"), run(7, 2, 0.90)])
+    by_lr = {p["overrides"][-1]: p for p in points}
+    assert set(by_lr) == {"train.lr=3", "train.lr=5", "train.lr=7"}
+    three = by_lr["train.lr=3"]
+    assert three["overrides"] == ["data.validation_fraction=0.1", "train.lr=3"] and three["seeds"] == [0, 1, 2]
+    assert three["validation_metrics"]["auc"] == 0.72 and three["validation_range"]["auc"] == [0.70, 0.76]
+    assert three["test_metrics"]["auc"] == pytest.approx(0.71) and three["rows_selected_mean"] == 100.0
+    assert by_lr["train.lr=5"]["validation_metrics"]["auc"] == 0.61  # the median, not the best seed's 0.80
+    assert "validation_metrics" not in by_lr["train.lr=7"] and "train.seed=1" in by_lr["train.lr=7"]["error"]
+
+
 @pytest.mark.parametrize("script, argv, message", [
     ("trainer_scaling", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
     ("text_large", ["--jobs", "0"], "--jobs must be >= 1, got 0")])
@@ -826,3 +863,42 @@ def test_dlrm_compare_repeats_are_judged_on_the_median_of_their_steps_and_render
     assert "Every system ran 3 times, interleaved" in text
     assert "widedp-sparse-sharded 20 / 31 / 18" in text
     assert sum(ln.startswith("| widedp-sparse-sharded | 26 × 20,000 |") for ln in lines) == 1  # first repeat only
+    compiled_why = next(g for g in goals if "compiled" in g[0])[3]
+    assert compiled_why.startswith("20,000: the compiled plane adds 20 ms per step, 1.5× allows 10 ms")
+    assert "no recorded rounds at this batch" in compiled_why
+    import _common
+
+    sent = [(7, "lookup", "compiled", 1.000, 1.012), (8, "add_clipped_row_sums", "compiled", 2.000, 2.009)]
+    shards = [[(7, "lookup", 1.001, 1.004, 0.002), (8, "add_clipped_row_sums", 2.001, 2.003, 0.0015)],
+              [(7, "lookup", 1.006, 1.010, 0.003), (8, "add_clipped_row_sums", 2.004, 2.008, 0.0035)]]
+    breakdown = {"batch": 1024, "steps": 30, "machine": {"logical_cores": 2},
+                 "runs": {"ray": {"call_timings": _common.summarize_call_timings({"sent": sent, "shards": shards})}}}
+    _, goals = make_results.section_dlrm(doc, {1024: breakdown})
+    compiled_why = next(g for g in goals if "compiled" in g[0])[3]
+    assert "lookup 12 ms: shards begin 1–6 ms after it is sent, a shard's part 3.5 ms (CPU 2.5), 2 parts' CPU 5 ms" in compiled_why
+    assert "With 2 single-threaded shard processes on 2 cores" in compiled_why
+    _, goals = make_results.section_dlrm(doc, {16384: breakdown})  # recorded at another batch: not used
+    assert "no recorded rounds at this batch" in next(g for g in goals if "compiled" in g[0])[3]
+
+
+def test_round_timings_are_summarized_per_method_and_a_round_a_shard_missed_is_left_out():
+    """Per method: medians over rounds of the first/median/last shard's start after the send, a
+    shard's part, the parts' CPU summed, the return and the whole round (ms). A round that a
+    replaced shard has no record of is not summarized with a shard missing."""
+    sys.path.insert(0, str(BENCH))
+    import _common
+
+    sent = [(1, "lookup", "compiled", 10.0, 10.010), (2, "lookup", "compiled", 20.0, 20.020),
+            (3, "lookup", "compiled", 30.0, 30.030), (4, "select_rows", "calls", 40.0, 40.5)]
+    shards = [[(1, "lookup", 10.001, 10.002, 0.001), (2, "lookup", 20.001, 20.004, 0.002),
+               (3, "lookup", 30.002, 30.005, 0.002), (4, "select_rows", 40.1, 40.2, 0.05)],
+              [(1, "lookup", 10.003, 10.008, 0.004), (2, "lookup", 20.009, 20.018, 0.006)]]  # 3 and 4: none
+    out = _common.summarize_call_timings({"sent": sent, "shards": shards})
+    assert set(out) == {"lookup"}
+    r = out["lookup"]
+    assert r["rounds"] == 2 and r["shards"] == 2 and r["plane"] == "compiled"
+    assert r["start_first_ms"] == pytest.approx(1.0) and r["start_last_ms"] == pytest.approx(6.0)  # medians of (1, 1), (3, 9)
+    assert r["start_median_ms"] == pytest.approx(3.5)  # rounds' medians 2 and 5
+    assert r["shard_wall_ms"] == pytest.approx(4.0)  # parts 1, 5, 3, 9
+    assert r["shards_cpu_sum_ms"] == pytest.approx(6.5) and r["shard_cpu_ms"] == pytest.approx(3.0)
+    assert r["return_ms"] == pytest.approx(2.0) and r["round_ms"] == pytest.approx(15.0)

@@ -564,7 +564,20 @@ def test_ray_matches_in_process(ray_cluster, num_shards, mode, selection, num_tr
                        backend=backend, num_trainers=num_trainers, selection_on_shards=on_shards, data_plane=plane,
                        fold_write_back=(num_shards == 3) if backend == "ray" else None)
         try:
+            timed = backend == "ray" and plane == "compiled"
+            if timed:
+                engine.shards.record_call_timings(True)
             stats = [engine.step() for _ in batches]
+            if timed:  # benchmarks' round timings: every round sent here was run once by every shard, inside it
+                recorded = engine.shards.record_call_timings(False)
+                assert recorded["sent"] and len(recorded["shards"]) == num_shards
+                assert "lookup" in {m for _, m, *_ in recorded["sent"]}
+                for call_id, method, how, sent, answered in recorded["sent"]:
+                    assert how == "compiled"
+                    for shard_records in recorded["shards"]:
+                        (start, end, cpu), = [(a, b, c) for i, m, a, b, c in shard_records if i == call_id and m == method]
+                        assert sent <= start <= end <= answered and cpu >= 0
+                assert engine.shards.record_call_timings(False) == {"sent": [], "shards": [[]] * num_shards}
             if backend == "ray":
                 assert engine.shards.graphs_compiled == (1 if plane == "compiled" else 0)
                 if plane == "compiled":  # every shard's process and this one wait with sleeps (the default)

@@ -16,6 +16,7 @@ Per-example row gradient (sum pooling with per-id weights w, mean pooling = w = 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from typing import Any, Optional, Sequence
 
@@ -105,6 +106,7 @@ class EmbeddingShard:
         self.adam_betas, self.eps = adam_betas, eps
         self._current_lr = lr  # lr · the step's lr_scale (begin_update)
         self._last_call_id: int = -1  # the last `dispatch` call run, and its answer
+        self._call_timings: Optional[list] = None  # `record_call_timings` (benchmarks only)
         self._last_answer: Any = None
         self.device, compute, location = _device()
         self.ranges = [layout.row_range(t, shard_index) for t in layout.tables]
@@ -372,13 +374,25 @@ class EmbeddingShard:
         call_id, method, args, from_channel, *rest = request
         if call_id == self._last_call_id:
             return self._last_answer
+        started, cpu = (time.perf_counter(), time.thread_time()) if self._call_timings is not None else (0.0, 0.0)
         for deferred, deferred_args in (rest[0] if rest else ()):
             if deferred not in MUTATING:
                 raise ValueError(f"only state-changing calls are deferred, got {deferred!r}")
             getattr(self, deferred)(*(owned(deferred_args) if from_channel else deferred_args))
         answer = getattr(self, method)(*(owned(args) if from_channel else args))
         self._last_call_id, self._last_answer = call_id, answer
+        if self._call_timings is not None:
+            self._call_timings.append((call_id, method, started, time.perf_counter(), time.thread_time() - cpu))
         return answer
+
+    def record_call_timings(self, on: bool) -> list:
+        """Start (`on`) or stop recording, per `dispatch` call run, (call_id, method, start, end,
+        CPU seconds of this thread): start and end on this machine's monotonic clock
+        (`time.perf_counter`, comparable between processes of one machine only). Returns and
+        forgets what was recorded. Benchmarks only (benchmarks/phase_breakdown.py): times of
+        calls, which depend on the batch's sizes as the step times every run reports do."""
+        recorded, self._call_timings = self._call_timings or [], ([] if on else None)
+        return recorded
 
     def reduced_row_sums(self):
         """The sum over trainers of the clipped row sums added this step (float64 sums, then

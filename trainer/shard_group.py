@@ -298,6 +298,18 @@ class RayShardGroup(ShardGroup):
         # (`direct_callers`, ShardGroup: trainer actors call the shards directly, trainer/trainer_group.py:
         # a shard lost during a step's cache-filling call is restored and the step redone, StepInterrupted.)
         self._ray = ray
+        self._sent_timings: Optional[list] = None  # `record_call_timings` (benchmarks only)
+
+    def record_call_timings(self, on: bool) -> dict:
+        """Start (`on`) or stop recording when each round was sent and answered here and when each
+        shard ran its part (`EmbeddingShard.record_call_timings`); returns and forgets what was
+        recorded: {"sent": [(call_id, method, plane, sent, answered)], "shards": [per shard:
+        [(call_id, method, start, end, cpu_s)]]}, times on the machine's monotonic clock
+        (comparable only where the driver and the shards share a machine). Benchmarks only:
+        times of calls, which depend on the batch's sizes as every run's step times do."""
+        shards = self._ray.get([actor.record_call_timings.remote(on) for actor in self.actors])
+        sent, self._sent_timings = self._sent_timings or [], ([] if on else None)
+        return {"sent": sent, "shards": shards}
 
     def _call_after(self, before, method, per_shard_args):
         return self._call(method, per_shard_args, before)
@@ -359,10 +371,13 @@ class RayShardGroup(ShardGroup):
             self._remember(deferred, args, [])
         per_shard_before = [tuple((deferred, tuple(args[s])) for deferred, args in before)
                             for s in range(len(per_shard_args))]
+        sent = time.perf_counter() if self._sent_timings is not None else 0.0
         if self.data_plane == "compiled" and method in COMPILED_METHODS and not self.direct_callers:
             answers = self._compiled_call([(self._call_id, method, tuple(args), True, pre)
                                            for args, pre in zip(per_shard_args, per_shard_before)])
             if answers is not None:
+                if self._sent_timings is not None:
+                    self._sent_timings.append((self._call_id, method, "compiled", sent, time.perf_counter()))
                 self._remember(method, per_shard_args, answers)
                 return answers
         elif self.direct_callers:
@@ -386,6 +401,8 @@ class RayShardGroup(ShardGroup):
             raise StepInterrupted(f"shard {lost[0][0]} (Ray actor) died during {method!r}; restored")
         for s, cause in lost:
             results[s] = self._replace(s, method, per_shard_args[s], cause)
+        if self._sent_timings is not None:
+            self._sent_timings.append((self._call_id, method, "calls", sent, time.perf_counter()))
         self._remember(method, per_shard_args, results)
         return results
 
