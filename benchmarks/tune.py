@@ -22,8 +22,8 @@ a user who needs it covered must tune on public data or charge the search themse
 
 `--seeds 100,101,102` trains every point once per `train.seed` (the public initialization; the
 noise is fresh secret randomness in every run anyway) and chooses on the *median* validation
-metric over them: where two settings differ by less than one run's spread (≈ 0.001 AUC on the
-CTR sets), a single run picks by the noise draw.
+metric over them: where two settings differ by less than one run's spread (0.002–0.004 AUC on
+ctr at ε = 1), a single run picks by the noise draw.
 """
 
 from __future__ import annotations
