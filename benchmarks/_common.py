@@ -448,7 +448,7 @@ def summarize_call_timings(recorded: dict) -> dict:
     shard missing (replaced actor) is left out."""
     by_call: dict = {}
     for records in recorded["shards"]:
-        for call_id, method, start, end, cpu in records:
+        for call_id, _, start, end, cpu in records:  # the method is the sent record's
             by_call.setdefault(call_id, []).append((start, end, cpu))
     n_shards = len(recorded["shards"])
     per: dict = {}

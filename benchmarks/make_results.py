@@ -395,8 +395,9 @@ def compiled_rounds_why(breakdown: dict) -> str:
 
 def _dlrm_why(goal: dict, ratios: dict, doc: dict, rounds_by_batch: Optional[dict] = None) -> str:
     """Why a missed dlrm_compare goal is missed, from the same step times: for the Ray goal, the
-    overhead per step against what 1.3× allows; for the speed-up goal, the step time it needs
-    against the floor."""
+    overhead per step against what 1.3× allows; for the compiled-plane goal, the same against its
+    target and the recorded rounds at this batch (`compiled_rounds_why`); for the speed-up goal,
+    the step time it needs against the floor."""
     def ms(system, rows):
         return (ratios.get(str(rows), {}).get(system) or {}).get("step_ms")
 

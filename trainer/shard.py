@@ -106,8 +106,8 @@ class EmbeddingShard:
         self.adam_betas, self.eps = adam_betas, eps
         self._current_lr = lr  # lr · the step's lr_scale (begin_update)
         self._last_call_id: int = -1  # the last `dispatch` call run, and its answer
-        self._call_timings: Optional[list] = None  # `record_call_timings` (benchmarks only)
         self._last_answer: Any = None
+        self._call_timings: Optional[list] = None  # `record_call_timings` (benchmarks only)
         self.device, compute, location = _device()
         self.ranges = [layout.row_range(t, shard_index) for t in layout.tables]
         self.starts = np.array([start for start, _ in self.ranges], dtype=np.int64)
