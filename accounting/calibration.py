@@ -114,17 +114,27 @@ class UnreachableTargetError(ValueError):
     removes: the one-time events (`extra_history`, e.g. a private vocabulary or DP-FEST's
     top-k) and the accountant's own conversion to (ε, δ) (RDP: about log(1/δ)/(α_max − 1))."""
 
-    def __init__(self, target: float, smallest: float, name: str = "target_epsilon"):
+    def __init__(self, target: float, smallest: float, name: str = "target_epsilon",
+                 suggested: Optional[str] = None):
+        """`suggested`: the value the message tells the user to set (default: `smallest` rounded
+        up to 3 digits); a caller whose one-time costs depend on the target (an "auto" σ sized as
+        a share of it) passes one it verified by planning at it."""
         self.target, self.smallest, self.name = target, smallest, name
+        self.suggested = suggested if suggested is not None else _round_up(smallest)
         super().__init__(
             f"{name} = {target:g} is unreachable: the smallest ε this run can reach is {smallest:.4g} "
             f"(with all but a negligible budget taken from the noise and the selection, the one-time "
             f"events and the accountant's (ε, δ) conversion still spend it); set {name} to at least "
-            f"{_round_up(smallest)}, or change δ, the accountant or the one-time events")
+            f"{self.suggested}, or change δ, the accountant or the one-time events")
 
     def renamed(self, name: str) -> "UnreachableTargetError":
         """The same refusal naming the caller's parameter (e.g. `privacy.target_epsilon`)."""
-        return UnreachableTargetError(self.target, self.smallest, name)
+        return UnreachableTargetError(self.target, self.smallest, name, self.suggested)
+
+
+def round_up(x: float) -> str:
+    """x rounded up to 3 significant digits, as text."""
+    return _round_up(x)
 
 
 def _round_up(x: float) -> str:

@@ -20,7 +20,15 @@ files store each entry's digest (after its last event) and the final one; `load_
 recomputes the chain from the events and refuses a file whose events do not hash to it (a hand
 edit). A checkpoint records `chain()` = (events charged, digest) and a resume refuses a ledger
 that is not an extension of it (trainer/train.py). The chain detects accidents and edits, not
-an adversary who rewrites the checkpoint too: neither file is signed.
+an adversary who rewrites the checkpoint too: neither file is signed here (a caller that needs
+that signs the state it persists: trainer/ledger_key.py).
+
+A ledger may carry a *header* (version 4): a JSON object fixed before the first event — what
+the run's ε means (unit of privacy, reproducible mode, the data set...: trainer/run_semantics.py).
+It is bound into the chain: with a header the chain starts at
+    d_0 = sha256(bytes(CHAIN_SEED) ‖ canonical JSON of the header)
+instead of CHAIN_SEED, so a ledger whose header was edited no longer extends any chain recorded
+with the original one. Without a header (versions 1-3, or none given) d_0 = CHAIN_SEED.
 
 Speed (in memory only, never in `state_dict`): a step's budget check costs one accountant call
 (PLD: ~0.5 s) unless a *certificate* covers it. `certify(event, count, target)` computes
@@ -47,12 +55,24 @@ from widedp.accounting.atomic import atomic_write_bytes
 from widedp.accounting.base import Accountant, InvalidBoundError, check_delta, make_accountant
 from widedp.accounting.events import DpEvent, NeighboringRelation, event_from_dict, event_to_dict
 
-#: Format written by `state_dict`. 3: adds the hash chain ("digest" per entry and in all).
-#: 2: adds "neighboring_relation". 1: implicit add/remove one.
-LEDGER_VERSION = 3
-_READABLE_VERSIONS = (1, 2, 3)
+#: Format written by `state_dict`. 4: adds the "header" (bound into the chain). 3: adds the hash
+#: chain ("digest" per entry and in all). 2: adds "neighboring_relation". 1: implicit add/remove one.
+LEDGER_VERSION = 4
+_READABLE_VERSIONS = (1, 2, 3, 4)
 
 CHAIN_SEED = hashlib.sha256(b"widedp-ledger-chain-v1").hexdigest()
+
+
+def canonical_json(obj) -> bytes:
+    """The one serialization hashed here: sorted keys, no spaces, exact float repr, UTF-8."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True, ensure_ascii=False).encode()
+
+
+def chain_seed(header: Optional[dict] = None) -> str:
+    """d_0 of the chain: CHAIN_SEED, or bound to `header` (module docstring)."""
+    if header is None:
+        return CHAIN_SEED
+    return hashlib.sha256(bytes.fromhex(CHAIN_SEED) + canonical_json(header)).hexdigest()
 
 
 def event_hash(event_dict: dict) -> bytes:
@@ -93,9 +113,12 @@ _EPSILON_CACHE_SIZE = 16
 
 
 class PrivacyLedger:
-    def __init__(self, accountant: str | Accountant = "rdp", delta: float = 1e-6):
+    def __init__(self, accountant: str | Accountant = "rdp", delta: float = 1e-6, header: Optional[dict] = None):
+        """`header`: a JSON object bound into the chain (module docstring); None: no header."""
         self.accountant = make_accountant(accountant) if isinstance(accountant, str) else accountant
         self.delta = check_delta(delta)
+        self._header: Optional[dict] = _checked_header(header)
+        self._seed = chain_seed(self._header)
         self._history: list[list] = []  # [event, count], run-length encoded
         self._digests: list[str] = []  # the chain digest after each entry's last event
         self._certificate: Optional[Certificate] = None  # in memory only (module docstring)
@@ -136,11 +159,25 @@ class PrivacyLedger:
             self._history.append([event, count])
             self._digests.append(extended)
 
+    # -- the header --------------------------------------------------------------------------------
+    @property
+    def header(self) -> Optional[dict]:
+        """The header bound into the chain (a copy), None without one."""
+        return None if self._header is None else json.loads(canonical_json(self._header))
+
+    def set_header(self, header: dict) -> None:
+        """Bind `header` into the chain; only before the first event (the chain starts from it)."""
+        if self._history:
+            raise ValueError(f"a ledger's header is fixed before its first event; this one holds {self.steps}")
+        self._header = _checked_header(header)
+        self._seed = chain_seed(self._header)
+        self._epsilon_cache.clear()
+
     # -- the hash chain -------------------------------------------------------------------------
     @property
     def digest(self) -> str:
-        """The chain digest after every charged event (CHAIN_SEED when nothing is charged)."""
-        return self._digests[-1] if self._digests else CHAIN_SEED
+        """The chain digest after every charged event (the chain's seed when nothing is charged)."""
+        return self._digests[-1] if self._digests else self._seed
 
     def chain(self) -> dict:
         """What a checkpoint records: {"events": charged so far, "digest": the chain's digest}."""
@@ -150,7 +187,7 @@ class PrivacyLedger:
         """The chain digest after the first `events` charged events (0 <= events <= steps)."""
         if not 0 <= events <= self.steps:
             raise ValueError(f"the ledger has {self.steps} charged events, not {events}")
-        d, seen = CHAIN_SEED, 0
+        d, seen = self._seed, 0
         for (event, count), after in zip(self._history, self._digests):
             if seen + count <= events:
                 d, seen = after, seen + count
@@ -246,6 +283,7 @@ class PrivacyLedger:
     def state_dict(self) -> dict:
         return {
             "version": LEDGER_VERSION,
+            "header": self.header,
             "accountant": self.accountant.name,
             "neighboring_relation": self.neighboring_relation.name,
             "delta": self.delta,
@@ -268,6 +306,7 @@ class PrivacyLedger:
             raise ValueError(f"ledger was recorded for the {relation.name} neighbouring relation; the {accountant.name} "
                              f"accountant accounts {accountant.neighboring_relation.name}: refusing to load it")
         delta = check_delta(state["delta"])
+        header = _checked_header(state.get("header")) if version >= 4 else None
         history = []
         for i, entry in enumerate(state["history"]):
             try:
@@ -277,7 +316,8 @@ class PrivacyLedger:
                 history.append([event_from_dict(entry["event"]), count])
             except (KeyError, ValueError, TypeError) as exc:
                 raise ValueError(f"ledger history entry {i} is invalid: {exc}") from exc
-        digests, d = [], CHAIN_SEED
+        seed = chain_seed(header)
+        digests, d = [], seed
         for i, (entry, (_, count)) in enumerate(zip(state["history"], history)):
             d = extend_chain(d, entry["event"], count)
             if version >= 3 and entry.get("digest") != d:
@@ -288,6 +328,7 @@ class PrivacyLedger:
             raise ValueError("the ledger's events do not hash to its recorded chain digest (or their count differs "
                              "from its recorded events): the ledger was edited or damaged after it was written")
         self.accountant, self.delta, self._history, self._digests = accountant, delta, history, digests
+        self._header, self._seed = header, seed
         self._certificate = None  # it certified the history it replaced
 
     def save(self, path: str | os.PathLike) -> None:
@@ -307,6 +348,18 @@ class PrivacyLedger:
         except (ValueError, KeyError) as exc:
             raise ValueError(f"{path}: {exc}") from exc
         return ledger
+
+
+def _checked_header(header) -> Optional[dict]:
+    """A header is a JSON object that survives its canonical serialization unchanged."""
+    if header is None:
+        return None
+    if not isinstance(header, dict):
+        raise ValueError(f"a ledger header must be a JSON object, got {type(header).__name__}")
+    try:
+        return json.loads(canonical_json(header))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"a ledger header must be plain JSON: {exc}") from None
 
 
 def _relation(state: dict, version: int) -> NeighboringRelation:

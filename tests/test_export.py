@@ -364,7 +364,7 @@ def test_export_reports_privacy_only_from_a_ledger_that_extends_the_checkpoints(
     run = tmp_path / "run"
     shutil.copytree(runs["dlrm"], run)
     (run / "ledger.json").unlink()
-    with pytest.raises(ValueError, match="without ledger.json"):
+    with pytest.raises(ValueError, match="ledger.json: missing"):
         export_run(run, tmp_path / "o1")
     shutil.copy(runs["dlrm"] / "ledger.json", run / "ledger.json")
     ledger = PrivacyLedger.load(run / "ledger.json")
@@ -372,6 +372,6 @@ def test_export_reports_privacy_only_from_a_ledger_that_extends_the_checkpoints(
     for event, count in ledger.history[:-1]:
         shorter.record(event, count)
     shorter.save(run / "ledger.json")
-    with pytest.raises(ValueError, match="does not extend"):
+    with pytest.raises(ValueError, match="rolled back|differ from those"):
         export_run(run, tmp_path / "o2")
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()

@@ -238,14 +238,14 @@ def test_ledger_stores_its_neighbouring_relation_and_reads_version_1(tmp_path):
     ledger = PrivacyLedger("rdp", delta=1e-5)
     assert ledger.neighboring_relation is NeighboringRelation.ADD_OR_REMOVE_ONE
     state = ledger.state_dict()
-    assert state["version"] == 3 and state["neighboring_relation"] == "ADD_OR_REMOVE_ONE"
+    assert state["version"] == 4 and state["neighboring_relation"] == "ADD_OR_REMOVE_ONE"
     # A version 1 file (written before the relation was stored) means add/remove one and loads.
     path = tmp_path / "ledger.json"
     path.write_text(json.dumps(V1_LEDGER))
     old = PrivacyLedger.load(path)
     assert old.steps == 41 and old.neighboring_relation is NeighboringRelation.ADD_OR_REMOVE_ONE
     assert old.history[1] == (step_event(0.02, 1.1, ev.ExponentialTopKDpEvent(0.05, 10)), 40)
-    assert old.state_dict()["version"] == 3  # re-saved in the current format
+    assert old.state_dict()["version"] == 4  # re-saved in the current format
     restored = PrivacyLedger("pld", delta=0.1)
     restored.load_state_dict(json.loads(json.dumps(old.state_dict())))
     assert restored.history == old.history and restored.accountant.name == "rdp"

@@ -27,10 +27,15 @@ def _sets(*items):
     return [x for item in items for x in ("--set", item)]
 
 
-def _train(capsys, ctr_dir, run_dir, *extra):
+def _argv(data, run_dir, *extra):
+    """`widedp train` of TINY on `data` into `run_dir` (a config file beside it holds data.path)."""
     config = run_dir.parent / f"{run_dir.name}.toml"
-    config.write_text(f'[data]\npath = "{ctr_dir}"\n')
-    code = main(["train", "--config", str(config), "--run-dir", str(run_dir), "--no-progress", *_sets(*TINY, *extra)])
+    config.write_text(f'[data]\npath = "{data}"\n')
+    return ["train", "--config", str(config), "--run-dir", str(run_dir), "--no-progress", *_sets(*TINY, *extra)]
+
+
+def _train(capsys, ctr_dir, run_dir, *extra):
+    code = main(_argv(ctr_dir, run_dir, *extra))
     out, err = capsys.readouterr()
     assert code == 0, err
     return json.loads(out)
@@ -179,3 +184,29 @@ def test_a_checkpoint_records_the_chain_and_the_data_set(capsys, run):
     assert state["ledger_chain"] == {"events": 6, "digest": ledger.digest}
     assert set(state["dataset"]) >= {"dataset_json_sha256", "num_examples"}
     assert state["planned_events"]["step"] == [ev.event_to_dict(ledger.history[-1][0])]
+
+
+def test_a_ledgers_header_is_bound_into_its_chain(tmp_path):
+    """What a run's ε means (trainer/run_semantics.py) sits in the ledger's header: an edited
+    header no longer extends the chain a checkpoint recorded; it is fixed before the first event."""
+    ledger = PrivacyLedger("rdp", 1e-6, header={"semantics": {"privacy.unit": "user"}})
+    assert ledger.digest != CHAIN_SEED
+    ledger.record(STEP, 3)
+    recorded = ledger.chain()
+    with pytest.raises(ValueError, match="fixed before its first event"):
+        ledger.set_header({"semantics": {}})
+    path = tmp_path / "ledger.json"
+    ledger.save(path)
+    assert PrivacyLedger.load(path).header == {"semantics": {"privacy.unit": "user"}}
+    state = json.loads(path.read_text())
+    state["header"]["semantics"]["privacy.unit"] = "example"
+    path.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="does not hash"):
+        PrivacyLedger.load(path)  # its stored digests were computed from the original header
+    for entry in state["history"]:
+        entry.pop("digest")
+    state.pop("digest")
+    state["version"] = 4
+    edited = PrivacyLedger("rdp", 1e-6, header=state["header"])
+    edited.record(STEP, 3)
+    assert not edited.extends(recorded)  # a recomputed chain is not the recorded one

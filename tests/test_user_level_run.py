@@ -124,7 +124,7 @@ def test_user_level_by_example_sampling_keeps_k_examples_per_user_and_charges_gr
                           "privacy.accountant=auto"))
     assert summary["privacy_unit"] == "user" and CAVEAT_USER_LEVEL_BY_EXAMPLES in summary["privacy_caveats"]
     assert summary["user_level"] == {"users": users.size, "max_examples_per_user": 4, "user_sampling": "examples",
-                                     "group_size": 4, "training_examples": kept}
+                                     "group_size": 4, "kept_examples": kept}
     assert summary["sample_rate"] == pytest.approx(64 / kept)
     assert summary["delta"] == pytest.approx(default_delta(users.size))
     ledger = PrivacyLedger.load(tmp_path / "run" / "ledger.json")

@@ -190,6 +190,8 @@ COMMAND_HELP: dict[str, tuple[str, str]] = {
     "epsilon": (__name__, "ε spent by T steps of DP-SGD or Algorithm 3"),
     "calibrate": (__name__, "noise multiplier (and selection parameters) for a target ε"),
     "budget": ("widedp.trainer.dataset_budget", "every run's privacy spending on a data set, and the total"),
+    "verify": ("widedp.trainer.verify", "check a run's privacy records (ledger, journal, checkpoint, budget) and print "
+                                        "its verified ε"),
     "convert": ("widedp.trainer.data.commands", "convert Criteo TSV, your own table (by a schema) or plain text to a data set"),
     "synth": ("widedp.trainer.data.commands", "synthetic data set with planted ground truth"),
     "audit": ("widedp.trainer.audit", "train once with canaries and bound ε from below (one-run audit)"),

@@ -138,7 +138,8 @@ class Engine:
     def __init__(self, model: DenseModel, layout: ShardLayout, shards, train_set, sampler, *, mode: str,
                  expected_batch_size: float, sample_rate: float, plan: Optional[PrivacyPlan], ledger: Optional[PrivacyLedger],
                  target_epsilon: float, dense_optimizer: torch.optim.Optimizer,
-                 randomness: Optional[PrivacyRandomness] = None, secure_mode: bool = False, ledger_path=None,
+                 randomness: Optional[PrivacyRandomness] = None, secure_mode: bool = False,
+                 persist_ledger: Optional[Callable[[PrivacyLedger], None]] = None,
                  dense_tables: tuple[int, ...] = (), ema_decay: float = 0.0, dense_grad_method: str = "auto",
                  num_trainers: int = 1, selection_on_shards: bool = False, trainer_actors: bool = False,
                  cpus_per_trainer: float = 1.0, fuse_selection: bool = True, norms_on_trainer: bool = True,
@@ -182,7 +183,9 @@ class Engine:
         # what the budget check certifies at once (`would_exceed_budget`).
         self.planned_steps: Optional[int] = None
         self._budget_limit: Optional[int] = None  # step_count past which certifying found no room
-        self.ledger_path = ledger_path  # if set, the ledger is persisted before each release
+        # If set, called with the ledger after each charge, before the release it pays for (`widedp
+        # train`: ledger.json and the run's journal, trainer/run_records.py `LedgerStore`).
+        self.persist_ledger = persist_ledger
         self.dense_optimizer = dense_optimizer
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
@@ -329,8 +332,8 @@ class Engine:
         if self.ledger is None:
             raise RuntimeError("charge() needs a privacy ledger (a nonprivate run has none)")
         self.ledger.record(event if whole_unit else self.accounted(event))
-        if self.ledger_path is not None:
-            self.ledger.save(self.ledger_path)
+        if self.persist_ledger is not None:
+            self.persist_ledger(self.ledger)
 
     # ---- one step ---------------------------------------------------------------------------------
     def plan_steps(self, total_steps: int) -> None:

@@ -124,11 +124,17 @@ def export_run(run_dir, out_dir) -> dict:
         raise ExportError(f"{run_dir}: no {', '.join(missing)} there (not a finished `widedp train` run dir?)")
     _check_out_dir(out_dir)
 
+    from widedp.trainer.train import load_checkpoint
+
     summary = json.loads((run_dir / "summary.json").read_text())
     run_config = json.loads((run_dir / "config.json").read_text())
-    state = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    try:
+        state = load_checkpoint(run_dir / "checkpoint.pt")
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
     # The checkpoint's config is the one the saved state was trained under (a resume with --set
-    # overrides does not rewrite config.json).
+    # overrides does not rewrite config.json); what the ε *means* is not read from it but from the
+    # run's records (the ledger's header, the journal: `privacy_report`).
     config = state.get("config") or run_config
     engine_state = state["engine"]
     meta = _read_dataset_meta(config)
@@ -142,7 +148,7 @@ def export_run(run_dir, out_dir) -> dict:
     weights = {f"embeddings.{name}": w for name, w in tables.items()}
     weights.update({f"dense.{k}": v.detach().cpu().contiguous().clone()
                     for k, v in dense_model.state_dict().items() if v.numel()})
-    report = privacy_report(run_dir, summary, config, engine_state, meta)
+    report = privacy_report(run_dir, summary, config, engine_state, meta, state)
     spec = model_spec(config, meta, layout, engine_state.get("step"))
     ema_decay = config.get("train", {}).get("ema_decay", 0.0)
     spec["parameters"] = (f"exponential moving average of the iterates, decay {ema_decay} (train.ema_decay)"
@@ -165,7 +171,10 @@ def export_run(run_dir, out_dir) -> dict:
         if pipeline.spec is not None:
             _write_pipeline(tmp, pipeline)
         _write_json(tmp / "model.json", spec)
-        _write_json(tmp / "config.json", public_config(config))
+        exported_config = public_config(config)
+        # what the run's outputs mean is the run's: debug statistics written by any session count
+        exported_config.setdefault("train", {})["debug_metrics"] = bool(report["debug_metrics"])
+        _write_json(tmp / "config.json", exported_config)
         vocab = Path(config["data"]["path"]) / "vocab.tsv"
         if vocab.is_file():
             shutil.copyfile(vocab, tmp / "vocab.tsv")
@@ -701,44 +710,41 @@ def _weight_key_doc(spec: dict) -> dict:
 
 
 # ---- privacy report ---------------------------------------------------------------------------------
-def _ledger(run_dir: Path, engine_state: dict):
-    """ledger.json (persisted before each release; its events hash to the chain it stores) — and
-    it must extend the ledger the checkpoint embeds: a ledger.json that is missing, rolled back,
-    replaced or edited is refused, never replaced by the checkpoint's shorter copy (which would
-    forget the steps released after the checkpoint)."""
-    from widedp.accounting import PrivacyLedger
+def _records(run_dir: Path, state: dict):
+    """The run's privacy records, verified as `--resume` verifies them (trainer/run_records.py):
+    ledger.json must extend the checkpoint's chain and the journal's last charge (a ledger that
+    is missing, rolled back, replaced or edited is refused, never replaced by the checkpoint's
+    shorter copy, which would forget the steps released after the checkpoint); a keyed run
+    needs its key (WIDEDP_LEDGER_KEY_FILE) and every signature must verify."""
+    from widedp.trainer.ledger_key import LedgerKeyError, key_from_environment
+    from widedp.trainer.run_records import RecordError, verified_records
 
-    ledger_file = run_dir / "ledger.json"
-    if not ledger_file.is_file():
-        return None
     try:
-        ledger = PrivacyLedger.load(ledger_file)
-    except (ValueError, KeyError, OSError) as exc:
-        raise ExportError(f"{exc}: its privacy cannot be reported") from None
-    saved = engine_state.get("ledger")
-    if saved is not None:
-        from_checkpoint = PrivacyLedger(saved.get("accountant", "rdp"), saved.get("delta", 1e-6))
-        from_checkpoint.load_state_dict(saved)
-        if not ledger.extends(from_checkpoint.chain()):
-            raise ExportError(f"{ledger_file}: does not extend the {from_checkpoint.steps} events {run_dir / 'checkpoint.pt'} "
-                              f"records (it holds {ledger.steps}): it was rolled back, replaced or edited, so its "
-                              "privacy cannot be reported")
-    return ledger
+        return verified_records(run_dir, state, key_from_environment(run_dir), "its privacy cannot be reported")
+    except (RecordError, LedgerKeyError) as exc:
+        raise ExportError(str(exc)) from None
 
 
-def privacy_report(run_dir: Path, summary: dict, config: dict, engine_state: dict, meta) -> dict:
+def privacy_report(run_dir: Path, summary: dict, config: dict, engine_state: dict, meta,
+                   state: Optional[dict] = None) -> dict:
+    """The privacy report of a run. What the ε means — unit of privacy, reproducible mode,
+    debug outputs in any session, δ — is the run's, fixed when it started (the checkpoint's
+    semantics, the ledger's header, the journal's sessions: trainer/run_semantics.py), never the
+    last session's config."""
     train, priv = config["train"], config["privacy"]
-    mode = summary.get("mode", train["mode"])
+    state = state if state is not None else {"engine": engine_state, "config": config}
+    records = _records(run_dir, state)
+    semantics, ledger = records.semantics, records.ledger
+    mode = semantics.get("train.mode") or summary.get("mode", train["mode"])
     private = mode != "nonprivate"
-    ledger = _ledger(run_dir, engine_state) if private else None
     if private and ledger is None:
-        raise ExportError(f"{run_dir}: a {mode} run without ledger.json: its privacy cannot be reported "
-                          f"(a ledger is never rebuilt from the checkpoint, which misses the steps released after it)")
-    reproducible = bool(summary.get("reproducible", False) or priv.get("reproducible", False)
+        raise ExportError(f"{run_dir}: a {mode} run whose checkpoint holds no ledger: its privacy cannot be reported")
+    reproducible = bool(semantics.get("privacy.reproducible") or summary.get("reproducible", False)
                         or engine_state.get("reproducible", False))
-    debug = bool(summary.get("debug_metrics", False) or train.get("debug_metrics", False))
+    debug = bool(records.sticky.get("debug_metrics") or summary.get("debug_metrics", False)
+                 or train.get("debug_metrics", False))
     data_events = [redact(d) for d, _ in meta.privacy_events]
-    user_level = priv.get("unit", "example") == "user"
+    user_level = (semantics.get("privacy.unit") or priv.get("unit", "example")) == "user"
 
     not_covered = [] if private else [NO_GUARANTEE]
     if reproducible:
@@ -780,7 +786,9 @@ def privacy_report(run_dir: Path, summary: dict, config: dict, engine_state: dic
         "table_policy": summary.get("table_policy"),
         "clip_norm": priv.get("clip_norm"),
         "second_clip_norm": priv.get("second_clip_norm"),
-        "secure_mode": priv.get("secure_mode"),
+        "secure_mode": semantics.get("privacy.secure_mode", priv.get("secure_mode")),
+        "lineage": records.lineage,
+        "ledger_key_id": records.key_id,
         "randomness": summary.get("randomness"),
         "reproducible": reproducible,
         "debug_metrics": debug,
@@ -829,7 +837,8 @@ def privacy_markdown(r: dict) -> str:
             ("expected batch size", r["expected_batch_size"]), ("noise multiplier σ", r["noise_multiplier"]),
             ("selection ε", r["selection_epsilon"]), ("k", r["k"]), ("clip norm S1", r["clip_norm"]),
             ("second clip norm S2", r["second_clip_norm"]), ("secure mode", r["secure_mode"]),
-            ("randomness", r["randomness"])]
+            ("randomness", r["randomness"]),
+            ("records signed (ledger key id, verified at export)", r.get("ledger_key_id") or "no (unkeyed run)")]
     lines += ["| parameter | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in rows] + [""]
     if r["covered"]:
         lines += ["## Covered", ""] + [f"- {c}" for c in r["covered"]] + [""]

@@ -8,6 +8,7 @@ privacy report and the benchmarks), so nothing downstream re-derives one.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
@@ -146,7 +147,59 @@ def data_event_is_grouped(cfg: Config, unit: str) -> bool:
     return cfg.privacy.unit == "user" and cfg.privacy.user_sampling == "examples" and unit != "user"
 
 
+def smallest_reachable_target(exc: UnreachableTargetError, cfg: Config, n: int, vocabulary: int,
+                              data_events: Sequence[ev.DpEvent], policy: Optional[TablePolicy],
+                              rows_per_example: Optional[int], num_units: Optional[int],
+                              data_event_units: Optional[Sequence[str]]) -> UnreachableTargetError:
+    """The refusal of an unreachable privacy.target_epsilon, naming a target this run *does*
+    reach, found by planning at it (`plan_privacy`'s own rules). The floor a calibration reports
+    is computed at the refused target, but an "auto" σ of a one-time event (the recalibration's,
+    DP-FEST's) is sized as a share of the target, so at that floor those events cost more and the
+    floor moves up; and the share's own calibration can be the one refused (its floor, for its
+    share of the target). So: from each refusal, the next target scales the one refused by
+    (its floor / the value it refused) — the floor itself for the steps' calibration, the share's
+    floor over the share for a one-time σ —, rounded up to 3 digits and at least 0.1% higher;
+    until one plans. The floors grow by the shares (≤ 5% each), so this ends in a few tries; the
+    value named is one that planned."""
+    from widedp.accounting.calibration import round_up
+
+    def refusal(target: float) -> Optional[UnreachableTargetError]:
+        trial = copy.deepcopy(cfg)
+        trial.privacy.target_epsilon = target
+        try:
+            _plan_privacy(trial, n, vocabulary, data_events, policy, rows_per_example, num_units, data_event_units)
+        except UnreachableTargetError as again:
+            return again
+        return None
+
+    target = float(cfg.privacy.target_epsilon)
+    current, err, smallest = target, exc, 0.0
+    for _ in range(40):
+        if err.target == current:
+            smallest = max(smallest, float(err.smallest))
+        candidate = round_up(max(current * float(err.smallest) / float(err.target), current * 1.001))
+        again = refusal(float(candidate))
+        if again is None:
+            return UnreachableTargetError(target, smallest or float(candidate), "privacy.target_epsilon", candidate)
+        current, err = float(candidate), again
+    return UnreachableTargetError(target, max(smallest, float(err.smallest)), "privacy.target_epsilon")
+
+
 def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.DpEvent] = (),
+                 policy: Optional[TablePolicy] = None, rows_per_example: Optional[int] = None,
+                 num_units: Optional[int] = None, data_event_units: Optional[Sequence[str]] = None
+                 ) -> tuple[Optional[PrivacyPlan], PrivacyInfo]:
+    """`_plan_privacy`, with an unreachable privacy.target_epsilon — by the steps' calibration or
+    by a one-time event's "auto" σ sized from it — refused naming a target that plans
+    (`smallest_reachable_target`)."""
+    try:
+        return _plan_privacy(cfg, n, vocabulary, data_events, policy, rows_per_example, num_units, data_event_units)
+    except UnreachableTargetError as exc:
+        raise smallest_reachable_target(exc, cfg, n, vocabulary, data_events, policy, rows_per_example,
+                                        num_units, data_event_units) from None
+
+
+def _plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.DpEvent] = (),
                  policy: Optional[TablePolicy] = None, rows_per_example: Optional[int] = None,
                  num_units: Optional[int] = None, data_event_units: Optional[Sequence[str]] = None
                  ) -> tuple[Optional[PrivacyPlan], PrivacyInfo]:
@@ -226,8 +279,8 @@ def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.
                             accountant=p.accountant, k=k, max_answers=k, selection_delta=delta,
                             svt_release_values=False, extra_history=extra, noise_event=noise_event,
                             group_size=group, unit_history=whole_unit)
-        except UnreachableTargetError as exc:  # the same refusal, under the config's name
-            raise exc.renamed("privacy.target_epsilon") from None
+        except UnreachableTargetError as exc:  # renamed with a target that plans by `plan_privacy`
+            raise exc from None
         sigma = out.noise_multiplier
         if selector is not None and out.selection_params:  # the calibrated fields replace the config's
             params = dataclasses.replace(params, **dict(out.selection_params))

@@ -58,12 +58,13 @@ CAVEAT_USER_LEVEL_BY_EXAMPLES = (
     "example-level DP-SGD and every event is accounted for a group of that many examples (the PLD of the mixture "
     "of Gaussians, Ganesh 2024). ε and δ hold for adding or removing one user with all of their examples; δ's "
     "default is over users, whose number is treated as public like n, and so is the number of kept examples "
-    "(sample_rate = b / kept examples reveals it; summary user_level.training_examples states it).")
+    "(sample_rate = b / kept examples reveals it; summary user_level.kept_examples states it).")
 CAVEAT_VALIDATION_SPLIT = ("validation_metrics are computed on the validation split (data.validation_fraction of "
                            "the training data, held out and never trained on); ε covers the remaining training "
                            "examples only, and validation_metrics, like test_metrics, are not covered by ε; "
                            "hyperparameters chosen on them (benchmarks/tune.py) are not charged to ε either.")
-CAVEAT_DEBUG = ("train.debug_metrics = true: metrics.jsonl, summary.json and the progress output carry raw, "
+CAVEAT_DEBUG = ("train.debug_metrics = true (in at least one session of this run; it holds for the whole run): "
+                "metrics.jsonl, summary.json and the progress output carry raw, "
                 "un-noised training statistics (" + ", ".join(DEBUG_STEP_KEYS + DEBUG_SUMMARY_KEYS) + "). "
                 "The privacy report is VOID for those outputs: do not publish them.")
 CAVEAT_DEBUG_TENSORBOARD = ("train.tensorboard = true with train.debug_metrics = true: the event files in "
@@ -189,7 +190,12 @@ class RunRecorder:
     """Collects step statistics and writes only what the threat model allows."""
 
     def __init__(self, *, expected_batch_size: float, metrics_path: Path, debug_metrics: bool,
-                 randomness_note: str, reproducible: bool, private: bool, tensorboard_dir: Optional[Path] = None):
+                 randomness_note: str, reproducible: bool, private: bool, tensorboard_dir: Optional[Path] = None,
+                 debug_in_run: Optional[bool] = None, debug_tensorboard_in_run: Optional[bool] = None):
+        """`debug_metrics`: this session writes raw statistics. `debug_in_run`: some session of the
+        run did (default: this one's) — the caveats and summary.json's "debug_metrics" are the
+        run's, as its metrics files hold what every session wrote (trainer/run_semantics.py,
+        STICKY); `debug_tensorboard_in_run` likewise for TensorBoard event files."""
         self.b = float(expected_batch_size)
         self.metrics_path = metrics_path
         # Every record goes to every sink (`log`), metrics.jsonl first (TensorBoardSink reads it).
@@ -198,6 +204,9 @@ class RunRecorder:
             self.sinks.append(TensorBoardSink(tensorboard_dir, metrics_path, debug_metrics))
         self.tensorboard = tensorboard_dir is not None
         self.debug = bool(debug_metrics)
+        self.debug_in_run = self.debug if debug_in_run is None else bool(debug_in_run) or self.debug
+        self.debug_tensorboard_in_run = ((self.debug and self.tensorboard) if debug_tensorboard_in_run is None
+                                         else bool(debug_tensorboard_in_run) or (self.debug and self.tensorboard))
         self.randomness_note = randomness_note
         self.reproducible = reproducible
         self.private = private
@@ -262,9 +271,9 @@ class RunRecorder:
         out = [] if self.private else [CAVEAT_NONPRIVATE]
         if self.reproducible:
             out.append(self.randomness_note)
-        if self.debug:
+        if self.debug_in_run:
             out.append(CAVEAT_DEBUG)
-            if self.tensorboard:
+            if self.debug_tensorboard_in_run:
                 out.append(CAVEAT_DEBUG_TENSORBOARD)
         out += [CAVEAT_N_PUBLIC, CAVEAT_TIMINGS, CAVEAT_TEST_SPLIT] + ([CAVEAT_VALIDATION_SPLIT] if validation else [])
         if unit == "user":
@@ -291,7 +300,7 @@ class RunRecorder:
             "phase_ms_median": {k: 1e3 * statistics.median(v) for k, v in self.phases.items()},
             "randomness": self.randomness_note,
             "reproducible": self.reproducible,
-            "debug_metrics": self.debug,
+            "debug_metrics": self.debug_in_run,
             "privacy_unit": unit,
             "privacy_caveats": self.caveats(data_event_descriptions, validation, unit_column, unit, user_sampling),
         }
@@ -313,9 +322,10 @@ def eval_line(step: int, test_metrics: Optional[dict]) -> dict:
 
 # ---- a failed run leaves no empty run directory ----------------------------------------------------
 # What a new run writes before it has recorded anything (trainer/train.py `_start`, the recorder):
-# the config, an empty metrics.jsonl, and with train.tensorboard its writer's directory (event files
-# that mirror metrics.jsonl, so they hold no scalar while it holds no record).
-SCAFFOLD_FILES = ("config.json", "metrics.jsonl")
+# the config, an empty metrics.jsonl, its journal's session line (trainer/run_journal.py) and with
+# train.tensorboard its writer's directory (event files that mirror metrics.jsonl, so they hold no
+# scalar while it holds no record).
+SCAFFOLD_FILES = ("config.json", "metrics.jsonl", "journal.jsonl")
 SCAFFOLD_DIRS = ("tensorboard",)
 # What makes a directory a run's record: never removed. The ledger above all: it only grows
 # (docs/DESIGN.md §1), and a run dir holding one is kept whatever happened after.
@@ -324,7 +334,8 @@ RECORD_FILES = ("ledger.json", "checkpoint.pt", "summary.json")
 
 def holds_a_record(run_dir: Path) -> bool:
     """Whether `run_dir` holds anything a failed run must keep: a ledger, a checkpoint, a
-    summary, a metrics.jsonl record, or any file the run's own scaffold does not explain."""
+    summary, a metrics.jsonl record, a journal line other than its session's, or any file the
+    run's own scaffold does not explain."""
     run_dir = Path(run_dir)
     for entry in run_dir.iterdir():
         name = entry.name
@@ -332,6 +343,11 @@ def holds_a_record(run_dir: Path) -> bool:
             return True
         if name == "metrics.jsonl":
             if not entry.is_file() or entry.read_text(errors="replace").strip():
+                return True
+        elif name == "journal.jsonl":
+            from widedp.trainer.run_journal import journal_holds_a_record
+
+            if not entry.is_file() or journal_holds_a_record(entry):
                 return True
         elif name in SCAFFOLD_DIRS:
             if not entry.is_dir() or any(not (f.is_file() and "tfevents" in f.name) for f in entry.iterdir()):

@@ -1,22 +1,36 @@
 """`widedp train` and `widedp evaluate`: build a run from a config and drive the engine.
 
-Run dir: config.json, summary.json (docs/DESIGN.md §4 keys), metrics.jsonl (one line per logged
-step), ledger.json (rewritten atomically after every recorded step, before the update is
-released) and checkpoint.pt (atomic; private; `--resume DIR` continues it).
+Run dir: config.json (the config the run started with), summary.json (docs/DESIGN.md §4 keys),
+metrics.jsonl (one line per logged step), ledger.json (rewritten atomically after every charge,
+before the update is released), journal.jsonl (appended after every charge and at every
+session's start: trainer/run_journal.py) and checkpoint.pt (atomic; private; `--resume DIR`
+continues it).
+
+What a run's ε means is fixed when it first starts (trainer/run_semantics.py): the checkpoint
+and the ledger's header record the FIXED settings (unit, user sampling, δ, accountant, secure
+and reproducible mode, the data set, ...); `_restore` refuses a resume that changes one, naming
+the key and both values, and every output reports the run's semantics — the sticky settings of
+every session (debug statistics), the ledger's δ — not the last session's config.
 
 The ledger only grows (docs/DESIGN.md §1). A checkpoint records the ledger's hash chain (events
-charged, digest: accounting/ledger.py), the data set's identity (trainer/data/meta.py,
-`dataset_identity`) and the events the run planned. `--resume` (`_restore`) refuses, naming
-the file: a ledger.json that is missing, shorter than the checkpoint's, not an extension of it,
-or whose events do not hash to its chain; a checkpoint that is not a readable widedp checkpoint,
-or was written for other data. It also rebuilds the events from the plan and compares: the
-first events must be the data set's own one-time events (dataset.json) in order, and every later
-one must be an event some session of this run planned (the checkpoint's planned one-time and
-per-step events, and the current plan's) — exact for the data events and the per-step events;
-for a one-time selection (DP-FEST) the event is checked, not how many times it was charged.
-There is no way past a lost or edited ledger but a new run with its own budget. A new run
-never writes into a directory that holds a run. Every run appends its spending to the data
-set's privacy_budget.jsonl (trainer/dataset_budget.py).
+charged, digest: accounting/ledger.py), the journal's head, the data set's identity and its
+budget's head (trainer/dataset_budget.py), the run's semantics and lineage, and the events the
+run planned. `--resume` (`_restore`, trainer/run_records.py `verified_records`) refuses, naming
+the file: a ledger.json that is missing, shorter than the checkpoint's or than the journal's last
+charge, not an extension of them, or whose events do not hash to its chain; a journal that is
+missing or does not extend the checkpoint's head; a checkpoint that is not a readable widedp
+checkpoint, or was written for other data; a data set budget that does not hold the run's
+earlier lines (deleted, truncated, a copy of the data set) or records more events for the run's
+last session than the ledger holds (a run directory rolled back as a whole); for a keyed run
+(trainer/ledger_key.py), any record not signed with its key. It also rebuilds the events from
+the plan and compares: the first events must be the data set's own one-time events
+(dataset.json) in order, and every later one must be an event some session of this run planned
+(the checkpoint's planned one-time and per-step events, and the current plan's) — exact for the
+data events and the per-step events; for a one-time selection (DP-FEST) the event is checked,
+not how many times it was charged. There is no way past a lost or edited ledger but a new run
+with its own budget. A new run never writes into a directory that holds a run, and one session
+at a time trains a run directory (the journal's lock). Every session appends its spending, with
+the run's lineage, to the data set's privacy_budget.jsonl.
 
 Ctrl-C finishes the step in progress (a second Ctrl-C stops at once), saves the checkpoint and
 ends with `TrainingInterrupted` ("interrupted at step N; resume with ..."; the CLI exits 130).
@@ -48,7 +62,7 @@ import torch
 from widedp.accounting import PrivacyLedger
 from widedp.accounting import events as ev
 from widedp.accounting.atomic import atomic_write_bytes
-from widedp.trainer import dataset_budget, strict_json
+from widedp.trainer import dataset_budget, run_semantics, strict_json
 from widedp.trainer.config import Config, saved_config
 from widedp.trainer.data.meta import dataset_identity
 from widedp.trainer.data.dataset import split_rule
@@ -57,8 +71,11 @@ from widedp.trainer.layout import FeatureSpec, ShardLayout, TableSpec
 from widedp.trainer.models import MODELS
 from widedp.trainer.planning import (PrivacyInfo, data_event_is_grouped, default_delta, plan_privacy,  # noqa: F401
                                      plan_run)  # (public here too)
+from widedp.trainer.ledger_key import LedgerKey, LedgerKeyError, key_from_environment, require_key
 from widedp.trainer.randomness import PrivacyRandomness
 from widedp.trainer.run import Run
+from widedp.trainer.run_journal import JOURNAL_FILE, STICKY_KEYS, ReleaseJournal
+from widedp.trainer.run_records import LedgerStore, recorded_semantics, sign_checkpoint_record, verified_records
 from widedp.trainer.run_outputs import RunRecorder, eval_line, remove_unrecorded_run_dir
 from widedp.selection.registry import get_selector
 
@@ -258,8 +275,10 @@ def _example_units(cfg: Config, train_set, meta) -> Optional[np.ndarray]:
 
 
 # Files whose presence means a directory holds a run (a new run refuses it).
-RUN_FILES = ("checkpoint.pt", "ledger.json", "summary.json", "config.json")
-CHECKPOINT_FORMAT = 2  # 2: records ledger_chain, dataset, planned_events, run_id
+RUN_FILES = ("checkpoint.pt", "ledger.json", "summary.json", "config.json", JOURNAL_FILE)
+# 3: records semantics, lineage, sticky, journal_head, budget_head, privacy_info (and records_mac
+# when keyed); 2: ledger_chain, dataset, planned_events, run_id
+CHECKPOINT_FORMAT = 3
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -268,11 +287,23 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 class RunState:
     """What a run carries across sessions in its checkpoint: its id, when it started, the
-    identity of its data, and every event some session of it planned (event dicts)."""
+    identity of its data, every event some session of it planned (event dicts), what its ε
+    means (`semantics`, fixed at its start: trainer/run_semantics.py), its lineage (the session
+    segments of its journal), its sticky settings, and the heads of its journal and of the data
+    set's budget after this session's line."""
 
-    def __init__(self, run_id: str, started: str, dataset: dict, one_time: list, step: list):
+    def __init__(self, run_id: str, started: str, dataset: dict, one_time: list, step: list,
+                 semantics: Optional[dict] = None, segment: Optional[str] = None):
         self.run_id, self.started, self.dataset = run_id, started, dataset
         self.one_time, self.step = one_time, step
+        self.semantics: dict = semantics or {}
+        self.segment = segment or uuid.uuid4().hex  # this session's
+        self.journal: Optional[ReleaseJournal] = None
+        self.sticky: dict = {k: False for k in STICKY_KEYS}
+        self.budget_head: Optional[dict] = None
+        self.base: dict = {"events": 0, "digest": ""}  # the ledger's chain when this session started
+        self.key: Optional[LedgerKey] = None
+        self.privacy_info: Optional[dict] = None
 
     def plan(self, events: list, kind: str) -> None:
         target = self.one_time if kind == "one_time" else self.step
@@ -281,6 +312,14 @@ class RunState:
             if d not in target:
                 target.append(d)
 
+    @property
+    def lineage(self) -> list[str]:
+        return self.journal.segments if self.journal is not None else [self.run_id]
+
+    def voids(self) -> list[str]:
+        """Why this run's ε does not bound what it released (the budget counts it as ∞)."""
+        return run_semantics.void_reasons(self.semantics, self.sticky)
+
 
 def save_checkpoint(run_dir: Path, engine: Engine, cfg: Config, run_state: Optional[RunState] = None) -> None:
     state: dict = {"engine": engine.state_dict(), "config": cfg.to_dict(), "format": CHECKPOINT_FORMAT}
@@ -288,7 +327,11 @@ def save_checkpoint(run_dir: Path, engine: Engine, cfg: Config, run_state: Optio
         state["ledger_chain"] = engine.ledger.chain()
     if run_state is not None:
         state.update(run_id=run_state.run_id, started=run_state.started, dataset=run_state.dataset,
-                     planned_events={"one_time": run_state.one_time, "step": run_state.step})
+                     planned_events={"one_time": run_state.one_time, "step": run_state.step},
+                     semantics=run_state.semantics, lineage=run_state.lineage, sticky=dict(run_state.sticky),
+                     journal_head=run_state.journal.head() if run_state.journal is not None else None,
+                     budget_head=run_state.budget_head, privacy_info=run_state.privacy_info)
+        sign_checkpoint_record(state, run_state.key)
     buf = io.BytesIO()
     torch.save(state, buf)
     atomic_write_bytes(run_dir / "checkpoint.pt", buf.getvalue())
@@ -311,18 +354,15 @@ def load_checkpoint(path: Path) -> dict:
     return state
 
 
-# Keys that do not change what a run's steps compute (placement, logging, recovery).
-_COMPUTATION_FREE_KEYS = {("train", "log_every"), ("train", "eval_every"), ("train", "checkpoint_every"),
-                          ("train", "eval_batch_size"), ("train", "debug_metrics"), ("train", "tensorboard"), ("cluster", "address"),
-                          ("cluster", "backend"), ("cluster", "cpus_per_shard"), ("cluster", "gpus_per_shard"),
-                          ("cluster", "placement_strategy"), ("cluster", "max_actor_restarts"), ("cluster", "trainer_placement"),
-                          ("cluster", "cpus_per_trainer"), ("cluster", "data_plane"), ("cluster", "compiled_wait"), ("cluster", "fold_write_back"),
-                          ("cluster", "unawaited_write_back"),
-                          ("run_dir", None),
-                          # the [by_epsilon] table and the row's key: its values are in the sections
-                          ("by_epsilon", None), ("tuned_for_epsilon", None)}
+# The classification of every config key is trainer/run_semantics.py's; as (section, key) pairs here.
+def _pairs(keys) -> set:
+    return {tuple(k.split(".", 1)) if "." in k else (k, None) for k in keys}
+
+
+# Keys that do not change what a run's steps compute (placement, logging, recovery, debug outputs).
+_COMPUTATION_FREE_KEYS = _pairs(run_semantics.COMPUTATION_FREE_KEYS)
 # Keys a resume may change without changing what the replayed steps compute.
-_RESUME_FREE_KEYS = _COMPUTATION_FREE_KEYS | {("train", "steps")}
+_RESUME_FREE_KEYS = _pairs(run_semantics.RESUME_FREE_KEYS)
 
 
 def changed_computation_keys(saved: dict, now: dict, free: frozenset | set = frozenset(_COMPUTATION_FREE_KEYS)) -> list[str]:
@@ -345,15 +385,38 @@ def changed_computation_keys(saved: dict, now: dict, free: frozenset | set = fro
 _MISSING = object()
 
 
-def _check_replay_is_identical(saved: dict, cfg: Config) -> None:
+def check_replay_is_identical(state: dict, cfg: Config, info, ckpt_file: Path) -> None:
     """A reproducible resume reuses the checkpoint's generator states, which is allowed only when
     the replay computes what was released (docs/DESIGN.md §1: never the same noise on different
-    values): refuse a resume that changes anything the steps compute."""
-    changed = changed_computation_keys(saved, cfg.to_dict(), _RESUME_FREE_KEYS)
+    values): refuse a resume that changes anything the steps compute. train.steps may change only
+    where no step depends on it: the resolved plan (an "auto" σ, the selection's and the
+    recalibration's parameters are calibrated for train.steps) is the checkpoint's, and the
+    learning-rate schedule is constant (linear and cosine are functions of train.steps)."""
+    saved = state["config"]
+    changed = changed_computation_keys(saved, cfg.to_dict(), _RESUME_FREE_KEYS | {("train", "steps")})
     if changed:
-        raise ValueError(f"--resume in reproducible mode would replay the checkpoint's noise on different values: "
-                         f"{', '.join(changed)} changed; resume without those changes, or unset privacy.reproducible "
-                         f"(a secret run resumes with fresh noise)")
+        raise ValueError(f"{ckpt_file}: --resume in reproducible mode would replay the checkpoint's noise on different "
+                         f"values: {', '.join(changed)} changed; resume with the run's values (privacy.reproducible "
+                         f"is fixed for the run: a reproducible run resumes reproducibly)")
+    was, now = saved.get("train", {}).get("steps"), cfg.train.steps
+    if was == now:
+        return
+    recorded_plan = state.get("privacy_info")
+    plan_now = info.to_dict() if info is not None else None
+    why = []
+    if cfg.train.lr_schedule != "constant":
+        why.append(f"train.lr_schedule = {cfg.train.lr_schedule!r} is a function of train.steps")
+    if recorded_plan is None:
+        why.append("the checkpoint does not record its resolved privacy plan")
+    elif plan_now != recorded_plan:
+        diff = [f"{k} {recorded_plan.get(k)!r} -> {plan_now.get(k)!r}" for k in plan_now
+                if recorded_plan.get(k) != plan_now.get(k)] if plan_now is not None else []
+        why.append(f"the plan calibrated for it changes ({'; '.join(diff[:4])})")
+    if why:
+        raise ValueError(f"{ckpt_file}: --resume in reproducible mode with train.steps {was} -> {now} would replay the "
+                         f"checkpoint's noise on different values: {', '.join(why)}; resume with train.steps = {was} "
+                         f"(or set privacy.noise_multiplier and the selection's parameters explicitly and use a "
+                         f"constant schedule)")
 
 
 def _planned_one_time(engine: Engine) -> list:
@@ -381,8 +444,12 @@ def _planned_recalibration(info) -> list:
     return [] if plan is None else [ev.grouped(ev.GaussianDpEvent(plan["noise_multiplier"]), info.group_size or 1)]
 
 
-def _restore(engine: Engine, run_dir: Path, cfg: Config, data_events: list, info=None) -> RunState:
-    """Resume from checkpoint.pt and the ledger on disk (see the module docstring: the checks
+_NO_WAY_PAST = "the only way on is a new run (a new --run-dir) with its own budget"
+
+
+def _restore(engine: Engine, run_dir: Path, cfg: Config, data_events: list, info, now_semantics: dict,
+             key: Optional[LedgerKey]) -> RunState:
+    """Resume from checkpoint.pt and the records on disk (see the module docstring: the checks
     and what they refuse). The ledger resumed is ledger.json once verified: it may be longer than
     the checkpoint's (steps released after the checkpoint are replayed with fresh secret
     randomness, trainer/randomness.py, and so are charged again, never forgotten)."""
@@ -395,67 +462,51 @@ def _restore(engine: Engine, run_dir: Path, cfg: Config, data_events: list, info
                          if recorded_identity.get(k) != identity[k])
         raise ValueError(f"{ckpt_file} was trained on other data than data.path {cfg.data.path} holds now: {diff}; "
                          f"resume on the data set the run started on, or start a new run")
+    recorded = recorded_semantics(state)
+    try:
+        require_key(recorded.get(run_semantics.LEDGER_KEY_ID), key, str(ckpt_file))
+    except LedgerKeyError as exc:
+        raise ValueError(f"{exc}; a keyed run resumes with its key") from None
+    changes = run_semantics.changed_semantics(recorded, now_semantics)
+    if changes:
+        raise ValueError(run_semantics.refusal(changes, str(ckpt_file)))
     if engine.randomness.reproducible:
-        _check_replay_is_identical(state["config"], cfg)
+        check_replay_is_identical(state, cfg, info, ckpt_file)
+    records = verified_records(run_dir, state, key, _NO_WAY_PAST, ckpt_file)
     try:
         engine.load_state_dict(state["engine"])
     except (RuntimeError, KeyError, ValueError, IndexError, TypeError) as exc:
         raise ValueError(f"{ckpt_file} does not match this run's config and data ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); resume with the config the "
                          f"run was trained with") from None
+    dataset_budget.check_recorded_head(cfg.data.path, state.get("budget_head"), str(ckpt_file))
+    dataset_budget.check_not_rolled_back(cfg.data.path, records.lineage,
+                                         records.ledger.steps if records.ledger is not None else 0,
+                                         run_dir / "ledger.json", _NO_WAY_PAST)
     planned = state.get("planned_events") or {}
     run_state = RunState(state.get("run_id") or uuid.uuid4().hex, state.get("started") or dataset_budget.now(),
-                         identity, list(planned.get("one_time", [])), list(planned.get("step", [])))
+                         identity, list(planned.get("one_time", [])), list(planned.get("step", [])),
+                         semantics={**recorded, **{k: v for k, v in now_semantics.items() if k not in recorded}})
+    run_state.journal = records.journal
+    run_state.sticky = {k: bool(records.sticky.get(k)) for k in STICKY_KEYS}
+    if "semantics" not in state:  # an older widedp's run: its debug sessions are known from its config only
+        debug = bool(state["config"].get("train", {}).get("debug_metrics"))
+        run_state.sticky["debug_metrics"] = run_state.sticky["debug_metrics"] or debug
     if engine.ledger is not None:
+        if records.ledger is None:
+            raise ValueError(f"{ckpt_file} holds no privacy ledger (a nonprivate run's checkpoint): a private run "
+                             f"cannot resume from it; {_NO_WAY_PAST}")
         run_state.plan(_planned_one_time(engine) + (_planned_recalibration(info) if info is not None else []),
                        "one_time")
         run_state.plan([engine.step_event] if engine.step_event is not None else [], "step")
-        engine.ledger.load_state_dict(_verified_ledger(run_dir, state, data_events, run_state).state_dict())
+        if "planned_events" not in state:  # format 1: what it charged is what its sessions planned
+            in_ckpt = PrivacyLedger(state["engine"]["ledger"].get("accountant", "rdp"),
+                                    state["engine"]["ledger"].get("delta", 1e-6))
+            in_ckpt.load_state_dict(state["engine"]["ledger"])
+            run_state.plan([e for e, _ in in_ckpt.history][len(data_events):], "step")
+        _check_rebuilt(run_dir / "ledger.json", records.ledger, data_events, run_state)
+        engine.ledger.load_state_dict(records.ledger.state_dict())
     return run_state
-
-
-_NO_WAY_PAST = "the only way on is a new run (a new --run-dir) with its own budget"
-
-
-def _verified_ledger(run_dir: Path, state: dict, data_events: list, run_state: RunState) -> PrivacyLedger:
-    """ledger.json, verified against the checkpoint's chain and rebuilt from the plans."""
-    ckpt_file, ledger_file = run_dir / "checkpoint.pt", run_dir / "ledger.json"
-    saved = state["engine"].get("ledger")
-    if saved is None:
-        raise ValueError(f"{ckpt_file} holds no privacy ledger (a nonprivate run's checkpoint): a private run cannot "
-                         f"resume from it; {_NO_WAY_PAST}")
-    in_ckpt = PrivacyLedger(saved.get("accountant", "rdp"), saved.get("delta", 1e-6))
-    try:
-        in_ckpt.load_state_dict(saved)
-    except (ValueError, KeyError) as exc:
-        raise ValueError(f"{ckpt_file}: its ledger is invalid: {exc}; {_NO_WAY_PAST}") from None
-    chain = state.get("ledger_chain") or in_ckpt.chain()  # checkpoints of format 1 embed the ledger only
-    if in_ckpt.chain() != chain:
-        raise ValueError(f"{ckpt_file}: its ledger does not hash to the chain it records "
-                         f"({in_ckpt.steps} events vs {chain.get('events')}): the checkpoint was edited or damaged; "
-                         f"{_NO_WAY_PAST}")
-    if not ledger_file.exists():
-        raise ValueError(f"{ledger_file}: missing, but {ckpt_file} records {chain['events']} charged events; a ledger "
-                         f"is never rebuilt from a checkpoint (steps released after it would be forgotten): "
-                         f"{_NO_WAY_PAST}")
-    try:
-        on_disk = PrivacyLedger.load(ledger_file)
-    except (ValueError, KeyError, OSError) as exc:
-        raise ValueError(f"{exc}; refusing to resume: {_NO_WAY_PAST}") from None
-    if on_disk.steps < chain["events"]:
-        raise ValueError(f"{ledger_file}: holds {on_disk.steps} charged events, fewer than the {chain['events']} "
-                         f"{ckpt_file} records: it was truncated or rolled back; {_NO_WAY_PAST}")
-    if not on_disk.extends(chain):
-        raise ValueError(f"{ledger_file}: its first {chain['events']} events differ from those {ckpt_file} records "
-                         f"(chain digest {on_disk.digest_at(chain['events'])[:12]}… vs {chain['digest'][:12]}…): "
-                         f"it was replaced or edited; {_NO_WAY_PAST}")
-    if (on_disk.accountant.name, on_disk.delta) != (in_ckpt.accountant.name, in_ckpt.delta):
-        raise ValueError(f"{ledger_file}: accountant {on_disk.accountant.name}, δ = {on_disk.delta} differ from "
-                         f"{ckpt_file}'s ({in_ckpt.accountant.name}, δ = {in_ckpt.delta}): it was edited; {_NO_WAY_PAST}")
-    if "planned_events" not in state:  # format 1: what it charged is what its sessions planned
-        run_state.plan([e for e, _ in in_ckpt.history][len(data_events):], "step")
-    _check_rebuilt(ledger_file, on_disk, data_events, run_state)
-    return on_disk
 
 
 def _check_rebuilt(ledger_file: Path, ledger: PrivacyLedger, data_events: list, run_state: RunState) -> None:
@@ -591,9 +642,21 @@ def _budget_line(run_state: RunState, run_dir: Path, cfg: Config, engine: Engine
     ledger = engine.ledger
     return dataset_budget.run_record(
         run_id=run_state.run_id, run_dir=run_dir, mode=cfg.train.mode, target_epsilon=cfg.privacy.target_epsilon,
-        delta=info.delta if ledger is not None else None, accountant=ledger.accountant.name if ledger is not None else None,
+        delta=ledger.delta if ledger is not None else None, accountant=ledger.accountant.name if ledger is not None else None,
         epsilon=ledger.epsilon() if ledger is not None else math.inf, events_charged=ledger.steps if ledger is not None else 0,
-        steps=engine.step_count, started=run_state.started, status=status, privacy_unit=cfg.privacy.unit)
+        steps=engine.step_count, started=run_state.started, status=status,
+        privacy_unit=run_state.semantics.get("privacy.unit", cfg.privacy.unit), lineage=run_state.lineage,
+        base_events=run_state.base["events"], voids=run_state.voids())
+
+
+def _append_budget(cfg: Config, run_state: RunState, line: dict) -> None:
+    run_state.budget_head = dataset_budget.append(cfg.data.path, line)
+
+
+def ledger_header(run_state: RunState) -> dict:
+    """The header a new run's ledger starts with (bound into its chain): the run's id and what its
+    ε means, without the noise seed and the data set's content hashes."""
+    return {"run_id": run_state.run_id, "semantics": run_semantics.public_semantics(run_state.semantics)}
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True) -> dict:
@@ -619,118 +682,168 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tru
 
 
 def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
+    key = key_from_environment(run_dir)
     with build_run(cfg) as run:
         engine, info = run.engine, run.privacy
         data_events = list(run.meta.privacy_events)
         charged_data_events = _charged_data_events(cfg, engine, run.meta)
-        engine.ledger_path = run_dir / "ledger.json" if engine.ledger is not None else None
+        now_semantics = run_semantics.semantics(cfg, info.delta if engine.ledger is not None else None,
+                                                dataset_identity(cfg.data.path), key.key_id if key else None)
         if resume:
-            run_state = _restore(engine, run_dir, cfg, charged_data_events, info)
+            run_state = _restore(engine, run_dir, cfg, charged_data_events, info, now_semantics, key)
             _check_a_step_fits(engine, cfg, run_dir, [])
         else:
-            run_state = RunState(uuid.uuid4().hex, dataset_budget.now(), dataset_identity(cfg.data.path), [], [])
+            segment = uuid.uuid4().hex
+            run_state = RunState(segment, dataset_budget.now(), now_semantics[run_semantics.DATA_IDENTITY], [], [],
+                                 semantics=now_semantics, segment=segment)
+            run_state.journal = ReleaseJournal(run_dir / JOURNAL_FILE, key)
+            dataset_budget.head(cfg.data.path)  # a damaged or deleted budget is refused before anything is written
             one_time = charged_data_events + _planned_one_time(engine) if engine.ledger is not None else []
             _check_a_step_fits(engine, cfg, run_dir, one_time)
             if engine.ledger is not None:
+                engine.ledger.set_header(ledger_header(run_state))
                 run_state.plan(_planned_one_time(engine) + _planned_recalibration(info), "one_time")
                 run_state.plan([engine.step_event] if engine.step_event is not None else [], "step")
             run_dir.mkdir(parents=True, exist_ok=True)
-        dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "running"))
-        log.info("%s run %s in %s: %s, %d steps of expected batch %g, %s", "resuming" if resume else "starting",
-                 run_state.run_id, run_dir, cfg.train.mode if cfg.train.mode != "sparse" else f"sparse ({cfg.train.selection})",
-                 cfg.train.steps, engine.b, "non-private" if engine.ledger is None else
-                 f"noise multiplier {info.noise_multiplier:.4g}, target ε {cfg.privacy.target_epsilon} at δ {info.delta:.3g} "
-                 f"({info.accountant})")
-        recorder = RunRecorder(expected_batch_size=engine.b, metrics_path=run_dir / "metrics.jsonl",
-                               debug_metrics=cfg.train.debug_metrics, randomness_note=engine.randomness.describe(),
-                               reproducible=engine.randomness.reproducible, private=engine.plan is not None,
-                               tensorboard_dir=run_dir / "tensorboard" if cfg.train.tensorboard else None)
-        interrupt = _Interrupt()
-        callbacks = _TrainCallbacks(run, recorder, run_dir, progress, run_state, interrupt)
+        journal = run_state.journal
+        assert journal is not None
+        run_state.key, run_state.privacy_info = key, info.to_dict()
+        run_state.sticky["debug_metrics"] = run_state.sticky["debug_metrics"] or cfg.train.debug_metrics
+        run_state.sticky["debug_tensorboard"] = (run_state.sticky["debug_tensorboard"]
+                                                 or (cfg.train.debug_metrics and cfg.train.tensorboard))
+        run_state.base = engine.ledger.chain() if engine.ledger is not None else {"events": 0, "digest": ""}
         try:
-            with interrupt.deferred():
-                if not resume:
-                    _start(engine, cfg, run_dir, run.train_set, charged_data_events)
-                result = run.run(cfg.train.steps, [callbacks])
-                recalibrated = None
-                if engine.step_count >= cfg.train.steps or result.stopped_by_budget:
-                    recalibrated = run.recalibrate()  # after the last step, before the final checkpoint
-                callbacks.checkpoint(engine)
-        except KeyboardInterrupt:
-            # a second Ctrl-C (or one outside the main thread): mid-step, so no checkpoint of this state
-            dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "interrupted"))
-            last = callbacks.checkpoint_step
-            where = (f"from its checkpoint at step {last}" if last is not None else
-                     "from its last checkpoint" if (run_dir / "checkpoint.pt").exists() else
-                     "no checkpoint was written yet, so it cannot be resumed")
-            raise TrainingInterrupted(f"interrupted at step {engine.step_count} (during step {engine.step_count + 1}, "
-                                      f"no checkpoint saved); resume with `widedp train --resume {run_dir}` ({where})")
-        except BaseException:
-            with contextlib.suppress(Exception):
-                dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "failed"))
-            raise
+            journal.lock()
+            journal.begin_session(run_state.segment, dataset_budget.now(), resume, run_state.base,
+                                  {"debug_metrics": cfg.train.debug_metrics,
+                                   "debug_tensorboard": cfg.train.debug_metrics and cfg.train.tensorboard},
+                                  inherited=[run_state.run_id] if resume and journal.lines == 0 else None)
+            if engine.ledger is not None:
+                engine.persist_ledger = LedgerStore(run_dir, journal, key, lambda: engine.step_count)
+            return _train_session(run, cfg, run_dir, resume, progress, run_state, data_events, charged_data_events)
         finally:
-            callbacks.close()
-        if interrupt.requested and not (engine.step_count >= cfg.train.steps or result.stopped_by_budget):
-            dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "interrupted"))
-            raise TrainingInterrupted(f"interrupted at step {engine.step_count}; resume with "
-                                      f"`widedp train --resume {run_dir}`")
-        summary = {
-            "mode": cfg.train.mode,
-            "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
-            # A non-private run: "epsilon": null (strict JSON has no Infinity) and "private": false.
-            "private": engine.ledger is not None,
-            "epsilon": engine.ledger.epsilon() if engine.ledger is not None else math.inf,
-            "delta": info.delta,
-            "accountant": info.accountant,
-            "steps": engine.step_count,
-            "events_charged": engine.ledger.steps if engine.ledger is not None else 0,
-            "num_shards": cfg.cluster.num_shards,
-            "test_metrics": run.evaluate(),
-            "bayes_auc": run.meta.bayes_auc,
-            # which train/test split: the data set's test file ("file", "timestamp>=...") or random
-            "test_split": split_rule(run.meta, cfg.data.test_fraction, cfg.data.seed),
-            "target_epsilon": cfg.privacy.target_epsilon,
-            # the [by_epsilon] row applied (config.pick_epsilon_row); None: no table or non-private
-            "tuned_for_epsilon": cfg.tuned_for_epsilon,
-            # train.recalibrate: what this session released (σ, Platt's a and b), or the plan with
-            # "applied": false (it ran in an earlier session, or would have spent past the target)
-            "recalibration": None if info.recalibration is None else
-            {**info.recalibration, "applied": recalibrated is not None, **(recalibrated or {})},
-            "noise_multiplier": info.noise_multiplier,
-            "calibrated": info.calibrated,
-            "selection_epsilon": info.selection_epsilon,
-            "selection_sigma": info.selection_sigma,
-            "selection_params": info.selection_params,
-            "k": info.k,
-            "threshold": info.threshold,
-            "threshold_rule": info.threshold_rule,
-            "table_policy": info.table_policy,
-            **({"adaptive_clip": info.adaptive_clip} if info.adaptive_clip else {}),
-            **({"modelmix": {"mix_width": info.mix_width, "mix_coordinates": info.mix_coordinates, "mixed": "every table and dense parameter, every step",
-                             "threat_model": "ε holds only while each step's mixing weights stay secret "
-                                             "(accounting/modelmix.py)"}} if info.mix_width else {}),
-            "sample_rate": info.sample_rate,
-            **({"user_level": {"users": info.num_units, "max_examples_per_user": info.max_examples_per_unit,
-                               "user_sampling": info.user_sampling, "group_size": info.group_size,
-                               "training_examples": len(run.train_set)}} if info.unit == "user" else {}),
-            "stopped_by_budget": result.stopped_by_budget,
-            "resumed": resume,
-            "actor_restarts": getattr(run.engine.shards, "restarts", 0) + getattr(run.engine.trainers, "restarts", 0),
-            "steps_redone": run.engine.step_restarts,
-            "num_trainers": cfg.cluster.num_trainers,
-            "trainer_actors": cfg.cluster.trainer_actors,
-            "vocabulary_size": engine.layout.vocabulary_size,
-            "backend": cfg.cluster.backend,
-            **({"validation_metrics": run.evaluate(run.validation_set)} if run.validation_set is not None else {}),
-            **recorder.summary_fields(result.elapsed_s, engine.shards, [d for d, _ in data_events],
-                                      validation=run.validation_set is not None,
-                                      unit_column=run.meta.unit_column, unit=cfg.privacy.unit,
-                                      user_sampling=cfg.privacy.user_sampling),
-        }
-        atomic_write_json(run_dir / "summary.json", summary)
-        dataset_budget.append(cfg.data.path, _budget_line(run_state, run_dir, cfg, engine, info, "finished"))
-        return summary
+            journal.close()
+
+
+def _train_session(run: Run, cfg: Config, run_dir: Path, resume: bool, progress: bool, run_state: RunState,
+                   data_events: list, charged_data_events: list) -> dict:
+    engine, info = run.engine, run.privacy
+    _append_budget(cfg, run_state, _budget_line(run_state, run_dir, cfg, engine, info, "running"))
+    log.info("%s run %s in %s: %s, %d steps of expected batch %g, %s", "resuming" if resume else "starting",
+             run_state.run_id, run_dir, cfg.train.mode if cfg.train.mode != "sparse" else f"sparse ({cfg.train.selection})",
+             cfg.train.steps, engine.b, "non-private" if engine.ledger is None else
+             f"noise multiplier {info.noise_multiplier:.4g}, target ε {cfg.privacy.target_epsilon} at δ "
+             f"{engine.ledger.delta:.3g} ({engine.ledger.accountant.name})")
+    recorder = RunRecorder(expected_batch_size=engine.b, metrics_path=run_dir / "metrics.jsonl",
+                           debug_metrics=cfg.train.debug_metrics, randomness_note=engine.randomness.describe(),
+                           reproducible=engine.randomness.reproducible, private=engine.plan is not None,
+                           tensorboard_dir=run_dir / "tensorboard" if cfg.train.tensorboard else None,
+                           debug_in_run=run_state.sticky["debug_metrics"],
+                           debug_tensorboard_in_run=run_state.sticky["debug_tensorboard"])
+    interrupt = _Interrupt()
+    callbacks = _TrainCallbacks(run, recorder, run_dir, progress, run_state, interrupt)
+    try:
+        with interrupt.deferred():
+            if not resume:
+                _start(engine, cfg, run_dir, run.train_set, charged_data_events)
+            result = run.run(cfg.train.steps, [callbacks])
+            recalibrated = None
+            if engine.step_count >= cfg.train.steps or result.stopped_by_budget:
+                recalibrated = run.recalibrate()  # after the last step, before the final checkpoint
+            callbacks.checkpoint(engine)
+    except KeyboardInterrupt:
+        # a second Ctrl-C (or one outside the main thread): mid-step, so no checkpoint of this state
+        _append_budget(cfg, run_state, _budget_line(run_state, run_dir, cfg, engine, info, "interrupted"))
+        last = callbacks.checkpoint_step
+        where = (f"from its checkpoint at step {last}" if last is not None else
+                 "from its last checkpoint" if (run_dir / "checkpoint.pt").exists() else
+                 "no checkpoint was written yet, so it cannot be resumed")
+        raise TrainingInterrupted(f"interrupted at step {engine.step_count} (during step {engine.step_count + 1}, "
+                                  f"no checkpoint saved); resume with `widedp train --resume {run_dir}` ({where})")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            _append_budget(cfg, run_state, _budget_line(run_state, run_dir, cfg, engine, info, "failed"))
+        raise
+    finally:
+        callbacks.close()
+    if interrupt.requested and not (engine.step_count >= cfg.train.steps or result.stopped_by_budget):
+        _append_budget(cfg, run_state, _budget_line(run_state, run_dir, cfg, engine, info, "interrupted"))
+        raise TrainingInterrupted(f"interrupted at step {engine.step_count}; resume with "
+                                  f"`widedp train --resume {run_dir}`")
+    summary = _summary(run, cfg, resume, result, recalibrated, recorder, run_state, data_events)
+    atomic_write_json(run_dir / "summary.json", summary)
+    _append_budget(cfg, run_state, _budget_line(run_state, run_dir, cfg, engine, info, "finished"))
+    return summary
+
+
+def _summary(run: Run, cfg: Config, resume: bool, result, recalibrated, recorder: RunRecorder, run_state: RunState,
+             data_events: list) -> dict:
+    """summary.json (docs/DESIGN.md §4): what the run's ε means is the run's (`run_state.semantics`,
+    the sticky settings of every session), not this session's config."""
+    engine, info = run.engine, run.privacy
+    semantics = run_state.semantics
+    unit = semantics.get("privacy.unit", cfg.privacy.unit)
+    return {
+        "mode": cfg.train.mode,
+        "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
+        # A non-private run: "epsilon": null (strict JSON has no Infinity) and "private": false.
+        "private": engine.ledger is not None,
+        # ε and δ of the ledger (the δ fixed when the run started: a resume cannot change it)
+        "epsilon": engine.ledger.epsilon() if engine.ledger is not None else math.inf,
+        "delta": engine.ledger.delta if engine.ledger is not None else info.delta,
+        "accountant": engine.ledger.accountant.name if engine.ledger is not None else info.accountant,
+        "steps": engine.step_count,
+        "events_charged": engine.ledger.steps if engine.ledger is not None else 0,
+        "num_shards": cfg.cluster.num_shards,
+        "test_metrics": run.evaluate(),
+        "bayes_auc": run.meta.bayes_auc,
+        # which train/test split: the data set's test file ("file", "timestamp>=...") or random
+        "test_split": split_rule(run.meta, cfg.data.test_fraction, cfg.data.seed),
+        "target_epsilon": cfg.privacy.target_epsilon,
+        # the [by_epsilon] row applied (config.pick_epsilon_row); None: no table or non-private
+        "tuned_for_epsilon": cfg.tuned_for_epsilon,
+        # train.recalibrate: what this session released (σ, Platt's a and b), or the plan with
+        # "applied": false (it ran in an earlier session, or would have spent past the target)
+        "recalibration": None if info.recalibration is None else
+        {**info.recalibration, "applied": recalibrated is not None, **(recalibrated or {})},
+        "noise_multiplier": info.noise_multiplier,
+        "calibrated": info.calibrated,
+        "selection_epsilon": info.selection_epsilon,
+        "selection_sigma": info.selection_sigma,
+        "selection_params": info.selection_params,
+        "k": info.k,
+        "threshold": info.threshold,
+        "threshold_rule": info.threshold_rule,
+        "table_policy": info.table_policy,
+        **({"adaptive_clip": info.adaptive_clip} if info.adaptive_clip else {}),
+        **({"modelmix": {"mix_width": info.mix_width, "mix_coordinates": info.mix_coordinates, "mixed": "every table and dense parameter, every step",
+                         "threat_model": "ε holds only while each step's mixing weights stay secret "
+                                         "(accounting/modelmix.py)"}} if info.mix_width else {}),
+        "sample_rate": info.sample_rate,
+        # user level: the number of users is public (like n); the number of training examples is not
+        # (it changes by m_u when a user is removed). By example sampling, the kept examples are the
+        # steps' n (sample_rate = b / kept examples): public there by that design, so stated.
+        **({"user_level": {"users": info.num_units, "max_examples_per_user": info.max_examples_per_unit,
+                           "user_sampling": info.user_sampling, "group_size": info.group_size,
+                           **({"kept_examples": len(run.train_set)} if info.user_sampling == "examples" else {})}}
+           if info.unit == "user" else {}),
+        "stopped_by_budget": result.stopped_by_budget,
+        "resumed": resume,
+        "run_id": run_state.run_id,
+        "lineage": run_state.lineage,
+        "actor_restarts": getattr(run.engine.shards, "restarts", 0) + getattr(run.engine.trainers, "restarts", 0),
+        "steps_redone": run.engine.step_restarts,
+        "num_trainers": cfg.cluster.num_trainers,
+        "trainer_actors": cfg.cluster.trainer_actors,
+        "vocabulary_size": engine.layout.vocabulary_size,
+        "backend": cfg.cluster.backend,
+        **({"ledger_key_id": run_state.key.key_id} if run_state.key is not None else {}),
+        **({"validation_metrics": run.evaluate(run.validation_set)} if run.validation_set is not None else {}),
+        **recorder.summary_fields(result.elapsed_s, engine.shards, [d for d, _ in data_events],
+                                  validation=run.validation_set is not None,
+                                  unit_column=run.meta.unit_column, unit=unit,
+                                  user_sampling=semantics.get("privacy.user_sampling", cfg.privacy.user_sampling)),
+    }
 
 
 def evaluate(run_dir: Path) -> dict:

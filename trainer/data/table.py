@@ -867,7 +867,10 @@ def _estimate_dp_statistics(spec: TableSchema, paths: list, cutoff: Optional[int
     estimated = {d.name: (float(m), float(s)) for d, m, s in zip(dp_dense, mean, std)}
     dense = [dataclasses.replace(d, mean=estimated[d.name][0], std=estimated[d.name][1]) if d.name in estimated else d
              for d in spec.dense]
-    over = (f"the {divisor} users' mean values ({n} training examples, each weighted 1/(its user's examples); "
+    # Per user the number of users is public (like n); the number of training examples is not: it
+    # changes by m_u when a user is removed, so it is not written into the description (which the
+    # export's privacy report and every run's caveats quote).
+    over = (f"the {divisor} users' mean values (each example weighted 1/(its user's examples); "
             "ℓ2 sensitivity per user and per example") if per_user else f"the {n} training examples (ℓ2 sensitivity"
     description = (f"DP standardization statistics (mean, std) of dense feature(s) {', '.join(estimated)} over {over} "
                    f"√(2·{len(dp_dense)})): Gaussian mechanism, noise multiplier {sigma:g}, on the moment sums of "

@@ -1,0 +1,72 @@
+"""`widedp verify RUN_DIR`: check a run's privacy records before signing off its ε.
+
+Runs every check `--resume` and `widedp export` run on a run directory's records
+(trainer/run_records.py): ledger.json against the checkpoint's recorded chain and the journal's
+last charge, the journal against the checkpoint's head, the ledger's header, and for a keyed
+run (trainer/ledger_key.py; the key from WIDEDP_LEDGER_KEY_FILE) every signature. It also
+checks the run against its data set's budget file: the budget's lines of the run's own lineage
+must not record more charged events than the ledger holds (a run directory rolled back as a
+whole). Prints the verified ε, δ and what they mean; exits 2 naming the file on any failure.
+Reads only: nothing is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REMEDY = "its ε cannot be signed off"
+
+
+def verify_run(run_dir) -> dict:
+    from widedp.trainer import dataset_budget, run_semantics
+    from widedp.trainer.ledger_key import key_from_environment
+    from widedp.trainer.run_records import verified_records
+    from widedp.trainer.train import load_checkpoint
+
+    run_dir = Path(run_dir)
+    state = load_checkpoint(run_dir / "checkpoint.pt")
+    key = key_from_environment(run_dir)
+    records = verified_records(run_dir, state, key, REMEDY)
+    ledger = records.ledger
+    data_path = (state.get("config") or {}).get("data", {}).get("path")
+    budget = None
+    if data_path and (Path(data_path) / "dataset.json").exists():
+        events = ledger.steps if ledger is not None else 0
+        dataset_budget.check_not_rolled_back(data_path, records.lineage, events, run_dir / "ledger.json", REMEDY)
+        budget = dataset_budget.head(data_path)
+    voids = run_semantics.void_reasons(records.semantics, records.sticky)
+    return {
+        "run_dir": str(run_dir),
+        "verified": True,
+        "keyed": records.key_id is not None,
+        "ledger_key_id": records.key_id,
+        "private": ledger is not None,
+        "epsilon": ledger.epsilon() if ledger is not None else float("inf"),
+        "delta": ledger.delta if ledger is not None else None,
+        "accountant": ledger.accountant.name if ledger is not None else None,
+        "events_charged": ledger.steps if ledger is not None else 0,
+        "steps": (state.get("engine") or {}).get("step"),
+        "lineage": records.lineage,
+        "journal_lines": records.journal.lines,
+        "semantics": run_semantics.public_semantics(records.semantics),
+        "debug_metrics_in_run": bool(records.sticky.get("debug_metrics")),
+        "voids": voids,
+        "budget": budget,
+        "checked": ["ledger.json against checkpoint.pt's chain and journal.jsonl's last charge",
+                    "journal.jsonl's chain and checkpoint.pt's record of it",
+                    "the ledger's header (bound into its chain)",
+                    *(["every signature under the ledger key"] if records.key_id is not None else []),
+                    *(["the data set's budget: this run's own lines record no more events than the ledger"]
+                      if budget is not None else [])],
+    }
+
+
+def add_commands(sub) -> dict:
+    v = sub.add_parser("verify", help="check a run's privacy records (ledger, journal, checkpoint, budget) and print "
+                                      "its verified ε")
+    v.add_argument("run_dir", metavar="RUN_DIR")
+    return {"verify": cmd_verify}
+
+
+def cmd_verify(args) -> dict:
+    return verify_run(args.run_dir)
