@@ -121,18 +121,31 @@ def test_a_run_directory_copied_and_resumed_in_two_places_is_two_models(capsys, 
     assert len({r["run_id"] for r in budget["runs"]}) == 1  # one start, two models
 
 
-def test_a_run_copied_while_it_went_on_is_two_models(capsys, tmp_path, data):
-    """The copy forks from the original's state at copy time; the original's later steps make a
-    model the copy's ledger does not hold: both count."""
+def test_a_run_copied_while_it_went_on_is_two_models(capsys, tmp_path, data, monkeypatch):
+    """A copy taken while the original trained forks from the original's state at that moment
+    (4 of 6 steps); the original's later steps make a model the copy's ledger does not hold:
+    both count."""
     import shutil
 
+    from widedp.trainer import train as train_module
+
     a, b = tmp_path / "a", tmp_path / "b"
-    _train(capsys, data, a, "train.steps=3")
-    shutil.copytree(a, b)
-    assert _resume(capsys, a, "train.steps=6")[0] == 0
-    assert _resume(capsys, b, "train.steps=4")[0] == 0
+    on_step = train_module._TrainCallbacks.on_step
+
+    def copying(self, engine, stats, seconds):
+        stop = on_step(self, engine, stats, seconds)
+        if stats.step == 4 and not b.exists():
+            shutil.copytree(a, b)
+        return stop
+
+    with monkeypatch.context() as m:
+        m.setattr(train_module._TrainCallbacks, "on_step", copying)
+        original = _train(capsys, data, a, "train.steps=6", "train.checkpoint_every=2")
+    code, out, err = _resume(capsys, b, "train.steps=5")
+    assert code == 0, err
     budget, lineages = _models(capsys, data)
-    assert budget["num_runs"] == 2 and {len(x) for x in lineages} == {2}
+    assert budget["num_runs"] == 2 and sorted(map(len, lineages)) == [1, 2]
+    assert budget["total_epsilon"] == pytest.approx(original["epsilon"] + json.loads(out)["epsilon"])
 
 
 def _line(run_dir, lineage, status, events, base, **kw):
@@ -141,17 +154,22 @@ def _line(run_dir, lineage, status, events, base, **kw):
                                      started="t", status=status, lineage=lineage, base_events=base, **kw)
 
 
-def test_a_crashed_session_resumed_in_its_own_directory_is_the_same_model(tmp_path):
-    """A "running" line is superseded only by a session that continued it in the same run
-    directory (one session at a time holds a directory); elsewhere it is a model of its own,
+def test_a_crashed_session_resumed_in_its_own_journal_is_the_same_model(tmp_path):
+    """A "running" line is superseded only by a session that continued it in the same journal
+    file on the same machine (whose lock the crashed session held while it trained); a copy —
+    another directory, or the same path on another machine or volume — is a model of its own,
     counted at its target."""
     x, y = str(tmp_path / "x"), str(tmp_path / "y")
-    crashed = [_line(x, ["s0"], "running", 0, 0)]
-    same = dataset_budget.models(crashed + [_line(x, ["s0", "s1"], "running", 4, 4),
-                                            _line(x, ["s0", "s1"], "finished", 9, 4)])
+    here, copy = {"machine": "m1", "dev": 1, "ino": 7}, {"machine": "m2", "dev": 1, "ino": 7}
+    crashed = [_line(x, ["s0"], "running", 0, 0, dir_identity=here)]
+    same = dataset_budget.models(crashed + [_line(x, ["s0", "s1"], "running", 4, 4, dir_identity=here),
+                                            _line(x, ["s0", "s1"], "finished", 9, 4, dir_identity=here)])
     assert [r["lineage"] for r in same] == [["s0", "s1"]]
-    elsewhere = dataset_budget.models(crashed + [_line(y, ["s0", "s1"], "finished", 9, 4)])
+    elsewhere = dataset_budget.models(crashed + [_line(y, ["s0", "s1"], "finished", 9, 4, dir_identity=here)])
     assert [r["lineage"] for r in elsewhere] == [["s0"], ["s0", "s1"]]
+    same_path_other_volume = dataset_budget.models(crashed + [_line(x, ["s0", "s1"], "running", 100, 100,
+                                                                    dir_identity=copy)])
+    assert len(same_path_other_volume) == 2
     finished = [_line(x, ["s0"], "finished", 6, 0)]
     continued = dataset_budget.models(finished + [_line(y, ["s0", "s1"], "finished", 9, 6)])
     assert [r["lineage"] for r in continued] == [["s0", "s1"]]  # started where s0 ended
@@ -256,3 +274,16 @@ def test_concurrent_appends_keep_one_chain(tmp_path, data):
         pool.map(_append_many, [(str(data), "a", 15), (str(data), "b", 15)])
     records = dataset_budget.read(data)  # verified: one chain, the head at its end
     assert len(records) == 30 and dataset_budget.head(data)["lines"] == 30
+
+
+def test_a_torn_last_budget_line_is_not_a_record_and_the_next_append_drops_it(capsys, tmp_path, data):
+    """A machine crash during the write of a line (its head not yet replaced) must not block every
+    later run on the data set."""
+    _train(capsys, data, tmp_path / "a", "train.steps=3")
+    path = data / dataset_budget.BUDGET_FILE
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'{"run_id": "CUT-OFF-LINE", "lin')
+    assert _budget(capsys, data)["lines"] == 2
+    _train(capsys, data, tmp_path / "b", "train.steps=3")
+    assert path.read_bytes().startswith(whole) and b"CUT-OFF-LINE" not in path.read_bytes()
+    assert _budget(capsys, data)["num_runs"] == 2

@@ -141,3 +141,82 @@ def test_a_key_must_be_long_enough_and_outside_the_run_directory(tmp_path):
     with pytest.raises(LedgerKeyError, match="does not verify"):
         key.verify({**signed, "a": 2}, "x")
     assert "kkkk" not in repr(key)
+
+
+def _strip(run):
+    """A keyed run's records rewritten as an unkeyed run's (no key needed): every signature
+    dropped, the key id erased from the checkpoint's semantics and the ledger's header, every
+    chain recomputed."""
+    honest = PrivacyLedger.load(run / "ledger.json")
+    header = honest.header
+    header["semantics"]["ledger.key_id"] = None
+    forged = PrivacyLedger(honest.accountant.name, honest.delta, header=header)
+    for event, count in honest.history:
+        forged.record(event, count)
+    forged.save(run / "ledger.json")
+    state = torch.load(run / "checkpoint.pt", weights_only=False)
+    state["semantics"]["ledger.key_id"] = None
+    state.pop("records_mac")
+    state["ledger_chain"] = forged.chain()
+    state["engine"]["ledger"] = forged.state_dict()
+    lines, d = [], JOURNAL_SEED
+    for raw in (run / JOURNAL_FILE).read_text().splitlines():
+        record = json.loads(raw)
+        record.pop("mac", None)
+        if record["kind"] == "charge":
+            record["digest"] = forged.digest_at(record["events"])
+        record["prev"] = d
+        line = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+        d = hashlib.sha256(bytes.fromhex(d) + hashlib.sha256(line).digest()).hexdigest()
+        lines.append(line.decode())
+    (run / JOURNAL_FILE).write_text("\n".join(lines) + "\n")
+    state["journal_head"] = {"lines": len(lines), "digest": d}
+    torch.save(state, run / "checkpoint.pt")
+
+
+def test_a_keyed_run_rewritten_as_an_unkeyed_one_is_refused_by_the_signer_and_by_the_budget(
+        capsys, tmp_path, monkeypatch):
+    from widedp.trainer.data import synth_ctr
+
+    data = tmp_path / "data"
+    synth_ctr(data, num_examples=3000, table_sizes=500, seed=3)
+    key = _key(tmp_path / "ledger.key")
+    monkeypatch.setenv(KEY_ENV, str(key))
+    run = tmp_path / "run"
+    _train(capsys, data, run, "train.steps=3")
+    _strip(run)
+    code, _, err = _cli(capsys, "verify", str(run))
+    assert code == 2 and "holds a ledger key" in err and "not signed" in err
+    monkeypatch.delenv(KEY_ENV)  # no key at hand: the data set's budget still knows the run was keyed
+    for argv in (["verify", str(run)], ["export", str(run), str(tmp_path / "out")]):
+        code, _, err = _cli(capsys, *argv)
+        assert code == 2 and "unsigned, but" in err and "privacy_budget.jsonl" in err, (argv, err)
+
+
+def test_a_new_run_never_overwrites_a_run_that_finished_in_its_directory_while_it_loaded(
+        capsys, tmp_path, ctr_dir, monkeypatch):
+    """The directory is checked when a run starts, and again once it holds the run's journal
+    (created exclusively): a run that started and finished there in between is refused, not
+    overwritten."""
+    from widedp.trainer import train as train_module
+
+    from test_ledger_chain import _argv
+
+    run = tmp_path / "run"
+    fits = train_module._check_a_step_fits
+    raced: list = []
+
+    def another_run_first(*args, **kwargs):
+        if not raced:
+            raced.append(True)
+            with monkeypatch.context() as m:
+                m.setattr(train_module, "_check_a_step_fits", fits)
+                assert main(_argv(ctr_dir, run, "train.steps=3")) == 0
+        return fits(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "_check_a_step_fits", another_run_first)
+    code = main(_argv(ctr_dir, run, "train.steps=4"))
+    out, err = capsys.readouterr()
+    assert raced and code == 2 and "holds a run" in err
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3  # the first run's, untouched
+    assert _cli(capsys, "verify", str(run))[0] == 0

@@ -277,21 +277,27 @@ def test_the_smallest_reachable_epsilon_named_is_one_the_next_run_accepts():
     with pytest.raises(ValueError, match="is unreachable") as info:
         plan_privacy(load_config(None, [*base, "privacy.target_epsilon=1e-7"]), 2700, vocabulary=26 * 500)
     suggested = str(info.value).split("to at least ")[1].split(",")[0]
+    smallest = str(info.value).split("the smallest ε this run can reach is ")[1].split(" ")[0]
+    assert float(smallest) == pytest.approx(float(suggested), rel=1e-3)  # the smallest named plans too
     plan, planned = plan_privacy(load_config(None, [*base, f"privacy.target_epsilon={suggested}"]), 2700,
                                  vocabulary=26 * 500)
     assert planned.recalibration is not None  # the target-dependent one-time event is in the plan
     assert plan is not None and planned.noise_multiplier > 0
 
 
-def test_a_run_directory_restored_whole_to_a_state_inside_a_finished_session_is_refused(
-        capsys, tmp_path, ctr_dir, monkeypatch):
+def test_a_run_directory_restored_whole_to_an_earlier_state_is_a_fork_the_budget_counts(
+        capsys, tmp_path, monkeypatch):
     """ledger.json, journal.jsonl and checkpoint.pt copied during a session and restored after it
-    ended are consistent with each other; the data set's budget (outside the run directory)
-    recorded what that session charged by its end."""
+    ended are consistent with each other: the restored run is a fork from that state, its own
+    ledger states its model's ε exactly, and the data set's budget (outside the run directory)
+    counts the session it forked from as a model of its own — nothing released is forgotten."""
     import shutil
 
     from widedp.trainer import train as train_module
+    from widedp.trainer.data import synth_ctr
 
+    data = tmp_path / "data"
+    synth_ctr(data, num_examples=3000, table_sizes=500, seed=3)
     run, snapshot = tmp_path / "run", tmp_path / "snapshot"
     on_step = train_module._TrainCallbacks.on_step
 
@@ -301,15 +307,18 @@ def test_a_run_directory_restored_whole_to_a_state_inside_a_finished_session_is_
             shutil.copytree(run, snapshot)
         return stop
 
-    monkeypatch.setattr(train_module._TrainCallbacks, "on_step", copying)
-    _train(capsys, ctr_dir, run, "train.checkpoint_every=3")
-    monkeypatch.undo()
+    with monkeypatch.context() as m:
+        m.setattr(train_module._TrainCallbacks, "on_step", copying)
+        finished = _train(capsys, data, run, "train.checkpoint_every=2")
     shutil.rmtree(run)
     shutil.copytree(snapshot, run)
-    code, _, err = _resume(capsys, run, "train.steps=8")
-    assert code == 2 and "rolled back to an earlier state" in err and "privacy_budget.jsonl" in err, err
-    assert main(["verify", str(run)]) == 2
-    capsys.readouterr()
+    code, out, err = _resume(capsys, run, "train.steps=6")
+    assert code == 0, err
+    fork = json.loads(out)
+    assert fork["events_charged"] == 4 + 2  # its own ledger: steps 1-4, then 5-6 of the fork
+    budget = dataset_budget.summary(data)
+    assert budget["num_runs"] == 2  # the finished 6-step model and the fork
+    assert budget["total_epsilon"] == pytest.approx(finished["epsilon"] + fork["epsilon"])
 
 
 def test_user_level_outputs_state_the_number_of_users_not_of_examples(capsys, tmp_path, user_logs_dir):

@@ -95,7 +95,8 @@ def now() -> str:
 def run_record(*, run_id: str, run_dir, mode: str, target_epsilon: float, delta: Optional[float],
                accountant: Optional[str], epsilon: float, events_charged: Optional[int], steps: int, started: str,
                status: str, audit: bool = False, privacy_unit: str = "example", lineage: Optional[list] = None,
-               base_events: Optional[int] = None, voids: Optional[list] = None) -> dict:
+               base_events: Optional[int] = None, voids: Optional[list] = None, dir_identity: Optional[dict] = None,
+               ledger_key_id: Optional[str] = None) -> dict:
     if status not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
     return {"run_id": run_id, "lineage": list(lineage) if lineage else [run_id],
@@ -104,7 +105,8 @@ def run_record(*, run_id: str, run_dir, mode: str, target_epsilon: float, delta:
             "target_epsilon": float(target_epsilon), "delta": delta, "accountant": accountant,
             "epsilon": float(epsilon), "events_charged": None if events_charged is None else int(events_charged), "steps": int(steps),
             "started": started, "updated": now(), "status": status, "audit": bool(audit),
-            "privacy_unit": privacy_unit, "voids": list(voids or [])}
+            "privacy_unit": privacy_unit, "voids": list(voids or []), "dir_identity": dir_identity,
+            "ledger_key_id": ledger_key_id}
 
 
 def _link(digest: str, line: bytes) -> str:
@@ -163,7 +165,12 @@ def _verified(dataset_dir) -> _Verified:
         return _Verified([], [], head.get("budget_id") if head else None)
     records, digests, d, chained = [], [], BUDGET_SEED, False
     budget_id = head.get("budget_id") if head else None
-    for i, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+    lines = path.read_bytes().split(b"\n")
+    if lines[-1].strip() and (head is None or len([x for x in lines[:-1] if x.strip()]) >= head["lines"]):
+        # a last line without its newline, past the head: a write a machine crash cut off (the head
+        # is replaced only after the whole line is on disk): not a record; `append` drops it
+        lines = lines[:-1]
+    for i, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         try:
@@ -235,6 +242,7 @@ def append(dataset_dir, record: dict) -> dict:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
+                _drop_torn_tail(fd, path)
                 written = os.write(fd, line)
                 if written != len(line):
                     raise OSError(f"short write ({written} of {len(line)} bytes)")
@@ -247,6 +255,14 @@ def append(dataset_dir, record: dict) -> dict:
             raise BudgetError(f"{path}: cannot append this run's privacy spending ({exc.strerror or exc}); every run "
                               f"on a data set is recorded there: make the data set directory writable") from exc
     return {**head, "path": str(path.absolute())}
+
+
+def _drop_torn_tail(fd: int, path: Path) -> None:
+    """Truncate a last line without its newline (see `_verified`) before appending."""
+    data = path.read_bytes()
+    complete = data.rfind(b"\n") + 1
+    if complete < len(data):
+        os.ftruncate(fd, complete)
 
 
 def read(dataset_dir) -> list[dict]:
@@ -288,20 +304,28 @@ def check_recorded_head(dataset_dir, recorded: Optional[dict], what: str) -> Non
                               "data set\")")
 
 
-def check_not_rolled_back(dataset_dir, lineage: list, events: int, ledger_file, remedy: str) -> None:
-    """The budget's lines of exactly this lineage (its last session's own lines) recorded how many
-    events that session had charged: a ledger with fewer means the run directory was rolled back
-    to an earlier state after them (ledger.json, journal.jsonl and checkpoint.pt together)."""
+def check_run(dataset_dir, lineage: list, key_id: Optional[str], ledger_file, remedy: str) -> None:
+    """What the data set's budget (outside the run directory) recorded of a run, against the
+    run's records: the lines of every session of the run recorded its ledger key's id — records
+    now unsigned or signed with another key were replaced (BudgetError naming both files).
+
+    (A run directory restored whole to an earlier state — its ledger, journal and checkpoint
+    together — is not refused here: it is a fork of the run from that state, whose own ledger
+    states its model's ε exactly; the session it forked from keeps its lines, so `models` counts
+    both — the restored session starts behind where that one ended.)"""
     if not budget_path(dataset_dir).exists():
         return
     mine = tuple(lineage)
     for number, record in enumerate(_verified(dataset_dir).records, start=1):
-        recorded = record.get("events_charged")
-        if _lineage(record) == mine and isinstance(recorded, int) and recorded > events:
-            raise BudgetError(f"{ledger_file}: holds {events} charged events, but {budget_path(dataset_dir)} line "
-                              f"{number} records {recorded} charged by this run's session {mine[-1][:12]}… "
-                              f"({record.get('status')}): the run directory was rolled back to an earlier state; "
-                              f"{remedy}")
+        lin = _lineage(record)
+        if lin != mine[:len(lin)]:
+            continue
+        signed = record.get("ledger_key_id")
+        if signed is not None and signed != key_id:
+            state = "unsigned" if key_id is None else f"signed with key id {key_id}"
+            raise BudgetError(f"{ledger_file}: the run's records are {state}, but {budget_path(dataset_dir)} line "
+                              f"{number} records its session {lin[-1][:12]}… as signed with ledger key id {signed}: "
+                              f"they were replaced; {remedy}")
 
 
 def _lineage(record: dict) -> tuple:
@@ -331,7 +355,12 @@ def _supersedes(later: dict, earlier: dict) -> bool:
     if base is None:  # an older widedp's line: a resume of the same run
         return True
     if earlier.get("status") == "running":
-        return later.get("run_dir") == earlier.get("run_dir")
+        # a session that may still be training elsewhere is included only by one that continued it
+        # in the very same journal file on the same machine: that one held the file's lock, which
+        # the earlier session held while it trained, so the earlier one had ended, and everything
+        # it released is charged in that file (a copy, even at the same path, is another file)
+        same = earlier.get("dir_identity")
+        return same is not None and later.get("dir_identity") == same and later.get("run_dir") == earlier.get("run_dir")
     return int(base) >= int(earlier.get("events_charged") or 0)
 
 

@@ -715,14 +715,19 @@ def _records(run_dir: Path, state: dict):
     ledger.json must extend the checkpoint's chain and the journal's last charge (a ledger that
     is missing, rolled back, replaced or edited is refused, never replaced by the checkpoint's
     shorter copy, which would forget the steps released after the checkpoint); a keyed run
-    needs its key (WIDEDP_LEDGER_KEY_FILE) and every signature must verify."""
+    needs its key (WIDEDP_LEDGER_KEY_FILE) and every signature must verify; and the data set's
+    budget, when the data set is at the run's data.path, must not record more events for the
+    run's last session than the ledger holds, nor a key its records lack."""
     from widedp.trainer.ledger_key import LedgerKeyError, key_from_environment
     from widedp.trainer.run_records import RecordError, verified_records
 
+    remedy = "its privacy cannot be reported"
     try:
-        return verified_records(run_dir, state, key_from_environment(run_dir), "its privacy cannot be reported")
-    except (RecordError, LedgerKeyError) as exc:
+        records = verified_records(run_dir, state, key_from_environment(run_dir), remedy, signer=True)
+        records.check_against_budget((state.get("config") or {}).get("data", {}).get("path"), run_dir, remedy)
+    except (RecordError, LedgerKeyError, ValueError) as exc:
         raise ExportError(str(exc)) from None
+    return records
 
 
 def privacy_report(run_dir: Path, summary: dict, config: dict, engine_state: dict, meta,

@@ -159,8 +159,9 @@ def smallest_reachable_target(exc: UnreachableTargetError, cfg: Config, n: int, 
     share of the target). So: from each refusal, the next target scales the one refused by
     (its floor / the value it refused) — the floor itself for the steps' calibration, the share's
     floor over the share for a one-time σ —, rounded up to 3 digits and at least 0.1% higher;
-    until one plans. The floors grow by the shares (≤ 5% each), so this ends in a few tries; the
-    value named is one that planned."""
+    until one plans (after 40 tries, doubling). The floors grow by the shares (≤ 5% each), so
+    this ends in a few tries; the value named — as the smallest and as the one to set — is one
+    that planned (the smallest found, to the 0.1% steps and 3 digits of the search)."""
     from widedp.accounting.calibration import round_up
 
     def refusal(target: float) -> Optional[UnreachableTargetError]:
@@ -173,16 +174,15 @@ def smallest_reachable_target(exc: UnreachableTargetError, cfg: Config, n: int, 
         return None
 
     target = float(cfg.privacy.target_epsilon)
-    current, err, smallest = target, exc, 0.0
-    for _ in range(40):
-        if err.target == current:
-            smallest = max(smallest, float(err.smallest))
-        candidate = round_up(max(current * float(err.smallest) / float(err.target), current * 1.001))
+    current, err = target, exc
+    for attempt in range(200):
+        candidate = round_up(max(current * float(err.smallest) / float(err.target), current * 1.001,
+                                 current * (2.0 if attempt >= 40 else 1.0)))
         again = refusal(float(candidate))
-        if again is None:
-            return UnreachableTargetError(target, smallest or float(candidate), "privacy.target_epsilon", candidate)
+        if again is None:  # the value named is one that planned: the smallest found to 0.1%
+            return UnreachableTargetError(target, float(candidate), "privacy.target_epsilon", candidate)
         current, err = float(candidate), again
-    return UnreachableTargetError(target, max(smallest, float(err.smallest)), "privacy.target_epsilon")
+    return err.renamed("privacy.target_epsilon")  # nothing planned up to 2^160 times the target
 
 
 def plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev.DpEvent] = (),

@@ -168,23 +168,26 @@ class ReleaseJournal:
 
     # ---- writing -----------------------------------------------------------------------------
     def lock(self) -> None:
-        """Hold the journal for this session (created if missing); JournalError if another
-        process holds it."""
-        if self._fd is not None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise JournalError(f"{self.path}: another process is training this run (it holds the journal); one "
-                               "session at a time") from None
+        """Hold the journal for this session (created if missing): `hold` it, then `adopt`."""
+        if self._fd is None:
+            fd = hold(self.path, new=False, create=True)
+            assert fd is not None
+            self.adopt(fd)
+
+    def adopt(self, fd: int) -> None:
+        """Take over `fd`, a descriptor of this journal that `hold` locked; a torn last line
+        (module docstring) is dropped before anything is appended."""
         size = os.fstat(fd).st_size
         complete = sum(len(line) + 1 for line in self.path.read_bytes().split(b"\n")[:-1])
-        if size > complete:  # a torn last line (module docstring): drop it before appending
+        if size > complete:
             os.ftruncate(fd, complete)
         self._fd = fd
+
+    def identity(self) -> dict:
+        """Which file this journal is, on which machine (the data set's budget tells a session
+        resumed in this very file from one resumed in a copy: trainer/dataset_budget.py)."""
+        st = os.fstat(self._fd) if self._fd is not None else os.stat(self.path)
+        return {"machine": machine_id(), "dev": int(st.st_dev), "ino": int(st.st_ino)}
 
     def close(self) -> None:
         if self._fd is not None:
@@ -225,6 +228,48 @@ class ReleaseJournal:
 
     def holds_a_charge(self) -> bool:
         return any(r["kind"] == "charge" for r in self.records)
+
+
+def hold(path: Path, new: bool, create: bool = False) -> Optional[int]:
+    """Open and lock a run's journal for one session, before anything of the run is read or
+    written: `new`, a new run's, created here (O_EXCL: a journal already there is a run, refused);
+    else an existing run's (None when there is none and not `create`: a run of an older widedp).
+    JournalError when another process holds it."""
+    flags = os.O_RDWR | os.O_APPEND
+    try:
+        if new:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        elif create:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, flags | os.O_CREAT, 0o644)
+        else:
+            fd = os.open(path, flags)
+    except FileExistsError:
+        raise JournalError(f"{Path(path).parent} holds a run ({Path(path).name}): a run directory is never "
+                           f"overwritten; continue it with `widedp train --resume {Path(path).parent}`") from None
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise JournalError(f"{path}: another process is training this run (it holds the journal); one session at "
+                           "a time") from None
+    return fd
+
+
+def machine_id() -> str:
+    """This machine's id (systemd's /etc/machine-id), else its host name."""
+    for candidate in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            text = Path(candidate).read_text().strip()
+        except OSError:
+            continue
+        if text:
+            return text
+    import socket
+
+    return socket.gethostname()
 
 
 def journal_holds_a_record(path: Path) -> bool:

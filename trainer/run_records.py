@@ -26,7 +26,7 @@ from typing import Optional
 from widedp.accounting import PrivacyLedger
 from widedp.accounting.atomic import atomic_write_bytes
 from widedp.trainer import run_semantics
-from widedp.trainer.ledger_key import LedgerKey, LedgerKeyError, require_key
+from widedp.trainer.ledger_key import KEY_ENV, LedgerKey, LedgerKeyError, require_key
 from widedp.trainer.run_journal import JOURNAL_FILE, JournalError, ReleaseJournal
 
 LEDGER_FILE = "ledger.json"
@@ -104,11 +104,23 @@ class RunRecords:
     def lineage(self) -> list[str]:
         return self.journal.segments
 
+    def check_against_budget(self, data_path, run_dir: Path, remedy: str) -> Optional[dict]:
+        """`dataset_budget.check_run` on the data set at `data_path` (the budget's head, or None
+        when no data set is there to check against)."""
+        from widedp.trainer import dataset_budget
+
+        if not data_path or not (Path(data_path) / "dataset.json").exists():
+            return None
+        dataset_budget.check_run(data_path, self.lineage, self.key_id, Path(run_dir) / LEDGER_FILE, remedy)
+        return dataset_budget.head(data_path)
+
 
 def verified_records(run_dir: Path, state: dict, key: Optional[LedgerKey], remedy: str,
-                     ckpt_file: Optional[Path] = None) -> RunRecords:
+                     ckpt_file: Optional[Path] = None, signer: bool = False) -> RunRecords:
     """Read and verify the run's records against its checkpoint `state` (module docstring).
-    `remedy`: what the refusal tells the user to do."""
+    `remedy`: what the refusal tells the user to do. `signer`: the reader signs off the ε (`widedp
+    verify`, `widedp export`): holding a key, it refuses a run whose records are not signed with
+    it — a keyed run whose records were rewritten as an unkeyed one is not told apart otherwise."""
     run_dir = Path(run_dir)
     ckpt_file = ckpt_file or run_dir / "checkpoint.pt"
     semantics = recorded_semantics(state)
@@ -117,6 +129,10 @@ def verified_records(run_dir: Path, state: dict, key: Optional[LedgerKey], remed
         require_key(key_id, key, str(ckpt_file))
     except LedgerKeyError as exc:
         raise RecordError(f"{exc}; {remedy}") from None
+    if signer and key is not None and key_id is None:
+        raise RecordError(f"{ckpt_file}: {KEY_ENV} holds a ledger key (key id {key.key_id}), but the run's records "
+                          f"are not signed: it was trained without the key, or its records were rewritten without "
+                          f"it; unset {KEY_ENV} to read an unkeyed run; {remedy}")
     keyed = key_id is not None
     if keyed:
         assert key is not None

@@ -20,9 +20,8 @@ the file: a ledger.json that is missing, shorter than the checkpoint's or than t
 charge, not an extension of them, or whose events do not hash to its chain; a journal that is
 missing or does not extend the checkpoint's head; a checkpoint that is not a readable widedp
 checkpoint, or was written for other data; a data set budget that does not hold the run's
-earlier lines (deleted, truncated, a copy of the data set) or records more events for the run's
-last session than the ledger holds (a run directory rolled back as a whole); for a keyed run
-(trainer/ledger_key.py), any record not signed with its key. It also rebuilds the events from
+earlier lines (deleted, truncated, a copy of the data set) or records a ledger key the run's
+records lack; for a keyed run (trainer/ledger_key.py), any record not signed with its key. It also rebuilds the events from
 the plan and compares: the first events must be the data set's own one-time events
 (dataset.json) in order, and every later one must be an event some session of this run planned
 (the checkpoint's planned one-time and per-step events, and the current plan's) — exact for the
@@ -47,6 +46,7 @@ import io
 import logging
 import json
 import math
+import os
 import pickle
 import signal
 import threading
@@ -75,6 +75,7 @@ from widedp.trainer.ledger_key import LedgerKey, LedgerKeyError, key_from_enviro
 from widedp.trainer.randomness import PrivacyRandomness
 from widedp.trainer.run import Run
 from widedp.trainer.run_journal import JOURNAL_FILE, STICKY_KEYS, ReleaseJournal
+from widedp.trainer.run_journal import hold as hold_journal
 from widedp.trainer.run_records import LedgerStore, recorded_semantics, sign_checkpoint_record, verified_records
 from widedp.trainer.run_outputs import RunRecorder, eval_line, remove_unrecorded_run_dir
 from widedp.selection.registry import get_selector
@@ -304,6 +305,7 @@ class RunState:
         self.base: dict = {"events": 0, "digest": ""}  # the ledger's chain when this session started
         self.key: Optional[LedgerKey] = None
         self.privacy_info: Optional[dict] = None
+        self.dir_identity: Optional[dict] = None  # the journal file this session holds (`ReleaseJournal.identity`)
 
     def plan(self, events: list, kind: str) -> None:
         target = self.one_time if kind == "one_time" else self.step
@@ -480,9 +482,7 @@ def _restore(engine: Engine, run_dir: Path, cfg: Config, data_events: list, info
                          f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); resume with the config the "
                          f"run was trained with") from None
     dataset_budget.check_recorded_head(cfg.data.path, state.get("budget_head"), str(ckpt_file))
-    dataset_budget.check_not_rolled_back(cfg.data.path, records.lineage,
-                                         records.ledger.steps if records.ledger is not None else 0,
-                                         run_dir / "ledger.json", _NO_WAY_PAST)
+    dataset_budget.check_run(cfg.data.path, records.lineage, records.key_id, run_dir / "ledger.json", _NO_WAY_PAST)
     planned = state.get("planned_events") or {}
     run_state = RunState(state.get("run_id") or uuid.uuid4().hex, state.get("started") or dataset_budget.now(),
                          identity, list(planned.get("one_time", [])), list(planned.get("step", [])),
@@ -612,8 +612,8 @@ class _Interrupt:
             signal.signal(signal.SIGINT, previous)
 
 
-def _check_run_dir_is_free(run_dir: Path) -> None:
-    held = [name for name in RUN_FILES if (run_dir / name).exists()]
+def _check_run_dir_is_free(run_dir: Path, ignore: tuple = ()) -> None:
+    held = [name for name in RUN_FILES if name not in ignore and (run_dir / name).exists()]
     if held:
         raise ValueError(f"--run-dir {run_dir} holds a run ({', '.join(held)}): a run directory is never overwritten "
                          f"(its ledger would be lost); continue it with `widedp train --resume {run_dir}` or choose "
@@ -646,7 +646,8 @@ def _budget_line(run_state: RunState, run_dir: Path, cfg: Config, engine: Engine
         epsilon=ledger.epsilon() if ledger is not None else math.inf, events_charged=ledger.steps if ledger is not None else 0,
         steps=engine.step_count, started=run_state.started, status=status,
         privacy_unit=run_state.semantics.get("privacy.unit", cfg.privacy.unit), lineage=run_state.lineage,
-        base_events=run_state.base["events"], voids=run_state.voids())
+        base_events=run_state.base["events"], voids=run_state.voids(), dir_identity=run_state.dir_identity,
+        ledger_key_id=run_state.key.key_id if run_state.key is not None else None)
 
 
 def _append_budget(cfg: Config, run_state: RunState, line: dict) -> None:
@@ -683,20 +684,26 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tru
 
 def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
     key = key_from_environment(run_dir)
-    with build_run(cfg) as run:
+    with build_run(cfg) as run, contextlib.ExitStack() as held:
         engine, info = run.engine, run.privacy
         data_events = list(run.meta.privacy_events)
         charged_data_events = _charged_data_events(cfg, engine, run.meta)
         now_semantics = run_semantics.semantics(cfg, info.delta if engine.ledger is not None else None,
                                                 dataset_identity(cfg.data.path), key.key_id if key else None)
+        journal_file = run_dir / JOURNAL_FILE
         if resume:
+            # the session holds the journal before it reads the run's records: a session still
+            # training here is refused, and nothing changes under the checks
+            fd = hold_journal(journal_file, new=False)
+            if fd is not None:
+                held.callback(os.close, fd)
             run_state = _restore(engine, run_dir, cfg, charged_data_events, info, now_semantics, key)
             _check_a_step_fits(engine, cfg, run_dir, [])
         else:
             segment = uuid.uuid4().hex
             run_state = RunState(segment, dataset_budget.now(), now_semantics[run_semantics.DATA_IDENTITY], [], [],
                                  semantics=now_semantics, segment=segment)
-            run_state.journal = ReleaseJournal(run_dir / JOURNAL_FILE, key)
+            run_state.journal = ReleaseJournal(journal_file, key)
             dataset_budget.head(cfg.data.path)  # a damaged or deleted budget is refused before anything is written
             one_time = charged_data_events + _planned_one_time(engine) if engine.ledger is not None else []
             _check_a_step_fits(engine, cfg, run_dir, one_time)
@@ -705,24 +712,36 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
                 run_state.plan(_planned_one_time(engine) + _planned_recalibration(info), "one_time")
                 run_state.plan([engine.step_event] if engine.step_event is not None else [], "step")
             run_dir.mkdir(parents=True, exist_ok=True)
+            # created exclusively, then the directory checked again: a run that started or finished
+            # here while this one loaded its data is never overwritten
+            fd = hold_journal(journal_file, new=True)
+            assert fd is not None  # created here
+            held.callback(os.close, fd)
+            try:
+                _check_run_dir_is_free(run_dir, ignore=(JOURNAL_FILE,))
+            except ValueError:
+                journal_file.unlink()  # ours, empty: the directory is left as the other run left it
+                raise
         journal = run_state.journal
         assert journal is not None
+        if fd is not None:
+            journal.adopt(fd)
+            held.pop_all()  # the journal closes it now
+        held.callback(journal.close)
         run_state.key, run_state.privacy_info = key, info.to_dict()
         run_state.sticky["debug_metrics"] = run_state.sticky["debug_metrics"] or cfg.train.debug_metrics
         run_state.sticky["debug_tensorboard"] = (run_state.sticky["debug_tensorboard"]
                                                  or (cfg.train.debug_metrics and cfg.train.tensorboard))
         run_state.base = engine.ledger.chain() if engine.ledger is not None else {"events": 0, "digest": ""}
-        try:
-            journal.lock()
-            journal.begin_session(run_state.segment, dataset_budget.now(), resume, run_state.base,
-                                  {"debug_metrics": cfg.train.debug_metrics,
-                                   "debug_tensorboard": cfg.train.debug_metrics and cfg.train.tensorboard},
-                                  inherited=[run_state.run_id] if resume and journal.lines == 0 else None)
-            if engine.ledger is not None:
-                engine.persist_ledger = LedgerStore(run_dir, journal, key, lambda: engine.step_count)
-            return _train_session(run, cfg, run_dir, resume, progress, run_state, data_events, charged_data_events)
-        finally:
-            journal.close()
+        journal.lock()  # a run of an older widedp has no journal yet: created and held now
+        run_state.dir_identity = journal.identity()
+        journal.begin_session(run_state.segment, dataset_budget.now(), resume, run_state.base,
+                              {"debug_metrics": cfg.train.debug_metrics,
+                               "debug_tensorboard": cfg.train.debug_metrics and cfg.train.tensorboard},
+                              inherited=[run_state.run_id] if resume and journal.lines == 0 else None)
+        if engine.ledger is not None:
+            engine.persist_ledger = LedgerStore(run_dir, journal, key, lambda: engine.step_count)
+        return _train_session(run, cfg, run_dir, resume, progress, run_state, data_events, charged_data_events)
 
 
 def _train_session(run: Run, cfg: Config, run_dir: Path, resume: bool, progress: bool, run_state: RunState,
