@@ -46,7 +46,7 @@ def _selection_imports(text: str) -> list[str]:
 
 
 def test_calibration_imports_nothing_from_selection():
-    text = (REPO / "accounting" / "calibration.py").read_text()
+    text = (REPO / "widedp" / "accounting" / "calibration.py").read_text()
     assert _imported_modules(text, "widedp.accounting") and not _selection_imports(text)
     # and at run time: calibrating a DP-SGD step loads no selection (or trainer) module
     body = ("import sys\nfrom widedp.accounting.calibration import calibrate\nfrom widedp.accounting import events as ev\n"

@@ -26,8 +26,8 @@ MOVED_NAMES = {("widedp.accounting", "Calibration"): "widedp.selection.calibrati
                             "make_canaries", "as_gradient_canaries", "make_phrase_examples")},
                **{("widedp.trainer.audit", n): "widedp.auditing.scores"
                   for n in ("white_box_scores", "guess_counts", "phrase_log_perplexities", "tie_broken")}}
-SOURCE_DIRS = ("trainer", "selection", "accounting", "auditing", "sparse_learners", "adaptive_clipping", "tests",
-               "benchmarks", "widedp")
+# Every module lives in widedp/ (the top-level folders of the design card are links into it).
+SOURCE_DIRS = ("widedp", "tests", "benchmarks", "examples")
 
 
 def _old_style_imports(path: Path) -> list[str]:
@@ -108,6 +108,29 @@ print(len(names), len(selector_names()))
 
 
 @pytest.mark.parametrize("name", OLD_NAMES)
+def test_importing_a_top_level_folder_from_the_repository_root_fails_loudly(name):
+    """From the repository root the design card's folders are on sys.path (they are links into
+    widedp/): importing one under its folder name would load a second copy of every module and
+    registry. It fails at once, naming the one name."""
+    out = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0 and f"import widedp.{name}, not {name}" in out.stderr, out.stderr[-2000:]
+
+
+def test_every_module_file_lives_under_widedp_and_the_top_level_folders_are_links_to_it():
+    """One copy of every module, where tracebacks name it: widedp/<package>/...; the design card's
+    top-level folders point there."""
+    for name in OLD_NAMES:
+        top, real = REPO / name, REPO / "widedp" / name
+        assert top.is_symlink() and top.resolve() == real.resolve(), name
+        assert real.is_dir() and not real.is_symlink(), name
+    import widedp.trainer.train
+
+    assert Path(widedp.trainer.train.__file__).resolve() == REPO / "widedp" / "trainer" / "train.py"
+    assert Path(widedp.trainer.train.__file__).parent.parent.name == "widedp"
+
+
+@pytest.mark.parametrize("name", OLD_NAMES)
 def test_the_old_top_level_names_are_not_installed(name, tmp_path):
     out = subprocess.run([sys.executable, "-c", f"import importlib.util; print(importlib.util.find_spec({name!r}))"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
@@ -115,8 +138,8 @@ def test_the_old_top_level_names_are_not_installed(name, tmp_path):
 
 
 def test_the_wheel_holds_widedp_and_its_metadata_only(tmp_path):
-    """The built wheel (links followed) installs one top-level name, widedp, with every package
-    and the export template in it."""
+    """The built wheel installs one top-level name, widedp, with every package and the export
+    template in it."""
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                           "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

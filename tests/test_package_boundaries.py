@@ -40,7 +40,7 @@ def _imports(text: str, package: str) -> list[tuple[int, str]]:
 
 
 def _package_of(path: Path) -> str:
-    return "widedp." + ".".join(path.relative_to(REPO).parent.parts)
+    return ".".join(path.relative_to(REPO).parent.parts)  # widedp/<package>/...
 
 
 def _within(name: str, prefix: str) -> bool:
@@ -59,7 +59,7 @@ def _auditing_violations(text: str, package: str = "widedp.auditing") -> list[st
 
 
 def test_auditing_imports_only_the_standard_library_numpy_scipy_and_accounting():
-    files = sorted((REPO / "auditing").rglob("*.py"))
+    files = sorted((REPO / "widedp" / "auditing").rglob("*.py"))
     assert len(files) >= 5
     offending = [f"{p.relative_to(REPO)}:{hit}" for p in files for hit in _auditing_violations(p.read_text(), _package_of(p))]
     assert not offending, "auditing may import the standard library, numpy, scipy and widedp.accounting only:\n" + \
@@ -78,7 +78,7 @@ def test_the_auditing_rule_can_fail():
 @pytest.mark.parametrize("package", PURE)
 def test_pure_libraries_import_neither_ray_nor_the_trainer(package):
     offending = []
-    for path in sorted((REPO / package).rglob("*.py")):
+    for path in sorted((REPO / "widedp" / package).rglob("*.py")):
         for line, name in _imports(path.read_text(), _package_of(path)):
             if _within(name, "ray") or _within(name, "widedp.trainer"):
                 offending.append(f"{path.relative_to(REPO)}:{line}: {name}")
@@ -87,7 +87,7 @@ def test_pure_libraries_import_neither_ray_nor_the_trainer(package):
 
 def test_accounting_imports_no_other_widedp_package():
     offending = []
-    for path in sorted((REPO / "accounting").rglob("*.py")):
+    for path in sorted((REPO / "widedp" / "accounting").rglob("*.py")):
         for line, name in _imports(path.read_text(), _package_of(path)):
             if _within(name, "widedp") and not _within(name, "widedp.accounting"):
                 offending.append(f"{path.relative_to(REPO)}:{line}: {name}")

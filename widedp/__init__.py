@@ -4,8 +4,10 @@ One namespace: `widedp.trainer` (config, run loop, engine, Ray roles, CLI), `wid
 (private row selection, the Gaussian step, keyed randomness, a selector's calibration),
 `widedp.accounting` (events, accountants, ledger, calibration: what is claimed),
 `widedp.auditing` (canaries, one-run ε lower bounds, exposure: what is measured),
-`widedp.sparse_learners` and `widedp.adaptive_clipping` (the seeds' pure learners). The folders live at the repository's top level (the design card's layout)
-and are linked here, so each module exists under one name only: `widedp.<package>`.
+`widedp.sparse_learners` and `widedp.adaptive_clipping` (the seeds' pure learners). Every module
+lives here, under one name only: `widedp.<package>`; the repository's top-level folders of the
+design card's layout (trainer/, selection/, ...) are links to these, and importing one by its
+folder name (`import trainer` from the repository root) fails at once.
 
 The Python API (trainer/api.py), imported on first use so `import widedp` stays light:
 `load_config`, `train` (-> `RunResult`), `evaluate`, `export`, `epsilon`, `calibrate`, `sampling`.

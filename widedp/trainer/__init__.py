@@ -8,6 +8,10 @@ other warning of a normal run is fixed at its cause, tests/test_quiet_run.py):
   tensors call that function. Nothing here traces.
 """
 
+if __name__ != "widedp.trainer":  # the repository's top-level trainer/ is a link to widedp/trainer/ (README, "Layout")
+    raise ImportError(f"import widedp.trainer, not {__name__}: each module exists once, under widedp (a second "
+                      "copy under another name would hold second copies of its registries)")
+
 import logging as _logging
 
 _logging.getLogger("torch.fx._symbolic_trace").setLevel(_logging.ERROR)

@@ -12,6 +12,10 @@ trained model actually leaks is measured beside this package, in `auditing`.
 
 from __future__ import annotations
 
+if __name__ != "widedp.accounting":  # the repository's top-level accounting/ is a link to widedp/accounting/ (README, "Layout")
+    raise ImportError(f"import widedp.accounting, not {__name__}: each module exists once, under widedp (a second "
+                      "copy under another name would hold second copies of its registries)")
+
 import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any

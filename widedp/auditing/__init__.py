@@ -12,6 +12,10 @@ variants, reading rows from the shards, `widedp audit`) is the trainer's, in tra
 which calls auditing. tests/test_package_boundaries.py checks the rule.
 """
 
+if __name__ != "widedp.auditing":  # the repository's top-level auditing/ is a link to widedp/auditing/ (README, "Layout")
+    raise ImportError(f"import widedp.auditing, not {__name__}: each module exists once, under widedp (a second "
+                      "copy under another name would hold second copies of its registries)")
+
 from widedp.auditing.canaries import (
     CANARY_KINDS,
     GRADIENT_CANARY_SCALE,

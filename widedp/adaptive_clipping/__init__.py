@@ -5,3 +5,7 @@ Laplace noise and b = 1 only, never to the Gaussian DP-SSGD).
 A pure library: numpy/scipy only, no Ray, no torch, importable without the trainer. Every
 mechanism states its neighbouring relation and sensitivity and returns its privacy event(s).
 """
+
+if __name__ != "widedp.adaptive_clipping":  # the repository's top-level adaptive_clipping/ is a link to widedp/adaptive_clipping/ (README, "Layout")
+    raise ImportError(f"import widedp.adaptive_clipping, not {__name__}: each module exists once, under widedp (a second "
+                      "copy under another name would hold second copies of its registries)")

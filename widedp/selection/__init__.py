@@ -11,6 +11,10 @@ top-k computed on the shards that own the rows and merged exactly.
 hashable keys; it returns a `PartitionSelection` (keys, noisy counts, event) instead.
 """
 
+if __name__ != "widedp.selection":  # the repository's top-level selection/ is a link to widedp/selection/ (README, "Layout")
+    raise ImportError(f"import widedp.selection, not {__name__}: each module exists once, under widedp (a second "
+                      "copy under another name would hold second copies of its registries)")
+
 from widedp.selection.exponential import exponential_top_k, k_from_fraction, paper_epsilon_per_draw
 from widedp.selection.keyed_random import GaussianStream, NoiseKey
 from widedp.selection.fest import fest_top_k, truncated_row_counts
