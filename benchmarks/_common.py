@@ -478,13 +478,13 @@ def summarize_call_timings(recorded: dict) -> dict:
 
 
 def time_engine(spec: dict) -> dict:
-    """Build an engine from a config (+ overrides) with trainer.train.build_run and time its
+    """Build an engine from a config (+ overrides) with trainer.run.train.build_run and time its
     steps: `warmup` untimed steps, then up to `steps` timed ones (at least `min_steps`, fewer
     if `max_seconds` runs out). Returns medians, per-phase medians, bytes per shard method."""
     import numpy as np
 
     from widedp.trainer.config import load_config
-    from widedp.trainer.train import build_run
+    from widedp.trainer.run.train import build_run
 
     cfg = load_config(spec["config"], list(spec.get("overrides", [])))
     cfg.validate()
@@ -595,21 +595,21 @@ def ensure_config_dataset(config: str, overrides: Sequence[str] = ()) -> str:
     """Generate the config's synthetic data set now (in the parent), so workers only read it.
 
     A data.path without a data set gets the config's `data.synth` set here exactly as
-    trainer/train.py:_ensure_dataset generates it first (`SYNTHETIC_DATASETS[...].generate`),
+    trainer/run/train.py:_ensure_dataset generates it first (`SYNTHETIC_DATASETS[...].generate`),
     without importing the trainer (torch, torchrec, the engine: ~5-10 s of CPU that a parent
     which only launches workers does not otherwise spend); the workers open it through
     `_ensure_dataset` in `build_run`. An existing data set (or a config without data.synth)
     goes through `_ensure_dataset` here, which checks that a cached synthetic set is the one
     the config asks for, so a stale cache is refused before any worker starts."""
     from widedp.trainer.config import load_config
-    from widedp.trainer.data.generators import SYNTHETIC_DATASETS
+    from widedp.trainer.data.synthetic.generators import SYNTHETIC_DATASETS
 
     cfg = load_config(config, list(overrides))
     synthetic = SYNTHETIC_DATASETS.get(cfg.data.synth) if cfg.data.synth else None
     if synthetic is not None and not (Path(cfg.data.path) / "dataset.json").exists():
         synthetic.generate(Path(cfg.data.path), cfg.data)
         return cfg.data.path
-    from widedp.trainer.train import _ensure_dataset
+    from widedp.trainer.run.train import _ensure_dataset
 
     _ensure_dataset(cfg)
     return cfg.data.path
@@ -634,12 +634,12 @@ def quick_data_overrides(config: str) -> list[str]:
 
 def default_selection_threshold(cfg) -> Optional[dict]:
     """The trainer's own rule for privacy.threshold = "auto" (`Selector.auto_threshold`, applied
-    by `trainer.planning.plan_privacy`), made explicit so that a benchmark record carries the
+    by `trainer.config.planning.plan_privacy`), made explicit so that a benchmark record carries the
     value and the rule. Returns {"threshold": value, "rule": text}, or None when the config's
     own value is used (or the selector has no threshold)."""
     from widedp.selection.registry import get_selector
     from widedp.trainer.config import is_auto
-    from widedp.trainer.train import _ensure_dataset, plan_run
+    from widedp.trainer.run.train import _ensure_dataset, plan_run
 
     t, p = cfg.train, cfg.privacy
     if t.mode != "sparse" or "threshold" not in get_selector(t.selection).config_fields().values() or not is_auto(p.threshold):
@@ -656,7 +656,7 @@ def default_selection_threshold(cfg) -> Optional[dict]:
 def set_aside_stale_run(run_dir: Path) -> Optional[Path]:
     """A benchmark's run directory whose saved config no longer matches is moved aside (renamed
     `<dir>.replaced-<date-time>`, ledger and all), never trained over: a run directory is written
-    by one run only (trainer/train.py refuses otherwise). Returns the new name, or None."""
+    by one run only (trainer/run/train.py refuses otherwise). Returns the new name, or None."""
     run_dir = Path(run_dir)
     if not run_dir.exists() or not any(run_dir.iterdir()):
         return None
@@ -696,9 +696,9 @@ def train_point(cfg, run_dir: Path, fresh: bool, record: dict, label: str, keys:
 def train_or_reuse(cfg, run_dir: Path, fresh: bool) -> tuple[dict, bool]:
     """(summary.json, reused): the run in `run_dir` when its saved config computes the same run
     as `cfg` (keys of placement, logging and recovery may differ:
-    trainer/train.py:changed_computation_keys) and not `fresh`; else a new run there, the old
+    trainer/run/train.py:changed_computation_keys) and not `fresh`; else a new run there, the old
     one set aside (`set_aside_stale_run`). Training errors propagate (the caller records them)."""
-    from widedp.trainer.train import changed_computation_keys, train
+    from widedp.trainer.run.train import changed_computation_keys, train
 
     summary_path, saved = Path(run_dir) / "summary.json", Path(run_dir) / "config.json"
     if (not fresh and summary_path.exists() and saved.exists()

@@ -38,14 +38,14 @@ def _logloss(z: np.ndarray, y: np.ndarray) -> float:
 def _platt(z: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """Non-private Platt fit on exact logits (the same Newton fit the mechanism runs on its noisy
     histogram, here on one bin per example)."""
-    from widedp.trainer.recalibration import fit_platt
+    from widedp.trainer.engine.recalibration import fit_platt
 
     return fit_platt(z, np.ones_like(z), y)
 
 
 def _outputs(run_dir: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     from widedp.trainer.config import saved_config
-    from widedp.trainer.train import build_run, load_checkpoint
+    from widedp.trainer.run.train import build_run, load_checkpoint
 
     state = load_checkpoint(run_dir / "checkpoint.pt")
     cfg = saved_config(state["config"], str(run_dir / "checkpoint.pt"))

@@ -9,7 +9,7 @@ model, its rank among 10,000 random phrases of the same form, Pearson's χ² of 
 against uniform, and the exposure log2(10,001) − log2(rank) (Carlini et al. 2019). Seed Table
 2: non-private p ≈ 0.00 at every n_c; DP-SGD and sparse p ≥ 0.31 at n_c ≤ 9; sparse p ≈ 0.00 at
 n_c = 15 (a phrase inserted n_c times is a group of 3·n_c examples: the example-level ε covers
-it only through group privacy). `trainer/audit.py::exposure_audit`, `widedp audit --kind
+it only through group privacy). `trainer/run/audit.py::exposure_audit`, `widedp audit --kind
 exposure`. Corpus: the config's (synthetic Zipf text) or, with `--kjv`, real English: the King
 James Bible (public domain) from Debian's `bible-kjv-text` package, fetched with `apt-get
 download` (plus `bible-kjv`, whose reader prints the text), one verse per line, converted by
@@ -82,7 +82,7 @@ def phrase_counts(cfg, canaries: int, insertions: int, placement: str, steps: in
     phrase with the text placement, × 3 per line), n, the sampling rate q = b/n, the expected
     times each example is sampled T·q, and a phrase's examples' share of the training set.
     `corpus`: the training corpus's examples when known otherwise (a past run's), else counted."""
-    from widedp.trainer.train import _ensure_dataset
+    from widedp.trainer.run.train import _ensure_dataset
 
     train_set, _ = _ensure_dataset(cfg)
     window = int(train_set.meta.extra.get("window", 4))
@@ -116,8 +116,8 @@ def seed_selection_epsilon(cfg, counts: dict) -> dict:
     from widedp.accounting.base import make_accountant
     from widedp.accounting.calibration import sampled_step_event
     from widedp.selection.exponential import k_from_fraction
-    from widedp.trainer.planning import default_delta
-    from widedp.trainer.train import _ensure_dataset
+    from widedp.trainer.config.planning import default_delta
+    from widedp.trainer.run.train import _ensure_dataset
 
     meta = _ensure_dataset(cfg)[0].meta
     rows = sum(int(v) for v in meta.table_sizes.values())
@@ -152,7 +152,7 @@ def seed_selection_epsilon(cfg, counts: dict) -> dict:
 
 
 def exposure_worker(spec: dict) -> dict:
-    from widedp.trainer.audit import exposure_audit
+    from widedp.trainer.run.audit import exposure_audit
     from widedp.trainer.config import load_config
 
     placement = spec.get("placement", "text")

@@ -6,7 +6,7 @@ beside the interpreter's own start (`python -c pass`) and `import torch` (the fl
 that touches a model). Goal (issue 28): `widedp --help` and config errors in < 1.5 s.
 
   help               widedp --help (lists every command from cli.COMMAND_HELP: no command module imported)
-  train-help         widedp train --help (imports only trainer/train_commands.py)
+  train-help         widedp train --help (imports only trainer/cli/train.py)
   config-key-error   widedp train --config BAD.toml with a mistyped key (read and checked before torch/Ray)
   config-type-error  widedp train --config configs/quickstart.toml --set train.steps=abc
   config-name-error  --set train.optimizer=foo: a name checked against a registry (optimizers, models,

@@ -2,7 +2,7 @@
 
 Same model and data as table_scaling.py (configs/ctr.toml, 26 tables summing to p rows,
 fixed batch and k) at one table size (default p = 10^7; --quick 10^5). Counts are the
-payload arrays the shard group ships (trainer/shard_group.py counts them the same way for
+payload arrays the shard group ships (trainer/engine/shard_group.py counts them the same way for
 in-process and Ray shards), attributed to each shard method, averaged over the timed steps.
 
 Write-back = the call that releases the update to the shards: `apply_rows` (sparse: the k

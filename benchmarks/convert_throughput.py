@@ -32,7 +32,7 @@ SIZES = {"quick": [(2_000, 3)], "full": [(20_000, 5), (200_000, 10)]}
 
 def _logs(users: int, days: int) -> tuple[Path, dict]:
     """The synthetic logs of this size (cached under DATA_DIR) and their truth.json."""
-    from widedp.trainer.data.synth_logs import synth_logs
+    from widedp.trainer.data.synthetic.synth_logs import synth_logs
 
     root = DATA_DIR / f"logs_u{users}_d{days}"
     if not (root / "truth.json").exists():
@@ -42,7 +42,7 @@ def _logs(users: int, days: int) -> tuple[Path, dict]:
 
 def _convert(spec: dict) -> dict:
     """Worker: convert the logs at spec["logs"] once; what it read and wrote."""
-    from widedp.trainer.data.table import convert_table
+    from widedp.trainer.data.convert.table import convert_table
 
     logs, out = Path(spec["logs"]), Path(spec["out"])
     inputs = sorted(logs.glob("day=*/*.parquet"))

@@ -15,7 +15,7 @@ a response of the round's size (a buffer kept per size, its first bytes a copy o
             answer copied out of its channel (`owned`), as `_compiled_call` does; the caller
             and the actors wait on the channels with Ray's own spinning read;
   compiled-backoff  the same, every process waiting with sleeps between looks
-            (`cluster.compiled_wait = "backoff"`, trainer/compiled_wait.py: the default);
+            (`cluster.compiled_wait = "backoff"`, trainer/cluster/compiled_wait.py: the default);
   gloo      `init_process_group("gloo")` with a TCP store on 127.0.0.1 at a free port, rank 0
             the caller and ranks 1..S the shard actors (each running `gloo_shard_loop` in one
             long actor call). Per round the caller posts, to every shard at once, `isend` of a
@@ -79,7 +79,7 @@ TRANSPORTS = ("calls", "compiled", "compiled-backoff", "gloo")
 TRANSPORT_LABELS = {"calls": "ordinary Ray actor calls", "compiled": "compiled Ray graph (Ray's spinning reads)",
                     "compiled-backoff": "compiled Ray graph, sleeping reads",
                     "gloo": "torch.distributed (gloo)"}
-#: the compiled transports' channel waits (trainer/compiled_wait.py, cluster.compiled_wait)
+#: the compiled transports' channel waits (trainer/cluster/compiled_wait.py, cluster.compiled_wait)
 COMPILED_WAIT = {"compiled": "spin", "compiled-backoff": "backoff"}
 ROUNDS = ("lookup", "norms", "row_sums")
 #: Each round's request and answer: (shard method, direction, split over the shards?) from the
@@ -326,7 +326,7 @@ class CompiledPlane:
     def __init__(self, actors, ray, buffer_bytes: int):
         from ray.dag import InputNode, MultiOutputNode
 
-        from widedp.trainer.shard_group import COMPILED_GET_TIMEOUT_S
+        from widedp.trainer.cluster.ray_shards import COMPILED_GET_TIMEOUT_S
 
         with InputNode() as inp:
             graph = MultiOutputNode([a.dispatch.bind(inp[s]) for s, a in enumerate(actors)])
@@ -335,7 +335,7 @@ class CompiledPlane:
         self.ray, self.timeout = ray, COMPILED_GET_TIMEOUT_S
 
     def round(self, requests, answer_bytes):
-        from widedp.trainer.shard import owned
+        from widedp.trainer.engine.shard import owned
 
         refs = self.graph.execute(*[(req, int(n)) for req, n in zip(requests, answer_bytes)])
         return [owned(self.ray.get(ref, timeout=self.timeout)) for ref in refs]
@@ -385,8 +385,8 @@ def measure(spec: dict) -> dict:
     import numpy as np
     import ray
 
-    from widedp.trainer.ray_runtime import ACTOR_OPTIONS, ensure_ray
-    from widedp.trainer.shard_group import COMPILED_BUFFER_BYTES
+    from widedp.trainer.cluster.ray_runtime import ACTOR_OPTIONS, ensure_ray
+    from widedp.trainer.cluster.ray_shards import COMPILED_BUFFER_BYTES
 
     transport = spec["transport"]
     shards_list = [int(s) for s in spec["shards"]]
@@ -406,7 +406,7 @@ def measure(spec: dict) -> dict:
         if transport == "calls":
             plane = CallsPlane(actors, ray)
         elif transport in COMPILED_WAIT:
-            from widedp.trainer.compiled_wait import set_compiled_wait_here_and_on
+            from widedp.trainer.cluster.compiled_wait import set_compiled_wait_here_and_on
 
             set_compiled_wait_here_and_on(actors, COMPILED_WAIT[transport], ray)
             largest = max(max(shards * p["request"], p["answer"]) for per in payloads.values() for p in per.values())

@@ -126,7 +126,7 @@ def unproven(flag) -> str:
 # ---- sections -----------------------------------------------------------------------------------
 
 def section_scaling(doc, plots, out_dir) -> tuple[list, list]:
-    from widedp.trainer.report import plot_curves
+    from widedp.trainer.release.report import plot_curves
 
     lines, goals = [], []
     res = [r for r in doc["results"] if "error" not in r]
@@ -195,7 +195,7 @@ def section_scaling(doc, plots, out_dir) -> tuple[list, list]:
 
 
 def section_opacus(doc, plots, out_dir) -> tuple[list, list]:
-    from widedp.trainer.report import pyplot, save
+    from widedp.trainer.release.report import pyplot, save
 
     lines, goals = [], []
     res = doc["results"]
@@ -571,7 +571,7 @@ def section_calibration_study(doc) -> tuple[list, list]:
 
 
 def section_communication(doc, plots, out_dir) -> tuple[list, list]:
-    from widedp.trainer.report import pyplot, save
+    from widedp.trainer.release.report import pyplot, save
 
     lines, goals = [], []
     res = [r for r in doc["results"] if "error" not in r]
@@ -614,7 +614,7 @@ def section_communication(doc, plots, out_dir) -> tuple[list, list]:
 
 
 def section_phases(doc, plots, out_dir, name: str = "phase_breakdown") -> tuple[list, list]:
-    from widedp.trainer.report import plot_phases
+    from widedp.trainer.release.report import plot_phases
 
     s = doc.get("summary") or {}
     if not s:
@@ -666,7 +666,7 @@ def _m4(point: dict, metric: str, key: str = "median") -> str:
 def _plot_vs_eps(pts: list, dataset: str, metric: str, plots: dict, out_dir: Path, references: list) -> None:
     """`metric` (median over seeds, bars min–max) against target ε per (mode, selection); the
     nonprivate point and `references` ((value, label, style)) as horizontal lines."""
-    from widedp.trainer.report import pyplot, save
+    from widedp.trainer.release.report import pyplot, save
 
     pts = [p for p in pts if (p["metrics"].get(metric) or {}).get("median") is not None]
     if not pts:
@@ -1071,7 +1071,7 @@ def gap_levers(tuning: dict, points: list) -> tuple[list, list]:
 
 
 def section_fig1(doc, plots, out_dir) -> tuple[list, list]:
-    from widedp.trainer.report import plot_curves, pyplot, save
+    from widedp.trainer.release.report import plot_curves, pyplot, save
 
     lines, goals = [], []
     runs = [r for r in doc["runs"] if "error" not in r]
@@ -1155,7 +1155,7 @@ def section_fig1(doc, plots, out_dir) -> tuple[list, list]:
 def plot_audit(results: list, ceiling: float, path: Path) -> str:
     """One horizontal bar per audited run: its ε lower bound, with its claimed ε as a tick
     and the most m canaries can show as a dashed line."""
-    from widedp.trainer.report import pyplot, save
+    from widedp.trainer.release.report import pyplot, save
 
     plt = pyplot()
     labels = [f"{r['model']} {r['label']}" for r in results]
@@ -1267,7 +1267,7 @@ def section_audit(doc, plots: "dict | None" = None, plot_dir: "Path | None" = No
 
 def plot_exposure_ranks(results: list, references: int, path: Path, title: str) -> str:
     """Histograms of the canaries' ranks, one panel per n_c, one line per mode: uniform is flat."""
-    from widedp.trainer.report import pyplot, save
+    from widedp.trainer.release.report import pyplot, save
 
     plt = pyplot()
     insertions = sorted({r["insertions"] for r in results})

@@ -76,7 +76,7 @@ def results_section(doc: dict) -> tuple[list[str], list[tuple[str, str, str, str
     lines += ["", "The paper's Fig 3 triples (57.2, 17.9, 15.3) and (40.4, 9.0, 7.9) are not recomputed: their "
               "settings were lost in the text's extraction. The amplification rests on secret mixing weights "
               "and the enforced gap (accounting/modelmix.py); `widedp train` mixes with `train.modelmix = true` "
-              "(trainer/modelmix.py; runs in §14)."]
+              "(trainer/engine/modelmix.py; runs in §14)."]
     main, nomix = doc["headline"][0], doc["headline"][-1]
     ok = abs(main["epsilon_paper_alpha4"] - s["paper_epsilon"]) <= 0.02 * s["paper_epsilon"]
     goals = [("ModelMix headline ε ≈ 8.0 at α = 4 reproduced (within 2%)",

@@ -16,7 +16,7 @@ Setting (every difference from the paper's is listed by `results_section`):
   Alg 2's refined clipping (then each coordinate clamped to ±c/√k), Gaussian noise σ·c on the sum,
   divided by the expected batch b; plain SGD, constant learning rate η, T = 1,500 steps (40 epochs;
   the paper: T = 3,400 — T was cut by the CPU time this machine had to share, not by choice).
-- ModelMix (SEEDS.md §B Alg 1, `trainer.modelmix.enforce_gap` + the mix): keep θ_{t−1}, θ_{t−2}; push every pair of
+- ModelMix (SEEDS.md §B Alg 1, `trainer.engine.modelmix.enforce_gap` + the mix): keep θ_{t−1}, θ_{t−2}; push every pair of
   coordinates closer than τ apart symmetrically to gap τ; α ~ U[0, 1]^d fresh and secret;
   θ̄ = α⊙θ_{t−1} + (1−α)⊙θ_{t−2}; the gradient at the released θ_{t−1}; θ_t = θ̄ − η·(noisy sum)/b.
   The width is given in units of the update's ℓ2 sensitivity S = η·c/b (accounting/modelmix.py):
@@ -65,7 +65,7 @@ import torch.nn.functional as F  # noqa: E402
 from _common import announce_machine, format_table, results_path, write_results  # noqa: E402
 
 from widedp.selection.keyed_random import GaussianStream, NoiseKey, uniforms  # noqa: E402
-from widedp.trainer.modelmix import enforce_gap  # noqa: E402
+from widedp.trainer.engine.modelmix import enforce_gap  # noqa: E402
 
 SPLIT = (1200, 300, 297)
 LRS = (0.125, 0.25, 0.5, 1.0, 2.0)
@@ -258,7 +258,7 @@ class RunSpec:
 
 
 def mix_step(current: torch.Tensor, previous: torch.Tensor, gap: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """Seed B's Alg 1 mixing for R runs at once (rows): `trainer.modelmix.enforce_gap` with each
+    """Seed B's Alg 1 mixing for R runs at once (rows): `trainer.engine.modelmix.enforce_gap` with each
     run's gap τ (R, 1), then θ̄ = θ'_{t-2} + α⊙(θ'_{t-1} − θ'_{t-2}) (= α⊙θ'_{t-1} + (1−α)⊙θ'_{t-2})."""
     upper, lower = enforce_gap(current, previous, gap)
     return lower + alpha * (upper - lower)

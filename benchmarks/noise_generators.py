@@ -1,7 +1,7 @@
 """What keying every privacy draw with the full secret costs: the noise of one step, before and after.
 
 Before (main until this change): torch's CPU generator seeded with `manual_seed` (32 bits kept),
-one generator per 1024-row block for DP-SGD's every-row noise (`trainer/layout.py`), one
+one generator per 1024-row block for DP-SGD's every-row noise (`trainer/engine/layout.py`), one
 sequential generator for the selected rows and the dense parameters. After: the key's AES-128-CTR
 keystream through a float32 Box–Muller (`selection/keyed_random.py`), and in secure mode AES-256 with the 4-draw
 Gaussian. Measured in one process, one after another, on the step shapes of
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import announce_machine, format_table, write_results  # noqa: E402
 from widedp.selection.keyed_random import GaussianStream, NoiseKey  # noqa: E402
 from widedp.selection.noise import gaussian_noise  # noqa: E402
-from widedp.trainer.layout import row_block_normal  # noqa: E402
+from widedp.trainer.engine.layout import row_block_normal  # noqa: E402
 
 ROW_BLOCK = 1024  # the removed code's rows per torch generator
 

@@ -75,8 +75,8 @@ class _Subset:
 
 
 def train_curve(name: str, cfg, steps: int, points: int, eval_examples: int, curve_points: int) -> dict:
-    from widedp.trainer.report import epsilon_by_accountant, epsilon_curves
-    from widedp.trainer.train import build_run
+    from widedp.trainer.release.report import epsilon_by_accountant, epsilon_curves
+    from widedp.trainer.run.train import build_run
 
     rule = default_selection_threshold(cfg)
     if rule:

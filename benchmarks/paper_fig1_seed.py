@@ -45,7 +45,7 @@ then runs as many of those steps as the time budget allows: a truncated run is t
 of the seed's run, with the same per-step noise. ε actually spent at the step reached is
 computed by the accountants from the events the steps emitted. DP-SGD runs use the seed's σ.
 
-Data: (1) a seeded Zipf language with planted topics (the design of trainer/data/synth.py's
+Data: (1) a seeded Zipf language with planted topics (the design of trainer/data/synthetic/synth.py's
 synth_text, generated here as raw sentences); (2) the King James Bible (Debian bible-kjv-text,
 apt-get download, cached under the benchmark data dir): lowercased [a-z]+ tokens, the stop
 words below dropped, vocabulary = the 1,000 most frequent remaining words (a vocabulary chosen
@@ -103,7 +103,7 @@ _TOKEN = re.compile(r"[a-z]+")
 
 def zipf_topic_sentences(num_sentences: int, vocab: int = 1000, topics: int = 10, topic_mix: float = 0.8,
                          length: int = 12, seed: int = 0) -> list[np.ndarray]:
-    """A Zipf language with planted topics (trainer/data/synth.py's design): word w is in topic
+    """A Zipf language with planted topics (trainer/data/synthetic/synth.py's design): word w is in topic
     w % topics with within-topic rank w // topics; a sentence picks a topic uniformly, each token
     is from that topic's Zipf (prob. topic_mix) or from the global Zipf (rank = id)."""
     rng = np.random.default_rng(seed)
@@ -697,7 +697,7 @@ def _f(x, nd=4):
 
 def _plot(doc: dict, plot_dir) -> Optional[str]:
     try:
-        from widedp.trainer.report import pyplot, save
+        from widedp.trainer.release.report import pyplot, save
         plt = pyplot()
     except Exception:  # no matplotlib: the tables carry the numbers
         return None

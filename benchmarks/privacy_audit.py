@@ -1,6 +1,6 @@
 """One-run privacy audits of whole training runs: every mode and selector, and broken runs.
 
-Each row trains a model once with m canaries (trainer/audit.py: each canary an example with a
+Each row trains a model once with m canaries (trainer/run/audit.py: each canary an example with a
 row of its own, a member with probability ½ by the audit's secret coins) and turns the
 white-box scores (how far each canary's row moved in the released model) into an ε lower
 bound (Steinke, Nasr & Jagielski 2023) at 95% confidence. Guess rule, fixed before any run:
@@ -110,7 +110,7 @@ def gradient_batch(cfg, canaries: int) -> int:
 
 
 def audit_worker(spec: dict) -> dict:
-    from widedp.trainer.audit import one_run_audit
+    from widedp.trainer.run.audit import one_run_audit
     from widedp.trainer.config import load_config
 
     overrides = list(spec["overrides"])

@@ -4,7 +4,7 @@ Data sets: the realistic Criteo-format planted-truth set (configs/ctr_criteo_lik
 26 published cardinalities, per-feature Zipf, hashed to 262,144; the main CTR benchmark), the
 planted-truth synthetic CTR set (configs/ctr.toml; its Bayes AUC is known) and CBOW over the
 synthetic Zipf corpus (configs/cbow.toml). Each point trains one run with
-`trainer.train.train` from the configs — `{config}_dpsgd.toml` / `{config}_nonprivate.toml`
+`trainer.run.train.train` from the configs — `{config}_dpsgd.toml` / `{config}_nonprivate.toml`
 for those modes when they exist, so hyperparameters tuned there are used — at target
 ε ∈ {1, 3, 8} (δ = 1/n, σ and the selection budget calibrated by the config's accountant for
 the run's steps), for dpsgd and for sparse with em, em-count, svt, threshold, fest-threshold and random selection;
@@ -98,7 +98,7 @@ def tuned_overrides(dataset: str, mode: str, eps, tuning_dir: Path) -> tuple[lis
 def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, overrides: list, root: Path,
             fresh: bool, accountants: bool, tuning_dir: Optional[Path] = None) -> dict:
     from widedp.trainer.config import load_config
-    from widedp.trainer.report import ledger_accounting
+    from widedp.trainer.release.report import ledger_accounting
 
     name = mode + (f"-{selection}" if selection else "") + (f"-eps{eps:g}" if eps is not None else "") + f"-seed{seed}"
     run_dir = root / dataset / name
@@ -136,7 +136,7 @@ def run_one(dataset: str, config: str, mode: str, selection, eps, seed: int, ove
 
 def _add_missing_metrics(record: dict, run_dir: Path) -> None:
     """Fill the CALIBRATION_METRICS a reused run's summary.json lacks (it predates them) by
-    evaluating its checkpoint on the test split (trainer/train.py:evaluate, as `widedp evaluate`).
+    evaluating its checkpoint on the test split (trainer/run/train.py:evaluate, as `widedp evaluate`).
     Only the missing keys are added, and only when the re-evaluation reproduces the summary's
     log loss (the same checkpoint and split); otherwise the record says why in
     `metrics_from_checkpoint_error` and the keys stay missing ("—" in RESULTS)."""
@@ -145,7 +145,7 @@ def _add_missing_metrics(record: dict, run_dir: Path) -> None:
     if not missing or not (run_dir / "checkpoint.pt").exists():
         return
     try:
-        from widedp.trainer.train import evaluate
+        from widedp.trainer.run.train import evaluate
 
         fresh = evaluate(run_dir)["test_metrics"]
     except Exception as exc:  # a stale or unreadable checkpoint: the point is kept without the new keys

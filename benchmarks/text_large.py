@@ -57,7 +57,7 @@ CONFIGS = {"sparse": "configs/cbow_large.toml", "dpsgd": "configs/cbow_large_dps
            "nonprivate": "configs/cbow_large_nonprivate.toml"}
 GOAL = "cbow_large: sparse ≤ dpsgd test loss at every ε"
 GOAL_EPSILONS = (1.0, 3.0, 8.0)
-_TOKEN = re.compile(r"[^\W_]+")  # the converter's tokens (trainer/data/text.py)
+_TOKEN = re.compile(r"[^\W_]+")  # the converter's tokens (trainer/data/convert/text.py)
 
 
 # ---- corpus -----------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 A loopback multi-node Ray cluster (`ray.cluster_utils.Cluster`: a head and worker nodes, each
 its own raylet and object store, on this machine) runs the CTR model of configs/ctr.toml (26
 tables, D = 16, expected batch --batch, default 1024) with S shard actors and N trainer actors
-(`cluster.trainer_placement = "actors"`, trainer/trainer_group.py), each trainer calling the
+(`cluster.trainer_placement = "actors"`, trainer/engine/trainers.py), each trainer calling the
 shards directly. Per N, measured in one run each:
   - step time (median) and examples per second;
   - per trainer: CPU seconds per step of its own process (`StepStats.trainer_cpu_s`) and
@@ -59,7 +59,7 @@ def measure(spec: dict) -> dict:
     import numpy as np
 
     from widedp.trainer.config import load_config
-    from widedp.trainer.train import build_run
+    from widedp.trainer.run.train import build_run
 
     cluster = None
     overrides = list(spec["overrides"])

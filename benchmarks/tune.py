@@ -1,7 +1,7 @@
 """Hyperparameter sweep: train every point of a grid of config overrides, print a table.
 
 How the configs' learning rates and clip norms were chosen (their comments cite the results).
-Each point is one `trainer.train.train` run on in-process shards, 1 torch thread per run, `--jobs`
+Each point is one `trainer.run.train.train` run on in-process shards, 1 torch thread per run, `--jobs`
 runs at a time (each in its own process). The runs are kept under
 runs/bench/tune/NAME/ and reused when their config is unchanged. Results go to
 benchmarks/results/tuning/NAME.json, which `make results` lists in docs/RESULTS.md.
@@ -49,7 +49,7 @@ def _run_point(job: tuple) -> dict:
     one_torch_thread()
     sys.path.insert(0, str(REPO))
     from widedp.trainer.config import load_config
-    from widedp.trainer.train import train
+    from widedp.trainer.run.train import train
 
     cfg = load_config(config, [*overrides, "cluster.backend=local"])
     cfg.validate()

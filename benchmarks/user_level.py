@@ -1,6 +1,6 @@
 """User-level against example-level differential privacy on click logs with users.
 
-Data: `widedp synth logs` (trainer/data/synth_logs.py: raw click logs with a user id per row,
+Data: `widedp synth logs` (trainer/data/synthetic/synth_logs.py: raw click logs with a user id per row,
 heavy-tailed examples per user, planted per-user effects, the evaluation day's Bayes AUC in
 truth.json), converted by its own schema with the last day as the test split (truth.json's
 `convert_command`); made once under the work directory and reused, or given as --data.
@@ -89,8 +89,8 @@ QUICK: dict[str, Any] = {"users": 300, "days": 2, "items": 2000, "steps": 3, "ep
 def logs_dataset(root: Path, users: int, days: int, seed: int, items: Optional[int]) -> tuple[Path, Path]:
     """(converted data set, truth.json) of `widedp synth logs` at these parameters, made under
     `root` if absent: raw logs in root/TAG/raw, the data set (last day = test split) in root/TAG/data."""
-    from widedp.trainer.data.synth_logs import synth_logs
-    from widedp.trainer.data.table import convert_table
+    from widedp.trainer.data.synthetic.synth_logs import synth_logs
+    from widedp.trainer.data.convert.table import convert_table
 
     tag = f"logs_u{users}_d{days}_s{seed}" + (f"_i{items}" if items else "")
     raw, data = root / tag / "raw", root / tag / "data"

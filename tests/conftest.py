@@ -17,8 +17,8 @@ def ctr_dir(tmp_path_factory):
 def user_logs_dir(tmp_path_factory):
     """Click logs with users (`widedp synth logs`: 800 users, 3 days, heavy-tailed examples per
     user, list-valued history) converted by their schema, the last day as the test split."""
-    from widedp.trainer.data.synth_logs import synth_logs
-    from widedp.trainer.data.table import convert_table
+    from widedp.trainer.data.synthetic.synth_logs import synth_logs
+    from widedp.trainer.data.convert.table import convert_table
 
     root = tmp_path_factory.mktemp("user_logs")
     truth = synth_logs(root / "logs", users=800, days=3, seed=2)

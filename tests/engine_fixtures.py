@@ -7,14 +7,14 @@ import dataclasses
 
 import numpy as np
 import torch
-from widedp.trainer.data.jagged import KeyedJaggedTensor
+from widedp.trainer.data.format.jagged import KeyedJaggedTensor
 
 from widedp.accounting import PrivacyLedger
 from widedp.selection.registry import get_selector, is_selector
-from widedp.trainer.engine import Engine, PrivacyPlan
-from widedp.trainer.layout import FeatureSpec, ShardLayout, TableSpec
+from widedp.trainer.engine import Engine, EngineOptions, EnginePrivacy, PrivacyPlan
+from widedp.trainer.engine.layout import FeatureSpec, ShardLayout, TableSpec
 from widedp.trainer.models import MODELS
-from widedp.trainer.randomness import PrivacyRandomness
+from widedp.trainer.engine.randomness import PrivacyRandomness
 
 
 @dataclasses.dataclass
@@ -236,14 +236,16 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
     as a dict or Params) or the selector's parameters by their config names (`privacy.<key>`:
     selection_epsilon, selection_sigma, threshold, score_clip, contribution_clip,
     fest_noise_multiplier, fest_max_rows_per_example, k; `selection_delta` for SVT's δ);
-    `dense_tables`: table indices noised densely in sparse mode (trainer/table_policy.py);
+    `dense_tables`: table indices noised densely in sparse mode (trainer/config/table_policy.py);
     `trainer_actors`: the trainers as Ray actors (backend "ray"); `fuse_selection`: the
     shards select in the row-sum call when they can (one trainer); `example_units`: user level
     (a unit index per example; q and b stay as given); `group_size`: every event charged for
     groups of that many examples (user level by example sampling); `data_plane`: the Ray shard
     group's ("calls" or "compiled"); `fold_write_back`: the group's (None: its default, off
     in-process, on for Ray); `norms_on_trainer`: the engine's (False: the shards' norms round)."""
-    from widedp.trainer.shard_group import InProcessShardGroup, RayShardGroup
+    from widedp.trainer.engine.shard_group import InProcessShardGroup
+    from widedp.trainer.cluster.ray_shards import RayShardGroup
+    from widedp.trainer.cluster.ray_trainers import ray_trainer_factory
 
     layout = layout_for(ds, num_shards, dim)
     torch.manual_seed(seed)
@@ -260,10 +262,12 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
         ledger = PrivacyLedger(accountant, 1e-5)
     dense_params = [p for p in net.parameters() if p.numel()] or list(net.parameters())
     optimizers = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad}
+    privacy = None if plan is None else EnginePrivacy(plan, ledger, target_epsilon, group_size=group_size)
+    options = EngineOptions(num_trainers=num_trainers, selection_on_shards=selection_on_shards,
+                            trainer_group=ray_trainer_factory(0.25) if trainer_actors else None,
+                            fuse_selection=fuse_selection, norms_on_trainer=norms_on_trainer)
     return Engine(net, layout, shards, ds, SimpleSampler(len(ds), q, seed + 7) if sampler is None else sampler,
-                  mode=mode, expected_batch_size=q * len(ds), sample_rate=q, plan=plan, ledger=ledger,
-                  target_epsilon=target_epsilon, dense_optimizer=optimizers[dense_optimizer](dense_params, lr=dense_lr),
-                  randomness=PrivacyRandomness.from_seed(seed), dense_tables=dense_tables, ema_decay=ema_decay,
-                  num_trainers=num_trainers, selection_on_shards=selection_on_shards, trainer_actors=trainer_actors,
-                  cpus_per_trainer=0.25, fuse_selection=fuse_selection, example_units=example_units,
-                  group_size=group_size, norms_on_trainer=norms_on_trainer)
+                  mode=mode, expected_batch_size=q * len(ds), sample_rate=q,
+                  dense_optimizer=optimizers[dense_optimizer](dense_params, lr=dense_lr), privacy=privacy,
+                  randomness=PrivacyRandomness.from_seed(seed), options=options, dense_tables=dense_tables,
+                  ema_decay=ema_decay, example_units=example_units)

@@ -1,5 +1,5 @@
 """A slow, obvious reference implementation of one training step (seed Algorithm 3, at row
-granularity) — the test oracle for trainer/engine.py.
+granularity) — the test oracle for trainer/engine/__init__.py.
 
 Everything is dense and in plain torch: the embedding tables are whole tensors, pooling is
 done by indexing the tables with each bag's ids, per-example gradients come from a Python loop
@@ -47,8 +47,8 @@ import numpy as np
 import torch
 
 from widedp import selection
-from widedp.trainer.layout import public_key, row_block_normal
-from widedp.trainer.randomness import PrivacyRandomness
+from widedp.trainer.engine.layout import public_key, row_block_normal
+from widedp.trainer.engine.randomness import PrivacyRandomness
 
 
 

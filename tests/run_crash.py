@@ -5,7 +5,7 @@ its update applied) the process is gone — no checkpoint after the last schedul
 
 import pytest
 
-from widedp.trainer import train as train_module
+from widedp.trainer.run import train as train_module
 
 
 class Killed(BaseException):

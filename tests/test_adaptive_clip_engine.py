@@ -1,4 +1,4 @@
-"""privacy.clip_norm = "adaptive": DP-STAT picks each step's S1 in the engine (trainer/adaptive_clip.py).
+"""privacy.clip_norm = "adaptive": DP-STAT picks each step's S1 in the engine (trainer/engine/adaptive_clip.py).
 
 Specifications: the engine's choice is the library's DP-STAT (adaptive_clipping/dp_stat.py, whose
 statistical audit covers the rule) on the whole batch's norms with the same noise; an adaptive step
@@ -17,7 +17,7 @@ import torch
 from widedp.accounting import events as ev
 from widedp.adaptive_clipping.dp_stat import dp_stat_from_noise
 from tests.engine_fixtures import ListSampler, make_engine, poisson_batches, wide_ctr
-from widedp.trainer.adaptive_clip import AdaptiveClip, adaptive_clip_from_config
+from widedp.trainer.engine.adaptive_clip import AdaptiveClip, adaptive_clip_from_config
 from widedp.trainer.config import Config, ConfigError, load_config
 
 ADAPTIVE = AdaptiveClip(theta=0.01, num_doublings=10, count_noise=0.5, beta=0.1)
@@ -109,7 +109,7 @@ def _config(*overrides):
 
 
 def test_calibration_pays_for_the_counts_inside_the_target():
-    from widedp.trainer.planning import plan_privacy
+    from widedp.trainer.config.planning import plan_privacy
 
     fixed_plan, fixed = plan_privacy(_config("privacy.accountant=rdp"), n=10_000, vocabulary=0)
     plan, info = plan_privacy(_config("privacy.clip_norm=adaptive", "privacy.adaptive_clip_noise=3", "privacy.accountant=rdp"),

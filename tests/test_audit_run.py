@@ -1,4 +1,4 @@
-"""The one-run audit of whole training runs (trainer/audit.py), with teeth: canaries with rows
+"""The one-run audit of whole training runs (trainer/run/audit.py), with teeth: canaries with rows
 of their own, trained once; the ε lower bound stays at or below the ledger's claim for correct
 runs and rises above it for non-private and deliberately broken ones (DP-SGD with its noise
 off while the ledger is told σ; a selection that takes every touched row, or one that never
@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-import widedp.trainer.engine as engine_module
+import widedp.trainer.engine.noise_stage as engine_module
 from widedp.auditing.canaries import GRADIENT_CANARY_SCALE, as_gradient_canaries, make_canaries
-from widedp.trainer.audit import WithCanaries, one_run_audit, write_audit
+from widedp.trainer.run.audit import WithCanaries, one_run_audit, write_audit
 from widedp.trainer.config import load_config
-from widedp.trainer.data.dataset import open_dataset
+from widedp.trainer.data.format.dataset import open_dataset
 
 from test_train_cli import TINY as CLI_TINY
 
@@ -228,7 +228,7 @@ def test_audit_refuses_bad_parameters_naming_them(ctr_dir):
 # ---- the seed's canary exposure test (wide-network-dp §6.5) ---------------------------------------------
 @pytest.fixture(scope="module")
 def text_dir(tmp_path_factory):
-    from widedp.trainer.data.synth import synth_text
+    from widedp.trainer.data.synthetic.synth import synth_text
 
     path = tmp_path_factory.mktemp("text") / "cbow"
     synth_text(path, num_examples=4000, vocab=200, seed=5, negatives=2)
@@ -273,7 +273,7 @@ def test_a_phrase_inserted_into_text_is_every_example_within_the_window_of_it(te
     2w + 3 examples within ±w of it, each with its ±w neighbours as context in text order —
     the same examples the corpus windowing makes of that stretch of text."""
     from widedp.auditing.canaries import make_phrase_examples
-    from widedp.trainer.data.text import cbow_examples
+    from widedp.trainer.data.convert.text import cbow_examples
 
     train, _ = open_dataset(text_dir, test_fraction=0.2, seed=0)
     w = train.meta.extra["window"]
@@ -308,7 +308,7 @@ def test_exposure_flags_nonprivate_training_and_not_a_private_run_at_one_inserti
     1e-6). Private at ε = 1
     with one insertion (the example-level guarantee covers it): ranks look uniform — p > 1e-4,
     not the audit's 0.01, so that a correct run's own 1% false alarms do not fail CI."""
-    from widedp.trainer.audit import exposure_audit
+    from widedp.trainer.run.audit import exposure_audit
 
     loud = exposure_audit(_text_cfg(text_dir, "train.mode=nonprivate"), canaries=100, insertions=9, references=2000,
                           seed=3, placement="line")
@@ -321,7 +321,7 @@ def test_exposure_flags_nonprivate_training_and_not_a_private_run_at_one_inserti
 def test_exposure_flags_nonprivate_training_with_phrases_inserted_into_the_text(text_dir):
     """The seed's placement: each insertion is 11 examples whose contexts mix the phrase with
     corpus words (window 4). Measured over 6 runs of 200 steps: p 2e-6 to 1e-3."""
-    from widedp.trainer.audit import exposure_audit
+    from widedp.trainer.run.audit import exposure_audit
 
     loud = exposure_audit(_text_cfg(text_dir, "train.mode=nonprivate", "train.steps=200"), canaries=100,
                           insertions=9, references=2000, seed=3)
@@ -329,7 +329,7 @@ def test_exposure_flags_nonprivate_training_with_phrases_inserted_into_the_text(
 
 
 def test_exposure_refuses_a_ctr_data_set_by_name(ctr_dir):
-    from widedp.trainer.audit import exposure_audit
+    from widedp.trainer.run.audit import exposure_audit
 
     with pytest.raises(ValueError, match="--kind exposure needs a CBOW"):
         exposure_audit(_cfg(ctr_dir, "train.steps=1"), canaries=10, references=100)

@@ -673,7 +673,7 @@ def test_a_reused_run_without_ece_gets_the_missing_metrics_from_its_checkpoint(t
     sys.path.insert(0, str(BENCH))
     import privacy_utility
 
-    import widedp.trainer.train as train_mod
+    import widedp.trainer.run.train as train_mod
 
     (tmp_path / "checkpoint.pt").write_bytes(b"")
     fresh = {"logloss": 0.5, "auc": 0.71, "ece": 0.02, "base_rate_logloss": 0.56}

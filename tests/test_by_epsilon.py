@@ -102,7 +102,7 @@ def test_auto_fest_sigma_is_the_larger_of_usefulness_and_the_budget_share():
 
 
 def test_planning_sizes_an_auto_fest_sigma_and_keeps_an_explicit_one():
-    from widedp.trainer.planning import plan_privacy
+    from widedp.trainer.config.planning import plan_privacy
 
     base = ["train.mode=sparse", "train.selection=fest-threshold", "privacy.k=50", "train.steps=20",
             "train.batch_size=100", "privacy.target_epsilon=2", "model.name=cbow", "data.path=x"]

@@ -113,7 +113,7 @@ def test_dlrm_metrics_carry_logloss_auc_ece_and_the_base_rate():
 def test_wide_linear_metrics_carry_the_calibration_metrics():
     import scipy.sparse as sp
 
-    from widedp.trainer.wide_linear import _metrics
+    from widedp.trainer.run.wide_linear import _metrics
 
     z, p, y = _calibrated(3000, seed=3)
     m = _metrics(sp.csr_matrix(z.reshape(-1, 1)), y, np.array([1.0]))  # X·w = z

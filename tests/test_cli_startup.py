@@ -82,7 +82,7 @@ _ACTOR_PROBE = """
 import json, sys
 watched = {watched!r}
 seen = {{}}
-for module in ("widedp.trainer.shard", "widedp.trainer.trainer_role"):  # the actor classes' modules (Ray workers)
+for module in ("widedp.trainer.engine.shard", "widedp.trainer.engine.trainer_role"):  # the actor classes' modules (Ray workers)
     __import__(module)
     seen[module] = sorted(m for m in watched if m in sys.modules)
 light = sorted(m for m in sys.modules if m.startswith("dp_accounting."))
@@ -95,7 +95,7 @@ same = {{"GaussianDpEvent": dp_accounting.GaussianDpEvent is ev.GaussianDpEvent,
         "NeighboringRelation": dp_accounting.NeighboringRelation is ev.NeighboringRelation,
         "dp_event module": dp_accounting.dp_event is sys.modules["dp_accounting.dp_event"],
         "accepted": pld_privacy_accountant.PLDAccountant().supports(event)}}
-from widedp.trainer.data.jagged import KeyedJaggedTensor
+from widedp.trainer.data.format.jagged import KeyedJaggedTensor
 import torchrec
 same["KeyedJaggedTensor"] = torchrec.KeyedJaggedTensor is KeyedJaggedTensor
 same["torchrec in full"] = hasattr(torchrec, "EmbeddingBagCollection")
@@ -116,10 +116,10 @@ def test_actor_modules_load_the_event_classes_but_no_accountant(tmp_path):
     done = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     seen, light, same = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["widedp.trainer.shard"] == [], seen
+    assert seen["widedp.trainer.engine.shard"] == [], seen
     # nor does the trainer role: batches are torchrec's jagged types without torchrec's package
-    # (trainer/data/jagged.py), AUC is ranks without torchmetrics (trainer/models/auc.py)
-    assert seen["widedp.trainer.trainer_role"] == [], seen
+    # (trainer/data/format/jagged.py), AUC is ranks without torchmetrics (trainer/models/auc.py)
+    assert seen["widedp.trainer.engine.trainer_role"] == [], seen
     assert light == ["dp_accounting.dp_event", "dp_accounting.dp_event_builder", "dp_accounting.privacy_accountant"]
     assert all(same.values()), same
 
@@ -152,7 +152,7 @@ def test_config_errors_are_reported_before_torch_and_ray_load(tmp_path):
 
 def test_a_broken_lazy_table_would_be_caught(monkeypatch):
     """The table check above fails if a command's help drifts from its module's."""
-    monkeypatch.setitem(cli.COMMAND_HELP, "budget", ("widedp.trainer.dataset_budget", "some other text"))
+    monkeypatch.setitem(cli.COMMAND_HELP, "budget", ("widedp.trainer.cli.budget", "some other text"))
     full = _subcommands(cli.build_parser())
     assert full["budget"] != cli.COMMAND_HELP["budget"][1]
 
@@ -186,11 +186,11 @@ def test_log_level_sets_the_widedp_logger(capsys):
     assert code == 0, capsys.readouterr().err
     logger = logging.getLogger("widedp")
     assert logger.level == logging.INFO
-    logging.getLogger("widedp.trainer.train").info("hello from the trainer")
+    logging.getLogger("widedp.trainer.run.train").info("hello from the trainer")
     assert "widedp: INFO: hello from the trainer" in capsys.readouterr().err
     cli.main(["epsilon", "--noise-multiplier", "1.0", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-5"])
     assert logger.level == logging.WARNING
-    logging.getLogger("widedp.trainer.train").info("not shown")
+    logging.getLogger("widedp.trainer.run.train").info("not shown")
     assert "not shown" not in capsys.readouterr().err
 
 
@@ -209,7 +209,7 @@ def test_the_light_name_lists_are_the_registries():
     from widedp.trainer import names
     from widedp.trainer.models import MODELS
     from widedp.trainer.models import dlrm
-    from widedp.trainer import shard
+    from widedp.trainer.engine import shard
 
     assert names.selectors() == tuple(sorted(selector_names()))
     assert names.ACCOUNTANTS == accountant_names()
@@ -238,7 +238,8 @@ def test_a_selector_file_added_without_its_registration_is_seen(tmp_path, monkey
 
 def test_the_full_pass_checks_the_registries_themselves(monkeypatch):
     """A name the light list holds but the registry does not (a stale mirror) is still refused by train()."""
-    from widedp.trainer import names, shard
+    from widedp.trainer import names
+    from widedp.trainer.engine import shard
     from widedp.trainer.config import ConfigError, light_names, load_config
 
     assert shard.OPTIMIZERS is names.OPTIMIZERS  # imported before the mirror goes stale

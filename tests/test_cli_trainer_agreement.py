@@ -1,7 +1,7 @@
 """`widedp epsilon` / `widedp calibrate` and the trainer agree, selection by selection.
 
-The trainer's side is built with the trainer's own code: `trainer.train.plan_privacy` turns a
-Config into the PrivacyPlan, `trainer.engine.Engine._step_event` (on an engine skeleton, no
+The trainer's side is built with the trainer's own code: `trainer.run.train.plan_privacy` turns a
+Config into the PrivacyPlan, `trainer.engine.plan.step_event_of` (the engine's own function, no
 data) or a tiny in-process engine that really trains (engine_fixtures) builds and records the
 events in a PrivacyLedger. The CLI's side is `trainer.cli.main([...])` with the arguments a user
 would type for the same run, its JSON read from stdout. If either side changes how it builds an
@@ -23,8 +23,8 @@ from widedp.accounting import events as ev
 from engine_fixtures import make_engine, tiny_ctr
 from widedp.trainer.cli import main
 from widedp.trainer.config import Config
-from widedp.trainer.engine import Engine
-from widedp.trainer.train import plan_privacy
+from widedp.trainer.engine.plan import step_event_of
+from widedp.trainer.run.train import plan_privacy
 
 SELECTIONS = ("none", "em", "noisy-max", "svt", "threshold", "random", "fest")
 
@@ -47,12 +47,9 @@ def _config(selection, *, sigma, n_batch, steps, delta, accountant="rdp", k=50, 
 
 
 def _engine_step_event(cfg, plan, info):
-    """The step event exactly as the engine builds it (its own methods, no data needed)."""
-    engine = Engine.__new__(Engine)
-    engine.mode, engine.q, engine.plan = cfg.train.mode, info.sample_rate, plan
-    engine.selects = cfg.train.mode == "sparse"  # every table selected (no dense table in these plans)
-    engine.group_size = info.group_size or 1  # user level by example sampling charges groups
-    return engine._step_event()
+    """The step event exactly as the engine builds it (its own function, no data needed)."""
+    # every table selected (no dense table in these plans); user level by example sampling charges groups
+    return step_event_of(cfg.train.mode, info.sample_rate, plan, cfg.train.mode == "sparse", info.group_size or 1)
 
 
 def _cli_run_args(selection, plan, info, steps, accountant):
@@ -175,7 +172,7 @@ def test_cli_epsilon_equals_a_running_engines_ledger(capsys, selection):
                          plan_overrides=dataclasses.asdict(plan))
     try:
         assert engine.ledger.delta == info.delta
-        if selection == "fest":  # as trainer.train._start does
+        if selection == "fest":  # as trainer.run.train._start does
             engine.prepare_fest(ds.feature_rows)
         for _ in range(TINY_STEPS):
             assert engine.step() is not None

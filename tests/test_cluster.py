@@ -339,7 +339,7 @@ def test_too_small_cluster_fails_fast_with_the_numbers(cluster):
 
 _CHECK = """
 import sys, time
-from widedp.trainer.ray_runtime import ensure_ray, ClusterConnectionError
+from widedp.trainer.cluster.ray_runtime import ensure_ray, ClusterConnectionError
 
 t = time.monotonic()
 try:
@@ -441,7 +441,7 @@ def test_job_submit_without_or_with_a_wrong_token_is_refused_fast(cluster):
 
 # ---- pure checks (no cluster) ----------------------------------------------------------------------
 def test_split_address():
-    from widedp.trainer.ray_runtime import ClusterConnectionError, split_address
+    from widedp.trainer.cluster.ray_runtime import ClusterConnectionError, split_address
 
     assert split_address("10.0.0.5:6379") == ("10.0.0.5", 6379)
     assert split_address("[::1]:6379") == ("::1", 6379)
@@ -453,7 +453,7 @@ def test_split_address():
 
 
 def test_check_placement_counts_whole_bundles_per_node():
-    from widedp.trainer.shard_group import ClusterResourceError, check_placement
+    from widedp.trainer.cluster.ray_shards import ClusterResourceError, check_placement
 
     def nodes(*cpus, gpus=None):
         return [{"Alive": True, "Resources": {"CPU": c, **({"GPU": gpus[i]} if gpus else {})}}

@@ -1,11 +1,11 @@
-"""How a process waits on a compiled graph's channel (trainer/compiled_wait.py): the backoff
+"""How a process waits on a compiled graph's channel (trainer/cluster/compiled_wait.py): the backoff
 read returns what one look returns, looks again after growing sleeps, and keeps the read's
 timeout. The compiled plane with it (and the shard actors' mode) is tested in
 tests/test_engine.py::test_ray_matches_in_process."""
 
 import pytest
 
-from widedp.trainer import compiled_wait as cw
+from widedp.trainer.cluster import compiled_wait as cw
 
 
 class Timeout(Exception):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from widedp.trainer.config import AUTO, Config, ConfigError, load_config, load_saved_config
-from widedp.trainer.data.generators import SYNTHETIC_DATASETS, SyntheticDataset, register_synthetic
-from widedp.trainer.train import build_run
+from widedp.trainer.data.synthetic.generators import SYNTHETIC_DATASETS, SyntheticDataset, register_synthetic
+from widedp.trainer.run.train import build_run
 
 from test_train_cli import TINY
 
@@ -157,7 +157,7 @@ def test_changed_computation_keys_ignores_placement_logging_and_recovery_but_not
     """What a benchmark may reuse a saved run for: the same computation, placed or logged
     differently. A key the saved config lacks (written before the key existed) counts as changed
     unless it is one of those."""
-    from widedp.trainer.train import changed_computation_keys
+    from widedp.trainer.run.train import changed_computation_keys
 
     base = load_config("configs/quickstart.toml", []).to_dict()
     moved = load_config("configs/quickstart.toml", ["cluster.backend=local", "cluster.max_actor_restarts=3",
@@ -177,7 +177,7 @@ def test_when_the_write_back_is_sent_and_over_which_transport_is_not_a_change_of
     """The cluster's round scheduling (fold, unawaited write-back, data plane) orders and carries the
     same messages: a run saved before such a key existed, or with another value, computes the same
     steps (a benchmark reuses it; a reproducible resume may switch it)."""
-    from widedp.trainer.train import _RESUME_FREE_KEYS, changed_computation_keys
+    from widedp.trainer.run.train import _RESUME_FREE_KEYS, changed_computation_keys
 
     base = load_config("configs/quickstart.toml", []).to_dict()
     older = json.loads(json.dumps(base))

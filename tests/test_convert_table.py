@@ -1,6 +1,6 @@
 """`widedp convert table`: your own Parquet / CSV data by a TOML schema -> a ctr data set with
 named, list-valued and shared-table features, unit and timestamp columns and an optional test
-file (trainer/data/table.py); and `convert criteo` over many / .gz files."""
+file (trainer/data/convert/table.py); and `convert criteo` over many / .gz files."""
 
 import gzip
 import json
@@ -17,7 +17,7 @@ import pytest
 
 from widedp.trainer.cli import main
 from widedp.trainer.data import DataError, convert_criteo, open_dataset, read_meta
-from widedp.trainer.data.table import convert_table
+from widedp.trainer.data.convert.table import convert_table
 
 REPO = Path(__file__).resolve().parents[1]
 M64 = (1 << 64) - 1
@@ -328,7 +328,7 @@ def test_test_after_sends_later_examples_to_the_test_file(tmp_path):
 
 
 def test_test_files_become_test_parquet_and_the_identity_covers_them(tmp_path):
-    from widedp.trainer.data.meta import dataset_identity
+    from widedp.trainer.data.format.meta import dataset_identity
 
     schema = _schema(tmp_path, CSV_SCHEMA)
     (tmp_path / "train.csv").write_text(_csv_text(CSV_ROWS[:3]))
@@ -486,7 +486,7 @@ def test_existing_output_refused_and_a_bad_second_file_leaves_nothing(tmp_path):
 MEMORY_PROBE = r"""
 import sys, tracemalloc
 import pyarrow as pa
-from widedp.trainer.data.table import convert_table
+from widedp.trainer.data.convert.table import convert_table
 tracemalloc.start()
 # a first small conversion loads what pyarrow imports lazily (pandas): modules are not data
 convert_table([sys.argv[4]], sys.argv[2] + "_warm", schema=sys.argv[3])

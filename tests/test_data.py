@@ -15,7 +15,7 @@ import pytest
 from scipy import stats
 
 from widedp.trainer.cli import main
-from widedp.trainer.data.dataset import hold_out
+from widedp.trainer.data.format.dataset import hold_out
 from widedp.trainer.data import (DataError, PoissonSampler, auc, convert_criteo, convert_text,
                           ctr_id_probabilities, ctr_planted_probabilities, ctr_rank_to_id,
                           expected_auc, open_dataset, read_meta, synth_ctr, synth_text,
@@ -164,7 +164,7 @@ def test_cache_is_used_invalidated_and_equivalent(tmp_path):
     assert x.sparse.values().tolist() == y.sparse.values().tolist()
     assert x.dense.tolist() == y.dense.tolist() and x.labels.tolist() == y.labels.tolist()
     # no writable cache location: decoded in memory instead, same batches
-    import widedp.trainer.data.store as store
+    import widedp.trainer.data.format.store as store
 
     (d / "blocker").write_text("a file, so mkdir under it fails")
     old = store.CACHE_DIR
@@ -458,7 +458,7 @@ def test_text_converter_exact_samples(tmp_path):
 
 
 def test_text_tokenization_and_streaming_are_chunk_independent(tmp_path, monkeypatch):
-    import widedp.trainer.data.text as text_mod
+    import widedp.trainer.data.convert.text as text_mod
 
     src = tmp_path / "t.txt"
     src.write_text("Foo_bar foo, BAR2 bar2\n")
@@ -796,7 +796,7 @@ def test_cli_bad_data_exit_2_naming_file_and_line(tmp_path, capsys):
 
 def test_cli_import_stays_light():
     # registering the data commands (done on every `widedp` call) loads no heavy module
-    code = ("import sys, argparse, trainer.data.commands as m; "
+    code = ("import sys, argparse, widedp.trainer.cli.data as m; "
             "m.add_commands(argparse.ArgumentParser().add_subparsers()); "
             "print(sorted(x for x in ('torch', 'pyarrow', 'torchrec', 'ray', 'numpy') if x in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

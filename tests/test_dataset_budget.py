@@ -1,4 +1,4 @@
-"""A data set's privacy budget across runs (trainer/dataset_budget.py): every run on it appends
+"""A data set's privacy budget across runs (trainer/run/budget.py): every run on it appends
 its spending to DATASET/privacy_budget.jsonl, which only grows, and `widedp budget DATASET`
 shows every run and the basic-composition total — two models at ε each are not "ε" together."""
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from widedp.trainer import dataset_budget
+from widedp.trainer.run import budget as dataset_budget
 from widedp.trainer.cli import main
 from widedp.trainer.data import synth_ctr
 
@@ -127,7 +127,7 @@ def test_a_run_copied_while_it_went_on_is_two_models(capsys, tmp_path, data, mon
     both count."""
     import shutil
 
-    from widedp.trainer import train as train_module
+    from widedp.trainer.run import train as train_module
 
     a, b = tmp_path / "a", tmp_path / "b"
     on_step = train_module._TrainCallbacks.on_step

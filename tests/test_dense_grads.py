@@ -1,4 +1,4 @@
-"""The ghost-norm dense part (trainer/dense_grads.py) against the torch.func reference.
+"""The ghost-norm dense part (trainer/engine/dense_grads.py) against the torch.func reference.
 
 Each model the trainer ships, plus layers the DLRM does not use (a Linear without bias, a
 Linear over a sequence dimension), gives the same losses, pooled-output gradients, per-example
@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-import widedp.trainer.dense_grads as dg
-from widedp.trainer.dense_grads import GhostGradients, GhostUnsupported, PerExampleGradients, dense_gradients
+import widedp.trainer.engine.dense_grads as dg
+from widedp.trainer.engine.dense_grads import GhostGradients, GhostUnsupported, PerExampleGradients, dense_gradients
 from widedp.trainer.models.base import DenseModel
 from widedp.trainer.models.cbow import CBOW
 from widedp.trainer.models.dlrm import DLRM

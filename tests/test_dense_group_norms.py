@@ -1,4 +1,4 @@
-"""Per-group (per-user) squared norms of the summed dense gradients (trainer/dense_grads.py).
+"""Per-group (per-user) squared norms of the summed dense gradients (trainer/engine/dense_grads.py).
 
 The specification is the slow, obvious one: for each group u, one backward of Σ_{j∈u} ℓ_j and
 the squared norm of the parameter gradients, ‖Σ_{j∈u} ∇_θ ℓ_j‖². The ghost path (Gram matrices
@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-import widedp.trainer.dense_grads as dg
-from widedp.trainer.dense_grads import GhostGradients, PerExampleGradients, dense_gradients
+import widedp.trainer.engine.dense_grads as dg
+from widedp.trainer.engine.dense_grads import GhostGradients, PerExampleGradients, dense_gradients
 from widedp.trainer.models.base import DenseModel
 from widedp.trainer.models.cbow import CBOW
 from widedp.trainer.models.dlrm import DLRM

@@ -1,4 +1,4 @@
-"""DP standardization statistics (trainer/data/dp_statistics.py): the release's privacy audit
+"""DP standardization statistics (trainer/data/convert/dp_statistics.py): the release's privacy audit
 beside a broken variant, its sensitivity attained by a real example, its post-processing
 against numpy, and the converter recording and applying it.
 
@@ -21,9 +21,9 @@ import pytest
 from privacy_audit import EventCounts, epsilon_lower_bound, gaussian_delta, gaussian_optimal_threshold
 
 from widedp.selection.keyed_random import NoiseKey
-from widedp.trainer.data import dp_statistics as dps
-from widedp.trainer.data.dataset import open_dataset
-from widedp.trainer.data.table import convert_table
+from widedp.trainer.data.convert import dp_statistics as dps
+from widedp.trainer.data.format.dataset import open_dataset
+from widedp.trainer.data.convert.table import convert_table
 
 SIGMA, EPS, TRIALS = 1.0, 1.0, 30_000  # expected eps_lb ≈ 0.8 (real), ≈ 1.6 (broken)
 RANGES = [dps.ClipRange(0.0, 100.0), dps.ClipRange(-2.0, 6.0)]
@@ -304,7 +304,7 @@ def test_training_at_either_level_charges_the_per_user_statistics_as_they_are(tm
     from widedp.accounting import events as ev
     from widedp.accounting.ledger import PrivacyLedger
     from widedp.trainer.config import load_config
-    from widedp.trainer.train import train
+    from widedp.trainer.run.train import train
 
     _heavy_user_table(tmp_path)
     schema = tmp_path / "schema.toml"

@@ -1,4 +1,4 @@
-"""Correctness of the training engine (trainer/engine.py + shards) against a slow dense oracle.
+"""Correctness of the training engine (trainer/engine/__init__.py + shards) against a slow dense oracle.
 
 `tests/reference_alg3.py` implements seed Algorithm 3 directly (whole tables, per-example
 autograd, obvious clipping / selection / noise / SGD). Here the engine — in-process with 1, 2
@@ -33,10 +33,11 @@ from engine_fixtures import (
 from reference_alg3 import ReferenceAlg3
 from widedp.selection import exponential_top_k
 from widedp.selection.registry import SelectionContext, get_selector
-from widedp.trainer.layout import route
-from widedp.trainer.shard_group import ShardLostError
-from widedp.trainer.trainer_group import RayTrainers
-from widedp.trainer.trainer_role import pooled_lookup
+from widedp.trainer.engine.layout import route
+from widedp.trainer.engine.shard_group import ShardLostError
+from widedp.trainer.engine.trainer_role import example_global_rows
+from widedp.trainer.cluster.ray_trainers import RayTrainers
+from widedp.trainer.engine.trainer_role import pooled_lookup
 
 # make test runs on two xdist workers (--dist loadgroup): the tests that use the module's one Ray
 # runtime (`ray_cluster`) stay on one worker, so it is started once; the in-process tests are
@@ -228,7 +229,7 @@ def _shard_selection_reference(engine, idx):
 
     p, vocab, layout = engine.private_plan, engine.sparse_vocabulary, engine.layout
     params = p.selection_params
-    offsets, compact = vocab.restrict(*engine._example_global_rows(engine.train_set.take(idx), idx.size))
+    offsets, compact = vocab.restrict(*example_global_rows(engine.layout, engine.train_set.take(idx), idx.size))
     weights = contribution_weights(offsets, compact, params.contribution_clip)
     example = np.repeat(np.arange(idx.size), np.diff(offsets))
     glob = vocab.to_global(compact)
@@ -265,8 +266,8 @@ def test_selection_on_the_shards_equals_per_shard_thresholding_of_the_whole_batc
     if engine.needs_one_time_selection():
         engine.prepare_fest(ds.feature_rows)
     seen = []
-    real = engine._select_on_shards
-    monkeypatch.setattr(engine, "_select_on_shards", lambda parts=None: seen.append(real(parts)) or seen[-1])
+    real = engine.selection.select_on_shards
+    monkeypatch.setattr(engine.selection, "select_on_shards", lambda parts=None: seen.append(real(parts)) or seen[-1])
     for idx in batches:
         want = _shard_selection_reference(engine, np.asarray(idx))
         assert engine.step() is not None
@@ -290,7 +291,7 @@ def _top_k_on_shards_reference(engine, idx, rows):
     else:
         context = SelectionContext(num_rows=vocab.num_rows, touched_ids=np.empty(0, np.int64), row_norms=np.empty(0),
                                    clip_norm=p.clip_norm, expected_batch_size=engine.b, example_rows=lambda: vocab.restrict(
-                                       *engine._example_global_rows(engine.train_set.take(idx), idx.size)))
+                                       *example_global_rows(engine.layout, engine.train_set.take(idx), idx.size)))
         compact, stat = example_counts(context)
         glob = vocab.to_global(compact)
     parts = []
@@ -321,8 +322,8 @@ def test_top_k_on_the_shards_equals_per_shard_candidates_of_the_whole_batch_merg
     engine = build(ds, batches, mode="sparse", selection=selection, num_shards=num_shards, num_trainers=num_trainers,
                    selection_on_shards=True, dense_tables=dense_tables, fuse_selection=False)  # all rows come back
     seen, rows_seen = [], []
-    real_select, real_rows = engine._select_on_shards, engine._reduced_row_sums
-    monkeypatch.setattr(engine, "_select_on_shards", lambda parts=None: seen.append(real_select(parts)) or seen[-1])
+    real_select, real_rows = engine.selection.select_on_shards, engine._reduced_row_sums
+    monkeypatch.setattr(engine.selection, "select_on_shards", lambda parts=None: seen.append(real_select(parts)) or seen[-1])
     monkeypatch.setattr(engine, "_reduced_row_sums", lambda parts: rows_seen.append(real_rows(parts)) or rows_seen[-1])
     for idx in batches:
         step = engine.step_count
@@ -408,7 +409,7 @@ def _wrong_norms_mutant(group_by):
     `_grouped_sq_norms`), using only the engine's seams: `route` and `_embedding_sq_norms`
     (whose real call still runs, so the shards cache what the row sums need)."""
     def install(mp, engine):
-        import widedp.trainer.trainer_role as role_mod
+        import widedp.trainer.engine.trainer_role as role_mod
 
         seen = {}
         role = engine.trainers.roles[0]
@@ -534,10 +535,10 @@ def ray_cluster():
         # Trainer actors receive the tests' in-memory dataset: its classes travel by value
         # (the workers cannot import tests/engine_fixtures.py).
         cloudpickle.register_pickle_by_value(engine_fixtures)
-        from widedp.trainer.ray_runtime import LOCAL_SYSTEM_CONFIG
+        from widedp.trainer.cluster.ray_runtime import LOCAL_SYSTEM_CONFIG
 
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 _system_config=dict(LOCAL_SYSTEM_CONFIG))  # as trainer.ray_runtime.ensure_ray starts it
+                 _system_config=dict(LOCAL_SYSTEM_CONFIG))  # as trainer.cluster.ray_runtime.ensure_ray starts it
     yield ray
     if started:
         ray.shutdown()
@@ -583,7 +584,7 @@ def test_ray_matches_in_process(ray_cluster, num_shards, mode, selection, num_tr
                 if plane == "compiled":  # every shard's process and this one wait with sleeps (the default)
                     import ray
 
-                    from widedp.trainer.compiled_wait import compiled_wait, compiled_wait_of_actor
+                    from widedp.trainer.cluster.compiled_wait import compiled_wait, compiled_wait_of_actor
                     assert compiled_wait() == "backoff"
                     assert ray.get([a.__ray_call__.remote(compiled_wait_of_actor)
                                     for a in engine.shards.actors]) == ["backoff"] * num_shards
@@ -622,7 +623,7 @@ def test_trainer_actors_calling_shard_actors_equal_the_in_process_engine(ray_clu
     bit: same parameters, ledger, losses and rows; and the same bytes to and from the shards.
     "adaptive-": S1 chosen each step by DP-STAT (privacy.clip_norm = "adaptive"), the trainers'
     shares in two halves around it (`begin_part` / `finish_part`)."""
-    from widedp.trainer.adaptive_clip import AdaptiveClip
+    from widedp.trainer.engine.adaptive_clip import AdaptiveClip
 
     ds = dataset()
     batches = batches_with_crafted(ds, 3)
@@ -690,7 +691,7 @@ def test_with_trainer_actors_the_coordinator_sends_the_write_back_without_waitin
     waited for (no round of the coordinator's own carries `apply_rows`); the trainers' lookups
     of step t+1 name it (`take_releases`: one release per shard per step), so each shard
     applies it before answering them — the run equals the eager one bit for bit."""
-    from widedp.trainer.shard_group import RayShardGroup
+    from widedp.trainer.cluster.ray_shards import RayShardGroup
 
     ds = dataset()
     batches = batches_with_crafted(ds, 3)
@@ -830,7 +831,10 @@ def _engine_norm_pass(engine, indices):
     parts = route(engine.layout, batch.sparse, B)
     role = engine.trainers.roles[0]
     pooled, role.bags = pooled_lookup(engine.layout, engine.shards, batch, B)
-    dense = engine.dense_gradients(torch.from_numpy(pooled), batch.dense, batch.labels)
+    from widedp.trainer.engine.dense_grads import dense_gradients
+
+    dense = dense_gradients(engine.model, torch.from_numpy(pooled), batch.dense, batch.labels,
+                            engine.options.dense_grad_method)
     g_pooled = dense.pooled_grads.numpy().astype(np.float32)
     emb_sq = role.embedding_sq_norms(g_pooled, B)
     dense_sq = dense.sq_norms.numpy()
@@ -895,7 +899,7 @@ def test_each_shard_is_sent_and_returns_only_its_own_bags_and_examples(mode, nor
     gradients for the bags it holds ids of (bags × D floats), clip factors and norms for its
     examples — never the batch's whole B × F × D pooled tensor. With the norms on the trainer
     there is no norms round: the pooled-output gradients travel with the clip factors."""
-    from widedp.trainer.shard_group import _nbytes
+    from widedp.trainer.engine.shard_group import _nbytes
 
     ds = dataset()
     batches = batches_with_crafted(ds, 1)
@@ -911,8 +915,8 @@ def test_each_shard_is_sent_and_returns_only_its_own_bags_and_examples(mode, nor
     engine.shards._call = spy
     assert engine.step() is not None
     B, F, D = int(batches[0].size), len(engine.layout.features), engine.layout.dim
-    bags = [b.example.size for b in engine._bags[0]]
-    examples = [b.examples.size for b in engine._bags[0]]
+    bags = [b.example.size for b in engine.trainers.roles[0].bags]
+    examples = [b.examples.size for b in engine.trainers.roles[0].bags]
     assert seen["lookup"][1] == [n * D * 4 for n in bags]
     if norms_on_trainer:
         assert "example_sq_norms" not in seen and "set_pooled_grad" not in seen
@@ -1172,7 +1176,7 @@ def test_dense_table_rows_all_move_and_unselected_sparse_rows_do_not():
 
 def _checkpoint_bytes(engine) -> bytes:
     buf = io.BytesIO()
-    torch.save(engine.state_dict(), buf)  # as trainer/train.py does
+    torch.save(engine.state_dict(), buf)  # as trainer/run/train.py does
     return buf.getvalue()
 
 
@@ -1327,7 +1331,7 @@ def test_ledger_is_written_before_the_update_is_released(mode, monkeypatch):
 def test_a_step_whose_mechanisms_report_another_event_than_budgeted_is_refused_before_release(mechanism, monkeypatch):
     """One privacy path: the ledger records what the selector and the noise step returned; if
     that differs from the event the budget was checked for, nothing is recorded or released."""
-    import widedp.trainer.engine as engine_mod
+    import widedp.trainer.engine.noise_stage as engine_mod  # the engine's noise stage calls it from there
     from widedp.accounting import events as ev
     from widedp.selection.noise import NoisyStep
     from widedp.selection.result import Selection
@@ -1400,9 +1404,9 @@ def test_weights_of_one_id_bags_equal_the_contribution_weights_of_the_rows(dense
     """The sort-free weights (one table per feature, ≤ 1 id per bag) are `contribution_weights`
     over each example's rows in sparse tables; a shared table or a two-id bag gets None."""
     from widedp.selection.threshold import contribution_weights
-    from widedp.trainer.layout import FeatureSpec, ShardLayout, TableSpec
-    from widedp.trainer.table_policy import SparseVocabulary
-    from widedp.trainer.trainer_role import weights_of_one_id_bags
+    from widedp.trainer.engine.layout import FeatureSpec, ShardLayout, TableSpec
+    from widedp.trainer.engine.vocabulary import SparseVocabulary
+    from widedp.trainer.engine.trainer_role import weights_of_one_id_bags
 
     layout = ShardLayout(tables=(TableSpec("a", 9, 4), TableSpec("b", 6, 4), TableSpec("c", 5, 4)),
                          features=(FeatureSpec("fa", "a", "sum"), FeatureSpec("fb", "b", "sum"),

@@ -1,4 +1,4 @@
-"""Specification of the trainer-side embedding norms (trainer/example_norms.py).
+"""Specification of the trainer-side embedding norms (trainer/engine/example_norms.py).
 
 The clip factor of every example is sized from these norms, so they must equal the norms of the
 gradient whose clipped sum is released. Two references: an obvious loop over ids and rows, and
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tests.engine_fixtures import MemoryDataset, layout_for, tiny_cbow, tiny_ctr, wide_ctr
-from widedp.trainer.example_norms import embedding_sq_norms
-from widedp.trainer.layout import route
-from widedp.trainer.shard import EmbeddingShard
+from widedp.trainer.engine.example_norms import embedding_sq_norms
+from widedp.trainer.engine.layout import route
+from widedp.trainer.engine.shard import EmbeddingShard
 
 DIM = 4
 
@@ -62,7 +62,7 @@ def loop_sq_norms(layout, kjt, B, g_pooled, group_by="row"):
 
 def shard_sq_norms(layout, kjt, B, g_pooled):
     """The shards' norms round: every shard's `example_sq_norms` of its bags, summed."""
-    from widedp.trainer.trainer_role import per_bag
+    from widedp.trainer.engine.trainer_role import per_bag
 
     out = np.zeros(B)
     for s, part in enumerate(route(layout, kjt, B)):

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from widedp.trainer.config import load_config
-from widedp.trainer.export import export_run
-from widedp.trainer.train import evaluate, train
+from widedp.trainer.release.export import export_run
+from widedp.trainer.run.train import evaluate, train
 
 # make test runs on two xdist workers (--dist loadgroup): the module's trained runs stay on one worker.
 pytestmark = pytest.mark.xdist_group("test_export")
@@ -300,7 +300,7 @@ def test_nonprivate_export_through_the_cli(runs, tmp_path, capsys, monkeypatch):
     (data / "vocab.tsv").write_text("".join(f"word{i}\n" for i in range(50)))
     run = _run(tmp_path, "run", data, "model.name=cbow", "model.embedding_dim=4", "train.batch_size=16",
                "train.steps=2", "train.mode=nonprivate")
-    assert cli.COMMAND_HELP["export"][0] == "widedp.trainer.export"  # `widedp export` is a registered command
+    assert cli.COMMAND_HELP["export"][0] == "widedp.trainer.cli.export"  # `widedp export` is a registered command
     assert cli.main(["export", str(run), str(tmp_path / "out")]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["epsilon"] is None and printed["private"] is False and printed["mode"] == "nonprivate"
@@ -319,7 +319,7 @@ def test_nonprivate_export_through_the_cli(runs, tmp_path, capsys, monkeypatch):
 
 
 def test_bad_inputs(runs, tmp_path, monkeypatch):
-    import widedp.trainer.export as export
+    import widedp.trainer.release.export as export
 
     partial = tmp_path / "partial"
     partial.mkdir()

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from widedp.trainer.config import load_config
-from widedp.trainer.export import export_run
-from widedp.trainer.train import train
+from widedp.trainer.release.export import export_run
+from widedp.trainer.run.train import train
 
 pytestmark = pytest.mark.xdist_group("test_export_raw_rows")
 
@@ -151,7 +151,7 @@ def _engine_outputs(run_dir: Path):
     """The engine's per-example outputs on the run's converted test split (what `widedp
     evaluate` computes its metrics on), in split order, and those metrics."""
     from widedp.trainer.config import saved_config
-    from widedp.trainer.train import build_run, load_checkpoint
+    from widedp.trainer.run.train import build_run, load_checkpoint
 
     state = load_checkpoint(run_dir / "checkpoint.pt")
     cfg = saved_config(state["config"], "checkpoint")
@@ -170,8 +170,8 @@ def _engine_outputs(run_dir: Path):
 
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
-    from widedp.trainer.data.synth_logs import synth_logs
-    from widedp.trainer.data.table import convert_table
+    from widedp.trainer.data.synthetic.synth_logs import synth_logs
+    from widedp.trainer.data.convert.table import convert_table
 
     tmp = tmp_path_factory.mktemp("raw_rows_logs")
     truth = synth_logs(tmp / "logs", users=300, days=2, seed=4, items=2000, history_length=8)
@@ -195,7 +195,7 @@ def logs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def csv_run(tmp_path_factory):
-    from widedp.trainer.data.table import convert_table
+    from widedp.trainer.data.convert.table import convert_table
 
     tmp = tmp_path_factory.mktemp("raw_rows_csv")
     (tmp / "colors.txt").write_text("red\ngreen\nblue\n42\n")
@@ -463,8 +463,8 @@ def test_raw_rows_are_refused_where_the_pipeline_is_unknown(logs, tmp_path):
     import dataclasses
 
     from widedp.trainer.data import synth_ctr
-    from widedp.trainer.data.meta import read_meta
-    from widedp.trainer.export import feature_pipeline
+    from widedp.trainer.data.format.meta import read_meta
+    from widedp.trainer.release.export import feature_pipeline
 
     synth_ctr(tmp_path / "ctr", num_examples=50, table_sizes=11, seed=1)
     none = feature_pipeline(read_meta(tmp_path / "ctr"))

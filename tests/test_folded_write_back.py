@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine_fixtures import ListSampler, engine_params, make_engine, poisson_batches, tiny_ctr
-from widedp.trainer.shard_group import InProcessShardGroup
+from widedp.trainer.engine.shard_group import InProcessShardGroup
 
 STEPS = 5
 

@@ -1,5 +1,5 @@
 """Every draw a privacy guarantee relies on is keyed with the full secret (docs/DESIGN.md §1
-"Noise source"; selection/keyed_random.py, trainer/randomness.py).
+"Noise source"; selection/keyed_random.py, trainer/engine/randomness.py).
 
 The attack these tests rule out: torch's CPU generator keeps the low 32 bits of `manual_seed`, so
 a run whose noise came from `torch.Generator().manual_seed(s)` could be brute-forced over 2^32
@@ -21,10 +21,10 @@ from widedp.adaptive_clipping.dp_stat import dp_stat
 from widedp.selection import NoiseKey, exponential_top_k, gaussian_noise, noisy_step
 from widedp.selection.keyed_random import KEY_BITS, GaussianStream, generator_family
 from widedp.trainer.data.sampler import PoissonSampler
-from widedp.trainer.layout import row_block_normal, row_block_uniform
+from widedp.trainer.engine.layout import row_block_normal, row_block_uniform
 from widedp.trainer.data.sampler import trimmed_positions
-from widedp.trainer.randomness import DOMAINS, PrivacyRandomness
-from widedp.trainer.recalibration import noisy_histogram
+from widedp.trainer.engine.randomness import DOMAINS, PrivacyRandomness
+from widedp.trainer.engine.recalibration import noisy_histogram
 
 REPO = Path(__file__).resolve().parents[1]
 BITS = (0, 33, 65, 127)
@@ -176,7 +176,7 @@ def test_gaussian_noise_is_standard_normal_times_std(secure):
 PRIVACY_PACKAGES = ("selection", "accounting", "trainer", "sparse_learners", "adaptive_clipping")
 # Public draws that may use torch's generators: model initialization from train.seed (train.py)
 # and the example input of an exported model (export.py). Nothing else may.
-PUBLIC_TORCH_DRAWS = {"trainer/train.py", "trainer/export.py"}
+PUBLIC_TORCH_DRAWS = {"trainer/run/train.py", "trainer/release/export.py"}
 TORCH_DRAWS = {"manual_seed", "Generator", "randn", "rand", "randint", "randperm", "normal", "bernoulli",
                "multinomial", "poisson", "normal_", "uniform_", "exponential_", "bernoulli_", "seed", "initial_seed"}
 
@@ -204,7 +204,7 @@ def test_no_torch_generator_on_any_privacy_path():
 
 
 def test_the_scan_sees_a_manual_seed(tmp_path):
-    """The scan above can fail: it flags the line this change removed from trainer/layout.py."""
+    """The scan above can fail: it flags the line this change removed from trainer/engine/layout.py."""
     bad = tmp_path / "layout.py"
     bad.write_text("import torch\ngen = torch.Generator().manual_seed(5)\nx = torch.randn(3)\nw.normal_(0, 1)\n")
     assert len(_torch_draws(bad, tmp_path)) == 4

@@ -1,5 +1,5 @@
 """Per-step privacy accounting at the speed of a step: the ledger's budget certificate and ε
-cache (accounting/ledger.py), the engine's use of them (trainer/engine.py `would_exceed_budget`,
+cache (accounting/ledger.py), the engine's use of them (trainer/engine/__init__.py `would_exceed_budget`,
 the lazy `StepStats.epsilon`), and the recorder reading ε only where it writes it."""
 
 import math
@@ -11,7 +11,7 @@ import pytest
 from widedp.accounting import PrivacyLedger, make_accountant, step_event
 from widedp.accounting import events as ev
 from widedp.accounting.base import Accountant, History, Unsupported
-from widedp.trainer.run_outputs import RunRecorder
+from widedp.trainer.run.outputs import RunRecorder
 
 from engine_fixtures import make_engine, tiny_ctr
 
@@ -195,7 +195,7 @@ def test_the_engine_still_stops_exactly_before_the_step_that_would_exceed(planne
     assert taken == 11 and engine.ledger.steps == 11
     assert engine.step() is None  # and stays refused
     assert engine.ledger.epsilon() <= target
-    wanted = planned if planned is not None else engine.BUDGET_CHUNK
+    wanted = planned if planned is not None else engine.budget.BUDGET_CHUNK
     assert acc.calls <= 1 + math.ceil(math.log2(wanted)) + 3
 
 

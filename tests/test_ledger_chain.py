@@ -187,7 +187,7 @@ def test_a_checkpoint_records_the_chain_and_the_data_set(capsys, run):
 
 
 def test_a_ledgers_header_is_bound_into_its_chain(tmp_path):
-    """What a run's ε means (trainer/run_semantics.py) sits in the ledger's header: an edited
+    """What a run's ε means (trainer/config/semantics.py) sits in the ledger's header: an edited
     header no longer extends the chain a checkpoint recorded; it is fixed before the first event."""
     ledger = PrivacyLedger("rdp", 1e-6, header={"semantics": {"privacy.unit": "user"}})
     assert ledger.digest != CHAIN_SEED

@@ -1,4 +1,4 @@
-"""The opt-in keyed ledger (trainer/ledger_key.py): with WIDEDP_LEDGER_KEY_FILE, a run's records
+"""The opt-in keyed ledger (trainer/run/ledger_key.py): with WIDEDP_LEDGER_KEY_FILE, a run's records
 are signed, and a forgery that recomputes every hash chain — the issue's "ten lines of Python"
 that made the export print ε 0.785 for a true 2.807 — is refused by whoever holds the key."""
 
@@ -14,8 +14,8 @@ import torch
 from widedp.accounting import PrivacyLedger
 from widedp.accounting import events as ev
 from widedp.trainer.cli import main
-from widedp.trainer.ledger_key import KEY_ENV, LedgerKey, LedgerKeyError, read_key
-from widedp.trainer.run_journal import JOURNAL_FILE, JOURNAL_SEED
+from widedp.trainer.run.ledger_key import KEY_ENV, LedgerKey, LedgerKeyError, read_key
+from widedp.trainer.run.journal import JOURNAL_FILE, JOURNAL_SEED
 
 from test_ledger_chain import _train
 
@@ -198,7 +198,7 @@ def test_a_new_run_never_overwrites_a_run_that_finished_in_its_directory_while_i
     """The directory is checked when a run starts, and again once it holds the run's journal
     (created exclusively): a run that started and finished there in between is refused, not
     overwritten."""
-    from widedp.trainer import train as train_module
+    from widedp.trainer.run import train as train_module
 
     from test_ledger_chain import _argv
 

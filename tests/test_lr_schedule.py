@@ -1,4 +1,4 @@
-"""Learning-rate schedules (trainer/lr_schedule.py): the multipliers, the registry, the config
+"""Learning-rate schedules (trainer/config/lr_schedule.py): the multipliers, the registry, the config
 key, and that the run loop gives the engine step t of T the schedule's multiplier; the training
 practice settings' bad values (schedule, averaging, validation split). That the
 engine applies a multiplier exactly as the slow reference does (every optimizer, every write
@@ -11,8 +11,8 @@ import math
 import pytest
 
 from widedp.trainer.config import ConfigError, load_config
-from widedp.trainer.lr_schedule import LR_SCHEDULES, lr_multiplier, register_lr_schedule
-from widedp.trainer.train import build_run
+from widedp.trainer.config.lr_schedule import LR_SCHEDULES, lr_multiplier, register_lr_schedule
+from widedp.trainer.run.train import build_run
 
 from test_train_cli import TINY
 
@@ -49,8 +49,8 @@ def test_an_averaging_shard_refuses_an_update_that_does_not_say_its_step():
     """The lazy average needs each write's step; without it the average would silently be wrong."""
     import numpy as np
 
-    from widedp.trainer.layout import FeatureSpec, ShardLayout, TableSpec
-    from widedp.trainer.shard import EmbeddingShard
+    from widedp.trainer.engine.layout import FeatureSpec, ShardLayout, TableSpec
+    from widedp.trainer.engine.shard import EmbeddingShard
 
     layout = ShardLayout((TableSpec("t", 8, 4),), (FeatureSpec("f", "t", "sum"),), 1)
     shard = EmbeddingShard(layout, 0, optimizer="sgd", lr=1.0, ema_decay=0.9)

@@ -1,4 +1,4 @@
-"""trainer/memory.py: glibc keeps a step's freed large buffers in the heap instead of unmapping them."""
+"""trainer/engine/memory.py: glibc keeps a step's freed large buffers in the heap instead of unmapping them."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from widedp.trainer import memory
+from widedp.trainer.engine import memory
 
 FAULTS = """
 import resource, sys, numpy as np
 if sys.argv[1] == "keep":
-    from widedp.trainer.memory import keep_freed_memory
+    from widedp.trainer.engine.memory import keep_freed_memory
     assert keep_freed_memory()
 for _ in range(3):  # warm-up: the first allocation faults in either way
     a = np.ones(48 << 20, dtype=np.uint8); del a

@@ -223,13 +223,13 @@ AUDIT_SIGMA, AUDIT_WIDTH, AUDIT_DELTA, AUDIT_N = 0.5, 8.0, 0.05, 1_000_000
 
 
 def _one_step(rng, n, grad, mixed):
-    """θ_{t-1} = θ_{t-2} = 0 (a scalar), through the engine's own mix (trainer/modelmix.py).
+    """θ_{t-1} = θ_{t-2} = 0 (a scalar), through the engine's own mix (trainer/engine/modelmix.py).
     Correct: the gap is enforced (states pushed to ±w/2), secret α ~ U[0, 1] mixes them, output
     θ̄ − (g + noise) (η = 1, sensitivity 1). Broken: no gap enforced (gap 0), so θ̄ = 0 whatever α
     is (the same as α public)."""
     import torch
 
-    from widedp.trainer.modelmix import mix
+    from widedp.trainer.engine.modelmix import mix
 
     zeros = torch.zeros(n, dtype=torch.float64)
     alpha = torch.from_numpy(rng.uniform(0, 1, n))

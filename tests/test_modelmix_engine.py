@@ -1,4 +1,4 @@
-"""train.modelmix: seed B's Alg 1 in the engine (trainer/modelmix.py), accounted by ModelMixDpEvent.
+"""train.modelmix: seed B's Alg 1 in the engine (trainer/engine/modelmix.py), accounted by ModelMixDpEvent.
 
 Specifications: the gap is enforced exactly and symmetrically; a mixed step is the plain DP-SGD
 step taken from the secret mix of the two latest states (tables on the shards and dense
@@ -6,7 +6,7 @@ parameters alike); the mixing weights do not depend on the sharding; the ledger 
 ModelMix event the plan budgeted; a checkpoint carries θ_{t-2}; the config refuses every setting
 where a coordinate would be noised without being mixed. The statistical audit of the mixed step
 (and of its broken variant without the gap) is in tests/test_modelmix_accountant.py and calls
-`trainer.modelmix.mix`.
+`trainer.engine.modelmix.mix`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from widedp.accounting.modelmix import ModelMixDpEvent
 from tests.engine_fixtures import ListSampler, make_engine, poisson_batches, wide_ctr
 from widedp.trainer.config import ConfigError, load_config
 from widedp.selection.keyed_random import NoiseKey
-from widedp.trainer.layout import row_block_uniform
-from widedp.trainer.modelmix import enforce_gap, mix
+from widedp.trainer.engine.layout import row_block_uniform
+from widedp.trainer.engine.modelmix import enforce_gap, mix
 
 WIDTH = 3.0
 SIGMA = 0.8
@@ -124,7 +124,7 @@ def test_a_resumed_run_mixes_from_the_checkpointed_previous_state():
 
 
 def test_calibration_with_mixing_needs_less_noise_for_the_same_target():
-    from widedp.trainer.planning import plan_privacy
+    from widedp.trainer.config.planning import plan_privacy
 
     base = ["data.path=x", "train.mode=dpsgd", "train.optimizer=sgd", "train.steps=200", "train.batch_size=100",
             "privacy.target_epsilon=3", "privacy.accountant=rdp"]  # the same accountant for both (auto: pld vs rdp)
@@ -203,7 +203,7 @@ def test_clamped_row_sums_are_the_per_example_row_gradients_clamped_then_summed(
 
 
 def test_dense_clamped_sum_clamps_every_per_example_coordinate():
-    from widedp.trainer.dense_grads import PerExampleGradients
+    from widedp.trainer.engine.dense_grads import PerExampleGradients
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
@@ -230,7 +230,7 @@ def test_dense_clamped_sum_clamps_every_per_example_coordinate():
 
 
 def test_a_refined_clipping_run_records_corollary_4_1s_event_and_needs_less_noise():
-    from widedp.trainer.planning import plan_privacy
+    from widedp.trainer.config.planning import plan_privacy
 
     ds = wide_ctr(n=48, seed=4)
     batches = poisson_batches(len(ds), 0.25, 15, 2)

@@ -6,7 +6,7 @@
   event builder instead of knowing selectors: tests/test_calibration_builder.py).
 - auditing/ measures it: the standard library, numpy, scipy and widedp.accounting only — no
   torch/torchrec, no Ray, nothing else of widedp (auditing/__init__.py states the rule); the
-  glue that trains with canaries is trainer/audit.py.
+  glue that trains with canaries is trainer/run/audit.py.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def test_auditing_imports_only_the_standard_library_numpy_scipy_and_accounting()
 
 def test_the_auditing_rule_can_fail():
     assert _auditing_violations("import torch\nfrom ray import util\n") == ["1: torch", "2: ray"]
-    assert _auditing_violations("def f():\n    from widedp.trainer.train import build_run\n") == [
-        "2: widedp.trainer.train"]
+    assert _auditing_violations("def f():\n    from widedp.trainer.run.train import build_run\n") == [
+        "2: widedp.trainer.run.train"]
     assert _auditing_violations("from ..selection import registry\n") == ["1: widedp.selection"]
     assert not _auditing_violations("import math\nimport numpy as np\nfrom scipy import stats\n"
                                     "from widedp.accounting import events\nfrom . import scores\n")
@@ -102,3 +102,51 @@ def test_importing_auditing_loads_no_torch_ray_or_trainer(tmp_path):
     out = subprocess.run([sys.executable, "-c", body], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# ---- the trainer's folders (issue 48): each opening docstring says what it may import --------------
+
+import re  # noqa: E402
+
+TRAINER = REPO / "widedp" / "trainer"
+#: Every folder of the trainer, by concern (README, "Layout").
+TRAINER_PACKAGES = ("cli", "config", "engine", "cluster", "run", "release", "models", "data", "data.format",
+                    "data.convert", "data.synthetic")
+
+
+def _allowed(package: str) -> set[str]:
+    """The trainer modules a package's opening docstring allows, from its "May import:" paragraph."""
+    doc = ast.get_docstring(ast.parse((TRAINER / package.replace(".", "/") / "__init__.py").read_text())) or ""
+    match = re.search(r"May import:(.*?)(?:\n\s*\n|\nNot:|$)", doc, re.S)
+    assert match, f"trainer/{package}/__init__.py: its docstring must say what it may import (a 'May import:' line)"
+    return set(re.findall(r"widedp\.trainer\.[\w.]*\w", match.group(1)))
+
+
+def _trainer_violations(package: str) -> list[str]:
+    own = f"widedp.trainer.{package}"
+    allowed = _allowed(package)
+    sub = {f"widedp.trainer.{p}" for p in TRAINER_PACKAGES if p.startswith(package + ".")}
+    bad = []
+    for path in sorted((TRAINER / package.replace(".", "/")).rglob("*.py")):
+        if "export_template" in path.parts or any(_within(_package_of(path), s) for s in sub):
+            continue  # a sub-package has rules of its own
+        for line, name in _imports(path.read_text(), _package_of(path)):
+            if not _within(name, "widedp.trainer") or name == "widedp.trainer" or _within(name, own):
+                continue
+            if not any(_within(name, a) for a in allowed):
+                bad.append(f"{path.relative_to(REPO)}:{line}: {name}")
+    return bad
+
+
+@pytest.mark.parametrize("package", TRAINER_PACKAGES)
+def test_each_trainer_folder_imports_only_what_its_docstring_allows(package):
+    bad = _trainer_violations(package)
+    assert not bad, f"trainer/{package}: imports its docstring does not allow:\n" + "\n".join(bad)
+
+
+def test_every_trainer_folder_is_listed_and_the_docstring_rule_can_fail(tmp_path):
+    folders = {str(p.parent.relative_to(TRAINER)).replace("/", ".") for p in TRAINER.rglob("__init__.py")}
+    folders -= {"."}
+    assert folders == set(TRAINER_PACKAGES), folders ^ set(TRAINER_PACKAGES)
+    assert "widedp.trainer.cluster" not in _allowed("engine")  # the engine never imports the cluster
+    assert _allowed("data") == set()  # the data layer imports nothing of the trainer outside data/

@@ -29,8 +29,8 @@ from widedp.selection.partition import (bounded_key_counts, gaussian_partition_s
                                  partition_selection_threshold, unseen_key_release_probability)
 from widedp.trainer.cli import main
 from widedp.trainer.data import DataError, convert_criteo, convert_text, read_meta
-import widedp.trainer.data.text as convert_text_mod
-from widedp.trainer.data.meta import DatasetMeta
+import widedp.trainer.data.convert.text as convert_text_mod
+from widedp.trainer.data.format.meta import DatasetMeta
 
 
 def fresh_rng() -> np.random.Generator:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from widedp.trainer import ray_runtime
+from widedp.trainer.cluster import ray_runtime
 from widedp.trainer.config import load_config
 
 

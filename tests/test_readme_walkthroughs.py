@@ -1,5 +1,5 @@
 """README walkthroughs run as written (tests/readme_blocks.py), and the data.path / data.synth
-rule they rely on (trainer/train.py, `_ensure_dataset`): a converted data set at data.path is
+rule they rely on (trainer/run/train.py, `_ensure_dataset`): a converted data set at data.path is
 trained on as it is even though the shipped configs name a synthetic set; a synthetic set other
 than the one asked for is refused with a message that says how to fix it.
 
@@ -24,9 +24,9 @@ import pytest
 from readme_blocks import Walkthrough
 
 from widedp.trainer.config import load_config
-from widedp.trainer.data.criteo import convert_criteo
-from widedp.trainer.data.synth import synth_ctr
-from widedp.trainer.train import _ensure_dataset
+from widedp.trainer.data.convert.criteo import convert_criteo
+from widedp.trainer.data.synthetic.synth import synth_ctr
+from widedp.trainer.run.train import _ensure_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(sys.executable).parent.parent  # the venv running the tests (not resolved: .venv itself)
@@ -99,8 +99,8 @@ def _ctr_config(path: Path, *overrides: str):
 
 @contextlib.contextmanager
 def _train_log():
-    """The messages trainer/train.py logs at INFO and above (whatever the 'widedp' logger's setup)."""
-    logger = logging.getLogger("widedp.trainer.train")
+    """The messages trainer/run/train.py logs at INFO and above (whatever the 'widedp' logger's setup)."""
+    logger = logging.getLogger("widedp.trainer.run.train")
     records: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]

@@ -1,4 +1,4 @@
-"""widedp.trainer.data.realistic.synth_criteo_like: Criteo-like planted-truth ctr data (format,
+"""widedp.trainer.data.synthetic.realistic.synth_criteo_like: Criteo-like planted-truth ctr data (format,
 determinism, Zipf marginals, hashing, the planted model and its Bayes AUC, argument checks)."""
 
 import math
@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from widedp.trainer.data import auc, expected_auc, open_dataset, read_meta, synth_ctr
-from widedp.trainer.data import realistic
-from widedp.trainer.data.realistic import (CRITEO_KAGGLE_CARDINALITIES, criteo_like_block, criteo_like_hash,
+from widedp.trainer.data.synthetic import realistic
+from widedp.trainer.data.synthetic.realistic import (CRITEO_KAGGLE_CARDINALITIES, criteo_like_block, criteo_like_hash,
                                     criteo_like_probabilities, criteo_like_raw_ids,
                                     criteo_like_raw_pmf, synth_criteo_like)
 

@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from widedp.trainer import recalibration
-from widedp.trainer.recalibration import exact_histogram, fit_platt, noisy_histogram
+from widedp.trainer.engine import recalibration
+from widedp.trainer.engine.recalibration import exact_histogram, fit_platt, noisy_histogram
 
 AUDIT_SIGMA = 1.0  # μ = 1/σ = 1 for the real mechanism (GaussianDpEvent(σ))
 AUDIT_EPS = 1.0

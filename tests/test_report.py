@@ -1,4 +1,4 @@
-"""`widedp report` (trainer/report.py): what the plots are drawn from — ε per accountant over
+"""`widedp report` (trainer/release/report.py): what the plots are drawn from — ε per accountant over
 *training steps* (valid bounds only), held-out metrics as points at their steps, rows noised
 per step, non-private runs — checked on the series `render` returns, plus the PNGs being real
 PNGs. Run dirs are built synthetically (summary.json, metrics.jsonl, ledger.json as
@@ -14,7 +14,7 @@ import pytest
 from widedp.accounting import PrivacyLedger, make_accountant, step_event
 from widedp.accounting import events as ev
 from widedp.trainer.cli import main
-from widedp.trainer.report import render, step_mapping
+from widedp.trainer.release.report import render, step_mapping
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DELTA = 1e-5

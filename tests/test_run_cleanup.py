@@ -1,13 +1,13 @@
 """A failed run leaves no empty run directory, and a run's Ray actors end with its driver
 (issue 28, "vocabulary and cleanup").
 
-Run directories (trainer/train.py `train`, trainer/run_outputs.py `remove_unrecorded_run_dir`):
+Run directories (trainer/run/train.py `train`, trainer/run/outputs.py `remove_unrecorded_run_dir`):
 a new run that fails removes the directory it created (and the parents it created) unless the
 directory holds a record — a ledger, a checkpoint, a summary, a metrics line, or any file the
 run's scaffold (config.json, an empty metrics.jsonl) does not explain. A directory with a ledger
 is never removed: the ledger only grows (docs/DESIGN.md §1).
 
-Actors (trainer/ray_runtime.py `ACTOR_OPTIONS`): a real `widedp train` is killed with SIGKILL, on
+Actors (trainer/cluster/ray_runtime.py `ACTOR_OPTIONS`): a real `widedp train` is killed with SIGKILL, on
 an embedded Ray and on a `ray start --head` cluster this test starts (2 shard and 2 trainer
 actors: with the trainers made detached, two outlived the driver there and this test failed);
 its actors must be gone within a generous bound. The measured time is printed (`pytest -s`), not
@@ -28,12 +28,12 @@ from pathlib import Path
 
 import pytest
 
-from widedp.trainer import dataset_budget
+from widedp.trainer.run import budget as dataset_budget
 from widedp.trainer.cli import main
 from widedp.trainer.config import load_config
 from widedp.trainer.engine import Engine
-from widedp.trainer.run_outputs import holds_a_record, remove_unrecorded_run_dir
-from widedp.trainer.train import train
+from widedp.trainer.run.outputs import holds_a_record, remove_unrecorded_run_dir
+from widedp.trainer.run.train import train
 
 TINY = ["model.embedding_dim=4", "model.bottom_mlp=[8]", "model.top_mlp=[8]", "train.batch_size=64",
         "train.log_every=2", "train.checkpoint_every=100", "privacy.k=50", "cluster.backend=local",
@@ -251,7 +251,7 @@ def _train_and_kill(tmp_path: Path, ctr_dir, env: dict, actor_sid, num_actors: i
         if driver.poll() is None:
             driver.kill()
             driver.wait()
-        # an embedded Ray's own agents linger ~60 s after their raylet (trainer/ray_runtime.py)
+        # an embedded Ray's own agents linger ~60 s after their raylet (trainer/cluster/ray_runtime.py)
         _kill_session(driver.pid)
 
 

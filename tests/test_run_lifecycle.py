@@ -157,7 +157,7 @@ def test_a_damaged_checkpoint_is_named_not_a_traceback(capsys, tmp_path, ctr_dir
 
 
 def test_a_checkpoint_that_does_not_match_the_config_says_so(capsys, tmp_path, ctr_dir):
-    """A model of another shape is the run's fixed structure (trainer/run_semantics.py): the
+    """A model of another shape is the run's fixed structure (trainer/config/semantics.py): the
     refusal names the key and both values before anything is loaded."""
     run = tmp_path / "run"
     _train(capsys, ctr_dir, run, "train.steps=3")

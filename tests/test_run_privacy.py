@@ -12,9 +12,9 @@ import torch
 
 from widedp.trainer.cli import main
 from widedp.trainer.config import load_config
-from widedp.trainer.randomness import PrivacyRandomness
-from widedp.trainer.run_outputs import DEBUG_STEP_KEYS, DEBUG_SUMMARY_KEYS
-from widedp.trainer.train import build_run, default_delta
+from widedp.trainer.engine.randomness import PrivacyRandomness
+from widedp.trainer.run.outputs import DEBUG_STEP_KEYS, DEBUG_SUMMARY_KEYS
+from widedp.trainer.run.train import build_run, default_delta
 
 from test_train_cli import TINY as CLI_TINY
 

@@ -1,8 +1,8 @@
 """What a run's ε means is fixed when the run first starts (docs/DESIGN.md §1, issue 47): every
-config key is classified (trainer/run_semantics.py), a resume that changes what the ε means is
+config key is classified (trainer/config/semantics.py), a resume that changes what the ε means is
 refused naming the key and both values, settings whose weaker meaning outlives their session
 (debug outputs) are reported for the whole run, every output reports ε at the ledger's δ, and a
-resume never charges fewer events than were released (the journal, trainer/run_journal.py).
+resume never charges fewer events than were released (the journal, trainer/run/journal.py).
 
 Each case here was accepted before (exit 0) with an ε that described a guarantee that never held."""
 
@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from widedp.accounting import PrivacyLedger
-from widedp.trainer import dataset_budget, run_semantics
+from widedp.trainer.run import budget as dataset_budget
+from widedp.trainer.config import semantics as run_semantics
 from widedp.trainer.cli import main
 from widedp.trainer.config import Config
-from widedp.trainer.run_journal import JOURNAL_FILE, ReleaseJournal
-from widedp.trainer.run_outputs import CAVEAT_DEBUG
+from widedp.trainer.run.journal import JOURNAL_FILE, ReleaseJournal
+from widedp.trainer.run.outputs import CAVEAT_DEBUG
 
 from run_crash import train_and_die
 from test_ledger_chain import _argv, _resume, _train
@@ -38,7 +39,7 @@ def _snapshot(run_dir):
 def test_every_config_key_is_classified_and_no_class_names_a_key_that_is_gone():
     keys = set(run_semantics.config_keys(Config().to_dict()))
     classified = set(run_semantics.KEY_CLASSES)
-    assert keys - classified == set(), "a new config key must be classified in trainer/run_semantics.py"
+    assert keys - classified == set(), "a new config key must be classified in trainer/config/semantics.py"
     assert classified - keys == set(), "a classified key no longer exists"
     assert set(run_semantics.KEY_CLASSES.values()) <= set(run_semantics.CLASSES)
     fixed = {k for k, c in run_semantics.KEY_CLASSES.items() if c == run_semantics.FIXED}
@@ -270,7 +271,7 @@ def test_the_smallest_reachable_epsilon_named_is_one_the_next_run_accepts():
     """The issue's case: target 1e-7 named 9.73e-07, and setting that was refused naming 1.015e-06
     (the recalibration's auto σ is sized as a share of the target). The value named is planned."""
     from widedp.trainer.config import load_config
-    from widedp.trainer.planning import plan_privacy
+    from widedp.trainer.config.planning import plan_privacy
 
     base = ["data.path=/nonexistent", "train.mode=dpsgd", "train.steps=300", "train.batch_size=27",
             "privacy.delta=1e-5", "privacy.accountant=rdp"]
@@ -293,7 +294,7 @@ def test_a_run_directory_restored_whole_to_an_earlier_state_is_a_fork_the_budget
     counts the session it forked from as a model of its own — nothing released is forgotten."""
     import shutil
 
-    from widedp.trainer import train as train_module
+    from widedp.trainer.run import train as train_module
     from widedp.trainer.data import synth_ctr
 
     data = tmp_path / "data"
@@ -326,7 +327,7 @@ def test_user_level_outputs_state_the_number_of_users_not_of_examples(capsys, tm
     which changes by m_u when a user is removed."""
     import re
 
-    from widedp.trainer.data.dataset import open_dataset
+    from widedp.trainer.data.format.dataset import open_dataset
 
     train_split, _ = open_dataset(user_logs_dir)
     examples = len(train_split)

@@ -194,7 +194,7 @@ def test_toy_selector_is_accepted_everywhere(toy, capsys):
     cfg.validate()
     assert "toy" in selection_choices()
 
-    from widedp.trainer.train import plan_privacy
+    from widedp.trainer.run.train import plan_privacy
 
     cfg.privacy.noise_multiplier, cfg.privacy.selection_sigma, cfg.privacy.k = 1.0, 2.0, 4
     plan, info = plan_privacy(cfg, 1000, vocabulary=100)

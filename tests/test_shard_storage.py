@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-import widedp.trainer.shard as shard_module
+import widedp.trainer.engine.shard as shard_module
 from widedp.selection.keyed_random import NoiseKey
-from widedp.trainer.layout import FeatureSpec, ShardInput, ShardLayout, TableSpec, row_block_normal
-from widedp.trainer.shard import EmbeddingShard
+from widedp.trainer.engine.layout import FeatureSpec, ShardInput, ShardLayout, TableSpec, row_block_normal
+from widedp.trainer.engine.shard import EmbeddingShard
 
 D = 4
 LAYOUT = ShardLayout(

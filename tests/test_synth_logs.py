@@ -1,6 +1,6 @@
 """`widedp synth logs`: raw day-partitioned click logs with users (heavy-tailed examples per
 user, a planted per-user model), truth.json and a `convert table` schema that converts them
-with the last day as the test split (trainer/data/synth_logs.py)."""
+with the last day as the test split (trainer/data/synthetic/synth_logs.py)."""
 
 import json
 import math
@@ -14,8 +14,8 @@ import pytest
 
 from widedp.trainer.cli import main
 from widedp.trainer.data import DataError, auc, expected_auc, open_dataset
-from widedp.trainer.data import synth_logs as sl
-from widedp.trainer.data.table import convert_table
+from widedp.trainer.data.synthetic import synth_logs as sl
+from widedp.trainer.data.convert.table import convert_table
 
 DAY = 86_400
 DATES = ["2026-11-01", "2026-11-02", "2026-11-03"]

@@ -1,4 +1,4 @@
-"""The per-table privacy policy of sparse mode (trainer/table_policy.py): the public rule, the
+"""The per-table privacy policy of sparse mode (trainer/config/table_policy.py): the public rule, the
 config keys, the compact id space the selectors see, and what a run plans and reports.
 
 The engine's behaviour with dense tables (equal to the slow reference; all-dense equals
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from widedp.trainer.config import ConfigError, load_config
-from widedp.trainer.planning import plan_run
-from widedp.trainer.table_policy import SparseVocabulary, resolve_table_policy
+from widedp.trainer.config.planning import plan_run
+from widedp.trainer.config.table_policy import resolve_table_policy
+from widedp.trainer.engine.vocabulary import SparseVocabulary
 
 ROWS = {"small": 7, "edge": 1024, "above": 1025, "big": 2_000_000}
 
@@ -40,7 +41,7 @@ def test_auto_rule_counts_the_ids_one_example_can_put_into_a_table():
 
 def test_the_bound_per_table_is_the_sum_over_its_features_and_unbounded_wins(tmp_path):
     """planning.table_policy adds the features' bounds per table (public metadata)."""
-    from widedp.trainer.planning import table_policy
+    from widedp.trainer.config.planning import table_policy
 
     cfg = _config(tmp_path, '[privacy]\ntable_default = "auto"\n')  # b = 100
     rows = {"item": 2000, "campaign": 150, "input": 150, "context_only": 700}
@@ -194,8 +195,8 @@ def _dense_release(touched: bool, seed: int, apply) -> np.ndarray:
 
     from widedp.selection.keyed_random import GaussianStream, NoiseKey
     from widedp.selection.noise import noisy_step
-    from widedp.trainer.layout import FeatureSpec, ShardLayout, TableSpec
-    from widedp.trainer.shard import EmbeddingShard
+    from widedp.trainer.engine.layout import FeatureSpec, ShardLayout, TableSpec
+    from widedp.trainer.engine.shard import EmbeddingShard
 
     layout = ShardLayout((TableSpec("t", DENSE_ROWS, 4),), (FeatureSpec("f", "t", "sum"),), 1)
     shard = EmbeddingShard(layout, 0, optimizer="sgd", lr=1.0, seed=0)

@@ -15,7 +15,7 @@ import pytest
 
 from widedp.trainer.cli import main
 from widedp.trainer.config import load_config
-from widedp.trainer.run_outputs import CAVEAT_DEBUG_TENSORBOARD, DEBUG_STEP_KEYS, TENSORBOARD_MISSING, RunRecorder
+from widedp.trainer.run.outputs import CAVEAT_DEBUG_TENSORBOARD, DEBUG_STEP_KEYS, TENSORBOARD_MISSING, RunRecorder
 
 from test_run_privacy import _train
 
@@ -188,7 +188,7 @@ def test_without_the_package_it_fails_at_start_in_one_line_and_otherwise_is_neve
 
 
 def test_the_key_defaults_off_and_changes_no_computation():
-    from widedp.trainer.train import changed_computation_keys
+    from widedp.trainer.run.train import changed_computation_keys
 
     off, on = load_config(None, []), load_config(None, [TB])
     assert not off.train.tensorboard and on.train.tensorboard
@@ -202,7 +202,7 @@ def test_importing_and_writing_with_tensorboard_raises_no_warning(tmp_path):
     an error: the sink's import of torch.utils.tensorboard, a record, the read-back."""
     script = textwrap.dedent(f"""
         from pathlib import Path
-        from widedp.trainer.run_outputs import RunRecorder
+        from widedp.trainer.run.outputs import RunRecorder
         tmp = Path({str(tmp_path)!r})
         r = RunRecorder(expected_batch_size=8, metrics_path=tmp / "m.jsonl", debug_metrics=False, randomness_note="",
                         reproducible=False, private=True, tensorboard_dir=tmp / "tb")

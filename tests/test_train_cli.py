@@ -14,7 +14,7 @@ import torch
 
 from widedp.trainer.cli import main
 from widedp.trainer.data import synth_text
-from widedp.trainer.train import SUMMARY_KEYS
+from widedp.trainer.run.train import SUMMARY_KEYS
 
 TINY = [
     "model.embedding_dim=4", "model.bottom_mlp=[8]", "model.top_mlp=[8]",
@@ -188,8 +188,8 @@ def test_missing_dataset_and_checkpoint_errors(capsys, tmp_path):
 def test_ledger_on_disk_before_the_update_is_released(tmp_path, ctr_dir, monkeypatch):
     """A crash while the shards apply a step's update must leave that step on disk."""
     from widedp.trainer.config import load_config
-    from widedp.trainer.shard_group import InProcessShardGroup
-    from widedp.trainer.train import train
+    from widedp.trainer.engine.shard_group import InProcessShardGroup
+    from widedp.trainer.run.train import train
 
     cfg = load_config(None, [*TINY, f"data.path={ctr_dir}", "train.steps=3"])
     real_call = InProcessShardGroup.call
@@ -216,7 +216,7 @@ def test_threshold_auto_means_the_noise_only_rule(ctr_dir, selection):
     from widedp.selection.sparse_vector import numeric_sparse
     from widedp.selection.threshold import gaussian_threshold
     from widedp.trainer.config import load_config
-    from widedp.trainer.train import plan_privacy
+    from widedp.trainer.run.train import plan_privacy
 
     cfg = load_config(None, [f"data.path={ctr_dir}", "train.mode=sparse", f"train.selection={selection}",
                              "privacy.k=40", "train.steps=50", "privacy.target_epsilon=4"])

@@ -57,7 +57,7 @@ def test_a_reachable_target_is_still_calibrated_exactly():
 
 def test_the_train_plan_names_privacy_target_epsilon():
     from widedp.trainer.config import load_config
-    from widedp.trainer.planning import plan_privacy
+    from widedp.trainer.config.planning import plan_privacy
 
     cfg = load_config(None, ["data.path=/nonexistent", "train.mode=sparse", "train.selection=threshold",
                              "privacy.k=40", "train.steps=300", "train.batch_size=27",

@@ -19,7 +19,7 @@ import torch
 from engine_fixtures import ListSampler, engine_params, make_engine, wide_ctr, with_examples
 from reference_alg3 import ReferenceAlg3
 from widedp.trainer.data.sampler import UnitPoissonSampler, unit_indices
-from widedp.trainer.trainer_role import TrainerRole, UnitSample, rows_by_unit
+from widedp.trainer.engine.trainer_role import TrainerRole, UnitSample, rows_by_unit
 
 SEED = 5
 LR, DENSE_LR, DIM, INIT_STD = 0.1, 0.05, 4, 0.3
@@ -168,8 +168,8 @@ def test_selection_on_the_shards_counts_each_units_distinct_rows_once(selection,
     if engine.needs_one_time_selection():
         engine.prepare_fest(ds.feature_rows)
     seen = []
-    real = engine._select_on_shards
-    monkeypatch.setattr(engine, "_select_on_shards", lambda parts=None: seen.append(real(parts)) or seen[-1])
+    real = engine.selection.select_on_shards
+    monkeypatch.setattr(engine.selection, "select_on_shards", lambda parts=None: seen.append(real(parts)) or seen[-1])
     for idx in batches:
         want = _unit_shard_selection_reference(engine, ref, idx)
         assert engine.step() is not None
@@ -272,7 +272,7 @@ def test_trimming_keeps_at_most_k_random_examples_of_each_unit():
 
 
 def test_a_subset_split_is_the_base_split_at_its_positions():
-    from widedp.trainer.data.dataset import SplitSubset
+    from widedp.trainer.data.format.dataset import SplitSubset
 
     ds, units = dataset_and_units()
 

@@ -11,12 +11,12 @@ import json
 import numpy as np
 import pytest
 
-from widedp.trainer.audit import one_run_audit
+from widedp.trainer.run.audit import one_run_audit
 from widedp.trainer.cli import main
 from widedp.trainer.config import load_config
-from widedp.trainer.data.dataset import open_dataset
-from widedp.trainer.planning import default_delta
-from widedp.trainer.run_outputs import CAVEAT_UNIT_COLUMN, CAVEAT_USER_LEVEL
+from widedp.trainer.data.format.dataset import open_dataset
+from widedp.trainer.config.planning import default_delta
+from widedp.trainer.run.outputs import CAVEAT_UNIT_COLUMN, CAVEAT_USER_LEVEL
 
 # RDP calibrates in ~1 s where auto (PLD) takes ~10 s: the accountant is not what these runs test
 # (example sampling, which needs PLD, and the audits set "auto" back).
@@ -74,7 +74,7 @@ def test_an_example_level_run_on_data_with_users_says_users_are_protected_only_a
 
 
 def test_user_level_needs_a_unit_column_and_refuses_per_example_coordinate_clipping(ctr_dir, tmp_path):
-    from widedp.trainer.train import train
+    from widedp.trainer.run.train import train
 
     cfg = load_config(None, [f"data.path={ctr_dir}", *SMALL, *USER])
     with pytest.raises(ValueError, match="needs a data set with a unit column"):
@@ -113,7 +113,7 @@ def test_the_user_level_audit_passes_and_catches_a_run_that_clips_each_example(u
 def test_user_level_by_example_sampling_keeps_k_examples_per_user_and_charges_groups(user_logs_dir, tmp_path, capsys):
     from widedp.accounting import events as ev
     from widedp.accounting.ledger import PrivacyLedger
-    from widedp.trainer.run_outputs import CAVEAT_USER_LEVEL_BY_EXAMPLES
+    from widedp.trainer.run.outputs import CAVEAT_USER_LEVEL_BY_EXAMPLES
 
     train_split, _ = open_dataset(user_logs_dir)
     users, per_user = np.unique(train_split.units(), return_counts=True)

@@ -1,4 +1,4 @@
-"""`widedp wide-linear` (trainer/wide_linear.py): seed A's Algorithm 2 on a widedp data set."""
+"""`widedp wide-linear` (trainer/run/wide_linear.py): seed A's Algorithm 2 on a widedp data set."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from dp_accounting import dp_event
 
 from widedp.accounting.events import event_to_dict
 from widedp.trainer.cli import main
-from widedp.trainer.data.dataset import open_dataset
-from widedp.trainer.wide_linear import run_wide_linear, wide_features
+from widedp.trainer.data.format.dataset import open_dataset
+from widedp.trainer.run.wide_linear import run_wide_linear, wide_features
 
 
 def _cli(capsys, *args):

@@ -19,12 +19,12 @@ older one reproduces the older one's (events, digest) pair (`digest_at`, `extend
 files store each entry's digest (after its last event) and the final one; `load_state_dict`
 recomputes the chain from the events and refuses a file whose events do not hash to it (a hand
 edit). A checkpoint records `chain()` = (events charged, digest) and a resume refuses a ledger
-that is not an extension of it (trainer/train.py). The chain detects accidents and edits, not
+that is not an extension of it (trainer/run/train.py). The chain detects accidents and edits, not
 an adversary who rewrites the checkpoint too: neither file is signed here (a caller that needs
-that signs the state it persists: trainer/ledger_key.py).
+that signs the state it persists: trainer/run/ledger_key.py).
 
 A ledger may carry a *header* (version 4): a JSON object fixed before the first event — what
-the run's ε means (unit of privacy, reproducible mode, the data set...: trainer/run_semantics.py).
+the run's ε means (unit of privacy, reproducible mode, the data set...: trainer/config/semantics.py).
 It is bound into the chain: with a header the chain starts at
     d_0 = sha256(bytes(CHAIN_SEED) ‖ canonical JSON of the header)
 instead of CHAIN_SEED, so a ledger whose header was edited no longer extends any chain recorded

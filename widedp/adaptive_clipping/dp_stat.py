@@ -141,7 +141,7 @@ def dp_stat_from_noise(values, theta: float, num_doublings: int, threshold: floa
 def first_below(noisy_counts, threshold: float) -> int:
     """The stop rule on the noisy counts (a_0 + Z_0, ..., a_J + Z_J): the first j at or below
     `threshold`, J if none. The one implementation of the rule: `dp_stat_from_noise` and the
-    engine's per-step DP-STAT (trainer/adaptive_clip.py, counts summed over trainers) call it."""
+    engine's per-step DP-STAT (trainer/engine/adaptive_clip.py, counts summed over trainers) call it."""
     noisy = np.asarray(noisy_counts, dtype=np.float64)
     below = np.flatnonzero(noisy <= threshold)
     return int(below[0]) if below.size else noisy.size - 1

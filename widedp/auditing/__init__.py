@@ -8,7 +8,7 @@ Import rule (a pure library, like `selection` and `accounting`): auditing import
 library, numpy, scipy and `widedp.accounting` (what is claimed) — nothing else of widedp, no
 torch/torchrec and no Ray. It measures from arrays (scores, membership coins, released rows) and
 public data-set metadata; driving a training run with the canaries (the deliberately broken
-variants, reading rows from the shards, `widedp audit`) is the trainer's, in trainer/audit.py,
+variants, reading rows from the shards, `widedp audit`) is the trainer's, in trainer/run/audit.py,
 which calls auditing. tests/test_package_boundaries.py checks the rule.
 """
 

@@ -11,7 +11,7 @@ nothing about a phrase beyond group privacy.
 One-run canaries (`make_canaries`) read rows of their own, appended to the audited tables, so a
 canary's row history is the step's mechanism applied to that canary alone. Built from
 `meta` (the data set's public `DatasetMeta`: kind, features, their tables and sizes, dense width)
-and a numpy generator only; feeding them to training is the trainer's (trainer/audit.py).
+and a numpy generator only; feeding them to training is the trainer's (trainer/run/audit.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ numbers of guesses fixed before any score is seen.
 `white_box_scores` (one-run audit): how far each canary's own rows moved (or moved against its
 injected gradient); `phrase_log_perplexities` (exposure test): each phrase's log-perplexity under
 a CBOW model's tables; `tie_broken`: scores made distinct by the auditor's random order, never
-by array order. Arrays in, arrays out; the rows are read from the run by trainer/audit.py.
+by array order. Arrays in, arrays out; the rows are read from the run by trainer/run/audit.py.
 """
 
 from __future__ import annotations

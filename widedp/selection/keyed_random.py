@@ -193,7 +193,7 @@ def uniforms(key: NoiseKey, start: int, count: int) -> torch.Tensor:
 class GaussianStream:
     """A sequential source of standard normals over one key's stream (`standard_normals`): each
     draw takes the next values. Its state is how many values it has handed out (`state_dict`), so
-    a reproducible run resumes it exactly; a secret run never stores it (trainer/randomness.py)."""
+    a reproducible run resumes it exactly; a secret run never stores it (trainer/engine/randomness.py)."""
 
     def __init__(self, key: NoiseKey):
         self.key = key

@@ -5,7 +5,7 @@ config/CLI name with `@register_selector("name")`; a name can be registered once
 registration raises ValueError naming both classes). Everything that dispatches on a selector
 name reads this registry (trainer config validation, `widedp --selection` choices and argument
 checks, `selection.calibration.calibrate` (which builds the step's event for the
-selector-blind `accounting.calibrate`), `trainer.planning.plan_privacy`, `trainer.engine.Engine`,
+selector-blind `accounting.calibrate`), `trainer.config.planning.plan_privacy`, `trainer.engine.Engine`,
 the benchmarks), never a list of names of its own.
 
 "none" (DP-SGD: no selection, every row noised) is deliberately *not* a selector: it has no

@@ -8,8 +8,8 @@
     widedp.epsilon(noise_multiplier=1.0, batch_size=256, dataset_size=50_000, epochs=3, delta=1e-6)
     widedp.calibrate(target_epsilon=3.0, batch_size=256, dataset_size=50_000, epochs=3, delta=1e-6)
 
-Each function is the CLI command's own code path (trainer/train.py, trainer/export.py, the
-`widedp epsilon` / `calibrate` commands of trainer/cli.py), so a notebook and `widedp ...` produce
+Each function is the CLI command's own code path (trainer/run/train.py, trainer/release/export.py, the
+`widedp epsilon` / `calibrate` commands of trainer/cli/__init__.py), so a notebook and `widedp ...` produce
 the same files and numbers, and the contracts hold here too (a run directory is written by one
 run, the ledger only grows).
 
@@ -59,7 +59,7 @@ def train(config: ConfigLike, run_dir: Optional[Union[str, Path]] = None, *, ove
     """Train per `config` (a Config, or a TOML path with `overrides`) into `run_dir` (default: the
     config's `run_dir`), which must not hold a run unless `resume` (then the run continues from its
     checkpoint, its ledger verified). Returns the run's summary."""
-    from widedp.trainer.train import train as _train
+    from widedp.trainer.run.train import train as _train
 
     if isinstance(config, Config):
         if overrides:
@@ -75,14 +75,14 @@ def train(config: ConfigLike, run_dir: Optional[Union[str, Path]] = None, *, ove
 
 def evaluate(run_dir: Union[str, Path]) -> dict:
     """The run's checkpoint evaluated on its test split (as `widedp evaluate --run-dir`)."""
-    from widedp.trainer.train import evaluate as _evaluate
+    from widedp.trainer.run.train import evaluate as _evaluate
 
     return _evaluate(Path(run_dir))
 
 
 def export(run_dir: Union[str, Path], out_dir: Union[str, Path]):
     """The releasable model and its privacy report (as `widedp export RUN_DIR OUT_DIR`)."""
-    from widedp.trainer.export import export_run
+    from widedp.trainer.release.export import export_run
 
     return export_run(Path(run_dir), Path(out_dir))
 

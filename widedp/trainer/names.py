@@ -1,9 +1,9 @@
 """The names a config is checked against, readable before torch, FBGEMM, Ray and dp_accounting load.
 
-`widedp train` checks its whole config in well under a second (trainer/train_commands.py), the
+`widedp train` checks its whole config in well under a second (trainer/cli/train.py), the
 names included: a misspelled model, selector, optimizer or accountant is reported before the
 registries are imported. Each list here is either the one definition (OPTIMIZERS, INTERACTIONS:
-trainer/shard.py and trainer/models/dlrm.py import them) or read without importing the registry
+trainer/engine/shard.py and trainer/models/dlrm.py import them) or read without importing the registry
 (selectors: the module files of selection/selectors/), or a mirror that
 tests/test_cli_startup.py holds equal to its registry (models, accountants). `train()` then
 checks the config again against the registries themselves (`config.registry`).
@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-#: The sparse tables' optimizers (trainer/shard.py implements each).
+#: The sparse tables' optimizers (trainer/engine/shard.py implements each).
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 #: DLRM's interactions (trainer/models/dlrm.py).
 INTERACTIONS = ("dot", "cat")

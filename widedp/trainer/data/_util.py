@@ -228,7 +228,7 @@ def expand_inputs(patterns, what: str = "input") -> list:
     import glob
     from pathlib import Path
 
-    from .errors import DataError
+    from widedp.trainer.data.errors import DataError
 
     if isinstance(patterns, (str, bytes)) or hasattr(patterns, "__fspath__"):
         patterns = [patterns]

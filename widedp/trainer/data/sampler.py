@@ -17,7 +17,7 @@ class PoissonSampler:
     distribution. Samples are returned sorted (int64); empty samples are legal steps.
 
     ``rng``: the numpy Generator the coins come from — in a run, the keyed "sampler" stream
-    (trainer/randomness.py: Philox with a 128-bit key, ChaCha20 in secure mode), or an int seed
+    (trainer/engine/randomness.py: Philox with a 128-bit key, ChaCha20 in secure mode), or an int seed
     (tests: ``numpy.random.default_rng(seed)``).
     ``state_dict()`` / ``load_state_dict()`` capture the numpy Generator's
     ``bit_generator.state`` (a dict; Philox's holds numpy arrays), so a resumed run draws the same batches.

@@ -15,7 +15,7 @@ AUC only ranks; users of a CTR model use its probabilities, so every evaluation 
 
 Everything is float64 numpy, vectorized (one bincount); torch tensors are accepted and copied
 to the CPU. Both the DLRM model (trainer/models/dlrm.py) and `widedp wide-linear`
-(trainer/wide_linear.py) use `calibration_metrics`.
+(trainer/run/wide_linear.py) use `calibration_metrics`.
 """
 
 from __future__ import annotations

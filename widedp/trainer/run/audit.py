@@ -1,0 +1,507 @@
+"""`widedp audit`: one-run privacy audit of a whole training run (canaries with rows of their
+own, white box) and the canary exposure test — the trainer's glue around `widedp.auditing`.
+
+The measurement is `widedp.auditing`'s (the canaries, the scores, the one-run bound, the exposure
+test: pure, no torch, no Ray). This module drives training with it: it adds the canaries to the
+training split (`WithCanaries`, the engine's data interface), trains through `build_run` (local
+or Ray shards), reads their rows back from the shards, runs the deliberately broken variants,
+and writes audit.json / audit.png.
+
+What is audited: the released model of one `widedp train` run of the user's configuration,
+against the ε the run's ledger claims, for the engine's neighbouring relation (add/remove one
+example, docs/DESIGN.md §1). Steinke, Nasr & Jagielski, "Privacy auditing with one (1)
+training run" (NeurIPS 2023): m canary examples, each included in the training set
+independently with probability ½ by the auditor's own secret coins; after training, score
+every canary, guess "member" for the k+ highest scores and "non-member" for the k− lowest,
+and turn the number of correct guesses into an ε lower bound at a stated confidence
+(`auditing.one_run_audit`). If the run is (ε, δ)-DP, the bound exceeds ε with probability
+at most 1 − confidence: a bound above the claimed ε is evidence the claim is false.
+
+Canaries (white box): canary i is one example whose bag of the audited feature is the single
+id of a row r_i appended to that feature's table — a row no real example and no other canary
+touches — so row r_i's history is exactly the per-step mechanism applied to canary i alone
+(its selection and its noise). To put as much of its clipped gradient as it can on that row
+(the analogue of the paper's Dirac gradient canaries), a CTR canary has every other bag empty,
+dense features 0 and label 1; a CBOW canary's context is its word, with a target and
+negatives drawn uniformly from their (other) table, since its loss needs them.
+With `--feature all` (CTR) canary i instead reads a row of its own in every table, and nothing
+else: each table's selection then gets its own chance to give a member away, which is what
+catches a selection that never picks an untouched row (a member's row is selected only when
+its one count beats the threshold's noise, rarely for any one row). Score: ‖released rows −
+initial rows‖₂ over the canary's own rows (the released model: the averaged tables when
+averaging is on). Ties (e.g. rows never selected: score 0) are broken by a random order from
+the audit's generator, which is independent of the membership coins.
+
+User level (privacy.unit = "user"): a canary is a *user* — a unit of its own whose every example
+(`canary_examples` of them, by default privacy.max_examples_per_user) carries the canary — and
+is included or not as a whole. The guarantee bounds that user's whole contribution; the broken
+variant "clip-per-example" clips each of its examples separately while the ledger claims user
+level, so the canary user moves its row by up to k·S1 per step, and the audit must catch it.
+
+The canary rows enlarge one table by m rows: the audited run is the user's configuration with
+that table m rows larger and up to m more examples (n, and so q = b/n at fixed b, change a
+little; the run's own ledger gives the claimed ε of exactly the run that was audited).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from widedp.trainer.data.format.jagged import KeyedJaggedTensor
+
+from widedp.auditing.canaries import (CANARY_KINDS, PHRASE_PLACEMENTS, Canaries, as_gradient_canaries, make_canaries,
+                                      make_phrase_examples)
+from widedp.auditing.canary_exposure import canary_ranks, exposure, exposure_report
+from widedp.auditing.one_run_audit import audit_from_scores
+from widedp.auditing.scores import guess_counts, phrase_log_perplexities, tie_broken, white_box_scores
+from widedp.trainer.data.format.dataset import Batch, _gather_jagged
+
+AUDIT_KINDS = ("one-run", "exposure")
+
+
+# ---- deliberately broken training: the audit's teeth ------------------------------------------------
+@contextlib.contextmanager
+def _noise_scaled(factor: float):
+    """Every Gaussian step draws noise of factor·σ while the ledger is told the planned σ."""
+    import widedp.trainer.engine.noise_stage as engine_module
+    from widedp.accounting.events import GaussianDpEvent
+
+    real = engine_module.noisy_step
+
+    def scaled(rows, dense, noise_multiplier, *args, **kwargs):
+        step = real(rows, dense, factor * noise_multiplier, *args, **kwargs)
+        return dataclasses.replace(step, event=GaussianDpEvent(noise_multiplier))
+
+    engine_module.noisy_step = scaled
+    try:
+        yield
+    finally:
+        engine_module.noisy_step = real
+
+
+def _noise_off(run):
+    """No noise at all while the ledger is told σ."""
+    return _noise_scaled(0.0)
+
+
+def _sigma_over_10(run):
+    """Noise of σ/10 while the ledger is told σ."""
+    return _noise_scaled(0.1)
+
+
+@contextlib.contextmanager
+def _selection_rewritten(run, rewrite: Callable):
+    """Each step's selected ids become rewrite(engine, selected ids, touched sparse-table ids)
+    while the real selector's event is charged. The fused selection is turned off: the rewrite
+    needs every touched row's id (and, to release them, its sums) back from the shards."""
+    engine = run.engine
+    stage = engine.selection
+    real, fused = stage.select, stage.fuse
+    stage.fuse = False
+
+    def rewritten(rows, shard_parts=None):
+        selection = real(rows, shard_parts)
+        if selection is None:
+            return None
+        touched = rows.global_ids[~np.isin(rows.tables, engine.dense_tables)]
+        return dataclasses.replace(selection, ids=rewrite(engine, selection.ids, touched))
+
+    stage.select = rewritten
+    try:
+        yield
+    finally:
+        del stage.select
+        stage.fuse = fused
+
+
+@contextlib.contextmanager
+def _clip_per_example(run):
+    """Claims user level (n, q, δ over users, units sampled) but clips, weighs and counts each
+    example on its own: a user with k examples in a step contributes up to k·S1."""
+    from widedp.trainer.engine.trainer_role import TrainerRole, UnitSample
+
+    if run.engine.example_units is None:
+        raise ValueError("--broken clip-per-example breaks user-level clipping: set privacy.unit = \"user\"")
+    real = TrainerRole.begin_part
+
+    def per_example(self, idx, dense_state=None, candidates=None, releases=None):
+        return real(self, idx.examples if isinstance(idx, UnitSample) else idx, dense_state, candidates, releases)
+
+    TrainerRole.begin_part = per_example  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TrainerRole.begin_part = real  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _group_as_example(run):
+    """User level by example sampling (each user keeps ≤ k examples) charged as if each user
+    had one: the ledger records the example-level events, not `GroupDpEvent(…, k)`."""
+    from widedp.trainer.engine.plan import step_event_of
+
+    engine = run.engine
+    budget = engine.budget
+    if budget.group_size == 1:
+        raise ValueError("--broken group-as-example breaks the group accounting of privacy.user_sampling = "
+                         "\"examples\" (privacy.unit = \"user\")")
+    real = budget.group_size
+    budget.group_size = 1
+    budget.step_event = step_event_of(engine.mode, engine.q, engine.plan, engine.selects, 1)
+    try:
+        yield
+    finally:
+        budget.group_size = real
+        budget.step_event = step_event_of(engine.mode, engine.q, engine.plan, engine.selects, real)
+
+
+def _every_touched_row(run):
+    """The selection also takes every touched row of the sparse tables (as if it skipped the
+    private mechanism for them) while the real selector's event is charged."""
+    return _selection_rewritten(run, lambda engine, selected, touched: np.union1d(selected, touched))
+
+
+def _skip_untouched(run):
+    """The selection drops every row of the sparse tables that no example of the batch touched
+    (as if it ran over the touched rows only, the mistake DESIGN §1 step 3 warns of), keeping
+    DP-FEST's fixed rows, while the real selector's event is charged: a row that moves was
+    touched, so a canary's own row moves only if the canary is a member."""
+    def touched_only(engine, selected, touched):
+        keep = touched
+        if engine.fixed_rows is not None:
+            keep = np.union1d(keep, engine.sparse_vocabulary.to_global(engine.fixed_rows))
+        return np.intersect1d(selected, keep)
+    return _selection_rewritten(run, touched_only)
+
+
+#: Broken variants for `widedp audit --broken`: a run made non-private on purpose, to show that
+#: the audit catches it on the user's own configuration. Never used by training.
+BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "sigma-over-10": _sigma_over_10,
+                                        "every-touched-row": _every_touched_row, "skip-untouched": _skip_untouched,
+                                        "clip-per-example": _clip_per_example, "group-as-example": _group_as_example}
+#: The broken variants that rewrite the row selection: they act on sparse tables only, so a
+#: canary table noised densely (trainer/config/table_policy.py) would not see them.
+SELECTION_BROKEN = ("every-touched-row", "skip-untouched")
+
+class WithCanaries:
+    """A training split plus the included canaries, as one split (indices [0, n) are the
+    base split's, [n, n + included·e) the included canaries' in canary order, e =
+    `examples_per_canary` copies of each). The same interface the engine uses: `meta` (the
+    audited table m rows larger), `take`, `len`, `feature_rows`, `iter_batches`, and `units`
+    when the base split has units (each canary a unit of its own: a canary user)."""
+
+    def __init__(self, base, canaries: Canaries, examples_per_canary: int = 1):
+        if isinstance(examples_per_canary, bool) or not isinstance(examples_per_canary, (int, np.integer)) \
+                or examples_per_canary < 1:
+            raise ValueError(f"--canary-examples must be an integer >= 1, got {examples_per_canary!r}")
+        self.base, self.canaries = base, canaries
+        self.members = np.repeat(np.flatnonzero(canaries.included), int(examples_per_canary))
+        meta = base.meta
+        sizes = dict(meta.table_sizes)
+        for table, first_row in zip(canaries.tables, canaries.first_rows):
+            sizes[table] = first_row + canaries.count
+        self.meta = dataclasses.replace(meta, table_sizes=sizes, num_examples=len(base) + self.members.size)
+
+    def __len__(self) -> int:
+        return len(self.base) + int(self.members.size)
+
+    def take(self, indices) -> Batch:
+        """Examples at these indices, in the order given (a Batch as `ParquetDataset.take`)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
+            raise IndexError(f"index {bad} out of range for split of size {len(self)}")
+        n = len(self.base)
+        in_base = idx < n
+        base = self.base.take(idx[in_base])
+        canary = self.members[idx[~in_base] - n]
+        features = list(self.meta.features)
+        b_len = base.sparse.lengths().numpy().reshape(len(features), -1) if base.size else np.zeros((len(features), 0), np.int32)
+        b_val = base.sparse.values().numpy()
+        b_off = np.concatenate([[0], np.cumsum(b_len.sum(1))])
+        # Position of every example of the merged batch among (base batch, canary batch).
+        source = np.empty(idx.size, dtype=np.int64)
+        source[np.flatnonzero(in_base)] = np.arange(base.size)
+        source[np.flatnonzero(~in_base)] = base.size + np.arange(canary.size)
+        values, lengths = [], []
+        for f, name in enumerate(features):
+            own = self.canaries.ids[name][canary]
+            f_len = np.concatenate([b_len[f], np.full(canary.size, own.shape[1], dtype=np.int64)])
+            f_val = np.concatenate([b_val[b_off[f]: b_off[f + 1]], own.reshape(-1)])
+            v, ln = _gather_jagged(np.concatenate([[0], np.cumsum(f_len)]), f_val, source)
+            values.append(v)
+            lengths.append(ln.astype(np.int32))
+        sparse = KeyedJaggedTensor(keys=features, values=torch.from_numpy(np.concatenate(values).astype(np.int64)),
+                                   lengths=torch.from_numpy(np.concatenate(lengths) if lengths else np.zeros(0, np.int32)),
+                                   stride=int(idx.size))
+        dense = torch.cat([base.dense, torch.from_numpy(self.canaries.dense[canary])])[torch.from_numpy(source)]
+        labels = torch.cat([base.labels, torch.from_numpy(self.canaries.labels[canary])])[torch.from_numpy(source)]
+        return Batch(sparse=sparse, dense=dense.reshape(idx.size, self.meta.num_dense), labels=labels, indices=idx.copy())
+
+    def override_pooled_grads(self, indices: np.ndarray, pooled_grads: np.ndarray, features) -> np.ndarray:
+        """Gradient canaries: the pooled-output gradients [B, F, D] of a batch of these `indices`
+        with every canary's rows replaced — G·u_i on its own features, 0 on the others; its dense
+        gradient stays the model's. DP-SGD's guarantee holds for any per-example gradient chosen
+        from the current state (adaptive composition), and clipping bounds this one as it bounds
+        every example's. Example canaries: as given."""
+        c = self.canaries
+        if c.directions is None:
+            return pooled_grads
+        idx = np.asarray(indices, dtype=np.int64)
+        at = np.flatnonzero(idx >= len(self.base))
+        if not at.size:
+            return pooled_grads
+        out = np.array(pooled_grads, copy=True)
+        out[at] = 0.0
+        names = [getattr(f, "name", f) for f in features]
+        own = [names.index(f) for f in c.features]
+        out[at[:, None], np.asarray(own)[None, :]] = c.gradient_norm * c.directions[self.members[idx[at] - len(self.base)]]
+        return out
+
+    def units(self) -> Optional[np.ndarray]:
+        """The base split's units (dense indices 0..U-1), then one new unit per included canary;
+        None when the base split has none."""
+        from widedp.trainer.data.sampler import unit_indices
+
+        base = self.base.units() if hasattr(self.base, "units") else None
+        if base is None:
+            return None
+        dense, count = unit_indices(base)
+        return np.concatenate([dense, count + self.members]).astype(np.int64)
+
+    def iter_batches(self, batch_size: int):
+        for start in range(0, len(self), batch_size):
+            yield self.take(np.arange(start, min(start + batch_size, len(self)), dtype=np.int64))
+
+    def feature_rows(self, feature: str) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, ids) of one feature over the whole split, canaries last (DP-FEST)."""
+        offsets, ids = self.base.feature_rows(feature)
+        extra = self.canaries.ids[feature][self.members]  # [members, 0 or 1]
+        more = offsets[-1] + extra.shape[1] * np.arange(1, self.members.size + 1, dtype=np.int64)
+        return np.concatenate([offsets, more]), np.concatenate([ids, extra.reshape(-1)])
+
+
+def table_values(engine, table: str, released: bool) -> np.ndarray:
+    """Every row of one table [rows, D] from the shards (released: the averaged weights when
+    averaging is on)."""
+    t = engine.layout.table_index(table)
+    parts = []
+    for state in engine.shards.broadcast("state_dict"):
+        weights = state["averaged_weights"] if released and "averaged_weights" in state else state["weights"]
+        parts.append(np.asarray(weights[t], dtype=np.float64))
+    rows = engine.layout.tables[t].num_rows
+    return np.concatenate(parts)[:rows] if rows else np.zeros((0, engine.layout.dim))
+
+
+def exposure_audit(cfg, canaries: int = 1000, insertions: int = 9, references: int = 10_000,
+                   bins: Optional[int] = None, seed: Optional[int] = None, placement: str = "text") -> dict:
+    """The seed's canary exposure test (wide-network-dp §6.5; Carlini et al. 2019): `canaries`
+    random 3-word phrases, each inserted `insertions` times into the training data; after one
+    run, each phrase's log-perplexity is ranked among `references` random phrases of the same
+    form that were not inserted, and Pearson's χ² tests the ranks against uniform (flagged:
+    p < 0.01; `bins` default min(20, canaries // 10), so each bin expects ≥ 5 ranks under
+    uniformity). Exposure = log2(references + 1) − log2(rank). A phrase inserted n_c times is a
+    group of n_c·3 examples: the example-level ε says nothing about it beyond group privacy
+    (seed Table 2: sparse flagged at n_c = 15). `placement`: PHRASE_PLACEMENTS."""
+    from widedp.trainer.run.train import build_run
+
+    if isinstance(canaries, bool) or not isinstance(canaries, (int, np.integer)) or canaries < 2:
+        raise ValueError(f"--canaries must be an integer >= 2, got {canaries!r}")
+    if placement not in PHRASE_PLACEMENTS:
+        raise ValueError(f"--placement must be one of {list(PHRASE_PLACEMENTS)}, got {placement!r}")
+    seed = int(np.random.SeedSequence().entropy) if seed is None else int(seed)  # type: ignore[arg-type]
+    rng = np.random.default_rng(seed)
+    bins = bins if bins is not None else max(2, min(20, canaries // 10))
+    made: dict = {}
+
+    def add_phrases(train_set):
+        meta = train_set.meta
+        if meta.kind != "cbow":
+            raise ValueError(f"--kind exposure needs a CBOW (text) data set, got kind {meta.kind!r}")
+        # A phrase's words are contexts (input table) and targets (output table): ids in both.
+        vocab = min(meta.table_sizes[meta.feature_tables["context"]], meta.table_sizes[meta.feature_tables["target"]])
+        made["phrases"] = rng.integers(0, vocab, (canaries, 3))
+        made["references"] = rng.integers(0, vocab, (references, 3))
+        words = train_set.feature_rows("target")[1] if placement == "text" else None
+        return WithCanaries(train_set, make_phrase_examples(meta, made["phrases"], insertions, rng, placement, words))
+
+    run = build_run(cfg, train_transform=add_phrases)
+    with run:
+        result = run.run(cfg.train.steps)
+        inputs = table_values(run.engine, run.meta.feature_tables["context"], released=True)
+        outputs = table_values(run.engine, run.meta.feature_tables["target"], released=True)
+        ledger = run.engine.ledger
+        claimed = ledger.epsilon() if ledger is not None else math.inf
+        delta = float(run.privacy.delta) if ledger is not None else 0.0
+        steps = run.engine.step_count
+    canary_scores = phrase_log_perplexities(inputs, outputs, made["phrases"])
+    reference_scores = phrase_log_perplexities(inputs, outputs, made["references"])
+    report = exposure_report(canary_scores, reference_scores, insertions, bins)
+    ranks = canary_ranks(canary_scores, reference_scores)
+    return {
+        "kind": "exposure", "mode": cfg.train.mode,
+        "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
+        "claimed_epsilon": claimed, "delta": delta, "steps": steps, "stopped_by_budget": bool(result.stopped_by_budget),
+        "canaries": canaries, "insertions": insertions, "placement": placement, "references": references,
+        "bins": bins,
+        "chi2": report.chi2, "p_value": report.p_value, "flagged": bool(report.flagged),
+        "mean_exposure": report.mean_exposure, "median_exposure": report.median_exposure,
+        "exposure_max": float(np.log2(references + 1)), "audit_seed": seed,
+        "ranks": ranks.tolist(), "exposures": exposure(ranks, references + 1).tolist(),
+    }
+
+
+def canary_row_values(engine, canaries: Canaries, released: bool) -> np.ndarray:
+    """The canary rows' values [m, len(features)·D] on the shards, each canary's rows side by
+    side in `features` order: the released ones (averaged weights when averaging is on) or the
+    weights as they are."""
+    layout = engine.layout
+    if not canaries.tables:
+        raise ValueError("these canaries have no rows of their own (inserted phrases)")
+    states = engine.shards.broadcast("state_dict")
+    out = np.empty((canaries.count, len(canaries.tables), layout.dim), dtype=np.float64)
+    for j, table in enumerate(canaries.tables):
+        t = layout.table_index(table)
+        rows = canaries.rows(j)
+        tables = np.full(rows.size, t, dtype=np.int64)
+        owner = layout.owner(tables, rows)
+        local = rows - layout.shard_start(tables, owner)
+        for s, state in enumerate(states):
+            mine = owner == s
+            if mine.any():
+                weights = state.get("averaged_weights") if released and "averaged_weights" in state else state["weights"]
+                out[mine, j] = np.asarray(weights[t])[local[mine]]
+    return out.reshape(canaries.count, -1)
+
+
+def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, member_fraction: float = 0.1,
+                  non_member_fraction: float = 0.1, confidence: float = 0.95, seed: Optional[int] = None,
+                  broken: Optional[str] = None, canary_kind: str = "example",
+                  canary_examples: Optional[int] = None) -> dict:
+    """Train `cfg` once with canaries and audit it (module docstring). `seed`: the audit's
+    coins and tie-breaking (default: fresh OS entropy, recorded in the result only after the
+    run). `broken`: a name in BROKEN_VARIANTS to train deliberately broken (the record says
+    so). `canary_kind`: one of CANARY_KINDS. `canary_examples`: examples per canary, all
+    carrying it (default: privacy.max_examples_per_user at user level — a canary user —
+    else 1; more than 1 at example level audits a group the example-level claim does not
+    cover). Returns the audit record (`audit.json`)."""
+    from widedp.trainer.run.train import build_run
+
+    if not 0 < confidence < 1:
+        raise ValueError(f"--confidence must be in (0, 1), got {confidence}")
+    if broken is not None and broken not in BROKEN_VARIANTS:
+        raise ValueError(f"--broken must be one of {sorted(BROKEN_VARIANTS)}, got {broken!r}")
+    if canary_kind not in CANARY_KINDS:
+        raise ValueError(f"--canary-kind must be one of {list(CANARY_KINDS)}, got {canary_kind!r}")
+    user_level = cfg.privacy.unit == "user"
+    if canary_examples is None:
+        canary_examples = cfg.privacy.max_examples_per_user if user_level else 1
+    if broken == "clip-per-example" and not user_level:
+        raise ValueError("--broken clip-per-example breaks user-level clipping: set privacy.unit = \"user\"")
+    seed = int(np.random.SeedSequence().entropy) if seed is None else int(seed)  # type: ignore[arg-type]
+    rng = np.random.default_rng(seed)
+    made: dict = {}
+
+    def add_canaries(train_set):
+        made["canaries"] = make_canaries(train_set.meta, canaries, feature, rng)
+        if canary_kind == "gradient":
+            clip = cfg.privacy.clip_norm if cfg.train.mode != "nonprivate" else None
+            if clip == "adaptive":  # far above every S1 DP-STAT can pick
+                clip = cfg.privacy.adaptive_clip_min * 2.0 ** cfg.privacy.adaptive_clip_doublings
+            made["canaries"] = as_gradient_canaries(made["canaries"], cfg.model.embedding_dim, clip, rng)
+        return WithCanaries(train_set, made["canaries"], canary_examples)
+
+    if isinstance(canaries, bool) or not isinstance(canaries, (int, np.integer)) or canaries < 2:
+        raise ValueError(f"--canaries must be an integer >= 2, got {canaries!r}")
+    k_pos, k_neg = guess_counts(canaries, member_fraction, non_member_fraction)
+    run = build_run(cfg, train_transform=add_canaries)
+    with run:
+        c: Canaries = made["canaries"]
+        dense = {run.engine.layout.tables[t].name for t in run.engine.dense_tables}
+        policy = {t: ("dense" if t in dense else "sparse") for t in c.tables}
+        if broken in SELECTION_BROKEN and all(p == "dense" for p in policy.values()):
+            raise ValueError(f"--broken {broken} rewrites the row selection, but the canaries' table(s) "
+                             f"{list(c.tables)} are noised densely in this run (privacy.table_default / "
+                             f"privacy.dense_max_rows); set privacy.tables.{c.tables[0]} = \"sparse\" or audit another --feature")
+        initial = canary_row_values(run.engine, c, released=False)
+        with BROKEN_VARIANTS[broken](run) if broken else contextlib.nullcontext():
+            result = run.run(cfg.train.steps)
+        final = canary_row_values(run.engine, c, released=True)
+        ledger = run.engine.ledger
+        claimed = ledger.epsilon() if ledger is not None else math.inf
+        delta = float(run.privacy.delta) if ledger is not None else 0.0
+        steps = run.engine.step_count
+    scores = white_box_scores(initial, final, c.directions)
+    ranked = tie_broken(scores, rng.permutation(scores.size))
+    audit = audit_from_scores(ranked, c.included, k_pos, k_neg, delta, confidence)
+    return {
+        "kind": "one-run", "broken": broken,
+        "mode": cfg.train.mode, "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
+        "claimed_epsilon": claimed, "delta": delta, "steps": steps, "stopped_by_budget": bool(result.stopped_by_budget),
+        "epsilon_lower_bound": audit.epsilon_lower_bound, "confidence": confidence,
+        "canaries": c.count, "members": int(c.included.sum()), "guesses": audit.guesses, "correct": audit.correct,
+        "guesses_member": k_pos, "guesses_non_member": k_neg,
+        "features": list(c.features), "tables": list(c.tables),
+        "canary_rows": {t: [r, r + c.count] for t, r in zip(c.tables, c.first_rows)},
+        "canary_table_policy": policy if cfg.train.mode == "sparse" else None,
+        "canary_kind": canary_kind,
+        "privacy_unit": cfg.privacy.unit, "canary_examples": int(canary_examples),
+        "score": ("white box: ‖released rows − initial rows‖₂ of the canary's own rows" if c.directions is None else
+                  "white box: ⟨initial rows − released rows, u_i⟩, u_i the canary's injected gradient direction"),
+        "exceeds_claim": bool(audit.epsilon_lower_bound > claimed),
+        "audit_seed": seed,
+        "member_scores": scores[c.included].tolist(), "non_member_scores": scores[~c.included].tolist(),
+    }
+
+
+def write_audit(record: dict, out_dir: Path) -> dict:
+    """audit.json and audit.png (score distributions of members and non-members) in out_dir."""
+    from widedp.accounting.atomic import atomic_write_bytes
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out_dir / "audit.json", (json.dumps(record, indent=2, default=float) + "\n").encode())
+    _plot(record, out_dir / "audit.png")
+    return {k: v for k, v in record.items() if not k.endswith("_scores") and k not in ("ranks", "exposures")}
+
+
+def _plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if record["kind"] == "exposure":
+        # matplotlib's stub types `bins` as int | Sequence[float] | str; hist takes any array of edges
+        edges = np.linspace(1, record["references"] + 1, record["bins"] + 1)
+        ax.hist(record["ranks"], bins=edges)  # type: ignore[arg-type]
+        ax.set_xlabel(f"rank of the canary's log-perplexity among {record['references']:,} random phrases (+ itself)")
+        ax.set_ylabel("canaries")
+        ax.set_title(f"{record['mode']}, n_c = {record['insertions']}: χ² p = {record['p_value']:.2g}, "
+                     f"mean exposure {record['mean_exposure']:.2f} bits", fontsize=9)
+    else:
+        members, others = np.asarray(record["member_scores"]), np.asarray(record["non_member_scores"])
+        top = max(members.max(initial=0), others.max(initial=0)) or 1.0
+        bottom = min(members.min(initial=0), others.min(initial=0))
+        bins = np.linspace(bottom, top, 40)
+        # matplotlib's stub types `bins` as int | Sequence[float] | str; hist takes any array of edges
+        ax.hist(others, bins=bins, alpha=0.6, label=f"non-members ({others.size})")  # type: ignore[arg-type]
+        ax.hist(members, bins=bins, alpha=0.6, label=f"members ({members.size})")  # type: ignore[arg-type]
+        ax.set_xlabel("‖released row − initial row‖₂" if record.get("canary_kind", "example") == "example"
+                      else "⟨initial row − released row, injected direction⟩")
+        ax.set_ylabel("canaries")
+        ax.set_title(f"{record['mode']}: ε claimed {record['claimed_epsilon']:.3g}, "
+                     f"lower bound {record['epsilon_lower_bound']:.3g} ({100 * record['confidence']:.0f}%)", fontsize=9)
+        ax.legend()
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)

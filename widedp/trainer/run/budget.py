@@ -1,0 +1,432 @@
+"""The privacy budget of a data set across runs: `DATASET/privacy_budget.jsonl`, append-only and
+hash-chained, with its head in `DATASET/privacy_budget.head.json`.
+
+ε of one model is what *that model* reveals. Every model trained on the same data reveals more:
+two models trained at ε = 8 each are, together, a release at up to ε = 16 (basic composition),
+and tuning runs count like any other (docs/DESIGN.md §1, "The ledger only grows"). So every
+session of `widedp train` on a data set (and every `widedp audit`, whose run also trains on it)
+appends one JSON line per update of its spending:
+
+    {"run_id", "lineage", "base_events", "run_dir", "mode", "target_epsilon", "delta", "accountant",
+     "epsilon", "events_charged", "steps", "started", "updated", "status", "audit", "privacy_unit",
+     "voids", "prev"}
+
+`status` is "running" (appended before the session's first step: a crash leaves this line, and
+the run can never spend more than its target_epsilon), "finished", "interrupted" or "failed".
+
+**Models, not directory names.** `lineage` is the run's list of session segments (its journal,
+trainer/run/journal.py): every start and resume adds a fresh segment, so a run directory copied
+and resumed in two places becomes two lineages sharing a prefix — two models. `base_events` is
+the ledger's length when the session started. A lineage is *superseded* (its spending is
+included in a later line's) by a lineage that extends it by one segment and started where it
+ended: at or after its last recorded events once it ended, or in the same run directory while
+its line still says "running" (a crashed session, resumed; one session at a time holds a run
+directory). Every other lineage is a model of its own: `summary` sums them.
+
+**Voiding runs.** A line's `voids` lists why its ε does not bound what the run released
+(`run_semantics.void_reasons`: non-private, reproducible — the seed is in config.json —,
+train.debug_metrics in any session; an audit run trained deliberately broken): such a run counts
+as ε = ∞, and the total with it, with the reasons listed.
+
+**The file only grows, and its loss is detected.** Line i carries `prev`, the chain digest
+before it: d_0 = sha256("widedp-budget-chain-v1"), d_i = sha256(d_{i-1} ‖ sha256(line i)). The
+head file holds (budget_id, lines, digest) after the last append; every append and every read
+verifies the file against it and refuses (naming the file) a budget file that is missing while
+the head records lines, shorter than the head, or whose lines do not hash to it — never
+re-created silently when runs are on record. Every run's checkpoint records the head after its
+own line, and a resume refuses a budget that does not extend it: the file was truncated or
+replaced, or data.path is a *copy* of the data set the run started on (a copy's budget is
+another file: see README, "Copies of a data set"). An append holds an exclusive lock
+(`privacy_budget.lock`), so concurrent runs cannot interleave or fork the chain; each line is
+one `os.write` on an O_APPEND descriptor, fsync'd before the head is replaced. A budget file
+from an older widedp (no `prev` and no head) is accepted and chained from its next line.
+
+`widedp budget DATASET` prints, per model (each lineage not superseded), its latest line, and
+the total: the sum of the models' ε (its spent ε once it ended, its target while it may still
+run) — an upper bound on what all of them together reveal by basic composition, at δ = the sum
+of their δs. It is not tight (a tight composition would compose every run's ledger under one
+accountant); it is what one can state without trusting any run's ledger beyond its ε.
+Nothing here is private: ε, δ, step counts and segment ids are data-independent.
+
+Privacy units (privacy_unit; lines without one are example level): the total is per example. A
+user-level run's (ε, δ) bounds one example only through the user holding it — removing one
+example of a user is two user-level steps away (remove the user, add them back without it) —
+so it counts as (2ε, (1 + e^ε)·δ) there (group privacy of size 2). The user-level total sums
+the user-level runs, and is infinite once any private example-level run trained on the data
+set: such a run protects a user with m examples only as a group of m, and m is not bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import hashlib
+import json
+import math
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+BUDGET_FILE = "privacy_budget.jsonl"
+HEAD_FILE = "privacy_budget.head.json"
+LOCK_FILE = "privacy_budget.lock"
+STATUSES = ("running", "finished", "interrupted", "failed")
+BUDGET_SEED = hashlib.sha256(b"widedp-budget-chain-v1").hexdigest()
+
+
+class BudgetError(ValueError):
+    """The budget file is missing, truncated, edited, or not the one a run recorded (names the file)."""
+
+
+def budget_path(dataset_dir) -> Path:
+    return Path(dataset_dir) / BUDGET_FILE
+
+
+def head_path(dataset_dir) -> Path:
+    return Path(dataset_dir) / HEAD_FILE
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_record(*, run_id: str, run_dir, mode: str, target_epsilon: float, delta: Optional[float],
+               accountant: Optional[str], epsilon: float, events_charged: Optional[int], steps: int, started: str,
+               status: str, audit: bool = False, privacy_unit: str = "example", lineage: Optional[list] = None,
+               base_events: Optional[int] = None, voids: Optional[list] = None, dir_identity: Optional[dict] = None,
+               ledger_key_id: Optional[str] = None) -> dict:
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+    return {"run_id": run_id, "lineage": list(lineage) if lineage else [run_id],
+            "base_events": None if base_events is None else int(base_events),
+            "run_dir": str(Path(run_dir).absolute()), "mode": mode,
+            "target_epsilon": float(target_epsilon), "delta": delta, "accountant": accountant,
+            "epsilon": float(epsilon), "events_charged": None if events_charged is None else int(events_charged), "steps": int(steps),
+            "started": started, "updated": now(), "status": status, "audit": bool(audit),
+            "privacy_unit": privacy_unit, "voids": list(voids or []), "dir_identity": dir_identity,
+            "ledger_key_id": ledger_key_id}
+
+
+def _link(digest: str, line: bytes) -> str:
+    return hashlib.sha256(bytes.fromhex(digest) + hashlib.sha256(line).digest()).hexdigest()
+
+
+class _Verified:
+    """The budget file as verified: its records, the chain digest after each line, its id."""
+
+    def __init__(self, records: list[dict], digests: list[str], budget_id: Optional[str]):
+        self.records, self.digests, self.budget_id = records, digests, budget_id
+
+    @property
+    def lines(self) -> int:
+        return len(self.records)
+
+    @property
+    def digest(self) -> str:
+        return self.digests[-1] if self.digests else BUDGET_SEED
+
+    def digest_at(self, lines: int) -> str:
+        return BUDGET_SEED if lines == 0 else self.digests[lines - 1]
+
+    def head(self, dataset_dir) -> dict:
+        return {"budget_id": self.budget_id, "lines": self.lines, "digest": self.digest,
+                "path": str(budget_path(dataset_dir).absolute())}
+
+    def extends(self, head: dict) -> bool:
+        n = int(head.get("lines", 0))
+        return (head.get("budget_id") in (None, self.budget_id) and n <= self.lines
+                and self.digest_at(n) == head.get("digest"))
+
+
+def _read_head(dataset_dir) -> Optional[dict]:
+    path = head_path(dataset_dir)
+    if not path.exists():
+        return None
+    try:
+        head = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BudgetError(f"{path}: unreadable ({exc}): the budget's head was damaged or edited") from None
+    if not isinstance(head, dict) or not isinstance(head.get("lines"), int) or not isinstance(head.get("digest"), str):
+        raise BudgetError(f"{path}: not a budget head (lines, digest)")
+    return head
+
+
+def _verified(dataset_dir) -> _Verified:
+    """Read and verify the budget file against its chain and head (module docstring)."""
+    path, hpath = budget_path(dataset_dir), head_path(dataset_dir)
+    head = _read_head(dataset_dir)
+    if not path.exists():
+        if head is not None and head["lines"] > 0:
+            raise BudgetError(f"{path}: missing, but {hpath} records {head['lines']} lines of spending on this data "
+                              "set: the budget file was deleted or moved; restore it (a budget is never re-created "
+                              "while runs are on record)")
+        return _Verified([], [], head.get("budget_id") if head else None)
+    records, digests, d, chained = [], [], BUDGET_SEED, False
+    budget_id = head.get("budget_id") if head else None
+    lines = path.read_bytes().split(b"\n")
+    if lines[-1].strip() and (head is None or len([x for x in lines[:-1] if x.strip()]) >= head["lines"]):
+        # a last line without its newline, past the head: a write a machine crash cut off (the head
+        # is replaced only after the whole line is on disk): not a record; `append` drops it
+        lines = lines[:-1]
+    for i, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BudgetError(f"{path}: line {i} is not JSON ({exc}); the file is append-only: a damaged line "
+                              "means it was edited or a write was cut off") from None
+        if not isinstance(record, dict) or "run_id" not in record:
+            raise BudgetError(f"{path}: line {i} is not a run record (no run_id)")
+        if "prev" in record:
+            if record["prev"] != d:
+                raise BudgetError(f"{path}: line {i} does not continue the file's hash chain: lines before it were "
+                                  "removed, reordered or edited")
+            chained = True
+            budget_id = budget_id or record.get("budget_id")
+        elif chained:
+            raise BudgetError(f"{path}: line {i} carries no chain digest after chained lines: it was inserted")
+        d = _link(d, raw)
+        records.append(record)
+        digests.append(d)
+    verified = _Verified(records, digests, budget_id)
+    if head is None:
+        if chained:
+            raise BudgetError(f"{path}: its lines are chained but {hpath} is missing: the budget's head was deleted "
+                              "(it guards the file against truncation)")
+        return verified  # an older widedp's file: chained from its next line
+    if head["lines"] > verified.lines:
+        raise BudgetError(f"{path}: holds {verified.lines} lines, fewer than the {head['lines']} {hpath} records: it "
+                          "was truncated or replaced by an older copy")
+    if verified.digest_at(head["lines"]) != head["digest"]:
+        raise BudgetError(f"{path}: its first {head['lines']} lines do not hash to the digest {hpath} records: it was "
+                          "edited or replaced")
+    return verified
+
+
+@contextlib.contextmanager
+def _locked(dataset_dir) -> Iterator[None]:
+    path = Path(dataset_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise BudgetError(f"{budget_path(dataset_dir)}: cannot append this run's privacy spending "
+                          f"({exc.strerror or exc}); every run on a data set is recorded there: make the data set "
+                          "directory writable") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def append(dataset_dir, record: dict) -> dict:
+    """Append one line to DATASET/privacy_budget.jsonl (verified first; one write of the whole
+    line, fsync'd) and replace the head. Returns the head after it ({"budget_id", "lines",
+    "digest", "path"}). BudgetError naming the file when it cannot be written or verified (a
+    run must not train unrecorded)."""
+    from widedp.accounting.atomic import atomic_write_bytes
+
+    path = budget_path(dataset_dir)
+    with _locked(dataset_dir):
+        verified = _verified(dataset_dir)
+        record = {k: v for k, v in record.items() if k not in ("prev", "budget_id")}
+        budget_id = verified.budget_id or uuid.uuid4().hex
+        if verified.budget_id is None:
+            record["budget_id"] = budget_id  # the first chained line names the budget
+        record["prev"] = verified.digest
+        raw = json.dumps(record, sort_keys=True, allow_nan=True).encode()
+        line = raw + b"\n"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                _drop_torn_tail(fd, path)
+                written = os.write(fd, line)
+                if written != len(line):
+                    raise OSError(f"short write ({written} of {len(line)} bytes)")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            head = {"budget_id": budget_id, "lines": verified.lines + 1, "digest": _link(verified.digest, raw)}
+            atomic_write_bytes(head_path(dataset_dir), (json.dumps(head, sort_keys=True) + "\n").encode())
+        except OSError as exc:
+            raise BudgetError(f"{path}: cannot append this run's privacy spending ({exc.strerror or exc}); every run "
+                              f"on a data set is recorded there: make the data set directory writable") from exc
+    return {**head, "path": str(path.absolute())}
+
+
+def _drop_torn_tail(fd: int, path: Path) -> None:
+    """Truncate a last line without its newline (see `_verified`) before appending."""
+    data = path.read_bytes()
+    complete = data.rfind(b"\n") + 1
+    if complete < len(data):
+        os.ftruncate(fd, complete)
+
+
+def read(dataset_dir) -> list[dict]:
+    """Every line of the budget file, in order ([] when there is none), verified (BudgetError
+    naming the file and line otherwise: a damaged file is reported, never skipped)."""
+    return _verified(dataset_dir).records
+
+
+def head(dataset_dir) -> dict:
+    """The verified budget's head ({"budget_id", "lines", "digest", "path"})."""
+    return _verified(dataset_dir).head(dataset_dir)
+
+
+def check_recorded_head(dataset_dir, recorded: Optional[dict], what: str) -> None:
+    """A resumed run's checkpoint recorded the budget's head after its own line: the data set's
+    budget must extend it, else the run's spending would land where the run's earlier spending
+    is not (BudgetError naming both)."""
+    if not recorded:
+        return  # a checkpoint of an older widedp
+    verified = _verified(dataset_dir)
+    path = budget_path(dataset_dir)
+    recorded_path = recorded.get("path")
+    if not verified.extends(recorded):
+        where = f" (it recorded {recorded_path})" if recorded_path and recorded_path != str(path.absolute()) else ""
+        raise BudgetError(f"{path}: does not hold this run's earlier spending ({what} records the budget at line "
+                          f"{recorded.get('lines')}, digest {str(recorded.get('digest'))[:12]}…, budget id "
+                          f"{recorded.get('budget_id')}){where}: the budget file was replaced or truncated, or "
+                          f"data.path is a copy of the data set the run started on; resume on that data set")
+    if recorded_path and recorded_path != str(path.absolute()):
+        original = Path(recorded_path).parent
+        try:
+            other = _verified(original) if budget_path(original).exists() else None
+        except BudgetError:
+            other = None
+        if other is not None and other.budget_id == verified.budget_id:
+            raise BudgetError(f"{path}: data.path is a copy of {original}, where this run's spending is recorded "
+                              f"({what}); both directories hold the budget {verified.budget_id}: resume with "
+                              f"data.path = {original} (a copy's budget counts separately: README, \"Copies of a "
+                              "data set\")")
+
+
+def check_run(dataset_dir, lineage: list, key_id: Optional[str], ledger_file, remedy: str) -> None:
+    """What the data set's budget (outside the run directory) recorded of a run, against the
+    run's records: the lines of every session of the run recorded its ledger key's id — records
+    now unsigned or signed with another key were replaced (BudgetError naming both files).
+
+    (A run directory restored whole to an earlier state — its ledger, journal and checkpoint
+    together — is not refused here: it is a fork of the run from that state, whose own ledger
+    states its model's ε exactly; the session it forked from keeps its lines, so `models` counts
+    both — the restored session starts behind where that one ended.)"""
+    if not budget_path(dataset_dir).exists():
+        return
+    mine = tuple(lineage)
+    for number, record in enumerate(_verified(dataset_dir).records, start=1):
+        lin = _lineage(record)
+        if lin != mine[:len(lin)]:
+            continue
+        signed = record.get("ledger_key_id")
+        if signed is not None and signed != key_id:
+            state = "unsigned" if key_id is None else f"signed with key id {key_id}"
+            raise BudgetError(f"{ledger_file}: the run's records are {state}, but {budget_path(dataset_dir)} line "
+                              f"{number} records its session {lin[-1][:12]}… as signed with ledger key id {signed}: "
+                              f"they were replaced; {remedy}")
+
+
+def _lineage(record: dict) -> tuple:
+    return tuple(record.get("lineage") or [record["run_id"]])
+
+
+def _voids(record: dict) -> list:
+    return list(record.get("voids") or [])
+
+
+def _bound(record: dict) -> float:
+    """What a run can have spent: ∞ for a voiding run, its ε once it ended, its target while it may still run."""
+    if record.get("mode") == "nonprivate" or _voids(record):
+        return math.inf
+    spent = float(record.get("epsilon", math.inf))
+    if record.get("status") == "running":
+        return max(spent, float(record.get("target_epsilon", math.inf)))
+    return spent
+
+
+def _supersedes(later: dict, earlier: dict) -> bool:
+    """Whether `later`'s session continued from where `earlier`'s lineage ended (module docstring)."""
+    lin, prefix = _lineage(later), _lineage(earlier)
+    if len(lin) != len(prefix) + 1 or lin[:-1] != prefix:
+        return False
+    base = later.get("base_events")
+    if base is None:  # an older widedp's line: a resume of the same run
+        return True
+    if earlier.get("status") == "running":
+        # a session that may still be training elsewhere is included only by one that continued it
+        # in the very same journal file on the same machine: that one held the file's lock, which
+        # the earlier session held while it trained, so the earlier one had ended, and everything
+        # it released is charged in that file (a copy, even at the same path, is another file)
+        same = earlier.get("dir_identity")
+        return same is not None and later.get("dir_identity") == same and later.get("run_dir") == earlier.get("run_dir")
+    return int(base) >= int(earlier.get("events_charged") or 0)
+
+
+def models(records: list[dict]) -> list[dict]:
+    """Each model's latest line: every lineage that no later session continued (module docstring)."""
+    latest: dict[tuple, dict] = {}
+    first_line: dict[tuple, dict] = {}
+    for record in records:
+        lin = _lineage(record)
+        latest[lin] = record  # dicts keep first-insertion order: models in order of start
+        first_line.setdefault(lin, record)
+    return [r for lin, r in latest.items()
+            if not any(_supersedes(first_line[other], r) for other in latest if len(other) == len(lin) + 1)]
+
+
+def summary(dataset_dir) -> dict:
+    """Per-model spending (each lineage not superseded, its latest line) and the basic-composition total."""
+    path = budget_path(dataset_dir)
+    if not (Path(dataset_dir) / "dataset.json").exists():
+        raise ValueError(f"{dataset_dir}: no dataset.json (not a widedp data set directory)")
+    verified = _verified(dataset_dir)
+    runs = [dict(r, lineage=list(_lineage(r)), voids=_voids(r), epsilon_bound=_bound(r))
+            for r in models(verified.records)]
+    private = [r for r in runs if r.get("mode") != "nonprivate"]
+    user = [r for r in private if r.get("privacy_unit", "example") == "user"]
+    per_example = [(2 * r["epsilon_bound"], (1 + math.exp(min(r["epsilon_bound"], 700))) * (r.get("delta") or 0.0))
+                   if r in user else (r["epsilon_bound"], r.get("delta") or 0.0) for r in private]
+    voided = [{"run_dir": r["run_dir"], "lineage": r.get("lineage"), "reasons": _voids(r) or
+               ["train.mode = nonprivate: no privacy guarantee"]}
+              for r in runs if r.get("mode") == "nonprivate" or _voids(r)]
+    return {
+        "dataset": str(dataset_dir),
+        "budget_file": str(path),
+        "budget_id": verified.budget_id,
+        "lines": verified.lines,
+        "runs": runs,
+        "num_runs": len(runs),
+        "total_epsilon": math.inf if voided else sum(e for e, _ in per_example),
+        "total_delta": sum(d for _, d in per_example),
+        "user_total_epsilon": (math.inf if voided or len(user) < len(private)
+                               else sum(r["epsilon_bound"] for r in user)) if user else None,
+        "user_total_delta": sum(r.get("delta") or 0.0 for r in user) if user else None,
+        "voided_by": voided,
+        "composition": ("basic composition: an upper bound on what all these models together reveal about one "
+                        "example, at δ = total_delta (the sum of their δs; a user-level run counts as (2ε, "
+                        "(1 + e^ε)·δ) for one example). One entry per model: a run directory copied and resumed "
+                        "in two places is two models (their lineages fork). A model whose latest line is 'running' "
+                        "counts at its target ε (it may have crashed or still be training). Tuning and audit runs "
+                        "count like any other; a run in voided_by (non-private, reproducible, debug statistics, a "
+                        "deliberately broken audit) makes the total infinite. user_total_epsilon: the same for one "
+                        "user, over the user-level runs; infinite once an example-level private run or a voiding "
+                        "run trained on the data set."),
+    }
+
+
+def record_audit(cfg: Any, record: dict, out_dir) -> None:
+    """`widedp audit`'s run trained on the data set too: append what it spent (claimed ε), as
+    voiding when it ran a broken variant, reproducibly or non-privately."""
+    from widedp.trainer.config.semantics import void_reasons
+
+    when = now()
+    voids = void_reasons({"privacy.reproducible": cfg.privacy.reproducible}, {}, cfg.train.mode)
+    if record.get("broken"):
+        voids.insert(0, f"widedp audit --broken {record['broken']}: trained deliberately broken, no guarantee")
+    append(cfg.data.path, run_record(
+        run_id=uuid.uuid4().hex, run_dir=out_dir, mode=cfg.train.mode, target_epsilon=cfg.privacy.target_epsilon,
+        delta=record.get("delta"), accountant=cfg.privacy.accountant, epsilon=record.get("claimed_epsilon", math.inf),
+        events_charged=None, steps=record.get("steps", 0), started=when, status="finished", audit=True,
+        privacy_unit=cfg.privacy.unit, voids=voids))
