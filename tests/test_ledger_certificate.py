@@ -162,7 +162,7 @@ def _engine(target, accountant):
 def test_the_engine_certifies_the_planned_steps_once_and_computes_epsilon_only_when_read():
     acc = Counting()
     engine = _engine(1e9, acc)
-    engine.plan_steps(8)
+    engine.budget.plan_steps(8)
     stats = [engine.step() for _ in range(8)]
     assert all(s is not None for s in stats)
     assert acc.calls == 1  # one certificate for the 8 steps; no per-step ε
@@ -187,7 +187,7 @@ def test_the_engine_still_stops_exactly_before_the_step_that_would_exceed(planne
     acc = Counting()
     engine = _engine(target, acc)
     if planned is not None:
-        engine.plan_steps(planned)
+        engine.budget.plan_steps(planned)
     taken = 0
     while engine.step() is not None:
         taken += 1
@@ -202,7 +202,7 @@ def test_the_engine_still_stops_exactly_before_the_step_that_would_exceed(planne
 def test_plan_steps_checks_its_argument():
     engine = _engine(1e9, "rdp")
     with pytest.raises(ValueError, match="total_steps"):
-        engine.plan_steps(-1)
+        engine.budget.plan_steps(-1)
 
 
 # ---- the recorder ----------------------------------------------------------------------------------

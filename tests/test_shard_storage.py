@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import widedp.trainer.engine.shard as shard_module
+import widedp.trainer.engine.shard_update as update_module  # the write-back's chunk size lives there
 from widedp.selection.keyed_random import NoiseKey
 from widedp.trainer.engine.layout import FeatureSpec, ShardInput, ShardLayout, TableSpec, row_block_normal
 from widedp.trainer.engine.shard import EmbeddingShard
@@ -133,7 +134,7 @@ def test_dense_noise_update_in_small_chunks_equals_one_chunk_and_reaches_the_unu
     every row of the requested tables moves by its own noise, and a table no feature uses is
     written through its own channel."""
     def run(chunk):
-        monkeypatch.setattr(shard_module, "UPDATE_CHUNK", chunk)
+        monkeypatch.setattr(update_module, "UPDATE_CHUNK", chunk)
         shard = EmbeddingShard(LAYOUT, 0, lr=1.0, seed=1, init_std=0.5)
         before = tables_of(shard)
         touched_t, touched_id = np.array([0, 2]), np.array([shard.ranges[0][0] + 2, shard.ranges[2][0]])
@@ -162,7 +163,7 @@ def test_dense_noise_update_in_place_equals_row_by_row_updates(optimizer, monkey
     """DP-SGD's every-row update (in place on contiguous slices) is the same optimizer as the
     write-back of given rows: three steps against the row-by-row reference, chunks of
     2 rows so a table spans several slices, averaging on (the EMA sees every row each step)."""
-    monkeypatch.setattr(shard_module, "UPDATE_CHUNK", 2)
+    monkeypatch.setattr(update_module, "UPDATE_CHUNK", 2)
     rng = np.random.default_rng(5)
     shard = EmbeddingShard(LAYOUT, 1, optimizer=optimizer, lr=0.3, seed=1, init_std=0.5, ema_decay=0.5)
     fused = EmbeddingShard(LAYOUT, 1, optimizer=optimizer, lr=0.3, seed=1, init_std=0.5, ema_decay=0.5)

@@ -55,7 +55,7 @@ from widedp.trainer.engine.selection_stage import RowSelection
 from widedp.trainer.engine.shard_group import ShardLostError, StepInterrupted
 from widedp.trainer.engine.trainer_role import PhaseClock, TrainerPart
 from widedp.trainer.engine.trainers import (InProcessTrainers, TrainerGroupFactory, in_process_trainers, make_trainers,
-                                            trainer_samples)
+                                            partition, trainer_samples)
 from widedp.trainer.engine.vocabulary import SparseVocabulary
 from widedp.trainer.models import DenseModel
 
@@ -164,7 +164,8 @@ class Engine:
         self.dense_table_rows = sum(layout.tables[t].num_rows for t in self.dense_tables)
         self.sparse_vocabulary = SparseVocabulary(np.array([t.num_rows for t in layout.tables]), self.dense_tables)
         self.num_trainers = options.num_trainers
-        self._units(example_units)
+        self.trainer_bounds, self.example_units, self.num_units, self.unit_bounds = partition(
+            len(train_set), self.num_trainers, example_units, self.plan)
         self.noise = NoiseStage(mode=mode, plan=self.plan, expected_batch_size=self.b, noise_gen=self.noise_gen,
                                 clip_rng=self.clip_rng, secure=self.secure_mode,
                                 noise_dense_tables=bool(self.dense_tables))
@@ -180,25 +181,6 @@ class Engine:
                                       selects=self.selects, options=options, expected_batch_size=self.b,
                                       dense_tables=self.dense_tables)
         self.selection.trainers = self.trainers
-
-    def _units(self, example_units: Optional[np.ndarray]) -> None:
-        """Each trainer's examples (or, at user level, units with all their examples)."""
-        n, N = len(self.train_set), self.num_trainers
-        self.trainer_bounds = np.array([(i * n) // N for i in range(N + 1)], dtype=np.int64)
-        self.example_units: Optional[np.ndarray] = None
-        self.num_units = n  # example level: every example is its own unit
-        self.unit_bounds: Optional[np.ndarray] = None
-        if example_units is None:
-            return
-        units = np.asarray(example_units)
-        if units.shape != (n,) or not np.issubdtype(units.dtype, np.integer) or (n and units.min() < 0):
-            raise ValueError(f"example_units must hold a unit index >= 0 for each of the {n} training examples")
-        if self.plan is not None and self.plan.mix_coordinates > 1:
-            raise ValueError("refined clipping (privacy.mix_coordinates > 1) clamps each example's coordinates: "
-                             "it has no user-level form (privacy.unit = \"user\")")
-        self.example_units = units.astype(np.int64)
-        self.num_units = U = int(units.max()) + 1 if n else 0
-        self.unit_bounds = np.array([(i * U) // N for i in range(N + 1)], dtype=np.int64)
 
     # ---- what the step is told --------------------------------------------------------------------------
     @property
@@ -226,19 +208,6 @@ class Engine:
     def dense_ema(self) -> Optional[dict]:
         """The averaged dense parameters (train.ema_decay > 0), else None."""
         return self.dense.ema
-
-    def accounted(self, event: ev.DpEvent) -> ev.DpEvent:
-        """`event` as this run charges it (for a group at user level by example sampling)."""
-        return self.budget.accounted(event)
-
-    def charge(self, event: ev.DpEvent, whole_unit: bool = False) -> None:
-        """Record a one-time event (DP-FEST, a private vocabulary, the recalibration) and persist
-        the ledger, before anything that depends on that mechanism's output is used."""
-        self.budget.charge(event, whole_unit)
-
-    def plan_steps(self, total_steps: int) -> None:
-        """Tell the budget check the run's planned number of steps (`PrivacyBudget.plan_steps`)."""
-        self.budget.plan_steps(total_steps)
 
     def needs_one_time_selection(self) -> bool:
         """Whether the plan's selector selects once before training (DP-FEST)."""

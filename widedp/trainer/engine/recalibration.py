@@ -176,7 +176,7 @@ def recalibrate_engine(engine, train_set, noise_multiplier: float, batch_size: i
         raise ValueError("train.recalibrate: the training split is empty")
     logits, labels = (t.detach().double().numpy().ravel() for t in outputs)
     event = GaussianDpEvent(noise_multiplier)
-    engine.charge(event)  # ledger first (docs/DESIGN.md §1): a crash after this only over-counts
+    engine.budget.charge(event)  # ledger first (docs/DESIGN.md §1): a crash after this only over-counts
     units = getattr(engine, "example_units", None)  # user level: each unit weighs 1 in all
     hist = noisy_histogram(logits, labels, noise_multiplier, engine.randomness.recalibration_rng(engine.step_count),
                            weights=None if units is None else unit_weights(units))

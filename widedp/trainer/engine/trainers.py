@@ -146,3 +146,21 @@ def trainer_samples(idx: np.ndarray, trainer_bounds: np.ndarray, example_units: 
         uniq, local = np.unique(units[mine], return_inverse=True)
         samples.append(UnitSample(idx[mine], local.astype(np.int64).reshape(-1), int(uniq.size)))
     return samples
+
+
+def partition(n: int, num_trainers: int, example_units: Optional[np.ndarray], plan=None):
+    """(trainer bounds, example units, number of units, unit bounds): trainer i owns examples
+    [⌊i·n/N⌋, ⌊(i+1)·n/N⌋), or at user level (`example_units`: a unit index per example) the
+    units [⌊i·U/N⌋, ⌊(i+1)·U/N⌋) with all their examples."""
+    N = num_trainers
+    bounds = np.array([(i * n) // N for i in range(N + 1)], dtype=np.int64)
+    if example_units is None:
+        return bounds, None, n, None  # example level: every example is its own unit
+    units = np.asarray(example_units)
+    if units.shape != (n,) or not np.issubdtype(units.dtype, np.integer) or (n and units.min() < 0):
+        raise ValueError(f"example_units must hold a unit index >= 0 for each of the {n} training examples")
+    if plan is not None and plan.mix_coordinates > 1:
+        raise ValueError("refined clipping (privacy.mix_coordinates > 1) clamps each example's coordinates: "
+                         "it has no user-level form (privacy.unit = \"user\")")
+    U = int(units.max()) + 1 if n else 0
+    return bounds, units.astype(np.int64), U, np.array([(i * U) // N for i in range(N + 1)], dtype=np.int64)

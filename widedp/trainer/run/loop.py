@@ -60,7 +60,7 @@ class Run:
         selection (DP-FEST) that has not run yet runs it first (`prepare`)."""
         self.prepare()
         engine = self.engine
-        engine.plan_steps(steps)  # the budget is certified for the planned steps once (accounting/ledger.py)
+        engine.budget.plan_steps(steps)  # the budget is certified for the planned steps once (accounting/ledger.py)
         if engine.step_count < steps:
             undo_recalibration(engine)  # go on from the training iterate, not the recalibrated release
         start = time.perf_counter()
@@ -96,7 +96,7 @@ class Run:
         engine = self.engine
         if plan is None or engine.ledger is None or engine.step_count == 0 or engine.recalibrated_at == engine.step_count:
             return None
-        event = engine.accounted(GaussianDpEvent(plan["noise_multiplier"]))
+        event = engine.budget.accounted(GaussianDpEvent(plan["noise_multiplier"]))
         if engine.ledger.would_exceed(event, self.config.privacy.target_epsilon):
             log.warning("train.recalibrate skipped: its release (σ = %.4g) would spend past privacy.target_epsilon = "
                         "%g; the model is released as trained", plan["noise_multiplier"],

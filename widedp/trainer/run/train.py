@@ -440,14 +440,14 @@ def _planned_one_time(engine: Engine) -> list:
         return []
     p = engine.private_plan
     event = get_selector(p.selection).one_time_event(p.selection_params)
-    return [] if event is None else [engine.accounted(event)]
+    return [] if event is None else [engine.budget.accounted(event)]
 
 
 def _charged_data_events(cfg: Config, engine: Engine, meta) -> list:
     """The data set's one-time events (dataset.json privacy_events) as this run charges them
     and as its plan calibrated for them (`planning.data_event_is_grouped`: for a group of k
     under privacy.user_sampling = "examples" unless the event bounds a whole user)."""
-    return [engine.accounted(e) if data_event_is_grouped(cfg, unit) else e
+    return [engine.budget.accounted(e) if data_event_is_grouped(cfg, unit) else e
             for (_, e), unit in zip(meta.privacy_events, meta.privacy_event_units)]
 
 
@@ -551,7 +551,7 @@ def _start(engine: Engine, cfg: Config, run_dir: Path, train_set, data_events: l
     (run_dir / "metrics.jsonl").write_text("")
     if engine.ledger is not None:
         for event in data_events:  # as charged (`_charged_data_events`)
-            engine.charge(event, whole_unit=True)
+            engine.budget.charge(event, whole_unit=True)
     if engine.needs_one_time_selection():
         engine.prepare_fest(train_set.feature_rows)
 
