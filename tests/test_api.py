@@ -49,18 +49,50 @@ def test_sampling_as_opacus_users_state_it():
         widedp.sampling(batch_size=256, dataset_size=100, epochs=1)
 
 
-def test_epsilon_and_calibrate_agree_with_the_cli_in_either_form(capsys):
+def test_epsilon_and_calibrate_return_numbers_that_agree_with_the_cli_in_either_form(capsys):
     by_epochs = widedp.epsilon(noise_multiplier=1.0, batch_size=256, dataset_size=50_000, epochs=3, delta=1e-6)
     by_rate = widedp.epsilon(noise_multiplier=1.0, sample_rate=256 / 50_000, steps=586, delta=1e-6)
-    assert by_epochs == by_rate
+    assert isinstance(by_epochs, float) and by_epochs == by_rate
     assert main(["epsilon", "--noise-multiplier", "1", "--delta", "1e-6", "--batch-size", "256",
                  "--dataset-size", "50000", "--epochs", "3"]) == 0
-    assert json.loads(capsys.readouterr().out)["epsilon"] == by_epochs["epsilon"]
-    sigma = widedp.calibrate(target_epsilon=by_epochs["epsilon"], batch_size=256, dataset_size=50_000, epochs=3,
-                             delta=1e-6)["noise_multiplier"]
-    assert sigma == pytest.approx(1.0, rel=1e-3)
+    assert json.loads(capsys.readouterr().out)["epsilon"] == by_epochs
+    sigma = widedp.calibrate(target_epsilon=by_epochs, batch_size=256, dataset_size=50_000, epochs=3, delta=1e-6)
+    assert isinstance(sigma, float) and sigma == pytest.approx(1.0, rel=1e-3)
+    assert main(["calibrate", "--target-epsilon", str(by_epochs), "--delta", "1e-6", "--batch-size", "256",
+                 "--dataset-size", "50000", "--epochs", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["noise_multiplier"] == sigma
     assert main(["calibrate", "--target-epsilon", "2", "--delta", "1e-6", "--batch-size", "256", "--steps", "3"]) == 2
     assert "give --sample-rate and --steps, or --batch-size" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="accountant must be one of"):
+        widedp.epsilon(noise_multiplier=1.0, sample_rate=0.01, steps=10, delta=1e-6, accountant="exact")
+    with pytest.raises(ValueError, match=r"delta must be in \(0, 1\)"):
+        widedp.calibrate(target_epsilon=1.0, sample_rate=0.01, steps=10, delta=2.0)
+
+
+def test_the_api_leaves_logging_alone():
+    """A notebook's logging configuration is the notebook's: the API functions set no level."""
+    import logging
+
+    widedp_logger = logging.getLogger("widedp")
+    before = (widedp_logger.level, list(widedp_logger.handlers), logging.getLogger().level)
+    widedp.epsilon(noise_multiplier=1.0, sample_rate=0.01, steps=10, delta=1e-6, accountant="rdp")
+    widedp.calibrate(target_epsilon=1.0, sample_rate=0.01, steps=10, delta=1e-6, accountant="rdp")
+    assert (widedp_logger.level, list(widedp_logger.handlers), logging.getLogger().level) == before
+
+
+def test_every_public_name_is_marked_and_documented_with_args_and_returns():
+    import inspect
+
+    from widedp.public import is_public
+
+    for name in widedp.__all__:
+        obj = getattr(widedp, name)
+        assert is_public(obj), f"widedp.{name} is in __all__ but not marked @public"
+        doc = inspect.getdoc(obj) or ""
+        if inspect.isfunction(obj):
+            assert "Args:" in doc and "Returns:" in doc, f"widedp.{name}: its docstring needs Args: and Returns:"
+        else:
+            assert "Attributes:" in doc, f"widedp.{name}: its docstring needs Attributes:"
 
 
 def test_import_widedp_is_light():
