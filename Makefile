@@ -15,7 +15,7 @@ FBGEMM_OF_cuda := fbgemm-gpu
 OTHER_VARIANT := $(if $(filter cpu,$(VARIANT)),cuda,cpu)
 STAMP := $(VENV)/.installed-$(VARIANT)
 
-.PHONY: setup test demo bench results clean
+.PHONY: setup test demo docs bench results clean
 
 setup: $(STAMP)
 
@@ -38,8 +38,17 @@ $(STAMP): pyproject.toml Makefile
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	# the documentation site: built with --strict (a broken link or a reference that does not
+	# generate fails the build); tests/test_docs.py checks what the build cannot
+	$(VENV)/bin/mkdocs build --strict -q
 	# --durations: the slowest tests in every log, to keep the suite inside CI's time.
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=20 tests
+
+# The documentation site, from docs/ (mkdocs.yml): build/site/index.html. The API, command-line and
+# config references are generated from the code (docs/hooks.py, mkdocstrings).
+docs: setup
+	$(VENV)/bin/mkdocs build --strict
+	@echo "== build/site/index.html"
 
 # A run directory is never written twice (docs/DESIGN.md §1): each demo trains into a new one.
 DEMO_RUN = runs/quickstart-$(shell date +%Y%m%d-%H%M%S)

@@ -1516,18 +1516,25 @@ def _own_section(name: str, plot_dir: Path):
     return section
 
 
+def section_slug(title: str) -> str:
+    """The file name of a section's page: docs/results/<slug>.md ("2b-dlrm-style-ctr-step-...")."""
+    slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+    return slug[:64].rstrip("-")
+
+
 def _render_sections(sections: list, docs: dict, plots: dict, machines: dict) -> tuple[list, list]:
-    """Markdown lines and goal rows of `sections` ((name, title, fn, plot keys) each); records
-    each document's machine line in `machines`."""
-    body: list = []
+    """Each section's page ((title, markdown lines) each) and the goal rows of `sections`
+    ((name, title, fn, plot keys) each); records each document's machine line in `machines`."""
+    pages: list = []
     goals: list = []
     for name, title, fn, plot_keys in sections:
-        body += [f"## {title}", ""]
+        body: list = []
         doc = docs.get(name)
         if doc is None:
             script, extra = RUN_VARIANTS.get(name, (f"{name}.py", []))
             body += [f"Not run yet: `python benchmarks/{' '.join([script, *extra])}` writes "
                      f"`benchmarks/results/{name}.json`.", ""]
+            pages.append((title, body))
             continue
         machines.setdefault(machine_line(doc["machine"], load=False), []).append(name)
         src = _rel(doc["_path"])
@@ -1542,10 +1549,17 @@ def _render_sections(sections: list, docs: dict, plots: dict, machines: dict) ->
         body += lines + [""]
         for key in plot_keys:
             if key in plots:
-                body.append(f"![{key}](plots/{Path(plots[key]).name})")
+                body.append(f"![{key}](../plots/{Path(plots[key]).name})")
         body.append("")
-        goals += [(t, m, ok, why, name) for t, m, ok, why in g]
-    return body, goals
+        pages.append((title, body))
+        goals += [(t, m, ok, why, name, title) for t, m, ok, why in g]
+    return pages, goals
+
+
+def read_rendered(summary: Path) -> str:
+    """The summary page and every section page, as one text (for readers that search them all)."""
+    pages = sorted((summary.parent / "results").glob("*.md")) if (summary.parent / "results").is_dir() else []
+    return "\n".join([summary.read_text(), *(p.read_text() for p in pages)])
 
 
 def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
@@ -1634,33 +1648,37 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          _own_section("convert_throughput", plot_dir), []),
     ]
     machines: dict = {}
-    body, goals = _render_sections(sections, docs, plots, machines)
-    late_body, late_goals = _render_sections(late_sections, docs, plots, machines)
+    pages, goals = _render_sections(sections, docs, plots, machines)
+    late_pages, late_goals = _render_sections(late_sections, docs, plots, machines)
     goals += late_goals
     if "selection_scaling" in docs:
         s = docs["selection_scaling"]
-        body += ["## 8. Selection alone versus vocabulary size", "",
-                 f"Output of `benchmarks/selection_scaling.py` ({'quick' if s['quick'] else 'full'}; `{_rel(s['_path'])}`):", "",
-                 "```", s["text"].rstrip(), "```", ""]
+        pages.append(("8. Selection alone versus vocabulary size", [
+            f"Output of `benchmarks/selection_scaling.py` ({'quick' if s['quick'] else 'full'}; `{_rel(s['_path'])}`):",
+            "", "```", s["text"].rstrip(), "```", ""]))
     tuning = sorted((results_dir / "tuning").glob("*.json")) if (results_dir / "tuning").is_dir() else []
     if tuning:
-        body += ["## 9. Hyperparameter tuning (how the configs' values were chosen)", "",
-                 "Each sweep: `benchmarks/tune.py`, one run per point on in-process shards (sweeps run with `--seeds`: "
-                 "one per seed, each point the median, min–max beside it); the best point is chosen "
-                 "on the split each table names (validation: held out of training, never the test split; older "
-                 "sweeps chose on test, labelled optimistic). The configs' comments cite these tables.", ""]
+        tuning_lines = [
+            "Each sweep: `benchmarks/tune.py`, one run per point on in-process shards (sweeps run with `--seeds`: "
+            "one per seed, each point the median, min–max beside it); the best point is chosen "
+            "on the split each table names (validation: held out of training, never the test split; older "
+            "sweeps chose on test, labelled optimistic). The configs' comments cite these tables.", ""]
         for path in tuning:
-            body += section_tuning(json.loads(path.read_text()), path)
+            tuning_lines += section_tuning(json.loads(path.read_text()), path)
+        pages.append(("9. Hyperparameter tuning (how the configs' values were chosen)", tuning_lines))
         lever_lines, lever_goals = gap_levers({p.stem: json.loads(p.read_text()) for p in tuning},
                                               docs.get("privacy_utility", {}).get("points", []))
         if lever_lines:
-            body += ["## 9a. Levers against the gap to non-private at ε = 8", *lever_lines]
-            goals += [(*g, "tune") for g in lever_goals]
-    body += late_body
-    head = ["# widedp benchmark results", "",
+            title = "9a. Levers against the gap to non-private at ε = 8"
+            pages.append((title, list(lever_lines)))
+            goals += [(*g, "tune", title) for g in lever_goals]
+    pages += late_pages
+    head = ["# widedp benchmark results: the goals", "",
             "Generated by `make results` (`benchmarks/make_results.py`) from `benchmarks/results/*.json`; every number "
-            "below is read from those files. Regenerate the measurements with `make bench` (full) or "
-            "`make bench QUICK=1`, then `make results`.", "", "## Machines", ""]
+            "here and on the section pages is read from those files. Regenerate the measurements with `make bench` "
+            "(full) or `make bench QUICK=1`, then `make results`. Each goal below says what it measured, whether it is "
+            "met, why where it is not, and the section that ran it (the algorithm and setting are on that page).", "",
+            "## Machines", ""]
     for line, names in machines.items():
         head.append(f"- {line} — {', '.join(names)}")
     busy = [n for n in NAMES if n in docs and docs[n]["machine"].get("load_average_start", [0])[0]
@@ -1673,10 +1691,10 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
     if quick:
         head += ["", f"**Caution:** {', '.join(quick)} are `--quick` runs (small sizes, few steps, one seed): they show "
                      "the pipeline works, not the final figures."]
-    head += ["", "## Goals", "", "| goal | measured | status | why / notes | benchmark |", "|---|---|---|---|---|"]
-    for t, m, ok, why, name in goals:
-        head.append(f"| {t} | {m} | {ok} | {why} | {name} |")
-    head.append("")
+    head += ["", "## Goals", "", "| goal | measured | status | why / notes | section |", "|---|---|---|---|---|"]
+    for t, m, ok, why, name, title in goals:
+        head.append(f"| {t} | {m} | {ok} | {why} | [{title.split(' ', 1)[0].rstrip('.')}](results/{section_slug(title)}.md) |")
+    head += ["", "## Sections", ""] + [f"- [{title}](results/{section_slug(title)}.md)" for title, _ in pages] + [""]
     notes = ["## Notes", "",
              "- Timings are medians over repeated steps after warm-up, each configuration in a fresh process; the "
              "machine line above gives cores and torch threads. Throughput = mean realized (Poisson) batch / median step time.",
@@ -1697,9 +1715,16 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
              "min(‖G_r‖, S0). Sparse runs spend ε = 30 split 2:1 between noise and selection by widedp's calibration "
              "(tight RDP accountant) instead of the paper's σ = 0.5; the synthetic corpus replaces the Brown corpus.",
              ""]
-    md = "\n".join(head + body + notes)
+    md = "\n".join(head + notes)
     out = out_dir / "RESULTS.md"
     out.write_text(md)
+    section_dir = out_dir / "results"
+    section_dir.mkdir(parents=True, exist_ok=True)
+    for old in section_dir.glob("*.md"):
+        old.unlink()  # a section that is gone leaves no page behind
+    for title, lines in pages:
+        text = "\n".join([f"# {title}", "", "[All goals](../RESULTS.md)", "", *lines]).rstrip() + "\n"
+        (section_dir / f"{section_slug(title)}.md").write_text(text.replace("](plots/", "](../plots/"))
     return out
 
 

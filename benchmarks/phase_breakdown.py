@@ -1,6 +1,6 @@
 """Where the time of a sparse step goes: per-phase medians, in-process shards versus Ray actors.
 
-The engine times each phase of a step (trainer/engine/__init__.py `StepStats.phases`): sample + batch
+The engine times each phase of a step (trainer/engine/engine.py `StepStats.phases`): sample + batch
 read, lookup (route ids, shards' partial pooled embeddings), dense forward/backward with
 per-example gradients (torch.func), per-example norms (embedding norms from the ids on the
 trainer, or the shards' with cluster.norms_on_trainer = false, + dense norms, clip factors),

@@ -1,5 +1,6 @@
-"""README walkthroughs, run as written: the ```bash block after a `<!-- walkthrough: NAME ... -->`
-marker, and explicit substitutions that fail loudly when the block changes shape.
+"""Walkthroughs of the README and the docs pages, run as written: the ```bash block after a
+`<!-- walkthrough: NAME ... -->` marker (in the one page that holds it), and explicit
+substitutions that fail loudly when the block changes shape.
 
 A test may only change a walkthrough through `Walkthrough.replace` / `Walkthrough.append_to_line`,
 each of which states why it is needed and refuses to apply unless its text occurs exactly as
@@ -15,11 +16,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def documents() -> list[Path]:
+    """The pages a user reads: README.md and the docs site's sources."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def page_with(marker: str) -> Path:
+    """The one page holding `marker` (an HTML comment naming a block)."""
+    pages = [p for p in documents() if marker in p.read_text()]
+    assert len(pages) == 1, f"expected one page with {marker}, found {[str(p.relative_to(ROOT)) for p in pages]}"
+    return pages[0]
+
+
 class Walkthrough:
-    def __init__(self, name: str, readme: Path = ROOT / "README.md"):
+    def __init__(self, name: str, readme: Path | None = None):
+        readme = readme or page_with(f"<!-- walkthrough: {name}")
         text = readme.read_text()
         blocks = re.findall(rf"<!-- walkthrough: {re.escape(name)}\b[^>]*-->\n```bash\n(.*?)```", text, re.S)
-        assert len(blocks) == 1, (f"README.md: expected one ```bash block after <!-- walkthrough: {name} -->, "
+        assert len(blocks) == 1, (f"{readme.name}: expected one ```bash block after <!-- walkthrough: {name} -->, "
                                   f"found {len(blocks)}")
         self.name = name
         self.original = blocks[0]

@@ -1,5 +1,5 @@
 """A slow, obvious reference implementation of one training step (seed Algorithm 3, at row
-granularity) — the test oracle for trainer/engine/__init__.py.
+granularity) — the test oracle for trainer/engine/engine.py.
 
 Everything is dense and in plain torch: the embedding tables are whole tensors, pooling is
 done by indexing the tables with each bag's ids, per-example gradients come from a Python loop

@@ -115,7 +115,7 @@ def test_results_generator_reads_its_numbers_from_the_json(tmp_path):
     (res / "quick").mkdir()
     (res / "quick" / "privacy_overhead.json").write_text(json.dumps(overhead))
     path = make_results.render(res, tmp_path / "docs")
-    md = path.read_text()
+    md = make_results.read_rendered(path)
     assert "TestCPU 9000, 64 logical cores (32 physical), torch threads 64" in md
     assert "| 10^7 | dpsgd | 98,765 |" in md and "123" in md and "expected batch 777, k = 333" in md
     assert "| Sparse step time at 10^7 rows ≤ 1.3× its time at 10^4 | 1.1× (medians) | **met**" in md
@@ -123,7 +123,9 @@ def test_results_generator_reads_its_numbers_from_the_json(tmp_path):
     assert "privacy_overhead are `--quick` runs" in md  # the fallback to quick/ is labelled
     assert "Not run yet: `python benchmarks/opacus_compare.py`" in md
     assert _is_png(tmp_path / "docs" / "plots" / "step_time_vs_rows.png")
-    assert "![step_time_vs_rows](plots/step_time_vs_rows.png)" in md
+    assert "![step_time_vs_rows](../plots/step_time_vs_rows.png)" in md  # on the section's own page
+    summary = path.read_text()
+    assert "(results/1-step-time-versus-table-size.md)" in summary and len(summary.splitlines()) < 80
 
 
 # ---- smoke runs of the benchmark scripts (smallest configurations) --------------------------------
@@ -155,7 +157,7 @@ def test_communication_smoke_and_results_round_trip(tmp_path):
     res = tmp_path / "res"
     res.mkdir()
     (res / "communication.json").write_text(json.dumps(doc))
-    md = make_results.render(res, tmp_path / "docs").read_text()
+    md = make_results.read_rendered(make_results.render(res, tmp_path / "docs"))
     ratio = doc["summary"]["dense_over_sparse_write_back"]
     assert f"= **{make_results.f(ratio)}×**" in md
 
@@ -210,7 +212,7 @@ def test_privacy_utility_smoke(tmp_path):
     res = tmp_path / "res"
     res.mkdir()
     (res / "privacy_utility.json").write_text(json.dumps({**doc, "machine": _machine()}))
-    md = make_results.render(res, tmp_path / "docs").read_text()
+    md = make_results.read_rendered(make_results.render(res, tmp_path / "docs"))
     assert "| cbow: sparse/em-count beats sparse/random at every ε |" in md
     assert "- cbow sparse ε = 8: `train.lr=0.25`" in md  # the tuned values and their sweep are stated
     assert "| cbow: best sparse within 0 of dpsgd test loss at every ε |" in md
@@ -332,8 +334,8 @@ def test_tune_sweep_smoke_and_results_section(tmp_path):
     res = tmp_path / "res"
     (res / "tuning").mkdir(parents=True)
     (res / "tuning" / "smoke.json").write_text(json.dumps(doc))
-    md = make_results.render(res, tmp_path / "docs").read_text()
-    assert "## 9. Hyperparameter tuning" in md and "**train.lr=" in md
+    md = make_results.read_rendered(make_results.render(res, tmp_path / "docs"))
+    assert "# 9. Hyperparameter tuning" in md and "**train.lr=" in md
     assert "best point chosen on the validation split" in md
     assert f"{doc['best']['validation_metrics']['auc']:.4f} | {doc['best']['test_metrics']['auc']:.4f}" in md
 
@@ -369,8 +371,8 @@ def test_dlrm_compare_smoke_and_results_section(tmp_path, monkeypatch):
     res = tmp_path / "res"
     res.mkdir()
     (res / "dlrm_compare.json").write_text(json.dumps(doc))
-    md = make_results.render(res, tmp_path / "docs").read_text()
-    assert "## 2b. DLRM-style CTR step" in md and "| 26 × 500 ms | × floor | Opacus / system |" in md
+    md = make_results.read_rendered(make_results.render(res, tmp_path / "docs"))
+    assert "# 2b. DLRM-style CTR step" in md and "| 26 × 500 ms | × floor | Opacus / system |" in md
     assert f"| {make_results.f(ratios['widedp-sparse-inprocess']['step_ms'])} |" in md
     assert "| Ray sparse step ≤ 1.3× the in-process sparse step (same shards) at every size |" in md
 
@@ -435,7 +437,7 @@ def test_trainer_scaling_section_reports_work_per_trainer_from_the_json(tmp_path
     res = tmp_path / "results"
     res.mkdir()
     (res / "trainer_scaling.json").write_text(json.dumps(doc))
-    md = make_results.render(res, tmp_path / "docs").read_text()
+    md = make_results.read_rendered(make_results.render(res, tmp_path / "docs"))
     assert "| ray N=2 | 100 | 2,000 | 2× | 20 / 20 | 0.5 |" in md
     assert "N = 2: CPU per trainer 0.5× and bytes per trainer 0.5× N = 1's" in md
     assert "not measured at every N" in md  # N = 4 is missing
@@ -462,7 +464,7 @@ def test_audit_section_marks_a_private_claim_exceeded_and_an_unflagged_broken_ru
         doc = {"benchmark": "privacy_audit", "quick": False, "machine": _machine(), "canaries": 1000,
                "member_fraction": 0.1, "confidence": 0.95, "results": results}
         (res / "privacy_audit.json").write_text(json.dumps(doc))
-        md = make_results.render(res, tmp_path / name).read_text()
+        md = make_results.read_rendered(make_results.render(res, tmp_path / name))
         goals = [line for line in md.splitlines() if line.startswith("| One-run ε lower bound") or
                  line.startswith("| Non-private and broken runs")]
         assert len(goals) == 2
@@ -490,9 +492,9 @@ def test_exposure_section_reads_flags_and_goals_from_the_json(tmp_path):
     res = tmp_path / "results"
     res.mkdir()
     (res / "canary_exposure.json").write_text(json.dumps(doc))
-    md = make_results.render(res, tmp_path / "docs").read_text()
+    md = make_results.read_rendered(make_results.render(res, tmp_path / "docs"))
     assert "| 9 | sparse | 8 | 0.002 | yes |" in md
-    assert "![canary_exposure](plots/canary_exposure.png)" in md and (tmp_path / "docs/plots/canary_exposure.png").exists()
+    assert "![canary_exposure](../plots/canary_exposure.png)" in md and (tmp_path / "docs/plots/canary_exposure.png").exists()
     # No "placement" in the json: the runs before --placement existed, phrases as lines.
     goal = "| Canary exposure (synthetic, placement line): "
     assert [line for line in md.splitlines() if line.startswith(goal + "non-private")][0].count("**met**") == 1
@@ -638,7 +640,7 @@ def test_results_show_logloss_and_ece_beside_auc_and_the_calibration_goals(tmp_p
     res = tmp_path / "results"
     res.mkdir()
     (res / "privacy_utility.json").write_text(json.dumps(_utility_doc(_ctr_records())))
-    md = make_results.render(res, tmp_path / "docs").read_text()
+    md = make_results.read_rendered(make_results.render(res, tmp_path / "docs"))
     assert "| test auc median | min | max | test logloss median | ECE median |" in md
     assert "| dpsgd | 1 | 2 | 0.7300 | 0.7290 | 0.7310 | 0.5700 | 0.0500 |" in md
     assert f"Base-rate log loss (always predicting the test split's mean label; a model's log loss must be below it): {BASE_RATE:.4f}." in md
@@ -650,7 +652,7 @@ def test_results_show_logloss_and_ece_beside_auc_and_the_calibration_goals(tmp_p
     assert f"ε=1: 1 of 3 at or above: dpsgd +{0.570 - BASE_RATE:.4f} (ECE 0.050)" in below
     assert "ε=8: all 3 below" in below
     for name in ("auc_vs_eps_ctr", "logloss_vs_eps_ctr"):
-        assert f"![{name}](plots/{name}.png)" in md and _is_png(tmp_path / "docs" / "plots" / f"{name}.png")
+        assert f"![{name}](../plots/{name}.png)" in md and _is_png(tmp_path / "docs" / "plots" / f"{name}.png")
 
 
 def test_results_from_json_written_before_calibration_say_not_measured(tmp_path):
@@ -660,7 +662,7 @@ def test_results_from_json_written_before_calibration_say_not_measured(tmp_path)
     res = tmp_path / "results"
     res.mkdir()
     (res / "privacy_utility.json").write_text(json.dumps(_utility_doc(_ctr_records(calibrated=False), goals=False)))
-    md = make_results.render(res, tmp_path / "docs").read_text()
+    md = make_results.read_rendered(make_results.render(res, tmp_path / "docs"))
     assert "| dpsgd | 1 | 2 | 0.7300 | 0.7290 | 0.7310 | 0.5700 | — |" in md
     assert "predicting the test split's mean label; a model's log loss must be below it): — (not measured" in md
     below = _goal_row(md, "| ctr: every private model's test logloss below the base-rate predictor's at every ε |")
@@ -806,9 +808,9 @@ def test_gap_levers_render_into_results_md(tmp_path):
               for m, sel, e, v in (("nonprivate", None, None, 0.77), ("sparse", "fest-threshold", 8.0, 0.75))]
     (res / "privacy_utility.json").write_text(json.dumps({"benchmark": "privacy_utility", "quick": False,
                                                           "machine": _machine(), "points": points, "goals": {}}))
-    md = make_results.render(res, tmp_path / "docs").read_text()
-    assert "## 9a. Levers against the gap to non-private at ε = 8" in md
-    assert "| toy sparse: a lever closes half the gap to non-private at ε = 8 |" in md and "| tune |" in md
+    md = make_results.read_rendered(make_results.render(res, tmp_path / "docs"))
+    assert "# 9a. Levers against the gap to non-private at ε = 8" in md
+    assert "| toy sparse: a lever closes half the gap to non-private at ε = 8 |" in md and "(results/9a-levers-against-the-gap-to-non-private-at-8.md) |" in md
 
 
 @pytest.mark.parametrize("sparse_sigma, rows_ratio, same", [(0.8254, 1.0, True), (0.9, 1.0, False), (0.8254, 2.0, False)])

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 import pytest
-from readme_blocks import Walkthrough
+from readme_blocks import Walkthrough, page_with
 
 # make test runs on two xdist workers (--dist loadgroup): the module's one Ray cluster (README's walkthrough)
 # stays on one worker.
@@ -309,9 +309,9 @@ def test_readme_two_node_walkthrough_runs_as_written(cluster):
 
 def test_walkthrough_substitutions_fail_loudly_when_the_block_changes(tmp_path):
     """A README edit that drops or repeats a substituted text stops the test with a message."""
-    readme = (ROOT / "README.md").read_text()
     marker = "<!-- walkthrough: two-node"
-    assert readme.count(marker) == 1, "README lacks the two-node walkthrough marker"
+    readme = page_with(marker).read_text()
+    assert readme.count(marker) == 1, "the docs lack the two-node walkthrough marker"
     changed = tmp_path / "README.md"
     changed.write_text(readme.replace("--temp-dir /tmp/ray-worker", "--temp-dir /var/tmp/rw", 1))
     w = Walkthrough("two-node", changed)

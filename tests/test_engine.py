@@ -1,4 +1,4 @@
-"""Correctness of the training engine (trainer/engine/__init__.py + shards) against a slow dense oracle.
+"""Correctness of the training engine (trainer/engine/engine.py + shards) against a slow dense oracle.
 
 `tests/reference_alg3.py` implements seed Algorithm 3 directly (whole tables, per-example
 autograd, obvious clipping / selection / noise / SGD). Here the engine — in-process with 1, 2

@@ -1,5 +1,5 @@
 """Per-step privacy accounting at the speed of a step: the ledger's budget certificate and ε
-cache (accounting/ledger.py), the engine's use of them (trainer/engine/__init__.py `would_exceed_budget`,
+cache (accounting/ledger.py), the engine's use of them (trainer/engine/engine.py `would_exceed_budget`,
 the lazy `StepStats.epsilon`), and the recorder reading ε only where it writes it."""
 
 import math

@@ -71,8 +71,8 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Sequence[str
         The `Config` (every key and type checked; `validate()` runs when it trains).
 
     Raises:
-        ConfigError (a ValueError): a missing file, bad TOML, an unknown section or key, a wrong
-        type — naming the file or `--set` and the key.
+        ConfigError: (a ValueError) a missing file, bad TOML, an unknown section or key, a wrong
+            type — naming the file or `--set` and the key.
     """
     return _load_config(None if path is None else str(path), list(overrides))
 
@@ -99,7 +99,7 @@ def train(config: ConfigLike, run_dir: Optional[Union[str, Path]] = None, *, ove
 
     Raises:
         ValueError: a bad config, a run directory that holds a run, a refused resume (a ledger
-        that does not extend its records, a changed meaning of ε), an unreachable target ε.
+            that does not extend its records, a changed meaning of ε), an unreachable target ε.
     """
     from widedp.trainer.run.train import train as _train
 
@@ -164,8 +164,11 @@ def sampling(*, sample_rate: Optional[float] = None, steps: Optional[int] = None
     q = B/n and T = ⌈E·n/B⌉, B the *expected* Poisson batch.
 
     Args:
-        sample_rate, steps: the direct form.
-        batch_size, dataset_size, epochs: the Opacus form.
+        sample_rate: q, the direct form (with `steps`).
+        steps: T, the direct form.
+        batch_size: B, the Opacus form (with `dataset_size` and `epochs`).
+        dataset_size: n, the Opacus form.
+        epochs: E, the Opacus form.
         names: how to spell each parameter in errors (the CLI passes its flags).
 
     Returns:
@@ -230,8 +233,11 @@ def epsilon(*, noise_multiplier: float, delta: float, accountant: str = "auto", 
         noise_multiplier: σ, the noise std over the ℓ2 sensitivity.
         delta: δ in (0, 1).
         accountant: "auto" (PLD where it applies, else RDP), "rdp", "pld", "prv" or "paper".
-        sample_rate, steps: the Poisson rate q and the number of steps T; or
-        batch_size, dataset_size, epochs: the expected batch B, n and E (q = B/n, T = ⌈E·n/B⌉).
+        sample_rate: the Poisson rate q (with `steps`).
+        steps: the number of steps T (with `sample_rate`).
+        batch_size: the expected batch B (with `dataset_size` and `epochs`: q = B/n).
+        dataset_size: n (with `batch_size` and `epochs`).
+        epochs: E (with `batch_size` and `dataset_size`: T = ⌈E·n/B⌉).
 
     Returns:
         ε as a float.
@@ -262,15 +268,19 @@ def calibrate(*, target_epsilon: float, delta: float, accountant: str = "auto", 
         target_epsilon: the ε to spend, > 0.
         delta: δ in (0, 1).
         accountant: as `epsilon`.
-        sample_rate, steps, batch_size, dataset_size, epochs: as `epsilon`.
+        sample_rate: as `epsilon`.
+        steps: as `epsilon`.
+        batch_size: as `epsilon`.
+        dataset_size: as `epsilon`.
+        epochs: as `epsilon`.
 
     Returns:
         σ as a float (ε(σ) ≤ target_epsilon, within the calibration's tolerance of it).
 
     Raises:
         ValueError: bad arguments as `epsilon`; `UnreachableTargetError` (a ValueError) when no σ
-        reaches the target (the accountant's (ε, δ) conversion alone spends more), naming the
-        smallest reachable ε.
+            reaches the target (the accountant's (ε, δ) conversion alone spends more), naming
+            the smallest reachable ε.
     """
     from widedp.accounting.calibration import UnreachableTargetError
     from widedp.selection.calibration import calibrate as calibrate_step

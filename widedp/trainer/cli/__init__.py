@@ -12,7 +12,7 @@ its checkpoint, a damaged checkpoint, a spent budget: ValueError), exit with cod
 one-line reason on stderr. Ctrl-C exits with code 130 and one line (`widedp train`: the step it
 stopped at and how to resume). The privacy commands (`epsilon`, `calibrate`) import no Ray.
 
-`epsilon` and `calibrate` build exactly the events the trainer records (trainer/engine/__init__.py,
+`epsilon` and `calibrate` build exactly the events the trainer records (trainer/engine/engine.py,
 `Engine._selection_event`; trainer/run/train.py, `plan_privacy`), so for the same parameters they
 print the ε the training ledger reports (tests/test_cli_trainer_agreement.py):
 - `--selection svt` is selection-only NumericSparse, as the trainer runs it;

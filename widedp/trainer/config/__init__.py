@@ -232,7 +232,7 @@ class PrivacyConfig:
     # What the guarantee protects (docs/DESIGN.md §1): "example" (add/remove one example) or
     # "user" (add/remove one unit of the data set's unit_column with all of its examples:
     # units are sampled, each contributes at most max_examples_per_user examples per step and
-    # is clipped as one gradient; n, q and δ are over units — trainer/engine/__init__.py).
+    # is clipped as one gradient; n, q and δ are over units — trainer/engine/engine.py).
     unit: str = "example"
     max_examples_per_user: int = 16  # public; a sampled user with more contributes a random subset
     # privacy.unit = "user", how (Charles et al. 2024): "users" — Poisson-sample users, each

@@ -6,7 +6,7 @@ bytes of the arrays sent to and received from shards the same way (payload array
 framing), so summaries compare across placements. `add_observer` is the public hook for
 per-method accounting (benchmarks attribute bytes, calls and wall time to shard methods with
 it). `ShardLostError` and `StepInterrupted` are how a placement tells the engine that an actor
-died (the engine redoes the step: trainer/engine/__init__.py).
+died (the engine redoes the step: trainer/engine/engine.py).
 """
 
 from __future__ import annotations

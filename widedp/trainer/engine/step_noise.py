@@ -1,5 +1,5 @@
 """The noise part of a step's privacy event: what `calibrate` is given as σ ↦ event and what the
-engine budgets and records (trainer/engine/__init__.py), so the two cannot drift apart.
+engine budgets and records (trainer/engine/engine.py), so the two cannot drift apart.
 
 - the gradient noise: GaussianDpEvent(σ), or ModelMixDpEvent(σ, w, k) when train.modelmix
   mixes every noised coordinate over an enforced gap of w update sensitivities, k > 1 with the

@@ -7,7 +7,7 @@ min(1, S1/‖g_j‖) over the example's whole gradient (embedding rows from ghos
 shards + dense parameters), its clipped row sums (left at the shards that own the rows, or
 returned by them when it is the only trainer in this process) and its dense clipped sum
 Σ_j c_j ∇θ ℓ_j / b. Nothing it returns to the coordinator is released: the coordinator adds
-the trainers' parts, selects, noises and records the step (trainer/engine/__init__.py).
+the trainers' parts, selects, noises and records the step (trainer/engine/engine.py).
 
 Local compute here, placement elsewhere: `InProcessTrainers` and `RayTrainers`
 (trainer/engine/trainers.py) run the same `TrainerRole.step_part`, so N trainers on Ray are the

@@ -365,7 +365,7 @@ def remove_unrecorded_run_dir(run_dir: Path, created_parents: tuple[Path, ...] =
 
     The rule: a run dir created by this process that holds no ledger and no checkpoint (nor a
     summary or a metrics record) carries no information — nothing was charged, nothing released
-    (every charge persists the ledger first: trainer/engine/__init__.py `charge`) — and left in place it
+    (every charge persists the ledger first: trainer/engine/engine.py `charge`) — and left in place it
     would block the same --run-dir ("holds a run"). A run dir with a ledger is never removed.
     The data set's privacy_budget.jsonl keeps the run's lines (append-only; its "failed" line
     then names a directory that no longer exists, with nothing spent)."""

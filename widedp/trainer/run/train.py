@@ -237,7 +237,7 @@ def build_run(cfg: Config, train_transform=None) -> Run:
         train_set = SplitSubset(train_set, trimmed_positions(example_units, cfg.privacy.max_examples_per_user,
                                                              randomness.user_trim_rng()))
         example_units, n = None, len(train_set)
-    elif example_units is not None:  # user level: n, q, b and δ are over units (trainer/engine/__init__.py)
+    elif example_units is not None:  # user level: n, q, b and δ are over units (trainer/engine/engine.py)
         n = int(example_units.max()) + 1
     plan, info, policy = plan_run(cfg, n, meta.table_sizes, [e for _, e in meta.privacy_events], meta.feature_tables,
                                   num_units=num_units, data_event_units=meta.privacy_event_units,
