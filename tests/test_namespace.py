@@ -149,5 +149,5 @@ def test_the_wheel_holds_widedp_and_its_metadata_only(tmp_path):
     for module in ("widedp/trainer/cli/__init__.py", "widedp/selection/registry.py", "widedp/accounting/ledger.py",
                    "widedp/auditing/one_run_audit.py", "widedp/sparse_learners/dp_erm.py",
                    "widedp/adaptive_clipping/dp_stat.py",
-                   "widedp/trainer/export_template/load_model.py"):
+                   "widedp/trainer/release/export_template/load_model.py"):
         assert module in names, module
