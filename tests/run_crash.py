@@ -1,7 +1,7 @@
 """A training process that dies mid-run, as under `kill -9`, for the tests of what a resume
 must not forget: after step N has been released (charged in ledger.json and journal.jsonl,
 its update applied) the process is gone — no checkpoint after the last scheduled one, no
-"finished" line."""
+"finished" line. And a run directory copied while it trains (`copy_at_step`)."""
 
 import pytest
 
@@ -23,6 +23,22 @@ def die_after_step(monkeypatch, step: int) -> None:
         return stop
 
     monkeypatch.setattr(train_module._TrainCallbacks, "on_step", dying)
+
+
+def copy_at_step(monkeypatch, run_dir, copy, step: int) -> None:
+    """The next `widedp train` copies its run directory to `copy` right after releasing `step`
+    (a copy taken while the run trains, or a backup restored later)."""
+    import shutil
+
+    on_step = train_module._TrainCallbacks.on_step
+
+    def copying(self, engine, stats, seconds):
+        stop = on_step(self, engine, stats, seconds)
+        if stats.step == step and not copy.exists():
+            shutil.copytree(run_dir, copy)
+        return stop
+
+    monkeypatch.setattr(train_module._TrainCallbacks, "on_step", copying)
 
 
 def train_and_die(monkeypatch, main, argv, step: int) -> None:

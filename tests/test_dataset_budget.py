@@ -125,21 +125,11 @@ def test_a_run_copied_while_it_went_on_is_two_models(capsys, tmp_path, data, mon
     """A copy taken while the original trained forks from the original's state at that moment
     (4 of 6 steps); the original's later steps make a model the copy's ledger does not hold:
     both count."""
-    import shutil
-
-    from widedp.trainer.run import train as train_module
+    from run_crash import copy_at_step
 
     a, b = tmp_path / "a", tmp_path / "b"
-    on_step = train_module._TrainCallbacks.on_step
-
-    def copying(self, engine, stats, seconds):
-        stop = on_step(self, engine, stats, seconds)
-        if stats.step == 4 and not b.exists():
-            shutil.copytree(a, b)
-        return stop
-
     with monkeypatch.context() as m:
-        m.setattr(train_module._TrainCallbacks, "on_step", copying)
+        copy_at_step(m, a, b, step=4)
         original = _train(capsys, data, a, "train.steps=6", "train.checkpoint_every=2")
     code, out, err = _resume(capsys, b, "train.steps=5")
     assert code == 0, err

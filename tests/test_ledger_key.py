@@ -34,6 +34,23 @@ def _cli(capsys, *argv):
     return code, out, err
 
 
+def _rewrite_journal(run, forged) -> dict:
+    """journal.jsonl with every signature dropped and its charges and chain recomputed for the
+    `forged` ledger (sha256 is public: no key needed); returns its new head."""
+    lines, d = [], JOURNAL_SEED
+    for raw in (run / JOURNAL_FILE).read_text().splitlines():
+        record = json.loads(raw)
+        record.pop("mac", None)
+        if record["kind"] == "charge":
+            record["digest"] = forged.digest_at(record["events"])
+        record["prev"] = d
+        line = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+        d = hashlib.sha256(bytes.fromhex(d) + hashlib.sha256(line).digest()).hexdigest()
+        lines.append(line.decode())
+    (run / JOURNAL_FILE).write_text("\n".join(lines) + "\n")
+    return {"lines": len(lines), "digest": d}
+
+
 def _forge(run):
     """Every record rewritten with σ = 50 in the steps' events and every chain recomputed (no key)."""
     honest = PrivacyLedger.load(run / "ledger.json")
@@ -46,18 +63,7 @@ def _forge(run):
     state = torch.load(run / "checkpoint.pt", weights_only=False)
     state["ledger_chain"] = forged.chain()
     state["engine"]["ledger"] = forged.state_dict()
-    lines, d = [], JOURNAL_SEED
-    for raw in (run / JOURNAL_FILE).read_text().splitlines():
-        record = json.loads(raw)
-        record.pop("mac", None)
-        if record["kind"] == "charge":
-            record["digest"] = forged.digest_at(record["events"])
-        record["prev"] = d
-        line = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
-        d = hashlib.sha256(bytes.fromhex(d) + hashlib.sha256(line).digest()).hexdigest()
-        lines.append(line.decode())
-    (run / JOURNAL_FILE).write_text("\n".join(lines) + "\n")
-    state["journal_head"] = {"lines": len(lines), "digest": d}
+    state["journal_head"] = _rewrite_journal(run, forged)
     torch.save(state, run / "checkpoint.pt")
     return forged
 
@@ -159,18 +165,7 @@ def _strip(run):
     state.pop("records_mac")
     state["ledger_chain"] = forged.chain()
     state["engine"]["ledger"] = forged.state_dict()
-    lines, d = [], JOURNAL_SEED
-    for raw in (run / JOURNAL_FILE).read_text().splitlines():
-        record = json.loads(raw)
-        record.pop("mac", None)
-        if record["kind"] == "charge":
-            record["digest"] = forged.digest_at(record["events"])
-        record["prev"] = d
-        line = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
-        d = hashlib.sha256(bytes.fromhex(d) + hashlib.sha256(line).digest()).hexdigest()
-        lines.append(line.decode())
-    (run / JOURNAL_FILE).write_text("\n".join(lines) + "\n")
-    state["journal_head"] = {"lines": len(lines), "digest": d}
+    state["journal_head"] = _rewrite_journal(run, forged)
     torch.save(state, run / "checkpoint.pt")
 
 

@@ -294,22 +294,14 @@ def test_a_run_directory_restored_whole_to_an_earlier_state_is_a_fork_the_budget
     counts the session it forked from as a model of its own — nothing released is forgotten."""
     import shutil
 
-    from widedp.trainer.run import train as train_module
+    from run_crash import copy_at_step
     from widedp.trainer.data import synth_ctr
 
     data = tmp_path / "data"
     synth_ctr(data, num_examples=3000, table_sizes=500, seed=3)
     run, snapshot = tmp_path / "run", tmp_path / "snapshot"
-    on_step = train_module._TrainCallbacks.on_step
-
-    def copying(self, engine, stats, seconds):
-        stop = on_step(self, engine, stats, seconds)
-        if stats.step == 4 and not snapshot.exists():
-            shutil.copytree(run, snapshot)
-        return stop
-
     with monkeypatch.context() as m:
-        m.setattr(train_module._TrainCallbacks, "on_step", copying)
+        copy_at_step(m, run, snapshot, step=4)
         finished = _train(capsys, data, run, "train.checkpoint_every=2")
     shutil.rmtree(run)
     shutil.copytree(snapshot, run)
