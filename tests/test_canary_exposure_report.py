@@ -84,13 +84,16 @@ def test_seed_alg3_em_rows_and_our_fest_threshold_rows_are_labelled_apart():
     # the ε-8 goal covers our rows only; the seed's rows have their own goal, met at n_c ≤ 9 here
     dp = [g for g in goals if "DP runs at ε ≤ 8" in g[0]][0]
     assert "Alg 3 + EM" not in dp[1] and "sparse (fest-threshold, ours) n_c 3" in dp[1]
-    seed_goal = [g for g in goals if "Alg 3 + EM (σ = 0.5)" in g[0]][0]
-    assert seed_goal[2] == "**met**" and "n_c 15: p 0.001 (seed: .00, flagged)" in seed_goal[3]
+    # the seed's rows are reported, not a goal: as run, not being flagged could not fail
+    assert not [g for g in goals if "Alg 3 + EM" in g[0]]
+    assert "**Alg 3 + EM (seed) is reported, not a goal.**" in text
+    assert "n_c = 3: p 0.6 (not flagged), n_c = 15: p 0.001 (flagged)" in text
 
 
-def test_seed_goal_missed_when_alg3_em_is_flagged_at_small_n_c_and_no_seed_rows_no_differences():
-    _, goals = make_results.section_exposure(_doc([_row("alg3-em", 9, 0.001, eps=12.0)]))
-    assert [g for g in goals if "Alg 3 + EM" in g[0]][0][2] == "**missed**"
+def test_seed_rows_are_never_a_goal_and_no_seed_rows_no_differences():
+    lines, goals = make_results.section_exposure(_doc([_row("alg3-em", 9, 0.001, eps=12.0)]))
+    assert not [g for g in goals if "Alg 3 + EM" in g[0]]
+    assert "n_c = 9: p 0.001 (flagged)" in "\n".join(lines)
     lines, goals = make_results.section_exposure(_doc([_row("nonprivate", 3, 1e-9), _row("sparse", 3, 0.3)]))
     text = "\n".join(lines)
     assert "Differences from the seed's setting" not in text and "was not run in this file" in text
