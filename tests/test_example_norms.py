@@ -67,9 +67,9 @@ def shard_sq_norms(layout, kjt, B, g_pooled):
     out = np.zeros(B)
     for s, part in enumerate(route(layout, kjt, B)):
         shard = EmbeddingShard(layout, s, seed=1, init_std=0.1)
-        shard.lookup(part, B)
+        shard.call("lookup", part, B)
         bags = part.bags(B)
-        out[bags.examples] += shard.example_sq_norms(per_bag(g_pooled, bags))
+        out[bags.examples] += shard.call("example_sq_norms", per_bag(g_pooled, bags))
     return out
 
 

@@ -55,8 +55,8 @@ def test_an_averaging_shard_refuses_an_update_that_does_not_say_its_step():
     layout = ShardLayout((TableSpec("t", 8, 4),), (FeatureSpec("f", "t", "sum"),), 1)
     shard = EmbeddingShard(layout, 0, optimizer="sgd", lr=1.0, ema_decay=0.9)
     with pytest.raises(ValueError, match="every update must say its step"):
-        shard.apply_rows(np.array([0]), np.array([0]), np.zeros((1, shard.layout.dim)))
-    shard.apply_rows(np.array([0]), np.array([0]), np.zeros((1, shard.layout.dim)), 1.0, 1)  # with a step: fine
+        shard.call("apply_rows", np.array([0]), np.array([0]), np.zeros((1, shard.storage.layout.dim)))
+    shard.call("apply_rows", np.array([0]), np.array([0]), np.zeros((1, shard.storage.layout.dim)), 1.0, 1)  # with a step: fine
 
 
 class _Scales:

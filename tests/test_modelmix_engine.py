@@ -183,21 +183,21 @@ def test_clamped_row_sums_are_the_per_example_row_gradients_clamped_then_summed(
     rng = np.random.default_rng(0)
     factors = rng.uniform(0.2, 1.0, n_examples)
     bound = 0.01
-    keys, got = shard._clamped_row_sums64(factors, 0, bound)
+    keys, got = shard.gradients._clamped_row_sums64(factors, 0, bound)
     # slow reference: each example alone through the unclamped path, clamped, added up
     want = {}
     for j in range(n_examples):
         one = np.zeros(n_examples)
         one[j] = factors[j]
-        k, s = shard._clipped_row_sums64(one, 0)
+        k, s = shard.gradients._clipped_row_sums64(one, 0)
         for key, row in zip(k.tolist(), s.clamp(-bound, bound)):
             want[key] = want.get(key, 0) + row
     assert keys.tolist() == sorted(want)
     torch.testing.assert_close(got, torch.stack([want[k] for k in keys.tolist()]), rtol=1e-12, atol=1e-12)
-    assert bool((got.abs() < torch.cat([v.abs() for v in [shard._clipped_row_sums64(factors, 0)[1]]])).any())
+    assert bool((got.abs() < torch.cat([v.abs() for v in [shard.gradients._clipped_row_sums64(factors, 0)[1]]])).any())
     # a bound that never binds is the plain clipped sum
-    keys2, loose = shard._clamped_row_sums64(factors, 0, 1e9)
-    k3, plain = shard._clipped_row_sums64(factors, 0)
+    keys2, loose = shard.gradients._clamped_row_sums64(factors, 0, 1e9)
+    k3, plain = shard.gradients._clipped_row_sums64(factors, 0)
     assert np.array_equal(keys2, k3)
     torch.testing.assert_close(loose, plain, rtol=1e-12, atol=1e-12)
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import widedp.trainer.engine.shard as shard_module
+import widedp.trainer.engine.shard_storage as storage_module  # the device choice lives there
 import widedp.trainer.engine.shard_update as update_module  # the write-back's chunk size lives there
 from widedp.selection.keyed_random import NoiseKey
 from widedp.trainer.engine.layout import FeatureSpec, ShardInput, ShardLayout, TableSpec, row_block_normal
@@ -78,7 +78,7 @@ class ReferenceOptimizer:
 def random_rows_of_every_table(shard, rng):
     """(table index, global row id) of a random non-empty set of distinct rows of every table."""
     tables, ids = [], []
-    for t, (start, end) in enumerate(shard.ranges):
+    for t, (start, end) in enumerate(shard.storage.ranges):
         rows = rng.choice(np.arange(start, end), size=rng.integers(1, end - start + 1), replace=False)
         tables += [t] * rows.size
         ids += rows.tolist()
@@ -86,7 +86,7 @@ def random_rows_of_every_table(shard, rng):
 
 
 def tables_of(shard):
-    return [shard.weights(t).detach().numpy().astype(np.float64).copy() for t in range(len(LAYOUT.tables))]
+    return [shard.storage.weights(t).detach().numpy().astype(np.float64).copy() for t in range(len(LAYOUT.tables))]
 
 
 @pytest.mark.parametrize("shard_index", [0, 1])
@@ -96,11 +96,11 @@ def test_one_fused_lookup_equals_the_bag_by_bag_reference(shard_index):
     assert inp.example.size > 10 and np.unique(inp.feature).size == len(LAYOUT.features)
     bags = inp.bags(5)
     got = np.zeros((5, len(LAYOUT.features), D))
-    got[bags.example, bags.feature] = shard.lookup(inp, 5)  # only the shard's own bags travel
+    got[bags.example, bags.feature] = shard.call("lookup", inp, 5)  # only the shard's own bags travel
     want = reference_lookup(tables_of(shard), inp, 5)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert np.count_nonzero(np.abs(want).sum(-1)) == bags.example.size  # every other bag is empty
-    np.testing.assert_allclose(shard.lookup(inp, 5, averaged=True), got[bags.example, bags.feature], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(shard.call("lookup", inp, 5, averaged=True), got[bags.example, bags.feature], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
@@ -112,17 +112,17 @@ def test_one_fused_write_back_equals_row_by_row_updates(optimizer):
     for step in range(1, 4):
         tables, ids = random_rows_of_every_table(shard, rng)
         update = rng.normal(size=(ids.size, D)).astype(np.float32)
-        shard.apply_rows(tables, ids, update, step=step)
+        shard.call("apply_rows", tables, ids, update, step=step)
         for t, r, g in zip(tables, ids, update):
-            ref.update(t, r - shard.ranges[t][0], g)
+            ref.update(t, r - shard.storage.ranges[t][0], g)
         for t in range(len(LAYOUT.tables)):
-            np.testing.assert_allclose(shard.weights(t).detach().numpy(), ref.w[t], rtol=1e-5, atol=1e-6, err_msg=f"table {t}")
+            np.testing.assert_allclose(shard.storage.weights(t).detach().numpy(), ref.w[t], rtol=1e-5, atol=1e-6, err_msg=f"table {t}")
 
 
 def test_rows_not_written_do_not_move():
     shard = EmbeddingShard(LAYOUT, 1, optimizer="adagrad", lr=0.3, seed=1, init_std=0.5)
     before = tables_of(shard)
-    shard.apply_rows(np.array([0, 3]), np.array([shard.ranges[0][0] + 1, shard.ranges[3][0]]),
+    shard.call("apply_rows", np.array([0, 3]), np.array([shard.storage.ranges[0][0] + 1, shard.storage.ranges[3][0]]),
                      np.ones((2, D), np.float32), step=1)
     after = tables_of(shard)
     changed = [(t, r) for t in range(4) for r in range(len(after[t])) if not np.array_equal(after[t][r], before[t][r])]
@@ -137,8 +137,8 @@ def test_dense_noise_update_in_small_chunks_equals_one_chunk_and_reaches_the_unu
         monkeypatch.setattr(update_module, "UPDATE_CHUNK", chunk)
         shard = EmbeddingShard(LAYOUT, 0, lr=1.0, seed=1, init_std=0.5)
         before = tables_of(shard)
-        touched_t, touched_id = np.array([0, 2]), np.array([shard.ranges[0][0] + 2, shard.ranges[2][0]])
-        shard.apply_dense_noise_update(0, NoiseKey(99), 0.1, touched_t, touched_id, np.full((2, D), 5.0, np.float32),
+        touched_t, touched_id = np.array([0, 2]), np.array([shard.storage.ranges[0][0] + 2, shard.storage.ranges[2][0]])
+        shard.call("apply_dense_noise_update", 0, NoiseKey(99), 0.1, touched_t, touched_id, np.full((2, D), 5.0, np.float32),
                                        tables=(0, 2, 3))
         return shard, before, tables_of(shard)
 
@@ -147,7 +147,7 @@ def test_dense_noise_update_in_small_chunks_equals_one_chunk_and_reaches_the_unu
     for t in range(4):
         np.testing.assert_array_equal(small[t], one[t])
     for t in (0, 2, 3):
-        start, end = shard.ranges[t]
+        start, end = shard.storage.ranges[t]
         noise = row_block_normal(NoiseKey(99), "dpsgd", 0, t, start, end, D, 0.1).numpy().astype(np.float64)
         grad = noise.copy()
         if t == 0:
@@ -171,12 +171,12 @@ def test_dense_noise_update_in_place_equals_row_by_row_updates(optimizer, monkey
     dense = (0, 2, 3)
     for step in range(3):
         touched_t = np.array([0, 0, 3])
-        touched_id = np.array([shard.ranges[0][0], shard.ranges[0][1] - 1, shard.ranges[3][0]])
+        touched_id = np.array([shard.storage.ranges[0][0], shard.storage.ranges[0][1] - 1, shard.storage.ranges[3][0]])
         touched = rng.normal(size=(3, D)).astype(np.float32)
-        shard.apply_dense_noise_update(step, NoiseKey(7), 0.2, touched_t, touched_id, touched, tables=dense, lr_scale=0.5)
+        shard.call("apply_dense_noise_update", step, NoiseKey(7), 0.2, touched_t, touched_id, touched, tables=dense, lr_scale=0.5)
         all_t, all_id, all_g = [], [], []
         for t in dense:
-            start, end = shard.ranges[t]
+            start, end = shard.storage.ranges[t]
             grad = row_block_normal(NoiseKey(7), "dpsgd", step, t, start, end, D, 0.2).numpy().copy()
             for tt, r, g in zip(touched_t, touched_id, touched):
                 if tt == t:
@@ -187,26 +187,26 @@ def test_dense_noise_update_in_place_equals_row_by_row_updates(optimizer, monkey
             ref.lr = 0.3 * 0.5
             for r in range(end - start):
                 ref.update(t, r, grad[r])
-        fused.apply_rows(np.array(all_t), np.array(all_id), np.concatenate(all_g), lr_scale=0.5, step=step + 1)
+        fused.call("apply_rows", np.array(all_t), np.array(all_id), np.concatenate(all_g), lr_scale=0.5, step=step + 1)
         for t in range(len(LAYOUT.tables)):
             np.testing.assert_allclose(tables_of(shard)[t], ref.w[t], rtol=1e-5, atol=1e-6, err_msg=f"table {t}")
-    for got, want in zip(shard.averaged_weights(), fused.averaged_weights()):
+    for got, want in zip(shard.call("averaged_weights"), fused.call("averaged_weights")):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
     if optimizer == "adagrad":
-        np.testing.assert_allclose(shard._adagrad_state().detach().numpy(), fused._adagrad_state().detach().numpy(), rtol=1e-5)
+        np.testing.assert_allclose(shard.storage.adagrad_state().detach().numpy(), fused.storage.adagrad_state().detach().numpy(), rtol=1e-5)
 
 
 def test_state_dict_round_trip_keeps_per_table_format_and_optimizer_state():
     a = EmbeddingShard(LAYOUT, 0, optimizer="adagrad", lr=0.3, seed=1, ema_decay=0.5)
-    a.apply_rows(np.array([0, 1]), np.array([a.ranges[0][0], a.ranges[1][0]]), np.ones((2, D), np.float32), step=1)
-    state = a.state_dict()
-    assert [w.shape[0] for w in state["weights"]] == [end - start for start, end in a.ranges]
+    a.call("apply_rows", np.array([0, 1]), np.array([a.storage.ranges[0][0], a.storage.ranges[1][0]]), np.ones((2, D), np.float32), step=1)
+    state = a.call("state_dict")
+    assert [w.shape[0] for w in state["weights"]] == [end - start for start, end in a.storage.ranges]
     b = EmbeddingShard(LAYOUT, 0, optimizer="adagrad", lr=0.3, seed=2, ema_decay=0.5)
-    b.load_state_dict(state)
+    b.call("load_state_dict", state)
     for x in (a, b):
-        x.apply_rows(np.array([0]), np.array([x.ranges[0][0]]), np.ones((1, D), np.float32), step=2)
+        x.call("apply_rows", np.array([0]), np.array([x.storage.ranges[0][0]]), np.ones((1, D), np.float32), step=2)
     for k in ("weights", "adagrad", "averaged_weights"):
-        for u, v in zip(a.state_dict()[k], b.state_dict()[k]):
+        for u, v in zip(a.call("state_dict")[k], b.call("state_dict")[k]):
             np.testing.assert_array_equal(u, v)
 
 
@@ -246,13 +246,13 @@ def test_per_example_norms_and_row_counts_without_grouping_equal_the_grouped_pat
     weights = rng.uniform(0.1, 1.0, B)
     for unshared in (True, False):
         shard = EmbeddingShard(layout, 0, seed=1)
-        assert shard.tables_unshared
-        shard.tables_unshared = unshared
-        shard.lookup(inp, B)
-        norms[unshared] = shard.example_sq_norms(grads, 0)
-        shard.clipped_row_sums(np.ones(B), 0, selection_weights=weights)
+        assert shard.storage.tables_unshared
+        shard.storage.tables_unshared = unshared
+        shard.call("lookup", inp, B)
+        norms[unshared] = shard.call("example_sq_norms", grads, 0)
+        shard.call("clipped_row_sums", np.ones(B), 0, selection_weights=weights)
         base = np.array([0, 9])  # both tables sparse, compact ids back to back
-        counts[unshared] = [shard._row_counts(base, weighted) for weighted in (True, False)]
+        counts[unshared] = [shard.selection._row_counts(base, weighted) for weighted in (True, False)]
     for (rows_fast, c_fast), (rows_grouped, c_grouped) in zip(counts[True], counts[False]):
         assert np.array_equal(rows_fast, rows_grouped) and np.array_equal(c_fast, c_grouped)
     bags = inp.bags(B)
@@ -272,14 +272,14 @@ def test_an_id_outside_the_shards_rows_is_refused_naming_feature_and_table():
     """The TBE runs without its own bounds check: the shard checks every id first."""
     shard = EmbeddingShard(LAYOUT, 1, seed=3)
     inp = shard_input(np.random.default_rng(0), 1)
-    assert shard.lookup(inp, 5).shape[1] == D
+    assert shard.call("lookup", inp, 5).shape[1] == D
     bad_local = inp.local_id.copy()
-    bad_local[3] = shard.feature_rows[inp.feature[3]]
+    bad_local[3] = shard.storage.feature_rows[inp.feature[3]]
     with pytest.raises(ValueError, match=rf"feature '{LAYOUT.features[inp.feature[3]].name}' id {bad_local[3]} .*table"):
-        shard.lookup(ShardInput(inp.example, inp.feature, bad_local, inp.weight), 5)
+        shard.call("lookup", ShardInput(inp.example, inp.feature, bad_local, inp.weight), 5)
     too_small = int(inp.example.max())
     with pytest.raises(ValueError, match=f"example index outside the batch of {too_small}"):
-        shard.lookup(inp, too_small)
+        shard.call("lookup", inp, too_small)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
@@ -295,23 +295,24 @@ def test_in_place_write_back_equals_fbgemms_own_fused_backward_update(optimizer)
     for step in range(1, 4):
         tables_a, ids_a = random_rows_of_every_table(shard, rng)
         update = rng.normal(size=(ids_a.size, D)).astype(np.float32)
-        shard.apply_rows(tables_a, ids_a, update, step=step)
+        shard.call("apply_rows", tables_a, ids_a, update, step=step)
         # FBGEMM: rows as bags of one in the channel of their table, the update as the pooled gradient.
-        channel = fbgemm.update_channel[tables_a]
+        store = fbgemm.storage
+        channel = np.searchsorted(store.channel_table, tables_a)  # a table's first channel
         order = np.argsort(channel, kind="stable")
         position = np.arange(order.size) - np.searchsorted(channel[order], channel[order])
         width = int(position.max()) + 1
-        sizes = np.zeros(fbgemm.num_channels * width, dtype=np.int64)
+        sizes = np.zeros(store.num_channels * width, dtype=np.int64)
         sizes[channel[order] * width + position] = 1
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(sizes)]))
-        local = ids_a - fbgemm.starts[tables_a]
-        out = fbgemm.tbe(torch.from_numpy(local[order]), offsets)
-        grad = torch.zeros((width, fbgemm.num_channels, D))
+        local = ids_a - store.starts[tables_a]
+        out = store.tbe(torch.from_numpy(local[order]), offsets)
+        grad = torch.zeros((width, store.num_channels, D))
         grad[torch.from_numpy(position), torch.from_numpy(channel[order])] = torch.from_numpy(update[order])
         out.backward(grad.view(width, -1))
-        np.testing.assert_allclose(shard.flat.detach().numpy(), fbgemm.flat.detach().numpy(), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(shard.storage.flat.detach().numpy(), store.flat.detach().numpy(), rtol=1e-6, atol=1e-7)
         if optimizer == "adagrad":
-            np.testing.assert_allclose(shard._adagrad_state().detach().numpy(), fbgemm._adagrad_state().detach().numpy(), rtol=1e-6)
+            np.testing.assert_allclose(shard.storage.adagrad_state().detach().numpy(), store.adagrad_state().detach().numpy(), rtol=1e-6)
 
 
 def test_a_re_sent_dispatch_call_runs_once():
@@ -339,10 +340,10 @@ def test_a_re_sent_dispatch_call_runs_once():
     once.dispatch((9, *update, False))
     for _ in range(2):
         twice.dispatch((9, *update, False))
-    for a, b in zip(once.state_dict()["weights"], twice.state_dict()["weights"]):
+    for a, b in zip(once.call("state_dict")["weights"], twice.call("state_dict")["weights"]):
         np.testing.assert_array_equal(a, b)
     twice.dispatch((10, *update, False))  # a new call id is a new call
-    assert not all(np.array_equal(a, b) for a, b in zip(once.state_dict()["weights"], twice.state_dict()["weights"]))
+    assert not all(np.array_equal(a, b) for a, b in zip(once.call("state_dict")["weights"], twice.call("state_dict")["weights"]))
 
 
 def test_a_folded_write_back_runs_before_the_call_that_carries_it_and_once():
@@ -353,9 +354,9 @@ def test_a_folded_write_back_runs_before_the_call_that_carries_it_and_once():
     rng = np.random.default_rng(4)
     inp, batch = shard_input(rng, 0), 5
     eager, folded = EmbeddingShard(LAYOUT, 0, lr=0.5), EmbeddingShard(LAYOUT, 0, lr=0.5)
-    stale = eager.lookup(inp, batch)
-    eager.set_pooled_grad(np.ones((inp.bags(batch).example.size, D), np.float32))
-    update = eager.clipped_row_sums(np.ones(batch))
+    stale = eager.call("lookup", inp, batch)
+    eager.call("set_pooled_grad", np.ones((inp.bags(batch).example.size, D), np.float32))
+    update = eager.call("clipped_row_sums", np.ones(batch))
     eager.dispatch((1, "apply_rows", update, False))
     want = eager.dispatch((2, "lookup", (inp, batch), False))
     assert not np.array_equal(want, stale)  # the update shows in the lookup
@@ -363,7 +364,7 @@ def test_a_folded_write_back_runs_before_the_call_that_carries_it_and_once():
     np.testing.assert_array_equal(got, want)
     again = folded.dispatch((2, "lookup", (inp, batch), False, (("apply_rows", update),)))
     np.testing.assert_array_equal(again, want)
-    for a, b in zip(eager.state_dict()["weights"], folded.state_dict()["weights"]):
+    for a, b in zip(eager.call("state_dict")["weights"], folded.call("state_dict")["weights"]):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="only state-changing calls are deferred, got 'lookup'"):
         folded.dispatch((3, "ping", (), False, (("lookup", (inp, batch)),)))
@@ -378,19 +379,19 @@ def test_a_shard_on_the_gpu_computes_what_the_cpu_shard_computes(monkeypatch, op
     rng = np.random.default_rng(7)
     inp, batch = shard_input(rng, 0), 5
     gpu = EmbeddingShard(LAYOUT, 0, optimizer=optimizer, lr=0.5, seed=1)
-    assert gpu.flat.is_cuda
-    monkeypatch.setattr(shard_module, "_device", lambda: (torch.device("cpu"), shard_module.ComputeDevice.CPU,
-                                                          shard_module.EmbeddingLocation.HOST))
+    assert gpu.storage.flat.is_cuda
+    monkeypatch.setattr(storage_module, "_device", lambda: (torch.device("cpu"), storage_module.ComputeDevice.CPU,
+                                                          storage_module.EmbeddingLocation.HOST))
     cpu = EmbeddingShard(LAYOUT, 0, optimizer=optimizer, lr=0.5, seed=1)
-    assert not cpu.flat.is_cuda
+    assert not cpu.storage.flat.is_cuda
     grads = rng.normal(size=(inp.bags(batch).example.size, D)).astype(np.float32)
     answers = []
     for shard in (gpu, cpu):
-        pooled = shard.lookup(inp, batch)
-        norms = shard.example_sq_norms(grads)
-        sums = shard.clipped_row_sums(np.full(batch, 0.5))
-        shard.apply_rows(*sums)
-        answers.append([pooled, norms, *sums, *shard.state_dict()["weights"]])
+        pooled = shard.call("lookup", inp, batch)
+        norms = shard.call("example_sq_norms", grads)
+        sums = shard.call("clipped_row_sums", np.full(batch, 0.5))
+        shard.call("apply_rows", *sums)
+        answers.append([pooled, norms, *sums, *shard.call("state_dict")["weights"]])
     assert len(answers[0]) == len(answers[1])
     for got, want in zip(*answers):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

@@ -182,7 +182,7 @@ def test_auto_threshold_lets_the_false_positive_budget_of_noise_rows_pass(tmp_pa
 
 # ---- the dense-table noise: a statistical audit of what the shards release -----------------------
 # A dense table's rows are released as W − lr·(clip(G) + N(0, std²)) on *every* row, the noise
-# drawn on the shard (EmbeddingShard.apply_dense_noise_update, the DP-SGD stream) with the std the
+# drawn on the shard (ShardUpdates.apply_dense_noise_update, the DP-SGD stream) with the std the
 # Gaussian step returned (noisy_step(..., shard_noised=G)). Neighbours: in D every row of the
 # table carries one example's gradient s = S1/b on coordinate 0, in D' no row is touched. With
 # no S2 the rows are independent, so one release of an N-row table is N trials of the 1-D
@@ -200,14 +200,14 @@ def _dense_release(touched: bool, seed: int, apply) -> np.ndarray:
 
     layout = ShardLayout((TableSpec("t", DENSE_ROWS, 4),), (FeatureSpec("f", "t", "sum"),), 1)
     shard = EmbeddingShard(layout, 0, optimizer="sgd", lr=1.0, seed=0)
-    before = shard.weights(0).detach().clone()
+    before = shard.storage.weights(0).detach().clone()
     ids = np.arange(DENSE_ROWS) if touched else np.empty(0, np.int64)
     grads = torch.zeros((ids.size, 4), dtype=torch.float64)
     grads[:, 0] = 1.0  # S1/b with S1 = 1, b = 1
     step = noisy_step(torch.zeros((0, 4), dtype=torch.float64), {}, DENSE_SIGMA, 1.0, 1.0, None,
                       GaussianStream(NoiseKey(0)), shard_noised=grads)
     apply(shard, 0, NoiseKey(seed), step.std, np.zeros(ids.size, np.int64), ids, step.shard_rows.numpy(), (0,))
-    return (before - shard.weights(0).detach())[:, 0].numpy()  # lr = 1: the released update
+    return (before - shard.storage.weights(0).detach())[:, 0].numpy()  # lr = 1: the released update
 
 
 def _audit_dense_table(apply):
@@ -221,11 +221,11 @@ def _audit_dense_table(apply):
 
 
 def _real_apply(shard, *args):
-    shard.apply_dense_noise_update(*args)
+    shard.call("apply_dense_noise_update", *args)
 
 
 def _std_halved(shard, step, seed, std, *args):
-    shard.apply_dense_noise_update(step, seed, std / 2.0, *args)
+    shard.call("apply_dense_noise_update", step, seed, std / 2.0, *args)
 
 
 def _untouched_rows_skipped(shard, step, seed, std, table_idx, ids, rows, tables):
@@ -236,7 +236,7 @@ def _untouched_rows_skipped(shard, step, seed, std, table_idx, ids, rows, tables
     from widedp.selection.noise import gaussian_noise
 
     update = torch.from_numpy(rows) + gaussian_noise(rows.shape, std, GaussianStream(seed))
-    shard.apply_rows(table_idx, ids, update.numpy())
+    shard.call("apply_rows", table_idx, ids, update.numpy())
 
 
 def test_dense_table_release_passes_the_audit():

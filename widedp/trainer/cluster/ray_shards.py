@@ -335,11 +335,11 @@ class RayShardGroup(ShardGroup):
             self.actors[s] = actor
             try:
                 if self._snapshot is not None:
-                    self._ray.get(actor.load_state_dict.remote(self._snapshot[s]))
+                    self._ray.get(actor.call.remote("load_state_dict", self._snapshot[s]))
                 for logged, per_shard in self._log:
                     if replay_step or logged in MUTATING:
-                        self._ray.get(getattr(actor, logged).remote(*per_shard[s]))
-                result = self._ray.get(getattr(actor, method).remote(*args))
+                        self._ray.get(actor.call.remote(logged, *per_shard[s]))
+                result = self._ray.get(actor.call.remote(method, *args))
             except RayActorError as again:
                 last = again
                 continue

@@ -48,7 +48,7 @@ class DirectShardGroup(ShardGroup):
     def _call(self, method, per_shard_args):
         releases, self._releases = self._releases, None
         if releases is None:
-            refs = [getattr(actor, method).remote(*args) for actor, args in zip(self.actors, per_shard_args)]
+            refs = [actor.call.remote(method, *args) for actor, args in zip(self.actors, per_shard_args)]
         else:  # top-level ObjectRef arguments: Ray starts the call once they are ready (applied)
             refs = [actor.after.remote(method, tuple(args), *done)
                     for actor, args, done in zip(self.actors, per_shard_args, releases)]

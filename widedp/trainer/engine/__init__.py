@@ -1,8 +1,8 @@
 """The engine: one step of seed Algorithm 3 (at row granularity) over sharded tables
 (`engine.Engine`, a pipeline of stages: trainer/engine/engine.py).
 
-The engine package (trainer/engine/): the step and its parts — the shards' storage and row
-operations (`shard`), the shard-group protocol and its in-process placement (`shard_group`), the
+The engine package (trainer/engine/): the step and its parts — the shard (`shard`, composed of
+`shard_storage`, `shard_rows`, `shard_select`, `shard_update`), the shard-group protocol and its in-process placement (`shard_group`), the
 trainers' share of a step (`trainer_role`, `trainers`), dense per-example gradients and ghost
 norms (`dense_grads`, `example_norms`), the noise and its keyed randomness (`step_noise`,
 `randomness`, `layout`'s counter-based draws), DP-STAT (`adaptive_clip`), ModelMix (`modelmix`),

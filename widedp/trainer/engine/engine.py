@@ -23,7 +23,7 @@ add/remove one unit (user) with all of its examples. The sampler samples units (
 q = b/U, at most a public number of examples each: trainer/data/sampler.py
 `UnitPoissonSampler`), b is the expected number of units per step, and every per-example
 quantity of the step above becomes per unit: the clip factor c_u = min(1, S1/‖Σ_{j∈u} g_j‖)
-(norms of the unit's summed gradient: `EmbeddingShard.unit_sq_norms` and
+(norms of the unit's summed gradient: `ShardGradients.unit_sq_norms` and
 `DenseGradients.group_sq_norms`), the selectors' contribution weights and counts (distinct
 (unit, row) pairs), DP-STAT's counts and DP-FEST's one-time counts (a unit's first L distinct
 rows over all its examples). Σ_j c_{u(j)} g_j is then the sum of the units' clipped gradients,

@@ -3,7 +3,7 @@
 Privacy assumption: none of its own. These norms size each example's clip factor
 min(1, S1/‖g_j‖) (DESIGN §1, clip S1): they must equal the norms of exactly the gradient whose
 clipped sum is released, or the clipped contribution could exceed S1. They are the same
-quantity `EmbeddingShard.example_sq_norms` computes from each shard's part (the slow, obvious
+quantity `ShardGradients.example_sq_norms` computes from each shard's part (the slow, obvious
 reference the tests pin this to), summed over the shards.
 
 Why here: the row gradients of example j are determined by its ids and the pooled-output

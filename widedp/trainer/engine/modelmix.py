@@ -18,7 +18,7 @@ mixed, and one example's clipped gradient can put its whole norm on them, so no 
 could be claimed for the step — never claim it for coordinates that were not mixed.
 Refined clipping (Alg 2, privacy.mix_coordinates = k > 1): after the ℓ2 clip to S1 every
 coordinate of each example's gradient is clamped to ±S1/√k — on the shards per (example, row)
-(`EmbeddingShard._clamped_row_sums64`) and on the trainers per dense parameter (the per-example
+(`ShardGradients._clamped_row_sums64`) and on the trainers per dense parameter (the per-example
 reference, `PerExampleGradients.clamped_sum`: ghost clipping never forms the coordinates) — and
 the step is ModelMixDpEvent(σ, w, k) (Cor 4.1). Slower: per-example dense gradients.
 

@@ -90,7 +90,7 @@ class PrivacyRandomness:
 
     def shard_selection_key(self) -> NoiseKey:
         """Key of the selection on the shards: shard s at step t draws from
-        `key.generator(t, s)` (`EmbeddingShard.select_rows`)."""
+        `key.generator(t, s)` (`ShardSelection.select_rows`)."""
         return self.key("shard-selection")
 
     def clip_rng(self) -> np.random.Generator:

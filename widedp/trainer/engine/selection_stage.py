@@ -140,7 +140,7 @@ class RowSelection:
         return Selection(vocab.to_global(sel.ids), sel.event)
 
     def select_on_shards(self, parts: Optional[list] = None) -> Selection:
-        """Each shard selects among its own rows of the sparse tables (`EmbeddingShard.select_rows`:
+        """Each shard selects among its own rows of the sparse tables (`ShardSelection.select_rows`:
         thresholding, or its top-k candidates) and the selector merges the parts (the union, or
         the exact top-k of the candidates). For contribution counts the trainers sent each
         shard the weights of their examples there, computed from all of each example's rows."""

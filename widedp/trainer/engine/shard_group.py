@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from widedp.trainer.engine.layout import ShardInput, ShardLayout
-from widedp.trainer.engine.shard import MUTATING, EmbeddingShard
+from widedp.trainer.engine.shard import MUTATING, SHARD_CALLS, EmbeddingShard
 
 
 def _nbytes(obj: Any) -> int:
@@ -78,7 +78,10 @@ class ShardGroup:
 
     def call(self, method: str, per_shard_args: Sequence[tuple]) -> list:
         """`method(*per_shard_args[s])` on every shard s, after any deferred calls (`defer`),
-        which reach each shard in the same round; the answers in shard order."""
+        which reach each shard in the same round; the answers in shard order. ValueError for a
+        method that is not a shard call (`shard.SHARD_CALLS`), before anything is sent."""
+        if method not in SHARD_CALLS:
+            raise ValueError(f"no shard call {method!r} (the calls: {sorted(SHARD_CALLS)})")
         before, self._pending = self._pending, []
         deferred_bytes = [sum(_nbytes(list(a)) for a in args) for _, args in before]
         sent = sum(_nbytes(list(a)) for a in per_shard_args)
@@ -158,7 +161,7 @@ class InProcessShardGroup(ShardGroup):
         self.shards = [EmbeddingShard(layout, s, **shard_kwargs) for s in range(layout.num_shards)]
 
     def _call(self, method, per_shard_args):
-        return [getattr(shard, method)(*args) for shard, args in zip(self.shards, per_shard_args)]
+        return [shard.call(method, *args) for shard, args in zip(self.shards, per_shard_args)]
 
 
 class ShardLostError(RuntimeError):

@@ -1,15 +1,22 @@
-"""Selection on the shard that owns the rows (docs/DESIGN.md §2.2): thresholding of its rows' statistics, or its top-k candidates, with the shard's own keyed stream (shard s at step t: `key.generator(t, s)`), merged exactly at the coordinator (`Selector.merge`). Mixed into `EmbeddingShard`."""
+"""Selection on the shard that owns the rows (docs/DESIGN.md §2.2): thresholding of its rows'
+statistics, or its top-k candidates, with the shard's own keyed stream (shard s at step t:
+`key.generator(t, s)`), merged exactly at the coordinator (`Selector.merge`). `ShardSelection`
+reads the shard's rows (`ShardStorage`) and this step's gradients (`ShardGradients`: the
+trainers' caches and the clipped row sums) and keeps nothing of its own.
+"""
 
 from __future__ import annotations
 
-from widedp.trainer.engine.shard_state import ShardState
-
-from typing import Optional
-from widedp.selection._sparse import unique_ints
-from widedp.selection.keyed_random import NoiseKey
 import dataclasses
+from typing import Optional
+
 import numpy as np
 import torch
+
+from widedp.selection._sparse import unique_ints
+from widedp.selection.keyed_random import NoiseKey
+from widedp.trainer.engine.shard_rows import ShardGradients
+from widedp.trainer.engine.shard_storage import ShardStorage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +36,11 @@ class ShardSelect:
     keep_rows: np.ndarray
 
 
-class ShardSelection(ShardState):
+class ShardSelection:
     """The shard's part of a step's private selection (see the module docstring)."""
+
+    def __init__(self, storage: ShardStorage, gradients: ShardGradients):
+        self.storage, self.gradients = storage, gradients
 
     def select_rows(self, selection: str, params, dense_tables, key: NoiseKey, step: int, clip_norm: Optional[float] = None,
                     expected_batch_size: Optional[float] = None):
@@ -53,9 +63,9 @@ class ShardSelection(ShardState):
         statistic = selector.shard_statistic
         if statistic not in ("counts", "example_counts", "norms"):
             raise ValueError(f"selection {selection!r} does not run on the shards (statistic {statistic!r})")
-        sparse = np.array([t for t in range(len(self.ranges)) if t not in set(dense_tables)], dtype=np.int64)
-        sizes = np.array([self.ranges[t][1] - self.ranges[t][0] for t in sparse], dtype=np.int64)
-        base = np.full(len(self.ranges), -1, dtype=np.int64)  # local id of table t's first row here
+        sparse = np.array([t for t in range(len(self.storage.ranges)) if t not in set(dense_tables)], dtype=np.int64)
+        sizes = np.array([self.storage.ranges[t][1] - self.storage.ranges[t][0] for t in sparse], dtype=np.int64)
+        base = np.full(len(self.storage.ranges), -1, dtype=np.int64)  # local id of table t's first row here
         base[sparse] = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if sparse.size else []
         num_rows = int(sizes.sum())
         if num_rows == 0:
@@ -64,25 +74,25 @@ class ShardSelection(ShardState):
             touched, summed = self._row_norms(base, expected_batch_size)
         else:
             touched, summed = self._row_counts(base, statistic == "counts")
-        rng = key.generator(int(step), self.shard_index)
+        rng = key.generator(int(step), self.storage.shard_index)
         part = selector.shard_select(touched, summed, num_rows, params, rng, clip_norm=clip_norm,
                                      expected_batch_size=expected_batch_size)
 
         def to_global(local):
             local = np.asarray(local, dtype=np.int64)
             table_of = sparse[np.searchsorted(base[sparse], local, side="right") - 1]
-            return self.layout.table_offsets[table_of] + self.starts[table_of] + local - base[table_of]
+            return self.storage.layout.table_offsets[table_of] + self.storage.starts[table_of] + local - base[table_of]
 
         return part.remap(to_global(part.ids)) if isinstance(part, ShardCandidates) else to_global(part)
 
     def _row_norms(self, base: np.ndarray, expected_batch_size: Optional[float]) -> tuple[np.ndarray, np.ndarray]:
         """(sorted compact local ids, ‖sum / b‖₂) of this step's clipped row sums on the sparse tables."""
-        if self._step_row_sums is None:
-            raise RuntimeError(f"shard {self.shard_index} has no clipped row sums this step")
+        if self.gradients.step_row_sums is None:
+            raise RuntimeError(f"shard {self.storage.shard_index} has no clipped row sums this step")
         if not expected_batch_size:
             raise ValueError("selection by row norms needs expected_batch_size")
-        keys, sums = self._step_row_sums
-        table, local = keys // self.max_rows, keys % self.max_rows
+        keys, sums = self.gradients.step_row_sums
+        table, local = keys // self.storage.max_rows, keys % self.storage.max_rows
         keep = base[table] >= 0
         compact = base[table[keep]] + local[keep]
         norms = np.linalg.norm(sums[torch.from_numpy(keep)].float().double().numpy() / float(expected_batch_size), axis=1)
@@ -96,30 +106,30 @@ class ShardSelection(ShardState):
         from widedp.selection.threshold import weighted_row_counts
 
         rows, counts = [], []
-        for trainer in sorted(self._caches):
-            cache = self._caches[trainer]
+        for trainer in sorted(self.gradients.caches):
+            cache = self.gradients.caches[trainer]
             inp, bags = cache["inp"], cache["bags"]
             if not weighted:
                 weights = np.ones(bags.examples.size)
             elif "selection_weights" in cache:
                 weights = cache["selection_weights"]
             else:
-                raise RuntimeError(f"trainer {trainer} sent shard {self.shard_index} no selection weights this step")
+                raise RuntimeError(f"trainer {trainer} sent shard {self.storage.shard_index} no selection weights this step")
             if "units" in cache:  # user level: distinct (unit, row) pairs, each unit's weight once
                 units = cache["units"]
                 per_unit = np.zeros(int(units.max()) + 1 if units.size else 0)
                 per_unit[units] = weights  # the trainer sends its unit's weight for each example
-                table = self.feature_table[inp.feature]
+                table = self.storage.feature_table[inp.feature]
                 keep = base[table] >= 0
                 r, c = weighted_row_counts(units[bags.id_example][keep], base[table[keep]] + inp.local_id[keep], per_unit)
-            elif self._ids_never_repeat(cache):  # every (example, row) pair distinct: sum by row groups
-                keys, group = self._row_groups(cache)
-                table_of, local_of = keys // self.max_rows, keys % self.max_rows
+            elif self.gradients.ids_never_repeat(cache):  # every (example, row) pair distinct: sum by row groups
+                keys, group = self.gradients.row_groups(cache)
+                table_of, local_of = keys // self.storage.max_rows, keys % self.storage.max_rows
                 counts_all = np.bincount(group, weights=weights[bags.id_example], minlength=keys.size)
                 keep = base[table_of] >= 0
                 r, c = base[table_of[keep]] + local_of[keep], counts_all[keep]
             else:
-                table = self.feature_table[inp.feature]
+                table = self.storage.feature_table[inp.feature]
                 keep = base[table] >= 0
                 r, c = weighted_row_counts(bags.id_example[keep], base[table[keep]] + inp.local_id[keep], weights)
             rows.append(r)
@@ -129,3 +139,25 @@ class ShardSelection(ShardState):
         touched, inverse = unique_ints(np.concatenate(rows or [np.empty(0, np.int64)]), return_inverse=True)
         summed = np.bincount(inverse, weights=np.concatenate(counts or [np.empty(0)]), minlength=touched.size)
         return touched, summed
+
+    def rows_for_coordinator(self, select: ShardSelect, tables: np.ndarray, global_ids: np.ndarray,
+                             sums: np.ndarray) -> tuple:
+        """This shard's selection on `select`'s arguments (`select_rows`), run where one
+        trainer's clipped row sums (`tables`, `global_ids`, `sums`) are the step's whole G, and
+        of those rows only the ones the coordinator can use: those in this shard's part of the
+        selection or in `select.keep_rows`, and every touched row of a dense table.
+
+        Returns (tables, global ids, sums, part) of the rows kept; `part` as `select_rows`."""
+        from widedp.selection.partitioned import ShardCandidates
+
+        part = self.select_rows(select.selection, select.params, select.dense_tables, select.key, select.step,
+                                select.clip_norm, select.expected_batch_size)
+        wanted = np.union1d(part.ids if isinstance(part, ShardCandidates) else part, select.keep_rows)
+        flat_ids = self.storage.layout.table_offsets[tables] + global_ids
+        keep = np.zeros(flat_ids.size, dtype=bool)
+        if wanted.size:  # membership by binary search: `wanted` is sorted
+            at = np.minimum(np.searchsorted(wanted, flat_ids), wanted.size - 1)
+            keep = wanted[at] == flat_ids
+        if select.dense_tables:
+            keep |= np.isin(tables, np.asarray(select.dense_tables, dtype=np.int64))
+        return tables[keep], global_ids[keep], sums[keep], part

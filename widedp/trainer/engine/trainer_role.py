@@ -210,7 +210,7 @@ class TrainerRole:
         `dense_state`: the dense parameters to load first (Ray). `select` (the only trainer;
         per shard, a `trainer.engine.shard.ShardSelect`): each shard runs its part of the selection
         with its row sums and returns the rows the coordinator can use and its part
-        (`EmbeddingShard.clipped_row_sums`) — one round instead of two. `idx` may be a
+        (`ShardGradients.clipped_row_sums`) — one round instead of two. `idx` may be a
         `UnitSample` (user level): the clip factors are then per unit (`begin_part`).
         `releases`: as in `begin_part`."""
         self.begin_part(idx, dense_state, releases=releases)
