@@ -77,7 +77,7 @@ def test_the_cli_reference_is_generated_from_every_command():
     assert "--noise-multiplier" in page and "--resume" in page
 
 
-@pytest.mark.parametrize("marker", ["python-api"])
+@pytest.mark.parametrize("marker", ["python-api", "own-model"])
 def test_the_readme_example_is_the_one_the_api_test_runs(marker):
     from readme_blocks import page_with
 

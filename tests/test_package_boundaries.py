@@ -110,8 +110,8 @@ import re  # noqa: E402
 
 TRAINER = REPO / "widedp" / "trainer"
 #: Every folder of the trainer, by concern (README, "Layout").
-TRAINER_PACKAGES = ("cli", "config", "engine", "cluster", "run", "release", "models", "data", "data.format",
-                    "data.convert", "data.synthetic")
+TRAINER_PACKAGES = ("cli", "config", "engine", "cluster", "private", "run", "release", "models", "data",
+                    "data.format", "data.convert", "data.synthetic")
 
 
 def _allowed(package: str) -> set[str]:

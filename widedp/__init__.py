@@ -10,7 +10,9 @@ design card's layout (trainer/, selection/, ...) are links to these, and importi
 folder name (`import trainer` from the repository root) fails at once.
 
 The Python API (trainer/api.py), imported on first use so `import widedp` stays light:
-`load_config`, `train` (-> `RunResult`), `evaluate`, `export`, `epsilon`, `calibrate`, `sampling`.
+`load_config`, `train` (-> `RunResult`), `evaluate`, `export`, `epsilon`, `calibrate`, `sampling`;
+and for a team's own model (trainer/private/): `make_private` (-> `PrivateTrainer`) over a
+`KJTDataset`.
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["RunResult", "calibrate", "epsilon", "evaluate", "export", "load_config", "sampling", "train"]
+__all__ = ["KJTDataset", "PrivateTrainer", "RunResult", "calibrate", "epsilon", "evaluate", "export", "load_config",
+           "make_private", "sampling", "train"]
+_BRING_YOUR_OWN = ("KJTDataset", "PrivateTrainer", "make_private")
 
 
 def __getattr__(name: str) -> Any:
+    if name in _BRING_YOUR_OWN:
+        return getattr(importlib.import_module("widedp.trainer.private"), name)
     if name in __all__:
         return getattr(importlib.import_module("widedp.trainer.api"), name)
     raise AttributeError(f"module 'widedp' has no attribute {name!r}")

@@ -5,7 +5,7 @@ records, summary), the training loop every driver uses (`loop`), what a run writ
 A's wide linear model (`wide_linear`).
 
 May import: widedp.trainer.config, widedp.trainer.data, widedp.trainer.engine,
-widedp.trainer.cluster, widedp.trainer.models, widedp.trainer.names, widedp.trainer.strict_json,
+widedp.trainer.cluster, widedp.trainer.private (the engine's builder), widedp.trainer.models, widedp.trainer.names, widedp.trainer.strict_json,
 the pure libraries.
 Not: release/ or cli/ (the CLI is a client of runs; the export reads runs).
 """

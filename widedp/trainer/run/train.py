@@ -54,7 +54,7 @@ import time
 import uuid
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -68,13 +68,14 @@ from widedp.trainer.config import semantics as run_semantics
 from widedp.trainer.config import Config, saved_config
 from widedp.trainer.data.format.meta import dataset_identity
 from widedp.trainer.data.format.dataset import split_rule
-from widedp.trainer.engine import Engine, EngineOptions, EnginePrivacy, StepStats
+from widedp.trainer.engine import Engine, StepStats
 from widedp.trainer.engine.layout import FeatureSpec, ShardLayout, TableSpec
 from widedp.trainer.models import MODELS
 from widedp.trainer.config.planning import (PrivacyInfo, data_event_is_grouped, default_delta, plan_privacy,  # noqa: F401
                                      plan_run)  # (public here too)
 from widedp.trainer.run.ledger_key import LedgerKey, LedgerKeyError, key_from_environment, require_key
-from widedp.trainer.engine.randomness import PrivacyRandomness
+from widedp.trainer.engine.randomness import PrivacyRandomness  # noqa: F401
+from widedp.trainer.private.build import build_engine, connect_cluster, run_randomness  # noqa: F401 (public here too)
 from widedp.trainer.run.loop import Run
 from widedp.trainer.run.journal import JOURNAL_FILE, STICKY_KEYS, ReleaseJournal
 from widedp.trainer.run.journal import hold as hold_journal
@@ -155,58 +156,14 @@ def _layout(meta, cfg: Config) -> ShardLayout:
     return ShardLayout(tables, features, cfg.cluster.num_shards)
 
 
-def _shard_group(cfg: Config, layout: ShardLayout):
-    from widedp.trainer.engine.shard_group import InProcessShardGroup
-    from widedp.trainer.cluster.ray_shards import RayShardGroup
-
-    kwargs: dict[str, Any] = dict(optimizer=cfg.train.optimizer, lr=cfg.train.lr, seed=cfg.train.seed,
-                                  init_std=cfg.model.init_std, ema_decay=cfg.train.ema_decay)
-    if cfg.cluster.backend == "local":
-        return InProcessShardGroup(layout, **kwargs)
-    return RayShardGroup(layout, cpus_per_shard=cfg.cluster.cpus_per_shard, gpus_per_shard=cfg.cluster.gpus_per_shard,
-                         placement_strategy=cfg.cluster.placement_strategy,
-                         max_restarts=cfg.cluster.max_actor_restarts, data_plane=cfg.cluster.data_plane,
-                         compiled_wait=cfg.cluster.compiled_wait, fold_write_back=cfg.cluster.fold_write_back,
-                         unawaited_write_back=cfg.cluster.unawaited_write_back, **kwargs)
-
-
-def _trainer_group(cfg: Config):
-    """Where the trainers run: Ray actors (cluster.trainer_actors), else the engine's default
-    (in this process)."""
-    if not cfg.cluster.trainer_actors:
-        return None
-    from widedp.trainer.cluster.ray_trainers import ray_trainer_factory
-
-    return ray_trainer_factory(cfg.cluster.cpus_per_trainer)
-
-
-def _dense_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.numel()] or list(model.parameters())
-    opt = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}[cfg.train.optimizer]
-    return opt(params, lr=cfg.train.dense_lr)
-
-
-def run_randomness(cfg: Config) -> PrivacyRandomness:
-    """Fresh OS entropy, unless the config asks for a reproducible (public) noise seed."""
-    if cfg.privacy.reproducible:
-        return PrivacyRandomness.from_seed(cfg.privacy.noise_seed)
-    return PrivacyRandomness.fresh(secure=cfg.privacy.secure_mode)
-
-
 def build_run(cfg: Config, train_transform=None) -> Run:
     """Everything a run needs (trainer/run/loop.py `Run`): engine, splits, metadata, privacy plan.
     `train_transform(train_split) -> split`: applied to the training split before anything is
     planned from it (the one-run audit adds its canaries there, trainer/run/audit.py)."""
-    from widedp.trainer.data import PoissonSampler, UnitPoissonSampler
     from widedp.trainer.engine.memory import keep_freed_memory
 
     keep_freed_memory()  # the step's large buffers stay in the heap between steps (trainer/engine/memory.py)
-    if cfg.cluster.backend == "ray":  # connection problems surface before any data work
-        from widedp.trainer.cluster.ray_runtime import ensure_ray
-
-        trainer_cpus = cfg.cluster.cpus_per_trainer * cfg.cluster.num_trainers if cfg.cluster.trainer_actors else 0.0
-        ensure_ray(cfg.cluster.address, needed_cpus=cfg.cluster.cpus_per_shard * cfg.cluster.num_shards + trainer_cpus,
-                   inline_bytes=cfg.cluster.inline_bytes)
+    connect_cluster(cfg)  # connection problems surface before any data work
     train_set, test_set = _ensure_dataset(cfg)
     validation_set = None
     if cfg.data.validation_fraction > 0:
@@ -225,42 +182,10 @@ def build_run(cfg: Config, train_transform=None) -> Run:
     if n == 0:
         raise ValueError(f"{cfg.data.path}: the training split is empty")
     example_units = _example_units(cfg, train_set, meta)
-    randomness = run_randomness(cfg)
-    num_units = None
-    if example_units is not None and cfg.privacy.user_sampling == "examples":
-        # user level by example sampling: each user keeps ≤ k examples (a secret random subset),
-        # the steps are example-level and every event is accounted for a group of k
-        from widedp.trainer.data.format.dataset import SplitSubset
-        from widedp.trainer.data.sampler import trimmed_positions
-
-        num_units = int(example_units.max()) + 1
-        train_set = SplitSubset(train_set, trimmed_positions(example_units, cfg.privacy.max_examples_per_user,
-                                                             randomness.user_trim_rng()))
-        example_units, n = None, len(train_set)
-    elif example_units is not None:  # user level: n, q, b and δ are over units (trainer/engine/engine.py)
-        n = int(example_units.max()) + 1
-    plan, info, policy = plan_run(cfg, n, meta.table_sizes, [e for _, e in meta.privacy_events], meta.feature_tables,
-                                  num_units=num_units, data_event_units=meta.privacy_event_units,
-                                  feature_max_ids=meta.max_ids_per_example())
-    ledger = PrivacyLedger(cfg.privacy.accountant, info.delta) if plan is not None else None
-    shards = _shard_group(cfg, layout)
-    sampler: "PoissonSampler | UnitPoissonSampler"
-    if example_units is None:
-        sampler = PoissonSampler(n, info.sample_rate, seed=randomness.sampler_rng())
-    else:
-        sampler = UnitPoissonSampler(example_units, info.sample_rate, cfg.privacy.max_examples_per_user,
-                                     seed=randomness.sampler_rng())
-    assert (plan is None) == (ledger is None)
-    privacy = None if plan is None or ledger is None else EnginePrivacy(
-        plan, ledger, cfg.privacy.target_epsilon, secure_mode=cfg.privacy.secure_mode, group_size=info.group_size or 1)
-    options = EngineOptions(num_trainers=cfg.cluster.num_trainers, selection_on_shards=cfg.cluster.selection_on_shards,
-                            fuse_selection=cfg.cluster.fuse_selection, norms_on_trainer=cfg.cluster.norms_on_trainer,
-                            trainer_group=_trainer_group(cfg))
-    engine = Engine(model, layout, shards, train_set, sampler, mode=cfg.train.mode,
-                    expected_batch_size=info.sample_rate * n, sample_rate=info.sample_rate,
-                    dense_optimizer=_dense_optimizer(cfg, model), privacy=privacy, randomness=randomness,
-                    options=options, dense_tables=policy.dense_indices([t.name for t in layout.tables]) if policy else (),
-                    ema_decay=cfg.train.ema_decay, example_units=example_units)
+    built = build_engine(cfg, model, layout, train_set, table_sizes=meta.table_sizes, feature_tables=meta.feature_tables,
+                         example_units=example_units, data_events=[e for _, e in meta.privacy_events],
+                         data_event_units=meta.privacy_event_units, feature_max_ids=meta.max_ids_per_example())
+    engine, info, train_set = built.engine, built.info, built.train_set
     return Run(cfg, engine, train_set, test_set, meta, info, validation_set)
 
 
