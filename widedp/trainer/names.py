@@ -20,6 +20,17 @@ OPTIMIZERS = ("sgd", "adagrad", "adam")
 INTERACTIONS = ("dot", "cat")
 #: trainer.models.MODELS's keys.
 MODELS = ("cbow", "dlrm")
+#: A model named by import path ("package.module:Class", trainer/models `model_class`).
+IMPORT_PATH = r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*"
+
+
+def is_import_path(name: str) -> bool:
+    """Whether `name` has the form "package.module:Class" (imported only when the model is built)."""
+    import re
+
+    return re.fullmatch(IMPORT_PATH, name) is not None
+
+
 #: accounting.base.accountant_names().
 ACCOUNTANTS = ("auto", "paper", "pld", "prv", "rdp")
 

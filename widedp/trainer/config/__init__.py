@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from widedp.trainer.config.table_policy import DEFAULTS as TABLE_DEFAULTS
+from widedp.trainer.names import is_import_path
 from widedp.trainer.config.table_policy import POLICIES as TABLE_POLICIES
 
 MODES = ("nonprivate", "dpsgd", "sparse")
@@ -145,23 +146,37 @@ class DataConfig:
 
 @dataclasses.dataclass
 class ModelConfig:
-    name: str = "dlrm"  # a registered model (trainer.models.MODELS): "dlrm" | "cbow"
+    # a registered model (trainer.models.MODELS): "dlrm" | "cbow"; or your DenseModel subclass by
+    # import path, "package.module:Class" (built as Class(features=, embedding_dim=, num_dense=, **model.kwargs))
+    name: str = "dlrm"
     embedding_dim: int = 16
     bottom_mlp: list = dataclasses.field(default_factory=lambda: [64])
     top_mlp: list = dataclasses.field(default_factory=lambda: [64])
     init_std: float = 0.05
     interaction: str = "dot"  # dlrm: "dot" (pairwise dots) | "cat" (embeddings concatenated into the top MLP)
+    # a model by import path: its keyword arguments (a TOML table [model.kwargs]); built-ins take none
+    kwargs: dict = dataclasses.field(default_factory=dict, metadata={"values": "plain"})
 
     def validate(self) -> None:
         MODELS, INTERACTIONS = registry("models"), registry("interactions")
         _require([
-            (self.name in MODELS, f"model.name must be one of {sorted(MODELS)}, got {self.name!r}"),
+            (self.name in MODELS or is_import_path(self.name),
+             f"model.name must be one of {sorted(MODELS)} or an import path 'package.module:Class', got {self.name!r}"),
+            (not self.kwargs or self.name not in MODELS,
+             f"model.kwargs is for a model named by import path; {self.name!r} takes model.* keys"),
             (self.interaction in INTERACTIONS, f"model.interaction must be one of {INTERACTIONS}, got {self.interaction!r}"),
             (self.embedding_dim >= 1, "model.embedding_dim must be >= 1"),
             (all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in [*self.bottom_mlp, *self.top_mlp]),
              "model.bottom_mlp and model.top_mlp must be lists of positive integers"),
             (self.init_std > 0, "model.init_std must be > 0"),
         ])
+        if self.name not in MODELS and not _LIGHT_NAMES.get():  # the import itself, outside the fast check
+            from widedp.trainer.models import model_class
+
+            try:
+                model_class(self.name)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
 
 
 @dataclasses.dataclass
@@ -521,6 +536,13 @@ def _check_positive_or_keyword(where: str, meta: Mapping[str, Any], value: Any) 
         raise ConfigError(f"{where} must be > 0 or {keyword}{zero}, got {value!r}")
 
 
+def _plain(value: Any) -> bool:
+    """A value config.json can hold as it is: a string, number, boolean, or a list of them."""
+    if isinstance(value, list):
+        return all(_plain(v) and not isinstance(v, list) for v in value)
+    return isinstance(value, (str, int, float, bool))
+
+
 def _coerce(where: str, field: dataclasses.Field, current: Any, value: Any) -> Any:
     meta = field.metadata
     kind = meta.get("kind") or type(current)
@@ -543,6 +565,17 @@ def _coerce(where: str, field: dataclasses.Field, current: Any, value: Any) -> A
         if meta.get("auto") or meta.get("none") or meta.get("keyword"):
             _check_positive_or_keyword(where, meta, out)
         return out
+    if kind is dict and meta.get("values") == "plain":
+        if isinstance(value, str):  # --set model.kwargs='{"hidden": 32}'
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise ConfigError(f"{where} must be a table (TOML) or a JSON object like {{\"hidden\": 32}}, "
+                                  f"got {value!r}")
+        if not isinstance(value, dict) or not all(isinstance(k, str) and _plain(v) for k, v in value.items()):
+            raise ConfigError(f"{where} must be a table of names to strings, numbers, booleans or lists of them, "
+                              f"got {value!r}")
+        return copy.deepcopy(dict(value))
     if kind is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             raise ConfigError(f"{where} must be a table of names to strings, got {value!r}")

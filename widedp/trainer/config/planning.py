@@ -21,7 +21,7 @@ from widedp.selection.registry import NO_SELECTION, get_selector
 from widedp.trainer.engine.adaptive_clip import adaptive_clip_from_config
 from widedp.trainer.config import Config
 from widedp.trainer.engine import PrivacyPlan
-from widedp.trainer.models import MODELS, DenseModel
+from widedp.trainer.models import DenseModel, model_class
 from widedp.trainer.engine.recalibration import auto_noise_multiplier
 from widedp.trainer.engine.step_noise import step_noise_event
 from widedp.trainer.config.table_policy import TablePolicy, resolve_table_policy
@@ -105,7 +105,7 @@ def recalibration_plan(cfg: Config, n: int, delta: float, group_size: int = 1) -
     `recalibration.auto_noise_multiplier` from n and the target ε), else None."""
     if cfg.train.mode == "nonprivate" or not cfg.train.recalibrate:
         return None
-    if getattr(MODELS[cfg.model.name], "logit_layer") is DenseModel.logit_layer:
+    if getattr(model_class(cfg.model.name), "logit_layer") is DenseModel.logit_layer:
         return None  # no single logit to recalibrate (CBOW)
     if cfg.privacy.accountant == "paper":
         return None  # Theorem 3 composes T identical steps only: no event after them

@@ -50,6 +50,7 @@ FIXED_REASONS = {
     "model.bottom_mlp": "the model the checkpoint holds",
     "model.top_mlp": "the model the checkpoint holds",
     "model.interaction": "the model the checkpoint holds",
+    "model.kwargs": "the model the checkpoint holds",
     "train.mode": "whether and how the run is private",
     "train.optimizer": "the optimizer state the checkpoint holds",
     "train.ema_decay": "which parameters are released (the average the checkpoint holds)",

@@ -149,7 +149,7 @@ def export_run(run_dir, out_dir) -> dict:
     weights.update({f"dense.{k}": v.detach().cpu().contiguous().clone()
                     for k, v in dense_model.state_dict().items() if v.numel()})
     report = privacy_report(run_dir, summary, config, engine_state, meta, state)
-    spec = model_spec(config, meta, layout, engine_state.get("step"))
+    spec = model_spec(config, meta, layout, engine_state.get("step"), output_is_logit=dense_model.logit_layer() is not None)
     ema_decay = config.get("train", {}).get("ema_decay", 0.0)
     spec["parameters"] = (f"exponential moving average of the iterates, decay {ema_decay} (train.ema_decay)"
                           if averaged else "the last iterate")
@@ -259,13 +259,17 @@ def _layout(meta, config: dict):
 
 
 def _dense_model(config: dict, meta, model_state: dict):
-    from widedp.trainer.models import MODELS
+    from widedp.trainer.models import build_model
 
     m = config["model"]
     with torch.random.fork_rng(devices=[]):  # construction draws initial weights; they are overwritten
-        model = MODELS[m["name"]](features=list(meta.features), embedding_dim=int(m["embedding_dim"]),
-                                  num_dense=meta.num_dense, bottom_mlp=list(m.get("bottom_mlp", [])),
-                                  top_mlp=list(m.get("top_mlp", [])), interaction=m.get("interaction", "dot"))
+        try:
+            model = build_model(m["name"], features=list(meta.features), embedding_dim=int(m["embedding_dim"]),
+                                num_dense=meta.num_dense, bottom_mlp=m.get("bottom_mlp", []),
+                                top_mlp=m.get("top_mlp", []), interaction=m.get("interaction", "dot"),
+                                kwargs=m.get("kwargs", {}))
+        except ValueError as exc:
+            raise ExportError(f"the run's model: {exc}") from exc
     model.load_state_dict(model_state)
     return model.eval()
 
@@ -653,7 +657,7 @@ def _check_pipeline(loaded, schema) -> None:
 
 
 # ---- model description ----------------------------------------------------------------------------
-def model_spec(config: dict, meta, layout, step) -> dict:
+def model_spec(config: dict, meta, layout, step, output_is_logit: bool = False) -> dict:
     m = config["model"]
     name = m["name"]
     spec = {
@@ -701,6 +705,15 @@ def model_spec(config: dict, meta, layout, step) -> dict:
                             "sum(logsigmoid(-s[:,1:]), 1); word vectors: table 'input'"),
         }
         spec["architecture"] = "word2vec CBOW with negative sampling; the dense part has no parameters"
+    else:  # a model by import path: the class is not needed to load (dense.pt2 holds its program)
+        spec.update(model_class=name, model_kwargs=dict(m.get("kwargs", {})))
+        spec["output"] = {
+            "kind": "logit" if output_is_logit else "outputs",
+            "shape": "the model's own",
+            "description": (f"what {name}'s forward returns" + (" — its logit_layer's one output, a logit; "
+                            "probability = sigmoid(logit)" if output_is_logit else "")),
+        }
+        spec["architecture"] = f"{name}, built with model.kwargs = {dict(m.get('kwargs', {}))}"
     return spec
 
 

@@ -70,7 +70,7 @@ from widedp.trainer.data.format.meta import dataset_identity
 from widedp.trainer.data.format.dataset import split_rule
 from widedp.trainer.engine import Engine, StepStats
 from widedp.trainer.engine.layout import FeatureSpec, ShardLayout, TableSpec
-from widedp.trainer.models import MODELS
+from widedp.trainer.models import build_model
 from widedp.trainer.config.planning import (PrivacyInfo, data_event_is_grouped, default_delta, plan_privacy,  # noqa: F401
                                      plan_run)  # (public here too)
 from widedp.trainer.run.ledger_key import LedgerKey, LedgerKeyError, key_from_environment, require_key
@@ -175,9 +175,9 @@ def build_run(cfg: Config, train_transform=None) -> Run:
     meta = train_set.meta
     layout = _layout(meta, cfg)
     torch.manual_seed(cfg.train.seed)
-    model = MODELS[cfg.model.name](features=list(meta.features), embedding_dim=cfg.model.embedding_dim,
-                                   num_dense=meta.num_dense, bottom_mlp=list(cfg.model.bottom_mlp),
-                                   top_mlp=list(cfg.model.top_mlp), interaction=cfg.model.interaction)
+    model = build_model(cfg.model.name, features=list(meta.features), embedding_dim=cfg.model.embedding_dim,
+                        num_dense=meta.num_dense, bottom_mlp=cfg.model.bottom_mlp, top_mlp=cfg.model.top_mlp,
+                        interaction=cfg.model.interaction, kwargs=cfg.model.kwargs)
     n = len(train_set)
     if n == 0:
         raise ValueError(f"{cfg.data.path}: the training split is empty")
