@@ -51,3 +51,17 @@ def test_cluster_example_parses_and_submits_as_the_tested_walkthrough():
     for shared in ("RAY_AUTH_MODE=token", "get-auth-token --generate", "--num-cpus 0", "--temp-dir",
                    "job submit --address http://127.0.0.1:", "--runtime-env deploy/runtime_env.yaml"):
         assert shared in script and shared in guide, shared
+
+
+@pytest.mark.parametrize("script,metric", [("dcn_ranking.py", "auc"), ("two_tower_retrieval.py", "recall@10")])
+def test_own_model_examples_run_at_smoke_size(script, metric, tmp_path):
+    """The full-size numbers are RESULTS §20's (the same scripts without --quick)."""
+    run = subprocess.run([sys.executable, str(EXAMPLES / script), "--quick", "--data", str(tmp_path / "logs")],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(out["runs"]) == {"sparse", "dpsgd", "nonprivate"}
+    for mode, by_eps in out["runs"].items():
+        for eps, row in by_eps.items():
+            assert 0 <= row[metric][0] <= 1
+            assert row["epsilon"][2] <= (0 if mode == "nonprivate" else float(eps) + 1e-9)

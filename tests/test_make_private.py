@@ -276,3 +276,18 @@ def test_a_split_holds_out_examples_the_training_set_lacks():
     key = lambda d: {tuple(r.tolist()) for r in torch.cat([d.dense, d.labels[:, None]], 1)}  # noqa: E731
     assert not key(train) & key(test) and key(train) | key(test) == key(data)
     assert set(train.units().tolist()) | set(test.units().tolist()) == set(data.units().tolist())
+
+
+def test_what_preparing_the_data_spent_is_charged_first_and_planned_inside_the_target():
+    from widedp.accounting import events as ev
+
+    d = _data(n=600)
+    spent = KJTDataset(d.take(np.arange(600)).sparse, d.labels, d.dense,
+                       privacy_events=[("a DP vocabulary", ev.GaussianDpEvent(3.0))])
+    with make_private(_ebc(), Tower(), bce, spent, target_epsilon=4.0, batch_size=60, steps=4) as trainer:
+        assert trainer.ledger.steps == 1 and trainer.epsilon() > 0  # before any step
+        first = trainer.epsilon()
+        assert trainer.train() == 4 and first < trainer.epsilon() <= 4.0 + 1e-9
+    with make_private(_ebc(), Tower(), bce, d, target_epsilon=4.0, batch_size=60, steps=4) as fresh:
+        assert fresh.ledger.steps == 0
+        assert fresh.privacy.noise_multiplier < trainer.privacy.noise_multiplier  # the data event took budget

@@ -20,7 +20,32 @@ here adds noise or changes what one example can contribute.
   small cost", §3): from the same a_j, g_j, Σ_j c_j ∇_W ℓ_j = Σ_j c_j g_j a_jᵀ = Gᵀ diag(c) A
   for nn.Linear, one matmul per layer; otherwise pass 2 is one backward of Σ_j c_j ℓ_j through
   the graph kept from pass 1. Either way it is Σ_j c_j ∇_θ ℓ_j, and nothing of size B × |θ| is
-  formed.
+  formed except where it is the cheaper way to a norm: a sequence Linear's [B, out, in] when
+  its Gram matrices would cost more, and LayerNorm's per-example gradients (one position's size).
+
+Registered (ghost norm, ghost sum and ghost group norm each; t runs over the positions between
+the batch dimension and the features, flattened):
+- nn.Linear, input [B, in] or [B, ..., in]: ∇_W ℓ_j = Σ_t g_jt a_jtᵀ, by the Gram form
+  Σ_{t,s} (a_jt·a_js)(g_jt·g_js) or by forming [B, out, in], whichever is cheaper per call
+  (`linear_norm_uses_gram`); ∇_b ℓ_j = Σ_t g_jt.
+- nn.LayerNorm with affine parameters (bias or not): ∇_weight ℓ_j = Σ_t g_jt ⊙ x̂_jt with x̂ the
+  normalized input recomputed from the captured one, ∇_bias ℓ_j = Σ_t g_jt (both [B, N], formed).
+- nn.Embedding inside the dense part, ids [B] or [B, ...]: row v of ∇_W ℓ_j is Σ_{t: id_jt = v}
+  g_jt, so ‖∇_W ℓ_j‖² = Σ_{t,s: id_jt = id_js} g_jt·g_js (positions keyed by (example, id) and
+  summed before squaring); padding_idx gets no gradient; max_norm, sparse and
+  scale_grad_by_freq are refused (`ghost_refusal`).
+- nn.Conv1d with groups=1 (any stride, padding, 'same', dilation, padding_mode): the Linear over
+  the unfolded input patches [B, L_out, C_in·k].
+Lookups are by exact type, so a subclass of a registered type is not registered.
+nn.MultiheadAttention is not supported: it owns its in-projection and applies its out_proj's
+parameters (a NonDynamicallyQuantizableLinear, an nn.Linear subclass, not called as a module)
+inside F.multi_head_attention_forward, where no hook sees the activations; a model with one uses
+the reference (attention written with nn.Linear q/k/v/out projections takes the ghost path). So does a model with a
+parameter owned by two modules (tied weights); a forward that calls a layer twice, changes a
+captured tensor in place, uses a layer's parameter without calling the layer, or applies a
+layer to a tensor whose dimension 0 is not the batch is refused by `GhostGradients`
+(`GhostUnsupported`). What is not detected: a called layer's parameter used a second time
+outside its module (its ghost norm sees only the module's own use).
 
 User-level privacy: `group_sq_norms(groups, num_groups)` (before `clipped_sum`) gives, for each
 group u, ‖Σ_{j: groups_j = u} ∇_θ ℓ_j‖², the squared norm of the *sum* of the group's
@@ -37,12 +62,17 @@ largest (`group_layouts`): no Python loop runs over groups, only over ≤ log2(B
 Both rely on the model treating examples independently (`DenseModel`'s contract: no batch
 statistics), so ∂(Σ_k ℓ_k)/∂x_j = ∂ℓ_j/∂x_j for every per-example tensor x. `dense_gradients`
 picks the ghost path when every module that owns parameters has a registered ghost norm (and,
-with `grouped=True`, a ghost group norm) and the reference otherwise; tests hold the two to agreement on every model here.
+with `grouped=True`, a ghost group norm) that accepts its configuration, and the reference
+otherwise, saying so by one logging warning per model class and reason; tests hold the two to
+agreement on every model here (tests/test_dense_grads.py, test_dense_group_norms.py,
+test_ghost_layers.py).
 """
 
 from __future__ import annotations
 
 import abc
+import logging
+import math
 import operator
 from typing import Callable, Optional
 
@@ -78,18 +108,38 @@ def ghost_norm_for(layer: nn.Module):
     return _GHOST_NORMS.get(type(layer))
 
 
+def linear_norm_uses_gram(positions: int, in_features: int, out_features: int) -> bool:
+    """Whether the Gram form is the cheaper way to one example's squared weight-gradient norm
+    of an nn.Linear over `positions` sequence positions, counting multiply-adds: the two T × T
+    Gram matrices and their inner product cost T²·(in + out + 1); forming Σ_t g_t a_tᵀ
+    [out, in] and its squared norm costs (T + 1)·in·out (the trade-off of mixed ghost clipping,
+    Bu et al. 2022; `linear_group_uses_gram` is the same count for a group's rows)."""
+    return positions * positions * (in_features + out_features + 1) <= (positions + 1) * in_features * out_features
+
+
+def _sequence_weight_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """[B] ‖Σ_t g_bt a_btᵀ‖_F² for a [B, T, in], g [B, T, out] (float64): by the Gram form
+    Σ_{t,s} (a_t·a_s)(g_t·g_s) or by forming the [B, out, in] gradient, whichever
+    `linear_norm_uses_gram` says is cheaper."""
+    if linear_norm_uses_gram(a.shape[1], a.shape[2], g.shape[2]):
+        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+    return torch.bmm(g.transpose(1, 2), a).pow(2).sum((1, 2))
+
+
 @register_ghost_norm(nn.Linear)
 def _linear_ghost_norm(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """∇_W ℓ_j = Σ_t g_jt a_jtᵀ, ∇_b ℓ_j = Σ_t g_jt (t over a sequence dimension, if any).
-    Without one: ‖∇_W‖² = ‖a_j‖²‖g_j‖². With one: ‖Σ_t g_t a_tᵀ‖_F² = Σ_{t,s} (a_t·a_s)(g_t·g_s),
-    i.e. ⟨A Aᵀ, G Gᵀ⟩ over the T × T Gram matrices (Li et al. 2022, eq. 4)."""
+    """∇_W ℓ_j = Σ_t g_jt a_jtᵀ, ∇_b ℓ_j = Σ_t g_jt (t over the positions of any dimensions
+    between the batch and the features, flattened). Without them: ‖∇_W‖² = ‖a_j‖²‖g_j‖². With
+    them: ‖Σ_t g_t a_tᵀ‖_F² = Σ_{t,s} (a_t·a_s)(g_t·g_s), i.e. ⟨A Aᵀ, G Gᵀ⟩ over the T × T Gram
+    matrices (Li et al. 2022, eq. 4), or the norm of the formed [out, in] gradient when that is
+    cheaper (`linear_norm_uses_gram`); ‖∇_b‖² = ‖Σ_t g_t‖²."""
     a, g = a.double(), g.double()
     if a.dim() == 2:
         sq = a.pow(2).sum(1) * g.pow(2).sum(1)
         bias_grad = g
     else:
         a, g = a.flatten(1, -2), g.flatten(1, -2)  # [B, T, in], [B, T, out]
-        sq = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+        sq = _sequence_weight_sq(a, g)
         bias_grad = g.sum(1)
     if layer.bias is not None:
         sq = sq + bias_grad.pow(2).sum(1)
@@ -253,6 +303,12 @@ def _linear_ghost_group_norm(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor,
     G_uᵀ A_u formed outright. The bias gradient is Σ_{j∈u} Σ_t g_jt."""
     a = a.unsqueeze(1) if a.dim() == 2 else a.flatten(1, -2)  # [B, T, in]
     g = g.unsqueeze(1) if g.dim() == 2 else g.flatten(1, -2)  # [B, T, out]
+    return _sequence_group_sq(a, g, layout, layer.bias is not None)
+
+
+def _sequence_group_sq(a: torch.Tensor, g: torch.Tensor, layout: GroupLayout, bias: bool) -> torch.Tensor:
+    """[layout.num_groups] float64 ‖Σ_{j∈u} Σ_t g_jt a_jtᵀ‖_F² (+ ‖Σ_{j∈u} Σ_t g_jt‖² with `bias`)
+    for a [B, T, in], g [B, T, out]: `_linear_ghost_group_norm`'s computation."""
     rows = layout.max_size * a.shape[1]
     A = layout.pad(a).double().reshape(layout.num_groups, rows, a.shape[-1])  # [U, m·T, in]
     G = layout.pad(g).double().reshape(layout.num_groups, rows, g.shape[-1])  # [U, m·T, out]
@@ -260,9 +316,192 @@ def _linear_ghost_group_norm(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor,
         sq = (torch.bmm(A, A.transpose(1, 2)) * torch.bmm(G, G.transpose(1, 2))).sum((1, 2))
     else:
         sq = torch.bmm(G.transpose(1, 2), A).pow(2).sum((1, 2))
-    if layer.bias is not None:
+    if bias:
         sq = sq + G.sum(1).pow(2).sum(1)  # padding rows are zero
     return sq
+
+
+# ---- per-layer refusals: a registered layer type whose configuration the ghost path cannot follow -----
+GhostRefusal = Callable[[nn.Module], Optional[str]]  # layer -> None, or what in its configuration is refused
+_GHOST_REFUSALS: dict[type, GhostRefusal] = {}
+
+
+def ghost_refusal(layer: nn.Module) -> Optional[str]:
+    """Why the ghost path refuses `layer` although its type is registered (e.g. an nn.Embedding
+    with max_norm), or None."""
+    check = _GHOST_REFUSALS.get(type(layer))
+    return check(layer) if check is not None else None
+
+
+# ---- nn.LayerNorm ------------------------------------------------------------------------------------
+def _layer_norm_example_grads(layer: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor):
+    """Per-example (∇_weight ℓ_j, ∇_bias ℓ_j), each [B, N] float64 (N = the normalized_shape's
+    size): Σ_t g_jt ⊙ x̂_jt and Σ_t g_jt, t over the positions before the normalized dimensions,
+    x̂ the normalized input recomputed from the captured one with the layer's eps (the bias
+    entry is None without a bias). Cheap to form: one position's size per example."""
+    shape = tuple(layer.normalized_shape)
+    x_hat = nn.functional.layer_norm(x.detach(), shape, None, None, layer.eps)
+    B, N = x.shape[0], math.prod(shape)
+    T = math.prod(x.shape[1:x.dim() - len(shape)])
+    g = g.double().reshape(B, T, N)
+    weight = (g * x_hat.double().reshape(B, T, N)).sum(1) if layer.weight is not None else None
+    bias = g.sum(1) if layer.bias is not None else None
+    return weight, bias
+
+
+@register_ghost_norm(nn.LayerNorm)
+def _layer_norm_ghost_norm(layer: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """‖Σ_t g_t ⊙ x̂_t‖² + ‖Σ_t g_t‖² per example (`_layer_norm_example_grads`)."""
+    return sum((p.pow(2).sum(1) for p in _layer_norm_example_grads(layer, x, g) if p is not None),
+               torch.zeros(x.shape[0], dtype=torch.float64, device=x.device))
+
+
+@register_ghost_sum(nn.LayerNorm)
+def _layer_norm_ghost_sum(layer: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor, factors: torch.Tensor) -> dict:
+    """Σ_j c_j Σ_t g_jt ⊙ x̂_jt and Σ_j c_j Σ_t g_jt, shaped as the parameters, float64."""
+    weight, bias = _layer_norm_example_grads(layer, x, g)
+    c = factors.to(device=x.device, dtype=torch.float64)
+    out = {}
+    if weight is not None:
+        out["weight"] = (c @ weight).reshape(layer.normalized_shape)
+    if bias is not None:
+        out["bias"] = (c @ bias).reshape(layer.normalized_shape)
+    return out
+
+
+@register_ghost_group_norm(nn.LayerNorm)
+def _layer_norm_ghost_group_norm(layer: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor,
+                                 layout: GroupLayout) -> torch.Tensor:
+    """‖Σ_{j∈u} Σ_t g_jt ⊙ x̂_jt‖² + ‖Σ_{j∈u} Σ_t g_jt‖² per group u of the grid."""
+    return sum((layout.segment_sum(p).pow(2).sum(1) for p in _layer_norm_example_grads(layer, x, g) if p is not None),
+               torch.zeros(layout.num_groups, dtype=torch.float64, device=x.device))
+
+
+# ---- nn.Embedding inside the dense part ------------------------------------------------------------
+def _embedding_refusal(layer: nn.Module) -> Optional[str]:
+    assert isinstance(layer, nn.Embedding)
+    refused = [name for name, on in (("max_norm", layer.max_norm is not None), ("sparse", layer.sparse),
+                                     ("scale_grad_by_freq", layer.scale_grad_by_freq)) if on]
+    return ", ".join(refused) or None
+
+
+_GHOST_REFUSALS[nn.Embedding] = _embedding_refusal
+
+
+def _embedding_rows(layer: nn.Embedding, ids: torch.Tensor, g: torch.Tensor):
+    """(ids [B, T] int64, g [B, T, D]) from the captured ids [B, ...] and output gradients
+    [B, ..., D], with the gradient of every padding_idx position zeroed (its row gets none)."""
+    B = ids.shape[0]
+    T = math.prod(ids.shape[1:])
+    ids = ids.reshape(B, T).long()
+    g = g.reshape(B, T, g.shape[-1])
+    if layer.padding_idx is not None:
+        g = g * (ids != layer.padding_idx).unsqueeze(-1).to(g.dtype)
+    return ids, g
+
+
+def _embedding_keyed_sq(keys: torch.Tensor, owner: torch.Tensor, g: torch.Tensor, size: int) -> torch.Tensor:
+    """[size] float64: Σ over distinct keys k of owner o, ‖Σ_{positions with key k} g‖², added
+    into entry o. keys, owner [P] int64 (one owner per key), g [P, D]."""
+    out = torch.zeros(size, dtype=torch.float64, device=g.device)
+    if not keys.numel():
+        return out
+    unique, inverse = torch.unique(keys, return_inverse=True)
+    summed = g.new_zeros(unique.numel(), g.shape[-1], dtype=torch.float64).index_add_(0, inverse, g.double())
+    first = torch.zeros(unique.numel(), dtype=torch.int64, device=g.device).scatter_(0, inverse, owner)
+    return out.index_add_(0, first, summed.pow(2).sum(1))
+
+
+@register_ghost_norm(nn.Embedding)
+def _embedding_ghost_norm(layer: nn.Embedding, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """∇_W ℓ_j has row v = Σ_{t: id_jt = v} g_jt (zero for padding_idx), so
+    ‖∇_W ℓ_j‖² = Σ_{t,s: id_jt = id_js} g_jt·g_js: positions that repeat an id are summed before
+    squaring (an id repeated within an example counts once, with its summed gradient)."""
+    ids, g = _embedding_rows(layer, ids, g)
+    B, T = ids.shape
+    owner = torch.arange(B, device=ids.device).repeat_interleave(T)
+    return _embedding_keyed_sq(owner * layer.num_embeddings + ids.flatten(), owner, g.flatten(0, 1), B)
+
+
+@register_ghost_sum(nn.Embedding)
+def _embedding_ghost_sum(layer: nn.Embedding, ids: torch.Tensor, g: torch.Tensor, factors: torch.Tensor) -> dict:
+    """Σ_j c_j ∇_W ℓ_j: each position's c_j g_jt added into row id_jt (index_add), padding_idx's
+    row left zero; in the gradients' precision, returned as float64."""
+    ids, g = _embedding_rows(layer, ids, g)
+    weighted = (g * factors.to(device=g.device, dtype=g.dtype)[:, None, None]).flatten(0, 1)
+    weight = g.new_zeros(layer.weight.shape).index_add_(0, ids.flatten(), weighted)
+    return {"weight": weight.double()}
+
+
+@register_ghost_group_norm(nn.Embedding)
+def _embedding_ghost_group_norm(layer: nn.Embedding, ids: torch.Tensor, g: torch.Tensor,
+                                layout: GroupLayout) -> torch.Tensor:
+    """Group u's gradient has row v = Σ_{j∈u} Σ_{t: id_jt = v} g_jt: the group's positions keyed
+    by (group, id), summed per key, squared (no padding grid needed)."""
+    ids, g = _embedding_rows(layer, ids, g)
+    examples, rows = layout._examples, layout._rows  # this grid's examples and their grid rows
+    T = ids.shape[1]
+    owner = rows.repeat_interleave(T)
+    keys = owner * layer.num_embeddings + ids[examples].flatten()
+    return _embedding_keyed_sq(keys, owner, g[examples].flatten(0, 1), layout.num_groups)
+
+
+# ---- nn.Conv1d: a Linear over the input's patches ------------------------------------------------------
+def _conv1d_refusal(layer: nn.Module) -> Optional[str]:
+    assert isinstance(layer, nn.Conv1d)
+    return f"groups={layer.groups}" if layer.groups != 1 else None
+
+
+_GHOST_REFUSALS[nn.Conv1d] = _conv1d_refusal
+
+
+def _conv1d_as_linear(layer: nn.Conv1d, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(patches [B, L_out, C_in·k], output gradients [B, L_out, C_out]): the conv is the Linear
+    patches @ W.reshape(C_out, C_in·k)ᵀ + b at each output position, so its per-example
+    gradients are those of a Linear over the L_out positions. Padding as the layer's forward
+    pads (zeros, or its padding_mode; padding='same' split as torch splits it)."""
+    if x.dim() != 3:
+        raise GhostUnsupported(f"Conv1d without a batch dimension (input of shape {list(x.shape)})")
+    (k,), (stride,), (dilation,) = layer.kernel_size, layer.stride, layer.dilation
+    if isinstance(layer.padding, str):
+        total = dilation * (k - 1) if layer.padding == "same" else 0
+        pads = (total // 2, total - total // 2)
+    else:
+        pads = (layer.padding[0], layer.padding[0])
+    mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
+    x = nn.functional.pad(x, pads, mode=mode) if any(pads) else x
+    span = dilation * (k - 1) + 1
+    patches = x.unfold(2, span, stride)[..., ::dilation]  # [B, C_in, L_out, k]
+    patches = patches.permute(0, 2, 1, 3).flatten(2)  # [B, L_out, C_in·k], as W.flatten(1)
+    return patches, g.transpose(1, 2)
+
+
+@register_ghost_norm(nn.Conv1d)
+def _conv1d_ghost_norm(layer: nn.Conv1d, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """`_linear_ghost_norm` of the Linear over the input's patches (`_conv1d_as_linear`)."""
+    a, g = (t.double() for t in _conv1d_as_linear(layer, x, g))
+    sq = _sequence_weight_sq(a, g)
+    if layer.bias is not None:
+        sq = sq + g.sum(1).pow(2).sum(1)
+    return sq
+
+
+@register_ghost_sum(nn.Conv1d)
+def _conv1d_ghost_sum(layer: nn.Conv1d, x: torch.Tensor, g: torch.Tensor, factors: torch.Tensor) -> dict:
+    """Σ_j c_j Σ_t g_jt p_jtᵀ over the patches p, reshaped to [C_out, C_in, k]; Σ_j c_j Σ_t g_jt."""
+    a, g = _conv1d_as_linear(layer, x, g)
+    weighted = g * factors.to(device=g.device, dtype=g.dtype)[:, None, None]
+    out = {"weight": torch.einsum("bto,bti->oi", weighted, a).reshape(layer.weight.shape).double()}
+    if layer.bias is not None:
+        out["bias"] = weighted.sum((0, 1)).double()
+    return out
+
+
+@register_ghost_group_norm(nn.Conv1d)
+def _conv1d_ghost_group_norm(layer: nn.Conv1d, x: torch.Tensor, g: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
+    """`_linear_ghost_group_norm` of the Linear over the input's patches."""
+    a, g = _conv1d_as_linear(layer, x, g)
+    return _sequence_group_sq(a, g, layout, layer.bias is not None)
 
 
 # ---- the two implementations -----------------------------------------------------------------------
@@ -352,23 +591,32 @@ class GhostGradients(DenseGradients):
 
         self._book_keeping = all(type(layer) in _GHOST_SUMS for layer in layers)
         handles = [layer.register_forward_hook(capture) for layer in layers]
+        B = pooled.shape[0]
         try:
             with torch.enable_grad():
                 pooled_leaf = pooled.detach().requires_grad_(True)
                 self._losses: Optional[torch.Tensor] = model.loss(model(pooled_leaf, dense), labels)
-                _check_captures(captured)
+                _check_captures(captured, B)
                 outputs = [out for _, _, out, _ in captured]
-                grads = torch.autograd.grad(self._losses.sum(), [pooled_leaf, *outputs],
+                # The parameters of a layer that was not called must get no gradient: one used
+                # without its module's forward (F.linear(x, layer.weight)) has no captures.
+                called = {id(layer) for layer, _, _, _ in captured}
+                uncalled = [(layer, p) for layer in layers if id(layer) not in called
+                            for p in layer.parameters(recurse=False) if p.requires_grad]
+                grads = torch.autograd.grad(self._losses.sum(), [pooled_leaf, *outputs, *(p for _, p in uncalled)],
                                             retain_graph=not self._book_keeping, allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
-        B = pooled.shape[0]
+        for (layer, _), g in zip(uncalled, grads[1 + len(outputs):]):
+            if g is not None:
+                raise GhostUnsupported(f"a parameter of a {type(layer).__name__} is used without calling "
+                                       "the module (its forward hook sees nothing)")
         self.losses = self._losses.detach()
         self.pooled_grads = grads[0] if grads[0] is not None else torch.zeros_like(pooled)
         sq = torch.zeros(B, dtype=torch.float64)
         self._captures = []  # (layer, a, g) for the ghost sums
-        for (layer, a, _, _), g in zip(captured, grads[1:]):
+        for (layer, a, _, _), g in zip(captured, grads[1:1 + len(outputs)]):
             if g is not None:  # an output that does not reach the loss has zero gradient
                 sq = sq + _GHOST_NORMS[type(layer)](layer, a.detach(), g.detach())
                 self._captures.append((layer, a.detach(), g.detach()))
@@ -379,7 +627,7 @@ class GhostGradients(DenseGradients):
 
     def _group_sq_norms(self, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
         """The registered ghost group norm of every captured layer, added up (module docstring)."""
-        missing = sorted({type(m).__name__ for m in _parameterized_layers(self.model) if ghost_group_norm_for(m) is None})
+        missing = _unsupported_layers(self.model, grouped=True)
         if missing:
             raise ValueError(f"no ghost group norm registered for {missing} "
                              "(trainer.engine.dense_grads.register_ghost_group_norm; or use the per_example method)")
@@ -423,17 +671,26 @@ class GhostUnsupported(ValueError):
     """The forward did something the ghost norms cannot account for exactly."""
 
 
-def _check_captures(captured) -> None:
+def _check_captures(captured, batch_size: int) -> None:
     """Each layer once per forward (a shared layer's per-example gradient is a sum over its
-    calls, whose norm is not the sum of the calls' norms), and no captured input or output
-    changed in place afterwards (the activations or the gradient would be the changed tensor's)."""
+    calls, whose norm is not the sum of the calls' norms), no captured input or output changed
+    in place afterwards (the activations or the gradient would be the changed tensor's), and
+    every captured input and output a tensor whose first dimension is the batch's (the ghost
+    norms read dimension 0 as the example; a layer applied to [T, B, ...] or to a flattened
+    [B·T, ...] would mix examples)."""
     seen = set()
     for layer, inp, out, versions in captured:
+        name = type(layer).__name__
         if id(layer) in seen:
-            raise GhostUnsupported(f"{type(layer).__name__} is called more than once per forward")
+            raise GhostUnsupported(f"{name} is called more than once per forward")
         seen.add(id(layer))
+        if not isinstance(inp, torch.Tensor) or not isinstance(out, torch.Tensor):
+            raise GhostUnsupported(f"the input or output of a {name} is not a tensor")
         if (inp._version, out._version) != versions:
-            raise GhostUnsupported(f"the input or output of a {type(layer).__name__} is modified in place")
+            raise GhostUnsupported(f"the input or output of a {name} is modified in place")
+        if inp.dim() == 0 or out.dim() == 0 or inp.shape[0] != batch_size or out.shape[0] != batch_size:
+            raise GhostUnsupported(f"the input or output of a {name} does not have the batch ({batch_size}) "
+                                   f"as its first dimension (shapes {list(inp.shape)} -> {list(out.shape)})")
 
 
 def _parameterized_layers(model: nn.Module) -> list[nn.Module]:
@@ -441,17 +698,59 @@ def _parameterized_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if any(p.numel() for p in m.parameters(recurse=False))]
 
 
+def _shared_parameter_owners(model: nn.Module) -> set[int]:
+    """ids of the modules that own (recurse=False) a parameter another module owns too (tied
+    weights): its gradient is a sum over both modules' uses, which no one layer's ghost norm sees."""
+    owners: dict[int, list[int]] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(id(m))
+    return {m for ms in owners.values() if len(ms) > 1 for m in ms}
+
+
+def _unsupported_layers(model: nn.Module, grouped: bool = False) -> list[str]:
+    """Sorted names of what keeps `model` off the ghost path: the types of the modules owning
+    parameters without a registered ghost norm (with `grouped`, or ghost group norm), a
+    registered type's refused configuration as "Type(what)", and "Type(shared parameter)"."""
+    shared = _shared_parameter_owners(model)
+    names = set()
+    for m in _parameterized_layers(model):
+        name = type(m).__name__
+        if ghost_norm_for(m) is None or (grouped and ghost_group_norm_for(m) is None):
+            names.add(name)
+        elif (why := ghost_refusal(m)) is not None:
+            names.add(f"{name}({why})")
+        elif id(m) in shared:
+            names.add(f"{name}(shared parameter)")
+    return sorted(names)
+
+
 def supports_ghost(model: nn.Module) -> bool:
-    """Whether every module that owns parameters has a registered ghost norm. (What only a
-    forward shows — a layer called twice, an output changed in place — `GhostGradients`
-    checks and refuses with `GhostUnsupported`.)"""
-    return all(ghost_norm_for(m) is not None for m in _parameterized_layers(model))
+    """Whether every module that owns parameters has a registered ghost norm, in a
+    configuration it accepts, and owns no parameter another module owns too. (What only a
+    forward shows — a layer called twice, an output changed in place, a parameter used without
+    its module — `GhostGradients` checks and refuses with `GhostUnsupported`.)"""
+    return not _unsupported_layers(model)
 
 
 def supports_ghost_groups(model: nn.Module) -> bool:
     """`supports_ghost(model)`, and every module that owns parameters also has a registered ghost
     group norm (what `GhostGradients.group_sq_norms` needs)."""
-    return supports_ghost(model) and all(ghost_group_norm_for(m) is not None for m in _parameterized_layers(model))
+    return not _unsupported_layers(model, grouped=True)
+
+
+logger = logging.getLogger(__name__)
+_FALLBACKS_SAID: set[tuple[type, str]] = set()
+
+
+def _say_fallback_once(model: nn.Module, reason: str) -> None:
+    """One logging warning per (model class, reason) for the process: "auto" fell back to the
+    per-example reference (a step repeats the same fallback every time; once is enough)."""
+    key = (type(model), reason)
+    if key not in _FALLBACKS_SAID:
+        _FALLBACKS_SAID.add(key)
+        logger.warning("dense_gradients(method='auto') uses the per-example reference for %s: %s",
+                       type(model).__name__, reason)
 
 
 def dense_gradients(model: DenseModel, pooled: torch.Tensor, dense: torch.Tensor, labels: torch.Tensor,
@@ -463,20 +762,23 @@ def dense_gradients(model: DenseModel, pooled: torch.Tensor, dense: torch.Tensor
     if method not in ("auto", "ghost", "per_example"):
         raise ValueError(f"dense gradient method must be 'auto', 'ghost' or 'per_example', got {method!r}")
     explicit = method == "ghost"
-    supported = supports_ghost_groups if grouped else supports_ghost
     if method == "auto":
-        method = "ghost" if supported(model) else "per_example"
+        missing = _unsupported_layers(model, grouped)
+        method = "per_example" if missing else "ghost"
+        if missing:
+            what = "ghost group norm" if grouped and not _unsupported_layers(model) else "ghost norm"
+            _say_fallback_once(model, f"no {what} for {missing} (register_ghost_norm / register_ghost_group_norm)")
     if method == "ghost":
         if not supports_ghost(model):
-            missing = sorted({type(m).__name__ for m in _parameterized_layers(model) if ghost_norm_for(m) is None})
-            raise ValueError(f"no ghost norm registered for {missing} (trainer.engine.dense_grads.register_ghost_norm)")
+            raise ValueError(f"no ghost norm registered for {_unsupported_layers(model)} "
+                             "(trainer.engine.dense_grads.register_ghost_norm)")
         if grouped and not supports_ghost_groups(model):
-            missing = sorted({type(m).__name__ for m in _parameterized_layers(model) if ghost_group_norm_for(m) is None})
-            raise ValueError(f"no ghost group norm registered for {missing} "
+            raise ValueError(f"no ghost group norm registered for {_unsupported_layers(model, grouped=True)} "
                              "(trainer.engine.dense_grads.register_ghost_group_norm)")
         try:
             return GhostGradients(model, pooled, dense, labels)
-        except GhostUnsupported:
+        except GhostUnsupported as e:
             if explicit:
                 raise
+            _say_fallback_once(model, f"the forward is one the ghost path cannot follow ({e})")
     return PerExampleGradients(model, pooled, dense, labels)

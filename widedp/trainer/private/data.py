@@ -30,6 +30,10 @@ class KJTDataset:
         units: [n] integer privacy units (e.g. user ids) for `privacy.unit = "user"`; None:
             every example is its own unit.
         features: the feature order of `take`'s batches; None: the KJT's key order.
+        privacy_events: what preparing the data already spent — (description, DpEvent) pairs
+            (a `convert table` data set's DP vocabularies and statistics); charged to the
+            training ledger before the first step.
+        privacy_event_units: per event, "example" or "user": whom it bounds.
 
     Attributes:
         features: the feature names of `take`'s batches, in order.
@@ -41,7 +45,8 @@ class KJTDataset:
     meta = None
 
     def __init__(self, sparse: KeyedJaggedTensor, labels: torch.Tensor, dense: Optional[torch.Tensor] = None,
-                 units: Optional[Sequence[int]] = None, features: Optional[Sequence[str]] = None):
+                 units: Optional[Sequence[int]] = None, features: Optional[Sequence[str]] = None,
+                 privacy_events: Sequence = (), privacy_event_units: Sequence[str] = ()):
         if not isinstance(sparse, KeyedJaggedTensor):
             raise TypeError(f"sparse must be a torchrec KeyedJaggedTensor, got {type(sparse).__name__}")
         n = int(sparse.stride())
@@ -79,6 +84,19 @@ class KJTDataset:
         if self._units is not None and self._units.size != n:
             raise ValueError(f"units has {self._units.size} entries, the data set {n} examples")
         self._n = n
+        self.privacy_events = list(privacy_events)
+        self.privacy_event_units = list(privacy_event_units) or ["example"] * len(self.privacy_events)
+        if len(self.privacy_event_units) != len(self.privacy_events):
+            raise ValueError(f"{len(self.privacy_events)} privacy_events but {len(self.privacy_event_units)} units")
+
+    @classmethod
+    def from_split(cls, split) -> "KJTDataset":
+        """A widedp data set's split (`widedp.trainer.data.open_dataset`: a `convert table` or
+        `synth` output) in memory, with its units when it has a unit column."""
+        batch = split.take(np.arange(len(split), dtype=np.int64))
+        meta = split.meta
+        return cls(batch.sparse, batch.labels, batch.dense, units=split.units() if hasattr(split, "units") else None,
+                   privacy_events=meta.privacy_events, privacy_event_units=meta.privacy_event_units)
 
     def __len__(self) -> int:
         return self._n
@@ -110,7 +128,8 @@ class KJTDataset:
         idx = self._check_indices(indices)
         batch = self.take(idx)
         return KJTDataset(batch.sparse, batch.labels, batch.dense,
-                          units=None if self._units is None else self._units[idx], features=self.features)
+                          units=None if self._units is None else self._units[idx], features=self.features,
+                          privacy_events=self.privacy_events, privacy_event_units=self.privacy_event_units)
 
     def max_ids(self, feature: str) -> tuple[int, int]:
         """(the largest id of `feature`, the first example holding it); (-1, -1) when it has none."""

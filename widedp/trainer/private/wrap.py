@@ -29,6 +29,7 @@ from torch import nn
 from widedp.public import public
 from widedp.trainer.config import Config, load_config
 from widedp.trainer.config.lr_schedule import lr_multiplier
+from widedp.trainer.config.planning import data_event_is_grouped
 from widedp.trainer.engine.checkpoint import engine_state, load_engine_state
 from widedp.trainer.engine.layout import FeatureSpec, ShardLayout, TableSpec
 from widedp.trainer.private.build import build_engine, connect_cluster
@@ -119,17 +120,26 @@ class PrivateTrainer:
             raw = data.units()
             if raw is None:
                 raise ValueError('privacy.unit = "user" needs the KJTDataset\'s units (one per example)')
+            per_example = [d for (d, _), u in zip(data.privacy_events, data.privacy_event_units) if u != "user"]
+            if per_example and cfg.privacy.user_sampling == "users":
+                raise ValueError(f"the data set's preparation released statistics with example-level DP "
+                                 f"({'; '.join(per_example)}); privacy.unit = \"user\" needs user-level ones")
             units = unit_indices(raw)[0]
         table_sizes = {t.name: t.num_rows for t in layout.tables}
         feature_tables = {f.name: f.table for f in layout.features}
+        events = [e for _, e in data.privacy_events]
         built = build_engine(cfg, model, layout, data, table_sizes=table_sizes, feature_tables=feature_tables,
-                             example_units=units)
+                             example_units=units, data_events=events, data_event_units=data.privacy_event_units)
         self.config, self.engine, self.privacy, self.layout = cfg, built.engine, built.info, layout
         self.train_set, self.model = built.train_set, model
         if initial_tables is not None:
             self._load_tables(initial_tables)
         if ledger_path is not None and self.engine.ledger is not None:
             self.engine.budget.persist = lambda ledger: ledger.save(ledger_path)
+        if self.engine.ledger is not None:  # what preparing the data spent, before the first step
+            for event, unit in zip(events, data.privacy_event_units):
+                grouped = data_event_is_grouped(cfg, unit)
+                self.engine.budget.charge(self.engine.budget.accounted(event) if grouped else event, whole_unit=True)
         self._checked = False
 
     # ---- training ----------------------------------------------------------------------------------------
