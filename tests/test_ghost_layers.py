@@ -502,7 +502,15 @@ class AcrossTheBatch(SeqLinear):
 def fresh_warnings(monkeypatch, caplog):
     monkeypatch.setattr(dg, "_FALLBACKS_SAID", set())
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    return caplog
+    # another test's CLI run may have stopped the "widedp" logger propagating: listen on this one
+    logger = logging.getLogger(LOGGER)
+    names = LOGGER.split(".")
+    blocked = any(not logging.getLogger(".".join(names[:i])).propagate for i in range(1, len(names) + 1))
+    if blocked:
+        logger.addHandler(caplog.handler)
+    yield caplog
+    if blocked:
+        logger.removeHandler(caplog.handler)
 
 
 def _said(caplog):
