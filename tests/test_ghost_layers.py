@@ -27,7 +27,7 @@ from torch import nn
 
 import widedp.trainer.engine.dense_grads as dg
 from widedp.trainer.engine.dense_grads import GhostGradients, GhostUnsupported, PerExampleGradients, dense_gradients
-from widedp.trainer.models.base import DenseModel
+from test_dense_group_norms import _Binary  # the binary loss every model here shares
 from widedp.trainer.models.dlrm import DLRM
 
 B, F, D, V = 9, 6, 8, 5  # batch, sequence positions (features), embedding width, vocabulary of ids
@@ -42,14 +42,6 @@ def batch(seed=0, dtype=torch.float32):
     dense = torch.randint(0, V, (B, 13), generator=g).to(dtype)
     labels = torch.randint(0, 2, (B,), generator=g).to(dtype)
     return pooled, dense, labels
-
-
-class _Binary(DenseModel):
-    def loss(self, outputs, labels):
-        return nn.functional.binary_cross_entropy_with_logits(outputs, labels, reduction="none")
-
-    def metrics(self, outputs, labels):
-        return {}
 
 
 class SeqLinear(_Binary):

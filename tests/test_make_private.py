@@ -291,3 +291,13 @@ def test_what_preparing_the_data_spent_is_charged_first_and_planned_inside_the_t
     with make_private(_ebc(), Tower(), bce, d, target_epsilon=4.0, batch_size=60, steps=4) as fresh:
         assert fresh.ledger.steps == 0
         assert fresh.privacy.noise_multiplier < trainer.privacy.noise_multiplier  # the data event took budget
+
+
+def test_a_step_hands_back_no_raw_training_statistics_unless_asked():
+    with make_private(_ebc(), Tower(), bce, _data(n=400), target_epsilon=4.0, batch_size=40, steps=2) as trainer:
+        stats = trainer.step()
+        assert np.isnan(stats.loss) and stats.batch_size == -1 and stats.rows_touched == -1
+    with make_private(_ebc(), Tower(), bce, _data(n=400), target_epsilon=4.0, batch_size=40, steps=2,
+                      config=["train.debug_metrics=true"]) as trainer:
+        stats = trainer.step()
+        assert np.isfinite(stats.loss) and stats.batch_size > 0 and stats.rows_touched > 0

@@ -18,6 +18,7 @@ anything of it is released; `step()` returns None instead of spending past the t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -145,7 +146,9 @@ class PrivateTrainer:
     # ---- training ----------------------------------------------------------------------------------------
     def step(self):
         """One private step (docs/DESIGN.md §2): `StepStats`, or None — nothing spent — when it
-        would pass `privacy.target_epsilon` or the planned `train.steps` are done."""
+        would pass `privacy.target_epsilon` or the planned `train.steps` are done. The raw
+        training statistics of a step (its batch loss, realized batch size, touched rows) are
+        un-noised: they are NaN / -1 unless `train.debug_metrics = true` (docs/THREAT_MODEL.md)."""
         engine, t = self.engine, self.config.train
         if engine.step_count >= t.steps:
             return None
@@ -155,7 +158,10 @@ class PrivateTrainer:
             engine.prepare_fest(self.train_set.feature_rows)
         engine.budget.plan_steps(t.steps)
         engine.lr_scale = lr_multiplier(t.lr_schedule, engine.step_count, t.steps)
-        return engine.step()
+        stats = engine.step()
+        if stats is None or t.debug_metrics:
+            return stats
+        return dataclasses.replace(stats, loss=float("nan"), batch_size=-1, rows_touched=-1, trainer_cpu_s=())
 
     def train(self, steps: Optional[int] = None) -> int:
         """Step until `steps` more were taken (default: until `train.steps` or the target ε);
