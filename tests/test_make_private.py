@@ -301,3 +301,12 @@ def test_a_step_hands_back_no_raw_training_statistics_unless_asked():
                       config=["train.debug_metrics=true"]) as trainer:
         stats = trainer.step()
         assert np.isfinite(stats.loss) and stats.batch_size > 0 and stats.rows_touched > 0
+
+
+def test_epochs_give_the_planned_steps_as_opacus_users_count_them():
+    with make_private(_ebc(), Tower(), bce, _data(n=400), target_epsilon=4.0, batch_size=100, epochs=1.5) as trainer:
+        assert trainer.config.train.steps == 6  # ⌈1.5 · 400 / 100⌉
+    with pytest.raises(ValueError, match="epochs needs batch_size"):
+        make_private(_ebc(), Tower(), bce, _data(n=400), target_epsilon=4.0, epochs=1)
+    with pytest.raises(ValueError, match="give steps or epochs, not both"):
+        make_private(_ebc(), Tower(), bce, _data(n=400), target_epsilon=4.0, batch_size=10, epochs=1, steps=3)

@@ -312,11 +312,10 @@ def make_private(embeddings, dense_module: nn.Module, loss_fn: LossFn, data: KJT
         fixed["train.batch_size"] = int(batch_size)
     if steps is not None and epochs is not None:
         raise ValueError("give steps or epochs, not both")
-    if epochs is not None:
-        b = batch_size if batch_size is not None else None
-        if b is None:
+    if epochs is not None:  # T = ⌈E·n/B⌉ over the examples, as `widedp.sampling` counts them
+        if batch_size is None:
             raise ValueError("epochs needs batch_size")
-        fixed["train.steps"] = max(1, math.ceil(float(epochs) * len(data) / b))
+        fixed["train.steps"] = max(1, math.ceil(float(epochs) * len(data) / batch_size))
     elif steps is not None:
         fixed["train.steps"] = int(steps)
     layout = layout_of(embeddings, int(num_shards))
