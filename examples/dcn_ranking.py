@@ -1,7 +1,9 @@
 """A DCN-v2-style ranking model (Wang et al. 2021: cross layers x_{l+1} = x0 ⊙ (W x_l + b) + x_l
 beside a deep MLP) over your own TorchRec EmbeddingBagCollection, trained with user-level DP by
 `widedp.make_private` — sparse (noise only on privately selected rows), DP-SGD and non-private
-— on click logs with users; held-out AUC, logloss and ECE, median [min, max] over seeds.
+— on click logs with users; held-out AUC, logloss and ECE, median [min, max] over seeds. The
+private runs end with widedp's private recalibration (`logit_layer=`: a noisy histogram of the
+training logits, Platt's z ↦ a·z + b folded into the last layer; inside the target ε).
 
     .venv/bin/python examples/dcn_ranking.py            # 3,000 users, ε ∈ {1, 8}, 2 seeds
     .venv/bin/python examples/dcn_ranking.py --quick    # a smoke run (what make test runs)
@@ -54,10 +56,11 @@ def bce(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def train_one(train, test, sizes, mode, epsilon, args, settings) -> dict:
-    with widedp.make_private(embedding_tables(sizes), DCNv2(train.num_dense), bce, train, mode=mode,
+    model = DCNv2(train.num_dense)
+    with widedp.make_private(embedding_tables(sizes), model, bce, train, mode=mode,
                              target_epsilon=epsilon or 8.0, batch_size=args.batch_size, steps=args.steps,
-                             config=settings) as trainer:
-        trainer.train()
+                             config=settings, logit_layer=model.logit) as trainer:
+        trainer.train()  # then train.recalibrate: private Platt scaling folded into model.logit
         metrics = trainer.evaluate(test)
         return {"auc": metrics["auc"], "logloss": metrics["logloss"], "ece": metrics["ece"],
                 "epsilon": trainer.epsilon()}

@@ -190,8 +190,10 @@ def test_user_level_samples_units_and_needs_them():
 
 def test_bad_inputs_name_the_table_feature_or_example():
     data = _data(n=200)
-    with pytest.raises(ValueError, match=r"per-table embedding dimensions \{'item_table': 8, 'user_table': 4\}"):
-        make_private(_ebc(dims=(D, 4)), Tower(), bce, data, target_epsilon=4.0, batch_size=20, steps=3)
+    with pytest.raises(ValueError, match=r"tables of different widths \{'item_table': 8, 'user_table': 4\} with "
+                                         r"train.optimizer = \"adagrad\""):
+        make_private(_ebc(dims=(D, 4)), Tower(), bce, data, target_epsilon=4.0, batch_size=20, steps=3,
+                     config=["train.optimizer=adagrad"])
     small = [EmbeddingBagConfig(name="item_table", embedding_dim=D, num_embeddings=10,
                                 feature_names=["item", "last_item"]),
              EmbeddingBagConfig(name="user_table", embedding_dim=D, num_embeddings=100, feature_names=["user"])]
@@ -310,3 +312,40 @@ def test_epochs_give_the_planned_steps_as_opacus_users_count_them():
         make_private(_ebc(), Tower(), bce, _data(n=400), target_epsilon=4.0, epochs=1)
     with pytest.raises(ValueError, match="give steps or epochs, not both"):
         make_private(_ebc(), Tower(), bce, _data(n=400), target_epsilon=4.0, batch_size=10, epochs=1, steps=3)
+
+
+def test_a_named_logit_layer_gets_the_private_recalibration_inside_the_target():
+    """logit_layer=: train.recalibrate runs after the planned steps (its event in the ledger,
+    inside the target ε) and folds z -> a·z + b into that layer; the test logits are the
+    uncalibrated model's, mapped by the released (a, b). A layer whose output is not the
+    module's logit is refused before anything is spent."""
+    data = _data(n=1500)
+    train, test = data.split(0.2, seed=1)
+    torch.manual_seed(0)
+    tower = Tower()
+    with make_private(_ebc(), tower, bce, train, target_epsilon=4.0, batch_size=100, steps=6, mode="dpsgd",
+                      logit_layer=tower.mlp[-1], config=[*SETTINGS, "train.optimizer=sgd"]) as trainer:
+        assert trainer.privacy.recalibration is not None
+        while trainer.step() is not None:
+            pass
+        before = trainer.predict(test)
+        steps = trainer.ledger.steps
+        out = trainer.recalibrate()
+        assert out is not None and trainer.ledger.steps == steps + 1 and trainer.epsilon() <= 4.0 + 1e-9
+        assert trainer.recalibrate() is None  # once per step count
+        after = trainer.predict(test)
+        torch.testing.assert_close(after.double(), out["a"] * before.double() + out["b"], rtol=1e-4, atol=1e-4)
+    class Squashed(Tower):  # the layer's output goes through tanh: not the logit returned
+        def forward(self, pooled, dense):
+            return 3 * torch.tanh(super().forward(pooled, dense))
+
+    torch.manual_seed(0)
+    tower = Squashed()
+    with make_private(_ebc(), tower, bce, train, target_epsilon=4.0, batch_size=100, steps=2, mode="dpsgd",
+                      logit_layer=tower.mlp[-1], config=SETTINGS) as trainer:
+        with pytest.raises(ValueError, match="logit_layer's output is not the logit dense_module returns"):
+            trainer.step()
+        assert trainer.steps_taken == 0
+    with pytest.raises(ValueError, match="logit_layer must be an nn.Linear with one output"):
+        make_private(_ebc(), Tower(), bce, train, target_epsilon=4.0, batch_size=100, steps=2,
+                     logit_layer=nn.ReLU())

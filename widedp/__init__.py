@@ -12,7 +12,7 @@ folder name (`import trainer` from the repository root) fails at once.
 The Python API (trainer/api.py), imported on first use so `import widedp` stays light:
 `load_config`, `train` (-> `RunResult`), `evaluate`, `export`, `epsilon`, `calibrate`, `sampling`;
 and for a team's own model (trainer/private/): `make_private` (-> `PrivateTrainer`) over a
-`KJTDataset`.
+`KJTDataset`, or fed by your own loader through `LoaderData`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["KJTDataset", "PrivateTrainer", "RunResult", "calibrate", "epsilon", "evaluate", "export", "load_config",
+__all__ = ["KJTDataset", "LoaderData", "PrivateTrainer", "RunResult", "calibrate", "epsilon", "evaluate", "export", "load_config",
            "make_private", "sampling", "train"]
-_BRING_YOUR_OWN = ("KJTDataset", "PrivateTrainer", "make_private")
+_BRING_YOUR_OWN = ("KJTDataset", "LoaderData", "PrivateTrainer", "make_private")
 
 
 def __getattr__(name: str) -> Any:

@@ -229,8 +229,9 @@ def _plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev
                        user_sampling=p.user_sampling if user else None, group_size=group if by_examples else None)
     if t.mode == "nonprivate":
         return None, base
-    k = p.resolved("k") or (k_from_fraction(p.gamma, vocabulary) if vocabulary > 0 else None)
     selector = get_selector(t.selection) if t.mode == "sparse" and vocabulary > 0 else None
+    # k: rows per step of a selector; DP-SGD selects none (so gamma is not checked against a small table)
+    k = p.resolved("k") or (k_from_fraction(p.gamma, vocabulary) if vocabulary > 0 and selector is not None else None)
     selection = selector.name if selector is not None else NO_SELECTION
     # What the selectors' Params read (their `config=` keys): privacy.* ("auto" as unset: the
     # Params default), k resolved from gamma, and δ.

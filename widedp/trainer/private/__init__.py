@@ -1,5 +1,5 @@
 """Bring your own model: a team's TorchRec embedding tables and dense `nn.Module`, trained
-privately by the same engine as `widedp train` (issue 49, first part).
+privately by the same engine as `widedp train`.
 
     import widedp
     trainer = widedp.make_private(ebc, tower, loss_fn, data, target_epsilon=8.0, batch_size=256, steps=500)
@@ -7,12 +7,15 @@ privately by the same engine as `widedp train` (issue 49, first part).
         pass
     trainer.epsilon(); trainer.embedding_state_dict()  # ε spent; weights the user's EBC loads
 
-`make_private` (trainer/private/wrap.py) wraps what the user has: an `EmbeddingBagCollection`
-(or its `EmbeddingBagConfig`s) whose rows become widedp's sharded tables, the user's dense
-module (`UserDenseModel`, trainer/private/dense.py: it receives the pooled embeddings by feature
-name and the dense features) and a per-example loss, over a data set of KeyedJaggedTensor rows
-(`KJTDataset`, trainer/private/data.py) that widedp Poisson-samples itself — so the guarantee
-is the one `widedp train` states (docs/DESIGN.md §1). The engine is built by
+`make_private` (trainer/private/wrap.py) wraps what the user has: `EmbeddingBagCollection`s and
+`EmbeddingCollection`s (or their configs) whose rows become widedp's sharded tables
+(trainer/private/features.py: sequences as position bags, tables of any width), the user's
+dense module (`UserDenseModel`, trainer/private/dense.py: it receives the pooled and sequence
+embeddings by feature name and the dense features) and a per-example loss, over a data set of
+KeyedJaggedTensor rows (`KJTDataset`, trainer/private/data.py) that widedp Poisson-samples
+itself — so the guarantee is the one `widedp train` states (docs/DESIGN.md §1) — or over the
+examples the user's own loader reads for each step's sample (`LoaderData`,
+trainer/private/loader.py, which says what the user must then hold). The engine is built by
 trainer/private/build.py, the one builder `widedp train` uses too.
 
 May import: widedp.trainer.config, widedp.trainer.engine, widedp.trainer.cluster,
@@ -25,8 +28,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["KJTDataset", "PrivateTrainer", "UserDenseModel", "make_private"]
-_WHERE = {"KJTDataset": "data", "UserDenseModel": "dense", "PrivateTrainer": "wrap", "make_private": "wrap"}
+__all__ = ["KJTDataset", "LoaderData", "PrivateTrainer", "UserDenseModel", "make_private"]
+_WHERE = {"KJTDataset": "data", "LoaderData": "loader", "UserDenseModel": "dense", "PrivateTrainer": "wrap",
+          "make_private": "wrap"}
 
 
 def __getattr__(name: str) -> Any:

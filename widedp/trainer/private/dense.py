@@ -13,12 +13,13 @@ and docs/THREAT_MODEL.md say so).
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from widedp.trainer.models.base import DenseModel
+from widedp.trainer.private.features import EmbeddingInputs, split_inputs
 from widedp.trainer.models.calibration_metrics import calibration_metrics
 from widedp.trainer.models.auc import binary_auc
 
@@ -44,21 +45,32 @@ def binary_metrics(outputs: torch.Tensor, labels: torch.Tensor) -> dict[str, flo
 
 
 class UserDenseModel(DenseModel):
-    """`module(pooled, dense) -> outputs` and `loss_fn(outputs, labels) -> [B]` as a DenseModel.
+    """`module(embeddings, dense[, lengths]) -> outputs` and `loss_fn(outputs, labels) -> [B]` as
+    a DenseModel over the engine's pooled bags (trainer/private/features.py).
 
     Args:
-        module: the user's dense network. It is called as `module(pooled, dense)`: `pooled` is
-            a dict {feature name: [B, D] pooled embedding} (`pooled_as = "dict"`) or the
-            [B, F, D] tensor in `features` order (`"tensor"`); `dense` is [B, num_dense].
+        module: the user's dense network. It is called as `module(embeddings, dense)`, or
+            `module(embeddings, dense, lengths)` when there are sequence features:
+            `embeddings` is a dict {feature: [B, D_t]} for a pooled feature and
+            {feature: [B, L, D_t]} for a sequence feature (position p: the example's p-th
+            kept id; zeros past its length), each at its table's width D_t (`pooled_as =
+            "dict"`), or the [B, F, D] tensor in feature order (`"tensor"`: pooled features of
+            one width only); `dense` is [B, num_dense]; `lengths` {sequence feature: [B] int64}.
         loss_fn: per-example losses [B] of (outputs, labels) — `reduction="none"`.
-        features: the pooled features in the order the engine holds them.
+        inputs: the user's embedding inputs and the engine's layout of them
+            (`features.embedding_inputs`), or a sequence of pooled feature names (one width).
         metrics_fn: held-out metrics of (all outputs, all labels); None: `binary_metrics`
             (outputs are logits [n]).
         pooled_as: "dict" or "tensor", see `module`.
+        num_dense: the user's dense features per example (the engine appends the sequences'
+            lengths after them).
+        logit_layer: the module's `nn.Linear` whose one output is the logit the module returns
+            (train.recalibrate folds z ↦ a·z + b into it; `check_logit_layer` verifies it).
     """
 
-    def __init__(self, module: nn.Module, loss_fn: LossFn, features: Sequence[str],
-                 metrics_fn: Optional[MetricsFn] = None, pooled_as: str = "dict"):
+    def __init__(self, module: nn.Module, loss_fn: LossFn, inputs, metrics_fn: Optional[MetricsFn] = None,
+                 pooled_as: str = "dict", num_dense: Optional[int] = None,
+                 logit_layer: Optional[nn.Linear] = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"dense_module must be a torch.nn.Module, got {type(module).__name__}")
@@ -68,12 +80,32 @@ class UserDenseModel(DenseModel):
             raise ValueError(f"pooled_as must be one of {POOLED_FORMS}, got {pooled_as!r}")
         self.module = module
         self.loss_fn, self.metrics_fn, self.pooled_as = loss_fn, metrics_fn, pooled_as
-        self.features = tuple(features)
+        self.inputs = inputs if isinstance(inputs, EmbeddingInputs) else None
+        self.features = inputs.engine_features if self.inputs is not None else tuple(inputs)
+        if pooled_as == "tensor" and self.inputs is not None and not self.inputs.uniform:
+            raise ValueError('pooled_as = "tensor" needs pooled features of one embedding width; with sequence '
+                             'features or tables of different widths use pooled_as = "dict"')
+        self.num_dense = num_dense
+        if logit_layer is not None:
+            if not isinstance(logit_layer, nn.Linear) or logit_layer.out_features != 1 or logit_layer.bias is None:
+                raise ValueError("logit_layer must be an nn.Linear with one output and a bias (the logit's last layer)")
+            if not any(m is logit_layer for m in module.modules()):
+                raise ValueError("logit_layer is not a submodule of dense_module")
+        self._logit_layer = logit_layer
+
+    def logit_layer(self) -> Optional[nn.Linear]:
+        return self._logit_layer
 
     def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         if self.pooled_as == "tensor":
             return self.module(pooled, dense)
-        return self.module({f: pooled[:, i] for i, f in enumerate(self.features)}, dense)
+        if self.inputs is None or self.inputs.uniform:
+            return self.module({f: pooled[:, i] for i, f in enumerate(self.features)}, dense)
+        num_dense = dense.shape[1] - len(self.inputs.sequences) if self.num_dense is None else self.num_dense
+        embeddings, dense, lengths = split_inputs(self.inputs, pooled, dense, num_dense)
+        if self.inputs.sequences:
+            return self.module(embeddings, dense, lengths)
+        return self.module(embeddings, dense)
 
     def loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         losses = self.loss_fn(outputs, labels)
@@ -85,6 +117,28 @@ class UserDenseModel(DenseModel):
 
     def metrics(self, outputs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         return dict(self.metrics_fn(outputs, labels)) if self.metrics_fn is not None else binary_metrics(outputs, labels)
+
+
+@torch.no_grad()
+def check_logit_layer(model: UserDenseModel, pooled: torch.Tensor, dense: torch.Tensor) -> None:
+    """Refuse a `logit_layer` whose output is not the module's output: with W ← 2W, b ← 2b + 1
+    the outputs must become 2z + 1 (what recalibration's z ↦ a·z + b folding assumes). Restores
+    the layer. Public-shape work on a few training examples; nothing is released."""
+    layer = model.logit_layer()
+    if layer is None or dense.shape[0] == 0:
+        return
+    before = model(pooled, dense).double()
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    try:
+        layer.weight.mul_(2.0)
+        layer.bias.mul_(2.0).add_(1.0)
+        after = model(pooled, dense).double()
+    finally:
+        layer.weight.copy_(weight)
+        layer.bias.copy_(bias)
+    if before.shape != after.shape or not torch.allclose(after, 2 * before + 1, rtol=1e-4, atol=1e-4):
+        raise ValueError("logit_layer's output is not the logit dense_module returns (scaling the layer does not "
+                         "scale the outputs alike): train.recalibrate could not fold z -> a*z + b into it")
 
 
 @torch.no_grad()

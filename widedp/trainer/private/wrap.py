@@ -32,54 +32,19 @@ from widedp.trainer.config import Config, load_config
 from widedp.trainer.config.lr_schedule import lr_multiplier
 from widedp.trainer.config.planning import data_event_is_grouped
 from widedp.trainer.engine.checkpoint import engine_state, load_engine_state
-from widedp.trainer.engine.layout import FeatureSpec, ShardLayout, TableSpec
+from widedp.trainer.engine.layout import ShardLayout
+from widedp.trainer.engine.recalibration import undo_recalibration
 from widedp.trainer.private.build import build_engine, connect_cluster
 from widedp.trainer.private.data import KJTDataset
-from widedp.trainer.private.dense import LossFn, MetricsFn, UserDenseModel, check_examples_independent
+from widedp.trainer.private.features import EmbeddingInputs, ExpandedDataset, embedding_inputs, initial_weights
+from widedp.trainer.private.loader import HandedBatches, HandOverSampler, LoaderData, batch_of
+from widedp.trainer.private.dense import (LossFn, MetricsFn, UserDenseModel, check_examples_independent,
+                                         check_logit_layer)
 
-_POOLINGS = {"SUM": "sum", "MEAN": "mean"}
-
-
-def layout_of(embeddings, num_shards: int) -> ShardLayout:
-    """widedp's table layout from a TorchRec `EmbeddingBagCollection` or its `EmbeddingBagConfig`s.
-
-    Every feature name of every config becomes one pooled feature of its table (several names:
-    a shared table), in the EBC's output order. Raises ValueError naming the table for what the
-    engine cannot hold yet: per-table embedding dimensions, pooling other than SUM / MEAN,
-    weighted bags, a feature read by two tables."""
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    if isinstance(embeddings, EmbeddingBagCollection):
-        if embeddings.is_weighted():
-            raise ValueError("a weighted EmbeddingBagCollection (per-id weights) is not supported yet")
-        configs = list(embeddings.embedding_bag_configs())
-    else:
-        configs = list(embeddings)
-        bad = [type(c).__name__ for c in configs if not isinstance(c, EmbeddingBagConfig)]
-        if bad or not configs:
-            raise TypeError("embeddings must be a torchrec EmbeddingBagCollection or a non-empty list of "
-                            f"EmbeddingBagConfig, got {bad or 'an empty list'}")
-    tables: list[TableSpec] = []
-    features: list[FeatureSpec] = []
-    seen: dict[str, str] = {}
-    for c in configs:
-        pooling = _POOLINGS.get(getattr(c.pooling, "name", str(c.pooling)))
-        if pooling is None:
-            raise ValueError(f"table {c.name!r}: pooling {c.pooling} is not supported (SUM or MEAN)")
-        if not c.feature_names:
-            raise ValueError(f"table {c.name!r} has no feature_names: nothing would read it")
-        tables.append(TableSpec(c.name, int(c.num_embeddings), int(c.embedding_dim)))
-        for f in c.feature_names:
-            if f in seen:
-                raise ValueError(f"feature {f!r} is read by tables {seen[f]!r} and {c.name!r}")
-            seen[f] = c.name
-            features.append(FeatureSpec(f, c.name, pooling))
-    dims = {t.name: t.dim for t in tables}
-    if len(set(dims.values())) != 1:
-        raise ValueError(f"per-table embedding dimensions {dims} are not supported yet: every table must have one "
-                         "embedding_dim (project inside the dense module instead)")
-    return ShardLayout(tuple(tables), tuple(features), num_shards)
+def layout_of(embeddings, num_shards: int, max_sequence_length=None) -> ShardLayout:
+    """widedp's table layout of the user's embedding modules or configs
+    (trainer/private/features.py `embedding_inputs`, whose errors it raises)."""
+    return embedding_inputs(embeddings, num_shards, max_sequence_length).layout
 
 
 def _settings(config: Union[None, Config, str, Path, Sequence[str]], fixed: Mapping[str, Any]) -> Config:
@@ -111,9 +76,17 @@ class PrivateTrainer:
         ledger: the privacy ledger, None in non-private mode.
     """
 
-    def __init__(self, cfg: Config, model: UserDenseModel, layout: ShardLayout, data: KJTDataset,
+    def __init__(self, cfg: Config, model: UserDenseModel, inputs: EmbeddingInputs, data: KJTDataset,
                  initial_tables: Optional[Mapping[str, torch.Tensor]], ledger_path: Optional[Path]):
+        if isinstance(data, LoaderData):
+            if cfg.cluster.trainer_actors:
+                raise ValueError("trainer actors (cluster.trainer_placement) read the training set themselves: with "
+                                 "your own loader the trainers run in this process (the shards may be Ray actors)")
+            if cfg.privacy.unit == "user" and cfg.privacy.user_sampling == "examples":
+                raise ValueError('privacy.user_sampling = "examples" trims each user\'s examples inside widedp: with '
+                                 'your own loader use privacy.user_sampling = "users"')
         connect_cluster(cfg)
+        layout, self.inputs = inputs.layout, inputs
         units = None
         if cfg.privacy.unit == "user":
             from widedp.trainer.data.sampler import unit_indices
@@ -129,10 +102,21 @@ class PrivateTrainer:
         table_sizes = {t.name: t.num_rows for t in layout.tables}
         feature_tables = {f.name: f.table for f in layout.features}
         events = [e for _, e in data.privacy_events]
-        built = build_engine(cfg, model, layout, data, table_sizes=table_sizes, feature_tables=feature_tables,
-                             example_units=units, data_events=events, data_event_units=data.privacy_event_units)
+        self._handed: Optional[HandedBatches] = None
+        if isinstance(data, LoaderData):
+            self._handed = HandedBatches(data.with_features(self.inputs.order))
+        engine_data = self._handed if self._handed is not None else data
+        built = build_engine(cfg, model, layout, self._engine_data(engine_data), table_sizes=table_sizes,
+                             feature_tables=feature_tables, example_units=units, data_events=events,
+                             data_event_units=data.privacy_event_units)
         self.config, self.engine, self.privacy, self.layout = cfg, built.engine, built.info, layout
         self.train_set, self.model = built.train_set, model
+        self._num_dense = data.num_dense
+        if self._handed is not None:
+            if self.engine.needs_one_time_selection():
+                raise ValueError(f"train.selection = {cfg.train.selection!r} selects once over the whole data set "
+                                 "(DP-FEST): with your own loader choose a per-step selector (e.g. threshold)")
+            self.engine.sampler = HandOverSampler(self.engine.sampler)
         if initial_tables is not None:
             self._load_tables(initial_tables)
         if ledger_path is not None and self.engine.ledger is not None:
@@ -143,15 +127,52 @@ class PrivateTrainer:
                 self.engine.budget.charge(self.engine.budget.accounted(event) if grouped else event, whole_unit=True)
         self._checked = False
 
+    def _engine_data(self, data):
+        """`data` keyed by the engine's features (sequence positions, the lengths as dense columns)."""
+        data = data.with_features(self.inputs.order) if not isinstance(data, HandedBatches) else data
+        return data if self.inputs.uniform else ExpandedDataset(data, self.inputs)
+
     # ---- training ----------------------------------------------------------------------------------------
-    def step(self):
+    def sample(self) -> Optional[np.ndarray]:
+        """This step's Poisson sample, for your own loader (`make_private(data=LoaderData(n))`):
+        the sorted indices 0..n-1 of the examples to load and hand to `step(batch)`, or None —
+        nothing drawn, nothing spent — when the planned steps are done or the next step would
+        pass the target ε. Drawn from the run's secret-keyed sampler at rate q = batch_size / n
+        (per unit at user level); asking again before `step` returns the same draw. The indices
+        are secret: the loader reading them is inside the run's trust boundary
+        (trainer/private/loader.py)."""
+        if self._handed is None:
+            raise ValueError("sample() feeds your own loader: make_private(data=widedp.LoaderData(n)); with a "
+                             "KJTDataset widedp samples it itself — call step()")
+        engine, t = self.engine, self.config.train
+        if engine.sampler.drawn is not None:
+            return engine.sampler.drawn.copy()
+        if engine.step_count >= t.steps:
+            return None
+        engine.budget.plan_steps(t.steps)
+        if engine.budget.would_exceed(engine.step_count):
+            return None
+        return engine.sampler.draw().copy()
+
+    def step(self, batch=None):
         """One private step (docs/DESIGN.md §2): `StepStats`, or None — nothing spent — when it
         would pass `privacy.target_epsilon` or the planned `train.steps` are done. The raw
         training statistics of a step (its batch loss, realized batch size, touched rows) are
-        un-noised: they are NaN / -1 unless `train.debug_metrics = true` (docs/THREAT_MODEL.md)."""
+        un-noised: they are NaN / -1 unless `train.debug_metrics = true` (docs/THREAT_MODEL.md).
+
+        Args:
+            batch: with your own loader only — the examples at the indices `sample()` returned,
+                in that order: a `KJTDataset`, or (KeyedJaggedTensor, labels[, dense]).
+        """
         engine, t = self.engine, self.config.train
+        if self._handed is not None:
+            return self._handed_step(batch)
+        if batch is not None:
+            raise ValueError("step(batch) is for your own loader (make_private(data=widedp.LoaderData(n))); "
+                             "widedp samples this KJTDataset itself: call step()")
         if engine.step_count >= t.steps:
             return None
+        undo_recalibration(engine)  # go on from the training iterate, not a recalibrated release
         if not self._checked:
             self._check_first_batch()
         if engine.needs_one_time_selection() and engine.fixed_rows is None:
@@ -163,23 +184,79 @@ class PrivateTrainer:
             return stats
         return dataclasses.replace(stats, loss=float("nan"), batch_size=-1, rows_touched=-1, trainer_cpu_s=())
 
+    def _handed_step(self, batch):
+        idx = self.engine.sampler.drawn
+        if idx is None:
+            raise ValueError("step(batch) needs this step's sample first: idx = trainer.sample(), then load those "
+                             "examples and call trainer.step(batch)")
+        data = batch_of(batch, self.inputs.order, int(idx.size), self._num_dense)
+        rows = {t.name: t.num_rows for t in self.layout.tables}
+        for f, table in self.inputs.feature_table.items():
+            top, example = data.max_ids(f)
+            if top >= rows[table]:
+                raise ValueError(f"feature {f!r}, dataset example {int(idx[example])}: id {top} outside table "
+                                 f"{table!r} of {rows[table]} rows")
+        self._handed.hand_over(idx, data)
+        try:
+            if not self._checked and len(data) >= 4:
+                self._check_first_batch(self._engine_data(data))
+            t = self.config.train
+            self.engine.budget.plan_steps(t.steps)
+            self.engine.lr_scale = lr_multiplier(t.lr_schedule, self.engine.step_count, t.steps)
+            stats = self.engine.step()
+        finally:
+            self._handed.clear()
+        if stats is None or t.debug_metrics:
+            return stats
+        return dataclasses.replace(stats, loss=float("nan"), batch_size=-1, rows_touched=-1, trainer_cpu_s=())
+
     def train(self, steps: Optional[int] = None) -> int:
         """Step until `steps` more were taken (default: until `train.steps` or the target ε);
         returns how many were taken."""
+        if self._handed is not None:
+            raise ValueError("train() lets widedp read the data; with your own loader loop: idx = trainer.sample(); "
+                             "trainer.step(load(idx)) until sample() returns None")
         taken = 0
         while steps is None or taken < steps:
             if self.step() is None:
                 break
             taken += 1
+        if self.engine.step_count >= self.config.train.steps:
+            self.recalibrate()
         return taken
 
-    def _check_first_batch(self) -> None:
-        """The coupling probe on a few examples (trainer/private/dense.py); public-shape work
-        only, nothing of it is released."""
+    def recalibrate(self) -> Optional[dict]:
+        """train.recalibrate's release for a model with a `logit_layer` (make_private): a noisy
+        histogram of the training set's logits by label, charged to the ledger first, and
+        Platt's z ↦ a·z + b folded into the logit layer of the released model
+        (trainer/engine/recalibration.py). Returns {a, b, σ, ...}, or None when the plan has none,
+        it already ran after this step, or it would pass the target ε (a warning says so).
+        `train()` runs it after the planned steps; a loop of `step()` calls it at the end.
+        Training on afterwards starts from the training iterate, not the recalibrated one."""
+        from widedp.accounting.events import GaussianDpEvent
+        from widedp.trainer.engine.recalibration import recalibrate_engine
+
+        plan, engine = self.privacy.recalibration, self.engine
+        if plan is None or engine.ledger is None or engine.step_count == 0 or engine.recalibrated_at == engine.step_count:
+            return None
+        if engine.ledger.would_exceed(engine.budget.accounted(GaussianDpEvent(plan["noise_multiplier"])),
+                                      self.config.privacy.target_epsilon):
+            import logging
+
+            logging.getLogger("widedp").warning("train.recalibrate skipped: it would spend past the target ε")
+            return None
+        return recalibrate_engine(engine, self.train_set, plan["noise_multiplier"], self.config.train.eval_batch_size)
+
+    def _check_first_batch(self, source=None) -> None:
+        """The coupling probe and the logit layer's check on a few examples
+        (trainer/private/dense.py) of the training set (or of `source`, the first batch your
+        loader handed over); public-shape work only, nothing of it is released."""
         from widedp.trainer.engine.evaluation import lookup
 
-        batch = self.train_set.take(np.arange(min(16, len(self.train_set)), dtype=np.int64))
+        source = self.train_set if source is None else source
+        batch = source.take(np.arange(min(16, len(source)), dtype=np.int64))
         pooled = torch.from_numpy(lookup(self.engine, batch, batch.size))
+        check_logit_layer(self.model, pooled, batch.dense)
         check_examples_independent(self.model, pooled, batch.dense, batch.labels)
         self._checked = True
 
@@ -200,35 +277,38 @@ class PrivateTrainer:
     # ---- the model ----------------------------------------------------------------------------------------
     def evaluate(self, data: KJTDataset, batch_size: Optional[int] = None) -> dict:
         """Held-out metrics of the released model on `data` (the module's `metrics_fn`)."""
-        return self.engine.evaluate(data.with_features(self.model.features),
-                                    batch_size or self.config.train.eval_batch_size)
+        return self.engine.evaluate(self._engine_data(data), batch_size or self.config.train.eval_batch_size)
 
     def predict(self, data: KJTDataset, batch_size: Optional[int] = None) -> torch.Tensor:
         """The released model's outputs on `data`, in its order."""
-        out = self.engine.outputs(data.with_features(self.model.features),
-                                  batch_size or self.config.train.eval_batch_size)
+        out = self.engine.outputs(self._engine_data(data), batch_size or self.config.train.eval_batch_size)
         return torch.zeros(0) if out is None else out[0]
 
     def embedding_state_dict(self, averaged: Optional[bool] = None) -> dict[str, torch.Tensor]:
-        """The released tables under an EmbeddingBagCollection's state-dict keys
-        (`embedding_bags.<table>.weight`): `ebc.load_state_dict(...)` takes them. `averaged`
-        (default: with train.ema_decay > 0) gives the averaged tables."""
+        """The released tables under their TorchRec modules' state-dict keys
+        (`embedding_bags.<table>.weight` for an EmbeddingBagCollection's, `embeddings.<table>.weight`
+        for an EmbeddingCollection's), each at its own width: `ebc.load_state_dict(...)` takes
+        them (with several modules, the keys of each). `averaged` (default: with
+        train.ema_decay > 0) gives the averaged tables."""
         averaged = self.config.train.ema_decay > 0 if averaged is None else averaged
         states = self.engine.shards.broadcast("state_dict")
         key = "averaged_weights" if averaged else "weights"
         out = {}
         for t, table in enumerate(self.layout.tables):
             blocks = [torch.as_tensor(s[key][t], dtype=torch.float32) for s in states]
-            out[f"embedding_bags.{table.name}.weight"] = torch.cat(blocks)[:table.num_rows].clone()
+            width = self.inputs.tables[table.name]
+            out[self.inputs.state_key(table.name)] = torch.cat(blocks)[:table.num_rows, :width].clone()
         return out
 
     def _load_tables(self, tables: Mapping[str, torch.Tensor]) -> None:
         states = self.engine.shards.broadcast("state_dict")
         for t, table in enumerate(self.layout.tables):
+            if table.name not in tables:
+                continue
             w = tables[table.name]
             if tuple(w.shape) != (table.num_rows, table.dim):
                 raise ValueError(f"table {table.name!r}: initial weights of shape {tuple(w.shape)}, expected "
-                                 f"({table.num_rows}, {table.dim})")
+                                 f"({table.num_rows}, {self.inputs.tables[table.name]})")
             for s, state in enumerate(states):
                 start, end = self.layout.row_range(table, s)
                 for key in ("weights", "averaged_weights"):
@@ -261,7 +341,9 @@ def make_private(embeddings, dense_module: nn.Module, loss_fn: LossFn, data: KJT
                  config: Union[None, Config, str, Path, Sequence[str]] = None,
                  metrics_fn: Optional[MetricsFn] = None, pooled_as: str = "dict",
                  backend: str = "local", num_shards: int = 1,
-                 ledger_path: Optional[Union[str, Path]] = None) -> PrivateTrainer:
+                 ledger_path: Optional[Union[str, Path]] = None,
+                 max_sequence_length: Union[None, int, Mapping[str, int]] = None,
+                 sequence_keep: str = "first", logit_layer: Optional[nn.Linear] = None) -> PrivateTrainer:
     """Wrap a user's TorchRec embedding tables, dense module and loss for private training.
 
     Neighbouring relation: add/remove one example of `data` (one unit with all its examples
@@ -271,11 +353,16 @@ def make_private(embeddings, dense_module: nn.Module, loss_fn: LossFn, data: KJT
     `train.selection`, calibrated to `target_epsilon` over the planned steps.
 
     Args:
-        embeddings: an `EmbeddingBagCollection` (its weights are the starting tables) or a list
-            of `EmbeddingBagConfig` (tables start at N(0, model.init_std²)). One embedding_dim.
-        dense_module: called as `dense_module(pooled, dense)`; `pooled` is {feature: [B, D]}
-            (`pooled_as = "dict"`) or [B, F, D] (`"tensor"`), `dense` [B, num_dense]. Trained in
-            place.
+        embeddings: an `EmbeddingBagCollection` (pooled bags), an `EmbeddingCollection`
+            (sequences: each id list read position by position), a list of their configs, or a
+            list of several of these. A module's weights are its tables' starting values; a
+            config's table starts at N(0, model.init_std²). Any widths; table names distinct.
+        dense_module: called as `dense_module(embeddings, dense)` — with sequence features
+            `dense_module(embeddings, dense, lengths)`: `embeddings` {feature: [B, D_t]} for a
+            pooled feature, {feature: [B, L, D_t]} for a sequence (zeros past its length),
+            `lengths` {sequence feature: [B] int64}; with `pooled_as = "tensor"` (pooled
+            features of one width) `embeddings` is [B, F, D]; `dense` [B, num_dense]. Trained
+            in place.
         loss_fn: `(outputs, labels) -> [B]` per-example losses (reduction="none"); a loss that
             couples the examples of a batch is refused at the first step.
         data: the training set (`KJTDataset`); widedp Poisson-samples it.
@@ -292,6 +379,14 @@ def make_private(embeddings, dense_module: nn.Module, loss_fn: LossFn, data: KJT
             actor per row-shard; the `cluster.*` settings of `config` apply); these two take
             precedence over `config`'s.
         ledger_path: where the ledger is written after every charge, before the release.
+        max_sequence_length: L per sequence feature (an int for all, or {feature: L}); an
+            example keeps L of its ids (a public setting). Required with sequence features.
+        sequence_keep: which L of a longer sequence: its "first" L ids (TorchRec's
+            `to_padded_dense`; lists stored most recent first) or its "last" L (time order).
+        logit_layer: the `nn.Linear` of `dense_module` whose one output is the logit it returns;
+            given, `train.recalibrate` (default on) runs after the planned steps in the private
+            modes — a private Platt scaling of the released model, budgeted in the target ε.
+            Without it recalibration is off.
 
     Returns:
         A `PrivateTrainer`: `step()`, `train()`, `epsilon()`, `ledger`, `evaluate(data)`,
@@ -300,10 +395,13 @@ def make_private(embeddings, dense_module: nn.Module, loss_fn: LossFn, data: KJT
     Raises:
         ValueError / TypeError naming the table, feature, example or setting that is wrong.
     """
-    if not isinstance(data, KJTDataset):
-        raise TypeError(f"data must be a widedp KJTDataset, got {type(data).__name__}")
-    fixed: dict[str, Any] = {"train.mode": mode, "data.path": "(in memory)", "train.recalibrate": False,
+    if not isinstance(data, (KJTDataset, LoaderData)):
+        raise TypeError(f"data must be a widedp KJTDataset (widedp samples it) or a widedp.LoaderData (your loader "
+                        f"reads the examples widedp samples), got {type(data).__name__}")
+    fixed: dict[str, Any] = {"train.mode": mode, "data.path": "(in memory)",
                              "cluster.backend": backend, "cluster.num_shards": int(num_shards)}
+    if logit_layer is None:
+        fixed["train.recalibrate"] = False
     if target_epsilon is not None:
         fixed["privacy.target_epsilon"] = float(target_epsilon)
     if delta is not None:
@@ -318,23 +416,23 @@ def make_private(embeddings, dense_module: nn.Module, loss_fn: LossFn, data: KJT
         fixed["train.steps"] = max(1, math.ceil(float(epochs) * len(data) / batch_size))
     elif steps is not None:
         fixed["train.steps"] = int(steps)
-    layout = layout_of(embeddings, int(num_shards))
-    fixed["model.embedding_dim"] = layout.dim
+    inputs = embedding_inputs(embeddings, int(num_shards), max_sequence_length, sequence_keep)
+    fixed["model.embedding_dim"] = inputs.width
     cfg = _settings(config, fixed)
-    features = [f.name for f in layout.features]
-    data = data.with_features(features)
-    for f in layout.features:
-        rows = next(t.num_rows for t in layout.tables if t.name == f.table)
-        top, example = data.max_ids(f.name)
-        if top >= rows:
-            raise ValueError(f"feature {f.name!r}, example {example}: id {top} is outside table {f.table!r} "
-                             f"of {rows} rows")
-    model = UserDenseModel(dense_module, loss_fn, features, metrics_fn, pooled_as)
-    initial = None
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    if isinstance(embeddings, EmbeddingBagCollection):
-        weights = {name: bag.weight for name, bag in embeddings.embedding_bags.items()}
-        if all(w.device.type != "meta" for w in weights.values()):
-            initial = {name: w.detach().cpu() for name, w in weights.items()}
-    return PrivateTrainer(cfg, model, layout, data, initial, None if ledger_path is None else Path(ledger_path))
+    if cfg.train.optimizer == "adagrad" and len(set(inputs.tables.values())) > 1:
+        raise ValueError(f"tables of different widths {dict(inputs.tables)} with train.optimizer = \"adagrad\": "
+                         "row-wise Adagrad would average over the widest width; use sgd or adam (exact per column)")
+    data = data.with_features(inputs.order)
+    table_rows = {t.name: t.num_rows for t in inputs.layout.tables}
+    for f, table in inputs.feature_table.items():
+        top, example = data.max_ids(f)
+        if top >= table_rows[table]:
+            raise ValueError(f"feature {f!r}, example {example}: id {top} is outside table {table!r} "
+                             f"of {table_rows[table]} rows")
+    if logit_layer is not None and isinstance(data, LoaderData) and cfg.train.recalibrate:
+        raise ValueError("train.recalibrate reads every training example once more: with your own loader set "
+                         "train.recalibrate=false (or give no logit_layer)")
+    model = UserDenseModel(dense_module, loss_fn, inputs, metrics_fn, pooled_as, num_dense=data.num_dense,
+                           logit_layer=logit_layer)
+    initial = initial_weights(embeddings, inputs)
+    return PrivateTrainer(cfg, model, inputs, data, initial, None if ledger_path is None else Path(ledger_path))
