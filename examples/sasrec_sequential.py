@@ -55,7 +55,7 @@ class SASRecRanker(nn.Module):
         """The history [B, L, D] and its lengths [B] -> (encoded [B, L, D], mask [B, L])."""
         B = history.shape[0]
         mask = torch.arange(HISTORY).expand(B, HISTORY) < length[:, None]
-        x = history + self.position(torch.arange(HISTORY).expand(B, HISTORY))
+        x = history + self.position(torch.arange(HISTORY).repeat(B, 1))
         x = self.norm1(x + self.attention(x, mask))
         x = self.norm2(x + self.ffn(x))
         return x * mask[..., None].to(x.dtype), mask

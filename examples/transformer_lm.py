@@ -157,7 +157,7 @@ class TinyTransformerLM(nn.Module):
         pos = torch.arange(L)
         valid = pos.expand(B, L) < length[:, None]
         mask = (pos[None, :, None] >= pos[None, None, :]) & valid[:, None, :]
-        x = words + self.position(pos.expand(B, L))
+        x = words + self.position(pos.repeat(B, 1))
         x = self.norm1(x + self.attention(x, mask))
         return self.norm2(x + self.ffn(x))
 

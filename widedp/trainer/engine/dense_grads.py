@@ -40,7 +40,8 @@ Lookups are by exact type, so a subclass of a registered type is not registered.
 nn.MultiheadAttention is not supported: it owns its in-projection and applies its out_proj's
 parameters (a NonDynamicallyQuantizableLinear, an nn.Linear subclass, not called as a module)
 inside F.multi_head_attention_forward, where no hook sees the activations; a model with one uses
-the reference (attention written with nn.Linear q/k/v/out projections takes the ghost path). So does a model with a
+the reference (attention written with nn.Linear q/k/v/out projections takes the ghost path, as does
+trainer/private/layers.py's LinearMultiheadAttention, which replace_multihead_attention swaps in). So does a model with a
 parameter owned by two modules (tied weights); a forward that calls a layer twice, changes a
 captured tensor in place, uses a layer's parameter without calling the layer, or applies a
 layer to a tensor whose dimension 0 is not the batch is refused by `GhostGradients`
@@ -767,7 +768,10 @@ def dense_gradients(model: DenseModel, pooled: torch.Tensor, dense: torch.Tensor
         method = "per_example" if missing else "ghost"
         if missing:
             what = "ghost group norm" if grouped and not _unsupported_layers(model) else "ghost norm"
-            _say_fallback_once(model, f"no {what} for {missing} (register_ghost_norm / register_ghost_group_norm)")
+            hint = ("; widedp.trainer.private.layers.replace_multihead_attention(module) swaps in an equal attention "
+                    "of nn.Linear parts that has one") if "MultiheadAttention" in missing else ""
+            _say_fallback_once(model, f"no {what} for {missing} (register_ghost_norm / register_ghost_group_norm)"
+                               + hint)
     if method == "ghost":
         if not supports_ghost(model):
             raise ValueError(f"no ghost norm registered for {_unsupported_layers(model)} "
