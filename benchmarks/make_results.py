@@ -45,6 +45,9 @@ RUN_VARIANTS.update({f"phase_breakdown_compiled_{tag}": ("phase_breakdown.py", [
 RUN_VARIANTS["trainer_scaling_16k"] = ("trainer_scaling.py", [
     "--trainers", "1,2", "--batch", "16384", "--examples", "100000", "--steps", "5", "--repeats", "3",
     "--out", "benchmarks/results/trainer_scaling_16k.json"])
+#: §20: the own-model examples, run at full size by benchmarks/own_model.py (one file per example)
+RUN_VARIANTS.update({f"own_model_{name}": ("own_model.py", ["--examples", name])
+                     for name in ("dcn_ranking", "two_tower_retrieval", "sasrec_sequential", "transformer_lm")})
 RUN_VARIANTS.update({f"ray_batch_{b}": ("dlrm_compare.py", [
     "--rows", "20000", "--batch", str(b), "--systems", RAY_BATCH_SYSTEMS, "--repeats", "3", "--steps", "10", "--warmup", "2",
     "--max-seconds", "60", "--out", f"benchmarks/results/ray_batch_{b}.json"]) for b in RAY_BATCHES})
@@ -56,7 +59,9 @@ NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "
          "noise_generators", "cli_startup", "user_level", "user_level_examples", "user_level_k", "convert_throughput",
          "ray_batch_1024", "ray_batch_4096", "ray_batch_16384", "trainer_scaling_16k", "phase_breakdown_16k",
          "phase_breakdown_compiled_1k", "phase_breakdown_compiled_4k", "phase_breakdown_compiled_16k", "cluster_model", "cbow_large",
-         "modelmix_image", "data_plane_probe")
+         "modelmix_image", "data_plane_probe", "own_model_dcn_ranking", "own_model_two_tower_retrieval",
+         "own_model_sasrec_sequential", "own_model_transformer_lm", "own_model_opacus",
+         "ghost_transformer")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -1597,13 +1602,16 @@ def _render_sections(sections: list, docs: dict, plots: dict, machines: dict) ->
                      f"`benchmarks/results/{name}.json`.", ""]
             pages.append((title, body))
             continue
-        machines.setdefault(machine_line(doc["machine"], load=False), []).append(name)
+        machine = doc.get("machine") or {}
+        if machine:
+            machines.setdefault(machine_line(machine, load=False), []).append(name)
         src = _rel(doc["_path"])
-        body += [f"Source: `{src}` — {'**--quick run** (small sizes, few steps)' if doc.get('quick') else 'full run'}, "
-                 f"{doc.get('created', '')}, `{doc.get('command', '')}`"
+        made = [f"{'**--quick run** (small sizes, few steps)' if doc.get('quick') else 'full run'}",
+                *([doc["created"]] if doc.get("created") else []), *([f"`{doc['command']}`"] if doc.get("command") else [])]
+        body += [f"Source: `{src}` — " + ", ".join(made)
                  + (f", {f(doc['wall_seconds'])} s" if doc.get("wall_seconds") else "")
-                 + f"; load average {f(doc['machine'].get('load_average_start', [None])[0])} → "
-                   f"{f((doc['machine'].get('load_average_end') or [None])[0])}."
+                 + (f"; load average {f(machine.get('load_average_start', [None])[0])} → "
+                    f"{f((machine.get('load_average_end') or [None])[0])}." if machine else "; no machine recorded.")
                  + (f" Only these rows ran in that command: {', '.join(sorted(doc['merged']['rerun']))}; the others "
                     f"come from the run of {doc['merged']['other_rows_created']}." if doc.get("merged") else ""), ""]
         lines, g = fn(doc)
@@ -1763,6 +1771,20 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          _own_section("user_level", plot_dir), []),
         ("convert_throughput", "19. `convert table` throughput and memory on multi-file logs",
          _own_section("convert_throughput", plot_dir), []),
+        ("own_model_dcn_ranking", "20. Your own model through make_private: DCN-v2 ranking on click logs",
+         _own_section("own_model", plot_dir), []),
+        ("own_model_two_tower_retrieval", "20b. Your own model through make_private: two-tower retrieval on click logs",
+         _own_section("own_model", plot_dir), []),
+        ("own_model_sasrec_sequential",
+         "20c. Your own model through make_private: a SASRec-style sequential recommender on click logs",
+         _own_section("own_model", plot_dir), []),
+        ("own_model_transformer_lm",
+         "20d. Your own model through make_private: a transformer language model over 50,000 words",
+         _own_section("own_model", plot_dir), []),
+        ("own_model_opacus", "20e. Your own model: the same models under Opacus, beside widedp and the floor",
+         _own_section("own_model_opacus", plot_dir), []),
+        ("ghost_transformer", "21. Ghost norms on a transformer block: against the floor, torch.func and Opacus",
+         _own_section("ghost_transformer", plot_dir), []),
     ]
     machines: dict = {}
     pages, goals = _render_sections(sections, docs, plots, machines)
@@ -1801,8 +1823,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
             "## Machines", ""]
     for line, names in machines.items():
         head.append(f"- {line} — {', '.join(names)}")
-    busy = [n for n in NAMES if n in docs and docs[n]["machine"].get("load_average_start", [0])[0]
-            > 0.5 * (docs[n]["machine"].get("logical_cores") or 1)]
+    busy = [n for n in NAMES if n in docs and (docs[n].get("machine") or {}).get("load_average_start", [0])[0]
+            > 0.5 * ((docs[n].get("machine") or {}).get("logical_cores") or 1)]
     if busy:
         head += ["", f"**Caution:** {', '.join(busy)} started with a 1-minute load average above half the cores "
                      "(which also counts the benchmark that ran just before in a sequence such as `make bench`, and any "
