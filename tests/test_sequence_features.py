@@ -284,3 +284,105 @@ def test_sequences_on_ray_shard_actors_are_the_in_process_run(own_ray):
     assert eps_local == eps_ray
     for key in local:
         torch.testing.assert_close(local[key], ray_tables[key], rtol=0, atol=0)
+
+
+# ---- weighted bags ----------------------------------------------------------------------------------------------
+
+def _weighted_data(n=200, seed=3, most=4):
+    """A weighted bag of 1..`most` (id, weight) pairs (ids repeat within a bag) and a plain one."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, most + 1, n)
+    ids = rng.integers(0, 12, int(lens.sum()))
+    weights = rng.uniform(-2.0, 3.0, int(lens.sum())).astype(np.float32)
+    user = rng.integers(0, USERS, n)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    labels = np.array([float((weights[s:s + k] * (ids[s:s + k] % 3)).sum() > 1.0) for s, k in zip(starts, lens)],
+                      np.float32)
+    kjt = KeyedJaggedTensor(keys=["scores", "user"], values=torch.from_numpy(np.concatenate([ids, user])),
+                            lengths=torch.from_numpy(np.concatenate([lens, np.ones(n)]).astype(np.int32)),
+                            weights=torch.from_numpy(np.concatenate([weights, np.ones(n, np.float32)])))
+    return KJTDataset(kjt, torch.from_numpy(labels), dense=torch.from_numpy(rng.normal(size=(n, 2)).astype(np.float32)))
+
+
+def _weighted_modules():
+    torch.manual_seed(1)
+    scored = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        name="score_table", embedding_dim=8, num_embeddings=12, feature_names=["scores"])], is_weighted=True)
+    plain = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        name="user_table", embedding_dim=4, num_embeddings=USERS, feature_names=["user"], pooling=PoolingType.MEAN)])
+    return [scored, plain]
+
+
+class WeightedTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8 + 4 + 2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, emb, dense):
+        return self.mlp(torch.cat([emb["scores"], emb["user"], dense], 1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("most", [4, 1])
+def test_weighted_bags_step_equals_torchrecs_weighted_collection_per_example(most):
+    """A weighted EmbeddingBagCollection (per-id weights, repeated ids; or one id per bag, where
+    the unweighted norms take a shortcut that weights must not): one step's clipped row and dense
+    sums equal per-example gradients through TorchRec's own weighted EBC forward."""
+    data = _weighted_data(most=most)
+    modules = _weighted_modules()
+    clip = 0.05
+    with make_private(modules, WeightedTower(), bce, data, mode="dpsgd", target_epsilon=8.0, batch_size=40, steps=3,
+                      config=[f"privacy.clip_norm={clip}", "train.optimizer=sgd"]) as trainer:
+        role = trainer.engine.trainers.roles[0]
+        idx = np.arange(0, 200, 5)
+        part = role.step_part(idx)
+        b = role.options.expected_batch_size
+        module = trainer.model.module
+        scored, plain = modules
+        leaves = [scored.embedding_bags["score_table"].weight, plain.embedding_bags["user_table"].weight,
+                  *module.parameters()]
+        want = [torch.zeros_like(p, dtype=torch.float64) for p in leaves]
+        clipped = 0
+        for j in idx:
+            one = data.take(np.array([j]))
+            sub = lambda keys: KJTDataset(one.sparse, one.labels, one.dense, features=keys).take([0]).sparse  # noqa
+            emb = {**scored(sub(["scores"])).to_dict(), **plain(sub(["user"])).to_dict()}
+            grads = torch.autograd.grad(bce(module(emb, one.dense), one.labels).sum(), leaves)
+            norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads)))
+            clipped += norm > clip
+            for w, g in zip(want, grads):
+                w += min(1.0, clip / norm) * g.double()
+        got = [torch.zeros_like(w) for w in want[:2]]
+        for t_idx, ids, sums, *_ in part.row_sums:
+            for t, r, s in zip(np.asarray(t_idx), np.asarray(ids), torch.as_tensor(sums)):
+                width = got[int(t)].shape[1]
+                got[int(t)][int(r)] += s[:width].double()
+        for g, w in zip(got, want[:2]):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
+        for (name, p), w in zip(module.named_parameters(), want[2:]):
+            torch.testing.assert_close(part.dense_sum[f"module.{name}"] * b, w, rtol=1e-4, atol=1e-7)
+        assert clipped > idx.size // 2
+        # the released model in plain PyTorch: TorchRec's weighted EBC over the released tables
+        state = trainer.embedding_state_dict()
+        scored.load_state_dict({k: v for k, v in state.items() if "score_table" in k})
+        plain.load_state_dict({k: v for k, v in state.items() if "user_table" in k})
+        test = data.subset(np.arange(150, 200))
+        batch = test.take(np.arange(50))
+        emb = {**scored(test.with_features(["scores"]).take(np.arange(50)).sparse).to_dict(),
+               **plain(test.with_features(["user"]).take(np.arange(50)).sparse).to_dict()}
+        with torch.no_grad():
+            torch.testing.assert_close(trainer.predict(test), module(emb, batch.dense), rtol=1e-5, atol=1e-5)
+
+
+def test_weighted_features_need_weights_and_sum_pooling():
+    data = _data(n=60)
+    with pytest.raises(ValueError, match=r"features \['scores'\] are a weighted EmbeddingBagCollection's"):
+        unweighted = _weighted_data()
+        kjt = unweighted.take(np.arange(len(unweighted))).sparse
+        plain = KJTDataset(KeyedJaggedTensor(kjt.keys(), kjt.values(), lengths=kjt.lengths()), unweighted.labels,
+                           unweighted.dense)
+        make_private(_weighted_modules(), WeightedTower(), bce, plain, target_epsilon=4.0, batch_size=10, steps=2)
+    with pytest.raises(ValueError, match="a weighted EmbeddingBagCollection pools by SUM"):
+        embedding_inputs(EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+            name="t", embedding_dim=4, num_embeddings=5, feature_names=["f"], pooling=PoolingType.MEAN)],
+            is_weighted=True), 1)
+    assert len(data) == 60

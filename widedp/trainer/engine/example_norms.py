@@ -37,7 +37,7 @@ def embedding_sq_norms(layout: ShardLayout, kjt, batch_size: int, pooled_grads: 
     if B == 0:
         return np.zeros(0)
     lengths = kjt.lengths().numpy().astype(np.int64, copy=False)
-    if layout.no_row_repeats(lengths):
+    if layout.no_row_repeats(lengths) and not layout.weighted:
         # No example touches a row twice, and a bag's one id has weight 1 (sum, or the mean of
         # one): ‖∂L_j/∂E‖² = Σ_f [bag (j, f) not empty]·‖∂L_j/∂pooled_{j,f}‖², no gather needed.
         # (einsum accumulates in float64 without a float64 copy of g: 5x faster than torch's
@@ -46,7 +46,7 @@ def embedding_sq_norms(layout: ShardLayout, kjt, batch_size: int, pooled_grads: 
         return (sq * lengths.reshape(F, B).T).sum(1)
     values = kjt.values().numpy().astype(np.int64, copy=False)
     feature, example = id_coordinates(lengths, F, B)
-    weight = torch.from_numpy(id_weights(layout, lengths, feature, example, B))
+    weight = torch.from_numpy(id_weights(layout, lengths, feature, example, B, kjt))
     grads = torch.from_numpy(g.reshape(B * F, D))
     contrib = weight.unsqueeze(1) * grads[torch.from_numpy(example * F + feature)]  # float32, as on the shards
     total_rows = max(layout.vocabulary_size, 1)

@@ -29,6 +29,7 @@ class FeatureSpec:
     name: str
     table: str
     pooling: str  # "sum" | "mean"
+    weighted: bool = False  # ids carry the KJT's per-id weights (a weighted EmbeddingBagCollection's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,11 @@ class ShardLayout:
         """Every feature reads a table of its own (no two features share one)."""
         tables = self.feature_tables
         return bool(np.unique(tables).size == tables.size)
+
+    @property
+    def weighted(self) -> bool:
+        """Some feature's ids carry per-id weights."""
+        return any(f.weighted for f in self.features)
 
     def no_row_repeats(self, lengths: np.ndarray) -> bool:
         """No example of a batch touches a (table, row) twice: tables unshared and every bag
@@ -161,13 +167,23 @@ def id_coordinates(lengths: np.ndarray, num_features: int, batch_size: int) -> t
 
 
 def id_weights(layout: ShardLayout, lengths: np.ndarray, feature: np.ndarray, example: np.ndarray,
-               batch_size: int) -> np.ndarray:
-    """Each id's pooling weight w_i (float32): 1/|bag| for mean pooling, 1 for sum pooling.
-    `route` sends them to the shards; trainer/engine/example_norms.py uses them for the norms.
-    `lengths`: feature-major [F·B]; `feature`, `example`: per id."""
+               batch_size: int, kjt=None) -> np.ndarray:
+    """Each id's pooling weight w_i (float32): 1/|bag| for mean pooling, 1 for sum pooling,
+    times the id's own weight in the KJT (`kjt.weights()`) for a weighted feature — the pooled
+    embedding is Σ_i w_i E[id_i] either way. `route` sends them to the shards;
+    trainer/engine/example_norms.py uses them for the norms. `lengths`: feature-major [F·B];
+    `feature`, `example`: per id."""
     bag = lengths[feature * batch_size + example]
     mean = np.array([f.pooling == "mean" for f in layout.features], dtype=bool)
-    return np.where(mean[feature], 1.0 / np.maximum(bag, 1), 1.0).astype(np.float32)
+    w = np.where(mean[feature], 1.0 / np.maximum(bag, 1), 1.0).astype(np.float32)
+    if layout.weighted:
+        given = None if kjt is None else kjt.weights_or_none()
+        if given is None:
+            names = [f.name for f in layout.features if f.weighted]
+            raise ValueError(f"weighted features {names} need a KeyedJaggedTensor with weights")
+        weighted = np.array([f.weighted for f in layout.features], dtype=bool)
+        w = np.where(weighted[feature], w * given.numpy().astype(np.float32, copy=False), w).astype(np.float32)
+    return w
 
 
 def route(layout: ShardLayout, kjt, batch_size: int, example_ids=None) -> list[ShardInput]:
@@ -183,7 +199,7 @@ def route(layout: ShardLayout, kjt, batch_size: int, example_ids=None) -> list[S
     values = kjt.values().numpy().astype(np.int64, copy=False)
     lengths = kjt.lengths().numpy().astype(np.int64, copy=False)
     feature, example = id_coordinates(lengths, len(keys), batch_size)
-    weight = id_weights(layout, lengths, feature, example, batch_size)
+    weight = id_weights(layout, lengths, feature, example, batch_size, kjt)
     table_rows = np.array([layout.tables[layout.table_index(f.table)].num_rows for f in layout.features])
     table_of_feature = layout.feature_tables
     if values.size:

@@ -24,7 +24,8 @@ class KJTDataset:
     """Random access by example index into a KeyedJaggedTensor of n examples (stride n).
 
     Args:
-        sparse: the ids of every example, one key per feature (`sparse.stride()` = n).
+        sparse: the ids of every example, one key per feature (`sparse.stride()` = n); with
+            per-id weights (`sparse.weights()`) for a weighted EmbeddingBagCollection.
         labels: [n] float labels (any values the user's loss takes).
         dense: [n, num_dense] float dense features; None: no dense features ([n, 0]).
         units: [n] integer privacy units (e.g. user ids) for `privacy.unit = "user"`; None:
@@ -63,9 +64,12 @@ class KJTDataset:
             raise ValueError(f"features {missing} are not keys of the KeyedJaggedTensor (its keys: {keys})")
         per_key = sparse.to_dict() if n else {}
         self._columns: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._weights: Optional[dict[str, np.ndarray]] = {} if sparse.weights_or_none() is not None else None
         for f in order:
             if n == 0:
                 self._columns[f] = (np.zeros(1, np.int64), np.zeros(0, np.int64))
+                if self._weights is not None:
+                    self._weights[f] = np.zeros(0, np.float32)
                 continue
             jt = per_key[f]
             lengths = jt.lengths().numpy().astype(np.int64)
@@ -77,6 +81,12 @@ class KJTDataset:
                 row = int(np.searchsorted(offsets, bad[0], side="right") - 1)
                 raise ValueError(f"feature {f!r}, example {row}: id {int(values[bad[0]])} is negative")
             self._columns[f] = (offsets, values)
+            if self._weights is not None:
+                weights = jt.weights().numpy().astype(np.float32)
+                if not np.isfinite(weights).all():
+                    row = int(np.searchsorted(offsets, int(np.flatnonzero(~np.isfinite(weights))[0]), side="right") - 1)
+                    raise ValueError(f"feature {f!r}, example {row}: a weight that is not finite")
+                self._weights[f] = weights
         self.features = tuple(order)
         self.labels, self.dense = labels, dense.contiguous()
         self.num_dense = int(dense.shape[1])
@@ -148,7 +158,7 @@ class KJTDataset:
     def take(self, indices) -> Batch:
         """The examples at `indices` (any order, repeats allowed) as one batch (`Batch`)."""
         idx = self._check_indices(indices)
-        vals, lens = [], []
+        vals, lens, wts = [], [], []
         for f in self.features:
             offsets, values = self._columns[f]
             starts, ends = offsets[idx], offsets[idx + 1]
@@ -157,10 +167,15 @@ class KJTDataset:
             pos = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(total, dtype=np.int64)
             vals.append(values[pos])
             lens.append(lengths.astype(np.int32))
+            if self._weights is not None:
+                wts.append(self._weights[f][pos])
+        weights = None
+        if self._weights is not None:
+            weights = torch.from_numpy(np.concatenate(wts) if wts else np.zeros(0, np.float32))
         sparse = KeyedJaggedTensor(keys=list(self.features),
                                    values=torch.from_numpy(np.concatenate(vals) if vals else np.zeros(0, np.int64)),
                                    lengths=torch.from_numpy(np.concatenate(lens) if lens else np.zeros(0, np.int32)),
-                                   stride=int(idx.size))
+                                   weights=weights, stride=int(idx.size))
         t = torch.from_numpy(idx)
         return Batch(sparse=sparse, dense=self.dense[t].clone(), labels=self.labels[t].clone(), indices=idx.copy())
 
@@ -177,6 +192,11 @@ class KJTDataset:
             raise KeyError(f"unknown feature {feature!r}; features are {list(self.features)}")
         offsets, values = self._columns[feature]
         return offsets.copy(), values.copy()
+
+    @property
+    def weighted(self) -> bool:
+        """The ids carry per-id weights."""
+        return self._weights is not None
 
     def units(self) -> Optional[np.ndarray]:
         """[n] the privacy unit of each example, None when none was given."""

@@ -69,6 +69,11 @@ class EmbeddingInputs:
         return not self.sequences and len(set(self.tables.values())) == 1
 
     @property
+    def weighted(self) -> bool:
+        """Some pooled feature is a weighted EmbeddingBagCollection's (per-id weights)."""
+        return self.layout.weighted
+
+    @property
     def feature_table(self) -> dict[str, str]:
         """{user feature: its table}, in the modules' order."""
         tables = {**dict(self.pooled), **{name: table for name, table, _ in self.sequences}}
@@ -87,24 +92,22 @@ def position_name(feature: str, position: int) -> str:
     return f"{feature}{POSITION_SEPARATOR}{position}"
 
 
-def _configs(embeddings) -> list[tuple[str, object]]:
-    """[(kind, config)] from EBC / EC modules, their config lists, or a list mixing them."""
+def _configs(embeddings) -> list[tuple[str, object, bool]]:
+    """[(kind, config, weighted)] from EBC / EC modules, their config lists, or a list mixing them."""
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
     items = list(embeddings) if isinstance(embeddings, (list, tuple)) else [embeddings]
-    out: list[tuple[str, object]] = []
+    out: list[tuple[str, object, bool]] = []
     for item in items:
         if isinstance(item, EmbeddingBagCollection):
-            if item.is_weighted():
-                raise ValueError("a weighted EmbeddingBagCollection (per-id weights) is not supported yet")
-            out += [("bag", c) for c in item.embedding_bag_configs()]
+            out += [("bag", c, bool(item.is_weighted())) for c in item.embedding_bag_configs()]
         elif isinstance(item, EmbeddingCollection):
-            out += [("sequence", c) for c in item.embedding_configs()]
+            out += [("sequence", c, False) for c in item.embedding_configs()]
         elif isinstance(item, EmbeddingBagConfig):
-            out.append(("bag", item))
+            out.append(("bag", item, False))
         elif isinstance(item, EmbeddingConfig):
-            out.append(("sequence", item))
+            out.append(("sequence", item, False))
         else:
             raise TypeError("embeddings must be torchrec EmbeddingBagCollection / EmbeddingCollection modules or "
                             f"their EmbeddingBagConfig / EmbeddingConfig lists, got {type(item).__name__}")
@@ -146,7 +149,7 @@ def embedding_inputs(embeddings, num_shards: int, max_sequence_length: Union[Non
     order: list[str] = []
     seen: dict[str, str] = {}
     configs = _configs(embeddings)
-    for kind, c in configs:
+    for kind, c, _ in configs:
         if c.name in widths:
             raise ValueError(f"table name {c.name!r} is used twice")
         if not c.feature_names:
@@ -162,14 +165,17 @@ def embedding_inputs(embeddings, num_shards: int, max_sequence_length: Union[Non
             seen[f] = c.name
             order.append(f)
     width = max(widths.values())
-    for kind, c in configs:
+    for kind, c, weighted in configs:
         tables.append(TableSpec(c.name, int(c.num_embeddings), width))
         if kind == "bag":
             pooling = _POOLINGS.get(getattr(c.pooling, "name", str(c.pooling)))
             if pooling is None:
                 raise ValueError(f"table {c.name!r}: pooling {c.pooling} is not supported (SUM or MEAN)")
+            if weighted and pooling != "sum":
+                raise ValueError(f"table {c.name!r}: a weighted EmbeddingBagCollection pools by SUM (per-id weights), "
+                                 f"not {c.pooling}")
             for f in c.feature_names:
-                features.append(FeatureSpec(f, c.name, pooling))
+                features.append(FeatureSpec(f, c.name, pooling, weighted))
                 pooled.append((f, c.name))
             continue
         for f in c.feature_names:
@@ -206,8 +212,10 @@ def expand_batch(inputs: EmbeddingInputs, sparse: KeyedJaggedTensor, dense: torc
         return sparse, dense
     B = int(sparse.stride())
     per_key = sparse.to_dict() if B else {}
+    has_weights = sparse.weights_or_none() is not None
     vals: list[np.ndarray] = []
     lens: list[np.ndarray] = []
+    wts: list[np.ndarray] = []
     kept_lengths = []
     sequence_length = {f: L for f, _, L in inputs.sequences}
     done: dict[str, tuple] = {}
@@ -218,6 +226,8 @@ def expand_batch(inputs: EmbeddingInputs, sparse: KeyedJaggedTensor, dense: torc
                 jt = per_key[name]
                 vals.append(jt.values().numpy().astype(np.int64, copy=False))
                 lens.append(jt.lengths().numpy().astype(np.int64, copy=False))
+                if has_weights:
+                    wts.append(jt.weights().numpy().astype(np.float32, copy=False))
             else:
                 vals.append(np.zeros(0, np.int64))
                 lens.append(np.zeros(0, np.int64))
@@ -237,12 +247,16 @@ def expand_batch(inputs: EmbeddingInputs, sparse: KeyedJaggedTensor, dense: torc
         has = p < kept
         vals.append(values[first[has] + p])
         lens.append(has.astype(np.int64))
+        if has_weights:  # a position's one id is read as it is
+            wts.append(np.ones(int(has.sum()), np.float32))
     for f, _, _ in inputs.sequences:
         kept_lengths.append(done[f][2] if f in done else np.zeros(B, np.int64))
     kjt = KeyedJaggedTensor(keys=list(inputs.engine_features),
                             values=torch.from_numpy(np.concatenate(vals) if vals else np.zeros(0, np.int64)),
                             lengths=torch.from_numpy(np.concatenate(lens).astype(np.int32) if lens
                                                      else np.zeros(0, np.int32)),
+                            weights=torch.from_numpy(np.concatenate(wts) if wts else np.zeros(0, np.float32))
+                            if has_weights else None,
                             stride=B)
     extra = torch.from_numpy(np.stack(kept_lengths, 1).astype(np.float32)) if kept_lengths else torch.zeros((B, 0))
     return kjt, torch.cat([dense, extra], 1)

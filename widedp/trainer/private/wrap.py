@@ -423,6 +423,10 @@ def make_private(embeddings, dense_module: nn.Module, loss_fn: LossFn, data: KJT
         raise ValueError(f"tables of different widths {dict(inputs.tables)} with train.optimizer = \"adagrad\": "
                          "row-wise Adagrad would average over the widest width; use sgd or adam (exact per column)")
     data = data.with_features(inputs.order)
+    if inputs.weighted and isinstance(data, KJTDataset) and not data.weighted:
+        names = [f.name for f in inputs.layout.features if f.weighted]
+        raise ValueError(f"features {names} are a weighted EmbeddingBagCollection's: the KJTDataset's "
+                         "KeyedJaggedTensor needs per-id weights")
     table_rows = {t.name: t.num_rows for t in inputs.layout.tables}
     for f, table in inputs.feature_table.items():
         top, example = data.max_ids(f)
