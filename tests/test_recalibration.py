@@ -167,3 +167,24 @@ def test_recalibration_is_not_run_twice_for_the_same_step(recalibrated_run, tmp_
         "cluster.backend=local", "train.steps=20", "privacy.target_epsilon=4", "train.log_every=5"])
     assert again.summary["recalibration"]["applied"] is False
     assert again.summary["events_charged"] == result.summary["events_charged"]
+
+
+def test_platt_fit_keeps_the_models_order_when_the_counts_run_against_it():
+    """Counts whose positives fall as the logit rises (a weak model under noise): the free fit's
+    slope is negative, which would turn the ranking upside down; the fit keeps a = MIN_SLOPE and
+    fits the intercept — the predictions sit near the base rate, in the model's order."""
+    import math
+
+    from widedp.trainer.engine.recalibration import MIN_SLOPE
+
+    centers = np.linspace(-4, 4, 17)
+    totals = np.full(17, 1000.0)
+    positives = totals / (1 + np.exp(0.5 * centers + 1.0))  # p falls with z: the free slope is −0.5
+    a, b = fit_platt(centers, totals, positives)
+    assert a == MIN_SLOPE
+    base = positives.sum() / totals.sum()
+    # b is the intercept's optimum at that slope: the predictions average to the base rate
+    p = 1 / (1 + np.exp(-(a * centers + b)))
+    assert math.isclose(float((p * totals).sum() / totals.sum()), base, rel_tol=1e-6)
+    # the free fit would have the negative slope (the same Newton problem without the floor)
+    assert fit_platt(centers, totals, totals / (1 + np.exp(-0.5 * centers - 1.0)))[0] > 0.4

@@ -100,11 +100,19 @@ def noisy_histogram(logits, labels, noise_multiplier: float, rng: np.random.Gene
                           GaussianDpEvent(noise_multiplier))
 
 
+#: The least slope a fitted recalibration keeps: a slope ≤ 0 would flatten the model's ranking or
+#: turn it upside down (on noisy counts of a weak model the free fit can come out negative).
+MIN_SLOPE = 1e-3
+
+
 def fit_platt(centers, totals, positives, iterations: int = 50) -> tuple[float, float]:
     """(a, b) minimizing the binned logloss Σ_bins [pos·softplus(-(a z + b)) + neg·softplus(a z + b)]
     with pos = clamp(positives, 0, totals), neg = totals − pos, totals clamped at 0 (noisy counts
-    can be negative): Newton's method on a convex 2-parameter problem, post-processing only.
-    Returns (1, 0) (no change) when the counts carry no positives or no negatives."""
+    can be negative), subject to a ≥ MIN_SLOPE (the model's order is kept: when the free fit's
+    slope is below it, a = MIN_SLOPE and b alone is fitted, which leaves the predictions near
+    the base rate, still in the model's order): Newton's method on a convex problem,
+    post-processing only. Returns (1, 0) (no change) when the counts carry no positives or no
+    negatives."""
     z = np.asarray(centers, dtype=np.float64)
     n = np.clip(np.asarray(totals, dtype=np.float64), 0.0, None)
     pos = np.clip(np.asarray(positives, dtype=np.float64), 0.0, n)
@@ -137,7 +145,39 @@ def fit_platt(centers, totals, positives, iterations: int = 50) -> tuple[float, 
         if improvement < 1e-13:
             break
     a, b = float(theta[0]), float(theta[1])
-    return (a, b) if math.isfinite(a) and math.isfinite(b) else (1.0, 0.0)
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return 1.0, 0.0
+    if a >= MIN_SLOPE:
+        return a, b
+    return MIN_SLOPE, _fit_intercept(z, n, pos, MIN_SLOPE, b, iterations)
+
+
+def _fit_intercept(z: np.ndarray, n: np.ndarray, pos: np.ndarray, a: float, b: float, iterations: int) -> float:
+    """The b minimizing the binned logloss at a fixed slope a (a convex problem in one variable:
+    Newton's method, damped)."""
+    scale = n.sum()
+
+    def loss(value: float) -> float:
+        s = a * z + value
+        return float((n * np.logaddexp(0.0, s) - pos * s).sum() / scale)
+
+    current = loss(b)
+    for _ in range(iterations):
+        p = 0.5 * (1.0 + np.tanh(0.5 * (a * z + b)))
+        grad = float((n * p - pos).sum() / scale)
+        hess = float((n * p * (1 - p)).sum() / scale) + 1e-12
+        step = grad / hess
+        for _ in range(40):
+            value = loss(b - step)
+            if value <= current:
+                break
+            step /= 2
+        else:
+            break
+        b, improvement, current = b - step, current - value, value
+        if improvement < 1e-13:
+            break
+    return float(b) if math.isfinite(b) else 0.0
 
 
 def auto_noise_multiplier(n: int, target_epsilon: float, delta: float, accountant: str,
