@@ -1,11 +1,17 @@
 """The own-model examples under Opacus: the same user model through Opacus `make_private`
 beside widedp's `make_private` and the plain-PyTorch floor, in one run.
 
-Two examples (examples/):
+Four examples (examples/):
 
   sasrec_sequential  the SASRec-style ranker (`SASRecRanker`) on `widedp synth logs` click logs
                      (examples/own_model_common.py `click_logs`): one item table (history and ad),
                      campaign and device bags (sum-pooled), 16 wide
+  dcn_ranking        the DCN-v2 ranker (`DCNv2`) over an EmbeddingBagCollection, bags only, on the same
+                     click logs: the item table shared by ad and history (MEAN-pooled), campaign and
+                     device (sum-pooled), 16 wide
+  two_tower_retrieval  the two-tower model (`TwoTower`: user tower history, device, dense; item tower
+                     ad, campaign; dot-product logit) over the same EmbeddingBagCollection layout and
+                     click logs
   transformer_lm     the small transformer LM (`TinyTransformerLM`): input_words [V, 32],
                      output_words [V, 32] (targets and negatives), output_bias [V, 1]; the public
                      text of benchmarks/text_large.py (`--quick`: the example's `synthetic_text`)
@@ -16,7 +22,12 @@ batch into the dense module's `emb` / `lengths` dicts as widedp does: a sequence
 ids, zeros after; a bag the sum (or mean, as its config says) of its rows. The lookups are done in
 its `forward` from padded id tensors [B, W] and masks [B, W] passed as inputs — one lookup per
 table, its features' ids side by side (a table shared by two features is looked up once, so Opacus
-sees no reused layer) — so Opacus gets per-example inputs with the batch first.
+sees no reused layer) — so Opacus gets per-example inputs with the batch first. The dense module is
+called as widedp calls it: `(emb, dense, lengths)` with sequence features, `(emb, dense)` without.
+Before timing, the twin's outputs on the test split are checked against the TorchRec path (the
+example's own modules on the test KJT — EmbeddingBagCollection pooled bags, EmbeddingCollection
+sequences padded to L — into the same dense module): they must agree (rtol 1e-4, atol 1e-5); the
+largest difference is recorded.
 
 Timed in one process, the systems in turn within each round (median over `--timing-steps` after
 `--warmup`), at one batch size (`--batch`, default 256 examples; `--quick` 64):
@@ -41,12 +52,15 @@ Then an Opacus utility run: `make_private_with_epsilon` at ε = 8 (δ = widedp's
 n^-1.1)), Poisson sampling ON, ghost clipping, `--steps` steps (default 100; `--quick` 5), the
 example's DP-SGD optimizer settings (not tuned for Opacus), and the example's held-out metric
 computed from the plain module's tables copied back into the example's TorchRec modules: SASRec
-the click AUC of the test split and the example's `ranking_metrics` (hit-rate@10, NDCG@10); the
-LM the full-softmax perplexity (`perplexity`) of the test lines.
+the click AUC of the test split and the example's `ranking_metrics` (hit-rate@10, NDCG@10); DCN the
+click AUC; two-tower the click AUC and the example's `recall_at` (recall@10 of each clicked test
+example's ad among it and 99 ads of other test examples); the LM the full-softmax perplexity
+(`perplexity`) of the test lines.
 
 No timing asserts: ratios are of medians measured in the same run.
 
-    python benchmarks/own_model_opacus.py [--quick] [--examples sasrec_sequential,transformer_lm] [--threads 1]
+    python benchmarks/own_model_opacus.py [--quick] [--examples sasrec_sequential,dcn_ranking,two_tower_retrieval,transformer_lm]
+        [--threads 1]
 
 (`--threads 1` on a machine busy with other work: two intra-op threads on two cores shared with other
 processes make every small op wait on a descheduled thread — the floor step was ~100× slower so.)
@@ -73,7 +87,8 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 
 from _common import DATA_DIR, announce_machine, format_table, mem_info, write_results  # noqa: E402
 
-EXAMPLES = ("sasrec_sequential", "transformer_lm")
+EXAMPLES = ("sasrec_sequential", "dcn_ranking", "two_tower_retrieval", "transformer_lm")
+CLICK_LOG_EXAMPLES = ("sasrec_sequential", "dcn_ranking", "two_tower_retrieval")
 SYSTEMS = ("floor", "opacus-ghost", "opacus-hooks", "widedp-sparse", "widedp-dpsgd")
 LABELS = {
     "floor": "plain PyTorch (non-private floor)",
@@ -139,6 +154,8 @@ class PlainModel(nn.Module):
                         feats.append((f, int(bag_width[f]), "bag", "mean" if pooling == PoolingType.MEAN else "sum"))
                 self.layout.append((cfg.name, feats))
         self.dense_module = dense_module
+        # widedp calls the dense module with `lengths` only when there are sequence features
+        self.sequences = any(kind == "sequence" for _, feats in self.layout for _, _, kind, _ in feats)
 
     def features(self) -> list[str]:
         return [f for _, feats in self.layout for f, *_ in feats]
@@ -167,7 +184,7 @@ class PlainModel(nn.Module):
                     s = part.sum(1)
                     emb[f] = s / m.sum(1, keepdim=True).clamp(min=1.0) if pooling == "mean" else s
                 start += width
-        return self.dense_module(emb, dense, lengths)
+        return self.dense_module(emb, dense, lengths) if self.sequences else self.dense_module(emb, dense)
 
     def copy_tables_to(self, modules: list) -> None:
         """The tables back into the example's TorchRec modules (for its own metrics)."""
@@ -190,6 +207,51 @@ class Criterion(nn.Module):
         return loss.mean() if self.reduction == "mean" else loss.sum() if self.reduction == "sum" else loss
 
 
+@torch.no_grad()
+def torchrec_outputs(modules: list, dense_module: nn.Module, data, seq: dict, batch: int = 4096) -> torch.Tensor:
+    """The dense module's outputs on every example of `data` through the example's own TorchRec
+    modules, as widedp feeds it: an EmbeddingBagCollection's pooled bags; an EmbeddingCollection's
+    sequences padded to their L (the first L ids, zeros after) with their lengths clamped to L."""
+    from torchrec import EmbeddingBagCollection
+
+    outs = []
+    for start in range(0, len(data), batch):
+        idx = np.arange(start, min(start + batch, len(data)))
+        emb, lengths, dense = {}, {}, None
+        for module in modules:
+            b = data.with_features([f for c, _, _ in _configs(module) for f in c.feature_names]).take(idx)
+            dense = b.dense.float()
+            if isinstance(module, EmbeddingBagCollection):
+                emb.update(module(b.sparse).to_dict())
+            else:
+                for f, jt in module(b.sparse).items():
+                    emb[f] = jt.to_padded_dense(int(seq[f]))
+                    lengths[f] = jt.lengths().clamp(max=int(seq[f])).long()
+        outs.append(dense_module(emb, dense, lengths) if lengths else dense_module(emb, dense))
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def twin_check(plain: PlainModel, modules: list, data, seq: dict) -> dict:
+    """The plain twin's outputs on `data` against the TorchRec path (`torchrec_outputs`) with the
+    same weights; raises when they differ."""
+    was = plain.training
+    plain.eval()
+    t = tensors_of(plain, data)
+    ours = plain(*t[:-1])
+    theirs = torchrec_outputs(modules, plain.dense_module, data, seq)
+    plain.train(was)
+    if ours.shape != theirs.shape:
+        raise RuntimeError(f"the plain twin's outputs {tuple(ours.shape)} are not the TorchRec path's "
+                           f"{tuple(theirs.shape)}")
+    diff = float((ours - theirs).abs().max()) if ours.numel() else 0.0
+    scale = float(theirs.abs().max()) if theirs.numel() else 0.0
+    if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5):
+        raise RuntimeError(f"the plain twin's outputs differ from the TorchRec path: max |diff| {diff:.3g} "
+                           f"(outputs up to {scale:.3g})")
+    return {"examples": len(data), "max_abs_diff": diff, "max_abs_output": scale}
+
+
 def bag_widths(data, features) -> dict:
     batch = data.with_features(list(features)).take(np.arange(len(data)))
     return {f: max(1, int(jt.lengths().max())) for f, jt in batch.sparse.to_dict().items()}
@@ -208,14 +270,59 @@ def delta_of(n: int) -> float:
     return min(1.0 / (10 * n), n ** -1.1)
 
 
-def sasrec_case(args) -> dict:
+_CLICK_LOGS: dict = {}
+
+
+def click_data(args) -> tuple:
+    """(train, test, sizes) of the click logs the click-log examples share (built once a run,
+    cached on disk under runs/bench_data)."""
     import own_model_common as common
-    import sasrec_sequential as sas
 
     root = Path(args.data) if args.data else DATA_DIR / f"own_model_opacus_logs_u{args.users}_d{args.days}"
-    train, test, sizes = common.click_logs(root, args.users, args.days)
-    widths = bag_widths(train, ["campaign", "device"])
-    widths = {f: max(w, bag_widths(test, [f])[f]) for f, w in widths.items()}
+    if root not in _CLICK_LOGS:
+        _CLICK_LOGS[root] = common.click_logs(root, args.users, args.days)
+    return _CLICK_LOGS[root]
+
+
+def widths_of(train, test, features) -> dict:
+    """Each bag feature's widest bag over train and test (the padded width: nothing cut)."""
+    a, b = bag_widths(train, features), bag_widths(test, features)
+    return {f: max(a[f], b[f]) for f in features}
+
+
+def click_widedp_settings(mode: str, seed: int) -> list:
+    """The click-log examples' tuned settings (own_model_common COMMON + BY_MODE) at example level."""
+    import own_model_common as common
+
+    common_ = [s for s in common.COMMON if not s.startswith(("privacy.unit", "privacy.max_examples_per_user"))]
+    return [*common_, "privacy.unit=example", *common.BY_MODE[mode], f"train.seed={seed}"]
+
+
+# the click-log examples' DP-SGD settings (configs/logs_dpsgd.toml, own_model_common BY_MODE["dpsgd"]): SGD, clip 3
+CLICK_UTILITY_OPTIM = {"optimizer": "sgd", "lr": 0.52, "dense_lr": 0.174, "clip": 3.0}
+
+
+def click_note(args) -> str:
+    return f"`widedp synth logs` click logs, {args.users:,} users, {args.days} days, the last day held out"
+
+
+def plain_auc(plain: "PlainModel", data) -> float:
+    from widedp.trainer.models.auc import binary_auc
+
+    was = plain.training
+    plain.eval()
+    with torch.no_grad():
+        t = tensors_of(plain, data)
+        scores = plain(*t[:-1])
+    plain.train(was)
+    return binary_auc(scores, t[-1])
+
+
+def sasrec_case(args) -> dict:
+    import sasrec_sequential as sas
+
+    train, test, sizes = click_data(args)
+    widths = widths_of(train, test, ["campaign", "device"])
     seq = {"history": sas.HISTORY, "ad": 1}
 
     def build(seed: int = 0):
@@ -223,9 +330,7 @@ def sasrec_case(args) -> dict:
         modules, model = sas.embedding_modules(sizes), sas.SASRecRanker(train.num_dense)
         return modules, model
 
-    def widedp_settings(mode: str, seed: int) -> list:
-        common_ = [s for s in common.COMMON if not s.startswith(("privacy.unit", "privacy.max_examples_per_user"))]
-        return [*common_, "privacy.unit=example", *common.BY_MODE[mode], f"train.seed={seed}"]
+    widedp_settings = click_widedp_settings
 
     def evaluate(plain: PlainModel, modules) -> dict:
         from widedp.trainer.models.auc import binary_auc
@@ -242,10 +347,50 @@ def sasrec_case(args) -> dict:
     return {"name": "sasrec_sequential", "train": train, "test": test, "sizes": dict(sizes), "build": build,
             "loss": sas.bce, "seq": seq, "bags": widths, "widedp_settings": widedp_settings,
             "widedp_kwargs": {"max_sequence_length": seq},
-            # the example's DP-SGD settings (configs/logs_dpsgd.toml): SGD, clip 3
-            "utility_optim": {"optimizer": "sgd", "lr": 0.52, "dense_lr": 0.174, "clip": 3.0},
-            "evaluate": evaluate, "data_note": f"`widedp synth logs` click logs, {args.users:,} users, "
-                                                 f"{args.days} days, the last day held out"}
+            "utility_optim": dict(CLICK_UTILITY_OPTIM), "evaluate": evaluate, "data_note": click_note(args)}
+
+
+def dcn_case(args) -> dict:
+    import dcn_ranking as dcn
+
+    train, test, sizes = click_data(args)
+    widths = widths_of(train, test, list(dcn.FEATURES))
+
+    def build(seed: int = 0):
+        torch.manual_seed(seed)
+        return [dcn.embedding_tables(sizes)], dcn.DCNv2(train.num_dense)
+
+    def evaluate(plain: PlainModel, modules) -> dict:
+        plain.copy_tables_to(modules)
+        return {"auc": plain_auc(plain, test)}
+
+    return {"name": "dcn_ranking", "train": train, "test": test, "sizes": dict(sizes), "build": build,
+            "loss": dcn.bce, "seq": {}, "bags": widths, "widedp_settings": click_widedp_settings,
+            "widedp_kwargs": {}, "utility_optim": dict(CLICK_UTILITY_OPTIM), "evaluate": evaluate,
+            "data_note": click_note(args)}
+
+
+def two_tower_case(args) -> dict:
+    import two_tower_retrieval as tt
+
+    train, test, sizes = click_data(args)
+    widths = widths_of(train, test, ["ad", "history", "campaign", "device"])
+
+    def build(seed: int = 0):
+        torch.manual_seed(seed)
+        return [tt.embedding_tables(sizes)], tt.TwoTower(train.num_dense)
+
+    def evaluate(plain: PlainModel, modules) -> dict:
+        plain.copy_tables_to(modules)
+        plain.eval()
+        recall = tt.recall_at(modules[0], plain.dense_module, test)  # the example's own ranking
+        plain.train()
+        return {"auc": plain_auc(plain, test), "recall@10": recall}
+
+    return {"name": "two_tower_retrieval", "train": train, "test": test, "sizes": dict(sizes), "build": build,
+            "loss": tt.bce, "seq": {}, "bags": widths, "widedp_settings": click_widedp_settings,
+            "widedp_kwargs": {}, "utility_optim": dict(CLICK_UTILITY_OPTIM), "evaluate": evaluate,
+            "data_note": click_note(args)}
 
 
 def lm_case(args) -> dict:
@@ -294,6 +439,10 @@ def lm_case(args) -> dict:
             # the example's settings (SETTINGS["dpsgd"]): Adam 0.01 / 0.002, clip 1
             "utility_optim": {"optimizer": "adam", "lr": 0.01, "dense_lr": 0.002, "clip": 1.0},
             "evaluate": evaluate, "data_note": f"{source}, vocabulary {V:,} words, {args.test_lines:,} lines held out"}
+
+
+CASES = {"sasrec_sequential": sasrec_case, "dcn_ranking": dcn_case, "two_tower_retrieval": two_tower_case,
+         "transformer_lm": lm_case}
 
 
 # ---- the steps -----------------------------------------------------------------------------------------
@@ -409,7 +558,10 @@ def measure(case, args) -> dict:
 
     train = case["train"]
     B = min(args.batch, len(train))
-    probe, _ = plain_model(case)
+    probe, probe_modules = plain_model(case)
+    check = twin_check(probe, probe_modules, case["test"], case["seq"])
+    print(f"  the plain twin's outputs on the {check['examples']:,} test examples equal the TorchRec path's "
+          f"(max |diff| {check['max_abs_diff']:.2g})", flush=True)
     data = tensors_of(probe, train)
     idx = torch.from_numpy(np.random.default_rng(0).choice(len(train), B, replace=False))
     fixed = [t[idx] for t in data]
@@ -420,7 +572,7 @@ def measure(case, args) -> dict:
                  "tables": {name: list(t.weight.shape) for name, t in probe.tables.items()},
                  "parameters": {"tables": sum(t.weight.numel() for t in probe.tables.values()),
                                 "dense": sum(p.numel() for p in probe.dense_module.parameters())},
-                 "widths": {"sequences": case["seq"], "bags": case["bags"]}}
+                 "widths": {"sequences": case["seq"], "bags": case["bags"]}, "twin_check": check}
     steps_by: dict = {}
     errors: dict = {}
     as_written: dict = {}  # what failed on the model as the example wrote it
@@ -537,8 +689,11 @@ def _ms(v: Optional[float]) -> str:
 
 
 NAMES = {"sasrec_sequential": "SASRec-style ranker (`examples/sasrec_sequential.py`)",
+         "dcn_ranking": "DCN-v2 ranker (`examples/dcn_ranking.py`)",
+         "two_tower_retrieval": "two-tower retrieval model (`examples/two_tower_retrieval.py`)",
          "transformer_lm": "transformer LM (`examples/transformer_lm.py`)"}
-METRICS = {"auc": "click AUC", "hit@10": "hit-rate@10", "ndcg@10": "NDCG@10", "perplexity": "perplexity (full softmax)"}
+METRICS = {"auc": "click AUC", "hit@10": "hit-rate@10", "ndcg@10": "NDCG@10", "recall@10": "recall@10",
+           "perplexity": "perplexity (full softmax)"}
 
 
 def speed_goal(doc: dict) -> Optional[tuple]:
@@ -561,29 +716,39 @@ def results_section(doc: dict) -> tuple[list[str], list]:
     and its ratio to the floor for each system, what Opacus could not run, the Opacus utility
     run; one goal row."""
     s = doc["setting"]
+    rows = doc["rows"]
+    names = [n for n in EXAMPLES if n in rows] + [n for n in rows if n not in EXAMPLES]
+    clicks = [n for n in names if n in CLICK_LOG_EXAMPLES]
+    user_level = ("" if not clicks else
+                  f"The click-log example{'s' if len(clicks) > 1 else ''} "
+                  f"({', '.join(NAMES.get(n, n).split(' (')[0] for n in clicks)}) "
+                  f"{'train' if len(clicks) > 1 else 'trains'} at user level (64 expected users a step); "
+                  "here every system takes examples, B of them a step. ")
     lines = ["The own-model examples' models in plain PyTorch — the example's tables as `nn.Embedding`, its dense "
              "module unchanged, the lookups in `forward` from padded ids and masks (a sequence's first L ids, zeros "
-             "after; a bag the sum of its rows) — under Opacus " + str(s.get("opacus_version", ""))
+             "after; a bag the sum or mean of its rows, as its config says; one lookup per table, a shared table's "
+             "features side by side) — under Opacus " + str(s.get("opacus_version", ""))
              + " `make_private`, beside `widedp.make_private` on the same example and the non-private floor. Median of "
              f"{s['timing_steps']} steps after {s['warmup']} warm-up, the systems in turn within each round, one "
              "process. *Floor*: forward, mean loss, backward, SGD step. Opacus: noise multiplier "
              f"{s['sigma']:g}, max_grad_norm {s['clip']:g}, SGD, **fixed batches** (poisson_sampling=False, for "
              "timing); ghost clipping (two backward passes) and hooks (per-sample gradients materialized). widedp: "
              "the example's settings, example-level privacy, Poisson-sampled batches of the same expected size, "
-             "`trainer.step()` timed. The SASRec example itself trains at user level (64 expected users a step); "
-             "here every system takes examples, B of them a step. Opacus's DP-SGD noises every row of every table "
+             "`trainer.step()` timed. " + user_level + "Opacus's DP-SGD noises every row of every table "
              "each step, as widedp's DP-SGD does; widedp's sparse mode noises only the privately selected rows. "
              f"torch threads: {s.get('torch_threads', '–')}.", ""]
-    for name in EXAMPLES:
-        r = doc["rows"].get(name)
-        if r is None:
-            continue
+    for name in names:
+        r = rows[name]
         ms, x = r["step_ms"], r["ratios"]
         p = r["parameters"]
         tables = ", ".join(f"{t} [{a:,} × {b}]" for t, (a, b) in r["tables"].items())
         lines += [f"**{NAMES.get(name, name)}**: {r['data']}; {r['examples']['train']:,} training examples, "
-                  f"B = {r['batch']:,}; tables {tables}: {p['tables']:,} table parameters, {p['dense']:,} dense.", "",
-                  "| system | ms / step | / floor |", "|---|---:|---:|"]
+                  f"B = {r['batch']:,}; tables {tables}: {p['tables']:,} table parameters, {p['dense']:,} dense."]
+        c = r.get("twin_check")
+        if c:
+            lines[-1] += (f" The plain twin's outputs on the {c['examples']:,} test examples equal the TorchRec "
+                          f"path's (max |diff| {c['max_abs_diff']:.2g}).")
+        lines += ["", "| system | ms / step | / floor |", "|---|---:|---:|"]
         for system in SYSTEMS:
             if system in ms:
                 lines.append(f"| {LABELS[system]} | {_ms(ms[system])} | {_x(x.get(system))} |")
@@ -625,16 +790,20 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="200 users / 2 days, the LM on synthetic text (600 words), B = 64, 1 + 3 timed steps, "
                              "5 utility steps")
-    parser.add_argument("--examples", default=",".join(EXAMPLES))
+    parser.add_argument("--examples", default=",".join(EXAMPLES),
+                        help=f"comma-separated, of {', '.join(EXAMPLES)} (default: all)")
     parser.add_argument("--batch", type=int, default=None, help="examples per step (default 256; --quick 64)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 3; --quick 1)")
     parser.add_argument("--timing-steps", type=int, default=None, help="timed rounds (default 20; --quick 3)")
     parser.add_argument("--steps", type=int, default=None, help="Opacus utility-run steps (default 100; --quick 5)")
     parser.add_argument("--no-hooks", action="store_true", help="skip Opacus's hooks mode")
     parser.add_argument("--no-utility", action="store_true", help="skip the Opacus utility runs")
-    parser.add_argument("--users", type=int, default=None, help="SASRec: users of the click logs (default 3000)")
-    parser.add_argument("--days", type=int, default=None, help="SASRec: days of the click logs (default 4)")
-    parser.add_argument("--data", default="", help="SASRec: where the logs go (default: cached under runs/bench_data)")
+    parser.add_argument("--users", type=int, default=None,
+                        help="SASRec, DCN, two-tower: users of the click logs (default 3000)")
+    parser.add_argument("--days", type=int, default=None,
+                        help="SASRec, DCN, two-tower: days of the click logs (default 4)")
+    parser.add_argument("--data", default="",
+                        help="SASRec, DCN, two-tower: where the logs go (default: cached under runs/bench_data)")
     parser.add_argument("--corpus", default="", help="LM: a text file (default: benchmarks/text_large.py's corpus)")
     parser.add_argument("--vocab-file", default="", help="LM: the public vocabulary file")
     parser.add_argument("--vocab", type=int, default=None, help="LM: vocabulary size (default 50000; --quick 600)")
@@ -668,7 +837,7 @@ def main(argv=None) -> int:
     for name in names:
         t0 = time.perf_counter()
         print(f"{name}: building the data", flush=True)
-        case = sasrec_case(args) if name == "sasrec_sequential" else lm_case(args)
+        case = CASES[name](args)
         print(f"{name}: {len(case['train']):,} training examples ({time.perf_counter() - t0:.1f} s)", flush=True)
         row = measure(case, args)
         if not args.no_utility:

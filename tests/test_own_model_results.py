@@ -71,8 +71,10 @@ def test_own_model_section_renders_the_committed_files():
     for path in sorted((BENCH / "results").glob("own_model_*.json")):
         doc = dict(json.loads(path.read_text()), _path=path)
         lines, _ = own_model.results_section(doc)
-        auc = doc["runs"]["nonprivate"]["inf"]["auc"]
-        assert f"{auc[0]:.3f} [{auc[1]:.3f}–{auc[2]:.3f}]" in "\n".join(lines), path.name
+        row = doc["runs"]["nonprivate"]["inf"]
+        metric = "auc" if "auc" in row else "perplexity"
+        v = row[metric]
+        assert f"{v[0]:.3f} [{v[1]:.3f}–{v[2]:.3f}]" in "\n".join(lines), (path.name, metric)
 
 
 def _ghost_doc(ghost_ms: float, reference_ms: float, diff: float = 2e-7) -> dict:

@@ -19,8 +19,9 @@ trainer/private/loader.py, which says what the user must then hold). The engine 
 trainer/private/build.py, the one builder `widedp train` uses too.
 
 May import: widedp.trainer.config, widedp.trainer.engine, widedp.trainer.cluster,
-widedp.trainer.data, widedp.trainer.models, widedp.trainer.names, the pure libraries.
-Not: run/, release/ or cli/ (they are clients of this package).
+widedp.trainer.data, widedp.trainer.models, widedp.trainer.names, widedp.trainer.run.budget (the
+data set's budget file, stdlib only), the pure libraries.
+Not: the rest of run/, release/ or cli/ (they are clients of this package).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ are present other than through `take`.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
@@ -35,6 +36,8 @@ class KJTDataset:
             (a `convert table` data set's DP vocabularies and statistics); charged to the
             training ledger before the first step.
         privacy_event_units: per event, "example" or "user": whom it bounds.
+        dataset_path: the directory whose `privacy_budget.jsonl` counts every model trained on
+            these examples (`from_split` sets it to the widedp data set's); None: no budget file.
 
     Attributes:
         features: the feature names of `take`'s batches, in order.
@@ -47,7 +50,8 @@ class KJTDataset:
 
     def __init__(self, sparse: KeyedJaggedTensor, labels: torch.Tensor, dense: Optional[torch.Tensor] = None,
                  units: Optional[Sequence[int]] = None, features: Optional[Sequence[str]] = None,
-                 privacy_events: Sequence = (), privacy_event_units: Sequence[str] = ()):
+                 privacy_events: Sequence = (), privacy_event_units: Sequence[str] = (),
+                 dataset_path=None):
         if not isinstance(sparse, KeyedJaggedTensor):
             raise TypeError(f"sparse must be a torchrec KeyedJaggedTensor, got {type(sparse).__name__}")
         n = int(sparse.stride())
@@ -94,6 +98,7 @@ class KJTDataset:
         if self._units is not None and self._units.size != n:
             raise ValueError(f"units has {self._units.size} entries, the data set {n} examples")
         self._n = n
+        self.dataset_path = None if dataset_path is None else Path(dataset_path)
         self.privacy_events = list(privacy_events)
         self.privacy_event_units = list(privacy_event_units) or ["example"] * len(self.privacy_events)
         if len(self.privacy_event_units) != len(self.privacy_events):
@@ -105,8 +110,10 @@ class KJTDataset:
         `synth` output) in memory, with its units when it has a unit column."""
         batch = split.take(np.arange(len(split), dtype=np.int64))
         meta = split.meta
+        path = getattr(split, "path", None)
         return cls(batch.sparse, batch.labels, batch.dense, units=split.units() if hasattr(split, "units") else None,
-                   privacy_events=meta.privacy_events, privacy_event_units=meta.privacy_event_units)
+                   privacy_events=meta.privacy_events, privacy_event_units=meta.privacy_event_units,
+                   dataset_path=None if path is None else Path(path).parent)
 
     def __len__(self) -> int:
         return self._n
@@ -139,7 +146,8 @@ class KJTDataset:
         batch = self.take(idx)
         return KJTDataset(batch.sparse, batch.labels, batch.dense,
                           units=None if self._units is None else self._units[idx], features=self.features,
-                          privacy_events=self.privacy_events, privacy_event_units=self.privacy_event_units)
+                          privacy_events=self.privacy_events, privacy_event_units=self.privacy_event_units,
+                          dataset_path=self.dataset_path)
 
     def max_ids(self, feature: str) -> tuple[int, int]:
         """(the largest id of `feature`, the first example holding it); (-1, -1) when it has none."""

@@ -21,6 +21,7 @@ read their data themselves) need the data set and are refused here.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
@@ -41,12 +42,14 @@ class LoaderData:
         num_dense: dense features per example in your batches.
         privacy_events, privacy_event_units: what preparing the data already spent, as
             `KJTDataset`'s.
+        dataset_path: the directory whose `privacy_budget.jsonl` counts every model trained on
+            these examples; None: no budget file.
     """
 
     meta = None
 
     def __init__(self, num_examples: int, units: Optional[Sequence[int]] = None, num_dense: int = 0,
-                 privacy_events: Sequence = (), privacy_event_units: Sequence[str] = ()):
+                 privacy_events: Sequence = (), privacy_event_units: Sequence[str] = (), dataset_path=None):
         if isinstance(num_examples, bool) or int(num_examples) != num_examples or num_examples < 1:
             raise ValueError(f"num_examples must be an integer >= 1, got {num_examples!r}")
         if isinstance(num_dense, bool) or int(num_dense) != num_dense or num_dense < 0:
@@ -58,6 +61,7 @@ class LoaderData:
         self.privacy_events = list(privacy_events)
         self.privacy_event_units = list(privacy_event_units) or ["example"] * len(self.privacy_events)
         self.features: tuple = ()
+        self.dataset_path = None if dataset_path is None else Path(dataset_path)
 
     def __len__(self) -> int:
         return self._n

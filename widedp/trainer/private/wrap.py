@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -31,21 +32,16 @@ from widedp.public import public
 from widedp.trainer.config import Config, load_config
 from widedp.trainer.config.lr_schedule import lr_multiplier
 from widedp.trainer.config.planning import data_event_is_grouped
+from widedp.trainer.config.semantics import void_reasons
 from widedp.trainer.engine.checkpoint import engine_state, load_engine_state
-from widedp.trainer.engine.layout import ShardLayout
 from widedp.trainer.engine.recalibration import undo_recalibration
 from widedp.trainer.private.build import build_engine, connect_cluster
+import widedp.trainer.run.budget as dataset_budget
 from widedp.trainer.private.data import KJTDataset
 from widedp.trainer.private.features import EmbeddingInputs, ExpandedDataset, embedding_inputs, initial_weights
 from widedp.trainer.private.loader import HandedBatches, HandOverSampler, LoaderData, batch_of
 from widedp.trainer.private.dense import (LossFn, MetricsFn, UserDenseModel, check_examples_independent,
                                          check_logit_layer)
-
-def layout_of(embeddings, num_shards: int, max_sequence_length=None) -> ShardLayout:
-    """widedp's table layout of the user's embedding modules or configs
-    (trainer/private/features.py `embedding_inputs`, whose errors it raises)."""
-    return embedding_inputs(embeddings, num_shards, max_sequence_length).layout
-
 
 def _settings(config: Union[None, Config, str, Path, Sequence[str]], fixed: Mapping[str, Any]) -> Config:
     """The config: a `Config`, a TOML path or `section.key=value` strings, with `fixed` on top."""
@@ -126,6 +122,11 @@ class PrivateTrainer:
                 grouped = data_event_is_grouped(cfg, unit)
                 self.engine.budget.charge(self.engine.budget.accounted(event) if grouped else event, whole_unit=True)
         self._checked = False
+        self._dataset_path = getattr(data, "dataset_path", None)
+        self._run_dir = Path(ledger_path).parent if ledger_path is not None else Path.cwd()
+        self._run_id, self._started, self._closed = uuid.uuid4().hex, dataset_budget.now(), False
+        if self._dataset_path is not None:  # counted in the data set's budget before the first step
+            self._append_budget("running")
 
     def _engine_data(self, data):
         """`data` keyed by the engine's features (sequence positions, the lengths as dense columns)."""
@@ -324,14 +325,41 @@ class PrivateTrainer:
     def load_state_dict(self, state: dict) -> None:
         load_engine_state(self.engine, state)
 
-    def close(self) -> None:
-        self.engine.shutdown()
+    def _append_budget(self, status: str) -> None:
+        """One line of this run in the data set's privacy_budget.jsonl (trainer/run/budget.py):
+        "running" with its target before the first step, its spent ε when it closes."""
+        cfg, ledger = self.config, self.engine.ledger
+        voids = void_reasons({"train.mode": cfg.train.mode, "privacy.reproducible": cfg.privacy.reproducible},
+                             {"debug_metrics": cfg.train.debug_metrics})
+        line = dataset_budget.run_record(
+            run_id=self._run_id, run_dir=self._run_dir, mode=cfg.train.mode,
+            target_epsilon=math.inf if cfg.privacy.target_epsilon is None else cfg.privacy.target_epsilon,
+            delta=None if ledger is None else ledger.delta, accountant=None if ledger is None else ledger.accountant.name,
+            epsilon=math.inf if ledger is None else ledger.epsilon(), events_charged=0 if ledger is None else ledger.steps,
+            steps=self.engine.step_count, started=self._started, status=status, privacy_unit=cfg.privacy.unit,
+            lineage=[self._run_id], base_events=0, voids=voids)
+        dataset_budget.append(self._dataset_path, line)
+
+    def close(self, status: Optional[str] = None) -> None:
+        """Release the shards; the data set's budget (when the data has one) records the run's
+        spent ε: "finished" once its planned steps ran or its target is spent, else
+        "interrupted" (`status` overrides)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._dataset_path is not None:
+                done = self.engine.step_count >= self.config.train.steps or (
+                    self.engine.ledger is not None and self.engine.budget.would_exceed(self.engine.step_count))
+                self._append_budget(status or ("finished" if done else "interrupted"))
+        finally:
+            self.engine.shutdown()
 
     def __enter__(self) -> "PrivateTrainer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close("failed" if exc_type is not None else None)
 
 
 @public
