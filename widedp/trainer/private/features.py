@@ -25,7 +25,7 @@ as extra dense columns of the example and are released no more than its ids are.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 import torch
@@ -92,13 +92,13 @@ def position_name(feature: str, position: int) -> str:
     return f"{feature}{POSITION_SEPARATOR}{position}"
 
 
-def _configs(embeddings) -> list[tuple[str, object, bool]]:
+def _configs(embeddings) -> list[tuple[str, Any, bool]]:
     """[(kind, config, weighted)] from EBC / EC modules, their config lists, or a list mixing them."""
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
     items = list(embeddings) if isinstance(embeddings, (list, tuple)) else [embeddings]
-    out: list[tuple[str, object, bool]] = []
+    out: list[tuple[str, Any, bool]] = []
     for item in items:
         if isinstance(item, EmbeddingBagCollection):
             out += [("bag", c, bool(item.is_weighted())) for c in item.embedding_bag_configs()]
