@@ -231,8 +231,12 @@ def recalibrate_engine(engine, train_set, noise_multiplier: float, batch_size: i
         weight.mul_(a)
         bias.mul_(a).add_(b)
     engine.recalibrated_at = engine.step_count
-    return {"noise_multiplier": noise_multiplier, "a": a, "b": b, "bins": int(hist.centers.size),
-            "logit_clip": LOGIT_CLIP, "after_step": engine.step_count}
+    out = {"noise_multiplier": noise_multiplier, "a": a, "b": b, "bins": int(hist.centers.size),
+           "logit_clip": LOGIT_CLIP, "after_step": engine.step_count}
+    if a <= MIN_SLOPE:  # the fit found no positive signal: the model's order kept, near the base rate
+        out["slope_held_at_minimum"] = ("the fitted slope was not positive: a is held at "
+                                        f"{MIN_SLOPE:g}, keeping the model's order, and b fitted alone")
+    return out
 
 
 def undo_recalibration(engine) -> None:
@@ -252,5 +256,5 @@ def undo_recalibration(engine) -> None:
     engine.pre_recalibration = None
 
 
-__all__ = ["BINS", "LOGIT_CLIP", "NoisyHistogram", "auto_noise_multiplier", "bin_edges", "exact_histogram",
+__all__ = ["BINS", "LOGIT_CLIP", "MIN_SLOPE", "NoisyHistogram", "auto_noise_multiplier", "bin_edges", "exact_histogram",
            "fit_platt", "noisy_histogram", "recalibrate_engine", "undo_recalibration"]
