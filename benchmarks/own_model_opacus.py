@@ -636,9 +636,42 @@ def measure(case, args) -> dict:
     return row
 
 
+#: the utility runs' steps per example without --steps: the examples' own full size
+#: (benchmarks/own_model.py: FULL_ARGS' 300 for the click logs, LM_ARGS' 500 for the LM)
+UTILITY_STEPS = {"transformer_lm": 500}
+UTILITY_STEPS_DEFAULT = 300
+
+
+def utility_steps(case, args) -> int:
+    return int(args.steps or UTILITY_STEPS.get(case["name"], UTILITY_STEPS_DEFAULT))
+
+
+def widedp_utility(case, args, mode: str) -> dict:
+    """widedp's `make_private` on the same model, data, batch, steps and ε as Opacus's utility
+    run (example level, no recalibration: the same release), held out by the same metric."""
+    import widedp
+
+    modules, dense = case["build"](0)
+    B = min(args.batch, len(case["train"]))
+    steps = utility_steps(case, args)
+    t0 = time.perf_counter()
+    with widedp.make_private(modules, dense, case["loss"], case["train"], mode=mode, target_epsilon=UTILITY_EPSILON,
+                             batch_size=B, steps=steps, config=case["widedp_settings"](mode, 0),
+                             **case["widedp_kwargs"]) as trainer:
+        taken = trainer.train()
+        epsilon, delta = trainer.epsilon(), float(trainer.privacy.delta)
+        state = trainer.embedding_state_dict()
+    seconds = time.perf_counter() - t0
+    for module in modules:
+        module.load_state_dict({k: state[k] for k in module.state_dict()})
+    metrics = case["evaluate"](PlainModel(modules, dense, case["seq"], case["bags"]), modules)
+    return {"system": f"widedp-{mode}", "target_epsilon": UTILITY_EPSILON, "epsilon": epsilon, "delta": delta,
+            "steps": taken, "expected_batch": B, "train_seconds": seconds, "metrics": metrics}
+
+
 def utility(case, args, fix_ids: bool = False) -> dict:
-    """Opacus make_private_with_epsilon at ε = 8, Poisson sampling, ghost clipping, `args.steps`
-    steps; the example's held-out metric from the trained tables."""
+    """Opacus make_private_with_epsilon at ε = 8, Poisson sampling, ghost clipping, the
+    example's full-size steps; the example's held-out metric from the trained tables."""
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -655,15 +688,16 @@ def utility(case, args, fix_ids: bool = False) -> dict:
     n = len(train)
     delta = delta_of(n)
     engine = PrivacyEngine()
-    epochs = (args.steps + 0.5) / len(loader)  # int(epochs / sample_rate) = the planned steps
+    steps = utility_steps(case, args)
+    epochs = (steps + 0.5) / len(loader)  # int(epochs / sample_rate) = the planned steps
     wrapped, dp_opt, dp_loss, dp_loader = engine.make_private_with_epsilon(
         module=plain, optimizer=opt, criterion=Criterion(case["loss"]), data_loader=loader,
         target_epsilon=UTILITY_EPSILON, target_delta=delta, epochs=epochs, max_grad_norm=o["clip"],
         poisson_sampling=True, grad_sample_mode="ghost")
     taken, t0 = 0, time.perf_counter()
-    while taken < args.steps:
+    while taken < steps:
         for batch in dp_loader:
-            if taken >= args.steps:
+            if taken >= steps:
                 break
             dp_opt.zero_grad(set_to_none=True)
             dp_loss(wrapped(*batch[:-1]), batch[-1]).backward()
@@ -778,6 +812,20 @@ def results_section(doc: dict) -> tuple[list[str], list]:
                       f"example's DP-SGD settings, not tuned for Opacus: held out, {cells}."]
         elif u and "error" in u:
             lines += ["", f"Opacus utility run could not run: `{u['error']}`"]
+        w = r.get("widedp_utility") or {}
+        done = {m: x for m, x in w.items() if "metrics" in x}
+        if done:
+            parts = []
+            for mode, x in done.items():
+                cells = ", ".join(f"{METRICS.get(k, k)} {v:.3f}" if k != "perplexity" else f"{METRICS[k]} {v:,.1f}"
+                                  for k, v in x["metrics"].items())
+                parts.append(f"{'sparse' if mode == 'sparse' else 'DP-SGD'} {cells} (ε = {x['epsilon']:.2f}, "
+                             f"{x['steps']:,} steps)")
+            lines += ["", "widedp on the same model, data, expected batch, steps and target ε (example level, no "
+                      "recalibration): " + "; ".join(parts) + "."]
+        for mode, x in w.items():
+            if "error" in x:
+                lines += ["", f"widedp {mode} utility run could not run: `{x['error']}`"]
         lines.append("")
     goal = speed_goal(doc)
     return lines, [goal] if goal else []
@@ -795,7 +843,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="examples per step (default 256; --quick 64)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 3; --quick 1)")
     parser.add_argument("--timing-steps", type=int, default=None, help="timed rounds (default 20; --quick 3)")
-    parser.add_argument("--steps", type=int, default=None, help="Opacus utility-run steps (default 100; --quick 5)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="utility-run steps (default: the example's full-size steps, 300 for the click-log "
+                             "examples and 500 for the LM; --quick 5)")
     parser.add_argument("--no-hooks", action="store_true", help="skip Opacus's hooks mode")
     parser.add_argument("--no-utility", action="store_true", help="skip the Opacus utility runs")
     parser.add_argument("--users", type=int, default=None,
@@ -819,7 +869,7 @@ def main(argv=None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (1 if q else 3)
     args.warmup = max(1, args.warmup)
     args.timing_steps = args.timing_steps or (3 if q else 20)
-    args.steps = args.steps or (5 if q else 100)
+    args.steps = args.steps or (5 if q else None)
     args.users, args.days = args.users or (200 if q else 3000), args.days or (2 if q else 4)
     args.vocab, args.test_lines = args.vocab or (600 if q else 50000), args.test_lines or (100 if q else 3000)
     names = args.examples.split(",")
@@ -846,6 +896,13 @@ def main(argv=None) -> int:
             except Exception as exc:
                 row["utility"] = {"error": _error(exc)}
             print(f"{name}: Opacus utility run {row['utility']}", flush=True)
+            row["widedp_utility"] = {}
+            for mode in ("sparse", "dpsgd"):
+                try:
+                    row["widedp_utility"][mode] = widedp_utility(case, args, mode)
+                except Exception as exc:
+                    row["widedp_utility"][mode] = {"error": _error(exc)}
+                print(f"{name}: widedp {mode} utility run {row['widedp_utility'][mode]}", flush=True)
         row["seconds"] = time.perf_counter() - t0
         rows[name] = row
         print(format_table(["system", "ms/step", "/ floor"],
@@ -857,7 +914,7 @@ def main(argv=None) -> int:
                   "DP-SGD noises every row of every table each step", flush=True)
         print(flush=True)
     setting = {"batch": args.batch, "warmup": args.warmup, "timing_steps": args.timing_steps,
-               "utility_steps": args.steps, "sigma": SIGMA, "clip": CLIP, "utility_epsilon": UTILITY_EPSILON,
+               "utility_steps": args.steps or {**{n: UTILITY_STEPS_DEFAULT for n in names}, **UTILITY_STEPS}, "sigma": SIGMA, "clip": CLIP, "utility_epsilon": UTILITY_EPSILON,
                "opacus_poisson_sampling": {"timing": False, "utility": True}, "users": args.users, "days": args.days,
                "vocab": args.vocab, "test_lines": args.test_lines, "opacus_version": opacus.__version__,
                "torch_threads": torch.get_num_threads(),

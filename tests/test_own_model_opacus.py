@@ -195,3 +195,14 @@ def test_padded_ids_keep_the_first_ids_and_mask_the_rest():
     ids, mask = own_model_opacus.padded(jt, 2)
     assert ids.tolist() == [[5, 6], [0, 0], [8, 9], [3, 0]]
     assert mask.tolist() == [[1, 1], [0, 0], [1, 1], [1, 0]]
+
+
+def test_section_renders_widedps_utility_runs_beside_opacus():
+    doc = _doc()
+    doc["rows"]["dcn_ranking"]["widedp_utility"] = {
+        "sparse": {"epsilon": 7.999, "steps": 300, "metrics": {"auc": 0.6123}},
+        "dpsgd": {"error": "RuntimeError: broke"}}
+    text = "\n".join(own_model_opacus.results_section(doc)[0])
+    assert ("widedp on the same model, data, expected batch, steps and target ε (example level, no recalibration): "
+            "sparse click AUC 0.612 (ε = 8.00, 300 steps).") in text
+    assert "widedp dpsgd utility run could not run: `RuntimeError: broke`" in text
