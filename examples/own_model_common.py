@@ -82,8 +82,12 @@ def sweep(args, train_one: Callable[..., dict]) -> dict:
                                         settings)
                     metrics["seconds"] = time.perf_counter() - start
                     runs.append(metrics)
-                results["runs"].setdefault(mode, {})[eps] = {
-                    k: [statistics.median(r[k] for r in runs), min(r[k] for r in runs), max(r[k] for r in runs)]
-                    for k in runs[0]}
+                results["runs"].setdefault(mode, {})[eps] = summarize(runs)
     print(json.dumps(results))
     return results
+
+
+def summarize(runs: list) -> dict:
+    """{metric: [median, min, max]} over the runs' metrics (one dict per seed)."""
+    return {k: [statistics.median(r[k] for r in runs), min(r[k] for r in runs), max(r[k] for r in runs)]
+            for k in runs[0]}

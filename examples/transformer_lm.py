@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import re
-import statistics
 import time
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from torch import nn
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 import widedp
+from own_model_common import summarize
 
 UNK, BOS = 0, 1
 #: A fixed list of English function words (public; not derived from any corpus).
@@ -262,9 +262,7 @@ def main() -> dict:
                 metrics = train_one(train, test, len(words), mode, None if eps == "inf" else float(eps), args, seed)
                 metrics["seconds"] = time.perf_counter() - start
                 runs.append(metrics)
-            results["runs"].setdefault(mode, {})[eps] = {
-                k: [statistics.median(r[k] for r in runs), min(r[k] for r in runs), max(r[k] for r in runs)]
-                for k in runs[0]}
+            results["runs"].setdefault(mode, {})[eps] = summarize(runs)
     print(json.dumps(results))
     return results
 
