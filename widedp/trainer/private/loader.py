@@ -44,6 +44,12 @@ class LoaderData:
             `KJTDataset`'s.
         dataset_path: the directory whose `privacy_budget.jsonl` counts every model trained on
             these examples; None: no budget file.
+
+    Attributes:
+        num_dense: the dense features per example.
+        dataset_path: as given (a `Path`), or None.
+        privacy_events, privacy_event_units: as given.
+        meta: None (no dataset.json).
     """
 
     meta = None
