@@ -71,7 +71,7 @@ def test_loader_mode_refuses_what_it_cannot_check_or_do():
 
         kjt = KeyedJaggedTensor(keys=wrong.sparse.keys(), values=bad, lengths=wrong.sparse.lengths(),
                                 stride=wrong.sparse.stride())
-        with pytest.raises(ValueError, match=rf"feature 'item', dataset example {idx[0]}: id 10000 outside table"):
+        with pytest.raises(ValueError, match=rf"feature 'item', dataset example {idx[0]}: id 10000 is outside table"):
             trainer.step((kjt, wrong.labels, wrong.dense))
     with make_private(_ebc(), Tower(), bce, data, target_epsilon=4.0, batch_size=40, steps=3, config=RUN) as trainer:
         with pytest.raises(ValueError, match="sample\\(\\) feeds your own loader"):

@@ -58,18 +58,17 @@ class UserDenseModel(DenseModel):
             one width only); `dense` is [B, num_dense]; `lengths` {sequence feature: [B] int64}.
         loss_fn: per-example losses [B] of (outputs, labels) — `reduction="none"`.
         inputs: the user's embedding inputs and the engine's layout of them
-            (`features.embedding_inputs`), or a sequence of pooled feature names (one width).
+            (`features.embedding_inputs`); the engine's dense features are the user's, then
+            the sequences' kept lengths.
         metrics_fn: held-out metrics of (all outputs, all labels); None: `binary_metrics`
             (outputs are logits [n]).
         pooled_as: "dict" or "tensor", see `module`.
-        num_dense: the user's dense features per example (the engine appends the sequences'
-            lengths after them).
         logit_layer: the module's `nn.Linear` whose one output is the logit the module returns
             (train.recalibrate folds z ↦ a·z + b into it; `check_logit_layer` verifies it).
     """
 
-    def __init__(self, module: nn.Module, loss_fn: LossFn, inputs, metrics_fn: Optional[MetricsFn] = None,
-                 pooled_as: str = "dict", num_dense: Optional[int] = None,
+    def __init__(self, module: nn.Module, loss_fn: LossFn, inputs: EmbeddingInputs,
+                 metrics_fn: Optional[MetricsFn] = None, pooled_as: str = "dict",
                  logit_layer: Optional[nn.Linear] = None):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -80,12 +79,10 @@ class UserDenseModel(DenseModel):
             raise ValueError(f"pooled_as must be one of {POOLED_FORMS}, got {pooled_as!r}")
         self.module = module
         self.loss_fn, self.metrics_fn, self.pooled_as = loss_fn, metrics_fn, pooled_as
-        self.inputs = inputs if isinstance(inputs, EmbeddingInputs) else None
-        self.features = inputs.engine_features if self.inputs is not None else tuple(inputs)
-        if pooled_as == "tensor" and self.inputs is not None and not self.inputs.uniform:
+        self.inputs, self.features = inputs, inputs.engine_features
+        if pooled_as == "tensor" and not inputs.uniform:
             raise ValueError('pooled_as = "tensor" needs pooled features of one embedding width; with sequence '
                              'features or tables of different widths use pooled_as = "dict"')
-        self.num_dense = num_dense
         if logit_layer is not None:
             if not isinstance(logit_layer, nn.Linear) or logit_layer.out_features != 1 or logit_layer.bias is None:
                 raise ValueError("logit_layer must be an nn.Linear with one output and a bias (the logit's last layer)")
@@ -99,10 +96,9 @@ class UserDenseModel(DenseModel):
     def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         if self.pooled_as == "tensor":
             return self.module(pooled, dense)
-        if self.inputs is None or self.inputs.uniform:
+        if self.inputs.uniform:
             return self.module({f: pooled[:, i] for i, f in enumerate(self.features)}, dense)
-        num_dense = dense.shape[1] - len(self.inputs.sequences) if self.num_dense is None else self.num_dense
-        embeddings, dense, lengths = split_inputs(self.inputs, pooled, dense, num_dense)
+        embeddings, dense, lengths = split_inputs(self.inputs, pooled, dense, dense.shape[1] - len(self.inputs.sequences))
         if self.inputs.sequences:
             return self.module(embeddings, dense, lengths)
         return self.module(embeddings, dense)

@@ -203,6 +203,17 @@ def _sequence_length(feature: str, given) -> int:
     return int(value)
 
 
+def check_ids(inputs: EmbeddingInputs, data, example_name=lambda j: f"example {j}") -> None:
+    """ValueError naming the feature, the example (`example_name(position in data)`) and the id
+    of the first id of `data` (a KJTDataset) outside its table."""
+    rows = {t.name: t.num_rows for t in inputs.layout.tables}
+    for f, table in inputs.feature_table.items():
+        top, example = data.max_ids(f)
+        if top >= rows[table]:
+            raise ValueError(f"feature {f!r}, {example_name(example)}: id {top} is outside table {table!r} "
+                             f"of {rows[table]} rows")
+
+
 def expand_batch(inputs: EmbeddingInputs, sparse: KeyedJaggedTensor, dense: torch.Tensor
                  ) -> tuple[KeyedJaggedTensor, torch.Tensor]:
     """A batch keyed by the user's features as the engine takes it: each sequence feature's
@@ -352,5 +363,5 @@ def initial_weights(embeddings, inputs: EmbeddingInputs) -> Optional[dict[str, t
     return out
 
 
-__all__ = ["EmbeddingInputs", "ExpandedDataset", "embedding_inputs", "expand_batch", "expand_feature_rows",
+__all__ = ["EmbeddingInputs", "ExpandedDataset", "check_ids", "embedding_inputs", "expand_batch", "expand_feature_rows",
            "initial_weights", "position_name", "split_inputs"]

@@ -21,6 +21,7 @@ read their data themselves) need the data set and are refused here.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -113,8 +114,6 @@ class HandedBatches:
         self.pending, self.batch = None, None
 
     def take(self, indices):
-        import dataclasses
-
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if self.pending is None or self.batch is None:
             raise RuntimeError("no batch was handed over for this step: call trainer.sample(), load those examples, "

@@ -36,12 +36,13 @@ from widedp.trainer.config.semantics import void_reasons
 from widedp.trainer.engine.checkpoint import engine_state, load_engine_state
 from widedp.trainer.engine.recalibration import undo_recalibration
 from widedp.trainer.private.build import build_engine, connect_cluster
-import widedp.trainer.run.budget as dataset_budget
 from widedp.trainer.private.data import KJTDataset
-from widedp.trainer.private.features import EmbeddingInputs, ExpandedDataset, embedding_inputs, initial_weights
-from widedp.trainer.private.loader import HandedBatches, HandOverSampler, LoaderData, batch_of
 from widedp.trainer.private.dense import (LossFn, MetricsFn, UserDenseModel, check_examples_independent,
                                          check_logit_layer)
+from widedp.trainer.private.features import (EmbeddingInputs, ExpandedDataset, check_ids, embedding_inputs,
+                                            initial_weights)
+from widedp.trainer.private.loader import HandedBatches, HandOverSampler, LoaderData, batch_of
+import widedp.trainer.run.budget as dataset_budget
 
 def _settings(config: Union[None, Config, str, Path, Sequence[str]], fixed: Mapping[str, Any]) -> Config:
     """The config: a `Config`, a TOML path or `section.key=value` strings, with `fixed` on top."""
@@ -180,8 +181,12 @@ class PrivateTrainer:
             engine.prepare_fest(self.train_set.feature_rows)
         engine.budget.plan_steps(t.steps)
         engine.lr_scale = lr_multiplier(t.lr_schedule, engine.step_count, t.steps)
-        stats = engine.step()
-        if stats is None or t.debug_metrics:
+        return self._released(engine.step())
+
+    def _released(self, stats):
+        """A step's stats without its raw training statistics (batch loss, realized batch size,
+        touched rows) unless train.debug_metrics."""
+        if stats is None or self.config.train.debug_metrics:
             return stats
         return dataclasses.replace(stats, loss=float("nan"), batch_size=-1, rows_touched=-1, trainer_cpu_s=())
 
@@ -191,12 +196,7 @@ class PrivateTrainer:
             raise ValueError("step(batch) needs this step's sample first: idx = trainer.sample(), then load those "
                              "examples and call trainer.step(batch)")
         data = batch_of(batch, self.inputs.order, int(idx.size), self._num_dense)
-        rows = {t.name: t.num_rows for t in self.layout.tables}
-        for f, table in self.inputs.feature_table.items():
-            top, example = data.max_ids(f)
-            if top >= rows[table]:
-                raise ValueError(f"feature {f!r}, dataset example {int(idx[example])}: id {top} outside table "
-                                 f"{table!r} of {rows[table]} rows")
+        check_ids(self.inputs, data, lambda j: f"dataset example {int(idx[j])}")
         self._handed.hand_over(idx, data)
         try:
             if not self._checked and len(data) >= 4:
@@ -207,9 +207,7 @@ class PrivateTrainer:
             stats = self.engine.step()
         finally:
             self._handed.clear()
-        if stats is None or t.debug_metrics:
-            return stats
-        return dataclasses.replace(stats, loss=float("nan"), batch_size=-1, rows_touched=-1, trainer_cpu_s=())
+        return self._released(stats)
 
     def train(self, steps: Optional[int] = None) -> int:
         """Step until `steps` more were taken (default: until `train.steps` or the target ε);
@@ -455,16 +453,10 @@ def make_private(embeddings, dense_module: nn.Module, loss_fn: LossFn, data: KJT
         names = [f.name for f in inputs.layout.features if f.weighted]
         raise ValueError(f"features {names} are a weighted EmbeddingBagCollection's: the KJTDataset's "
                          "KeyedJaggedTensor needs per-id weights")
-    table_rows = {t.name: t.num_rows for t in inputs.layout.tables}
-    for f, table in inputs.feature_table.items():
-        top, example = data.max_ids(f)
-        if top >= table_rows[table]:
-            raise ValueError(f"feature {f!r}, example {example}: id {top} is outside table {table!r} "
-                             f"of {table_rows[table]} rows")
+    check_ids(inputs, data)
     if logit_layer is not None and isinstance(data, LoaderData) and cfg.train.recalibrate:
         raise ValueError("train.recalibrate reads every training example once more: with your own loader set "
                          "train.recalibrate=false (or give no logit_layer)")
-    model = UserDenseModel(dense_module, loss_fn, inputs, metrics_fn, pooled_as, num_dense=data.num_dense,
-                           logit_layer=logit_layer)
+    model = UserDenseModel(dense_module, loss_fn, inputs, metrics_fn, pooled_as, logit_layer=logit_layer)
     initial = initial_weights(embeddings, inputs)
     return PrivateTrainer(cfg, model, inputs, data, initial, None if ledger_path is None else Path(ledger_path))

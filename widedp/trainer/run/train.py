@@ -174,7 +174,7 @@ def build_run(cfg: Config, train_transform=None) -> Run:
         train_set = train_transform(train_set)
     meta = train_set.meta
     layout = _layout(meta, cfg)
-    torch.manual_seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)  # the dense model's public initialization (train.seed): no privacy path
     model = build_model(cfg.model.name, features=list(meta.features), embedding_dim=cfg.model.embedding_dim,
                         num_dense=meta.num_dense, bottom_mlp=cfg.model.bottom_mlp, top_mlp=cfg.model.top_mlp,
                         interaction=cfg.model.interaction, kwargs=cfg.model.kwargs)
