@@ -178,6 +178,29 @@ class GroupDpEvent(DpEvent):
     group_size: int = attr.ib(validator=_positive_int)
 
 
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class RandomTrialsDpEvent(DpEvent):
+    """Private selection among a random number K of trials (`widedp tune`,
+    accounting/tuning.py): K drawn from a public distribution and kept secret, each trial one of
+    `candidates` (drawn uniformly; each candidate's event is the whole trial: its training run
+    and its noised score), and only the best trial released. Only the RDP accountant composes
+    it (Papernot & Steinke 2022, Thm 2 and 6); its parameters are `tuning.TrialCount`'s.
+    """
+
+    neighboring_relation: ClassVar[NeighboringRelation] = ADD_OR_REMOVE_ONE
+
+    candidates: list = attr.ib()
+    distribution: str = attr.ib()
+    eta: float = attr.ib(default=0.0)
+    gamma: float = attr.ib(default=0.0)
+    mu: float = attr.ib(default=0.0)
+
+    @candidates.validator
+    def _check_candidates(self, attribute, value):
+        if not (isinstance(value, (list, tuple)) and value and all(isinstance(e, DpEvent) for e in value)):
+            raise ValueError(f"RandomTrialsDpEvent.candidates must be a non-empty list of events, got {value!r}")
+
+
 def grouped(event: DpEvent, group_size: int) -> DpEvent:
     """`event` accounted for groups of `group_size` (`GroupDpEvent`); the event itself at 1."""
     return event if group_size == 1 else GroupDpEvent(event, int(group_size))
@@ -212,6 +235,7 @@ EVENT_TYPES: dict[str, type] = {
         GaussianPartitionSelectionDpEvent,
         ModelMixDpEvent,
         GroupDpEvent,
+        RandomTrialsDpEvent,
     )
 }
 

@@ -46,6 +46,7 @@ from scipy import special
 
 from widedp.accounting import events as ev
 from widedp.accounting.modelmix import ModelMixDpEvent, modelmix_rdp
+from widedp.accounting.tuning import TrialCount, selection_rdp
 from widedp.accounting.base import (Accountant, History, Unsupported, UnsupportedEventError, split_event, check_delta,
                              count_problem, misplaced_additive_delta, nonnegative_problem, probability_problem,
                              register, remaining_delta, split_additive_delta)
@@ -146,7 +147,16 @@ RDP_CURVES: dict[type, Callable] = {
     ev.SelfComposedDpEvent: lambda e, o: e.count * rdp_curve(e.event, o) if e.count else np.zeros(len(o)),
     ev.PoissonSampledDpEvent: lambda e, o: _poisson_sampled(e, o),
     ModelMixDpEvent: lambda e, o: modelmix_rdp(e, 1.0, o),
+    ev.RandomTrialsDpEvent: lambda e, o: _random_trials(e, o),
 }
+
+
+def _random_trials(event: ev.RandomTrialsDpEvent, orders) -> np.ndarray:
+    """Best of K trials (accounting/tuning.py): one trial's curve is the pointwise maximum of the
+    candidates' curves (a uniform mixture of them); the bound needs it at every order."""
+    trial = np.max([rdp_curve(c, orders) for c in event.candidates], axis=0)
+    count = TrialCount(event.distribution, eta=event.eta, gamma=event.gamma, mu=event.mu)
+    return selection_rdp(count, trial, orders)
 
 
 def _poisson_sampled(event: ev.PoissonSampledDpEvent, orders) -> np.ndarray:
@@ -203,7 +213,16 @@ RDP_PARAMETERS: dict[type, Callable] = {
     ev.ComposedDpEvent: _composed_problem,
     ev.SelfComposedDpEvent: lambda e: count_problem(e, e.count) or rdp_problem(e.event),
     ev.PoissonSampledDpEvent: _poisson_problem,
+    ev.RandomTrialsDpEvent: lambda e: _first_problem(e.candidates) or _trial_count_problem(e),
 }
+
+
+def _trial_count_problem(e) -> Optional[Unsupported]:
+    try:
+        TrialCount(e.distribution, eta=e.eta, gamma=e.gamma, mu=e.mu)
+    except ValueError as exc:
+        return Unsupported(e, str(exc))
+    return None  # an additive-δ event inside a trial: refused as misplaced (base.misplaced_additive_delta)
 
 
 def rdp_problem(event: ev.DpEvent) -> Optional[Unsupported]:

@@ -192,6 +192,8 @@ def _add_privacy_commands(sub) -> dict:
 COMMAND_HELP: dict[str, tuple[str, str]] = {
     "train": ("widedp.trainer.cli.train", "train a model (embedded local Ray unless --address is given)"),
     "evaluate": ("widedp.trainer.cli.train", "evaluate a run's checkpoint on its test split"),
+    "tune": ("widedp.trainer.cli.tune", "choose hyper-parameters privately: the best of a secret random number of "
+                                        "private trials, charged to the budget"),
     "export": ("widedp.trainer.cli.export", "write a run's releasable model (weights, loader) and privacy report"),
     "report": ("widedp.trainer.cli.report", "plots and a markdown summary of one or more run directories"),
     "epsilon": (__name__, "ε spent by T steps of DP-SGD or Algorithm 3"),

@@ -816,11 +816,39 @@ def privacy_report(run_dir: Path, summary: dict, config: dict, engine_state: dic
         "not_covered": not_covered,
         "caveats": run_caveats,
     }
+    _apply_tuning(run_dir, report)
     if ledger is not None and report["target_epsilon"] is not None and epsilon > float(report["target_epsilon"]) * (1 + 1e-9):
         report["not_covered"].insert(0, f"ε = {epsilon:.6g} exceeds the run's target ε = {report['target_epsilon']} "
                                         f"(the ledger counts {ledger.steps} events for {report['steps']} steps; "
                                         f"events charged by a crashed attempt are counted, never forgotten)")
     return report
+
+
+def _apply_tuning(run_dir: Path, report: dict) -> None:
+    """A trial of `widedp tune` (trainer/run/tune.py) is releasable only if its tuning chose it,
+    and then with the tuning's ε (its ledger, beside the trial): the run's own ε is one trial's."""
+    from widedp.accounting import PrivacyLedger
+    from widedp.trainer.run.train import TRIAL_FILE
+    from widedp.trainer.run.tune import TUNING_FILE
+
+    if not (run_dir / TRIAL_FILE).exists():
+        return
+    chosen = run_dir / TUNING_FILE
+    tuning_ledger = run_dir.parent / "ledger.json"
+    if not chosen.is_file() or not tuning_ledger.is_file():
+        raise ExportError(f"{run_dir}: a trial of widedp tune that its tuning did not choose (or of a tuning that did "
+                          f"not finish): only the tuning's chosen trial is released, with the tuning's ε")
+    tuning = json.loads(chosen.read_text())
+    ledger = PrivacyLedger.load(tuning_ledger)
+    if (ledger.header or {}).get("tuning_id") != tuning.get("tuning_id"):
+        raise ExportError(f"{tuning_ledger}: not the ledger of tuning {tuning.get('tuning_id')} ({chosen})")
+    report["trial_epsilon"], report["epsilon"] = report["epsilon"], ledger.epsilon()
+    report["delta"], report["accountant"] = ledger.delta, ledger.accountant.name
+    report["target_epsilon"] = tuning.get("target_epsilon")
+    report["tuning"] = {"tuning_id": tuning["tuning_id"], "candidate": tuning["chosen"]["candidate"],
+                        "noised_validation_score": tuning["chosen"]["noised_validation_score"],
+                        "score": tuning["score"], "trials": tuning["trials"], "note": tuning["privacy_note"]}
+    report["history"] = ledger.state_dict()["history"]
 
 
 def _vocabulary_note(meta) -> dict:

@@ -48,6 +48,13 @@ of their δs. It is not tight (a tight composition would compose every run's led
 accountant); it is what one can state without trusting any run's ledger beyond its ε.
 Nothing here is private: ε, δ, step counts and segment ids are data-independent.
 
+**Tunings** (`widedp tune`, trainer/run/tune.py): the tuning appends a line of its own
+(`kind` = "tuning", its `run_id` the tuning's id, at its target ε while "running") before its
+first trial, and every trial's lines carry that id (`tuning_id`); a trial of a tuning on record
+is counted inside it (the tuning's ε bounds all of its trials together, Papernot & Steinke 2022),
+not as a model of its own. The file therefore records how many trials ran: it stays with the
+data set, inside the trust boundary (docs/THREAT_MODEL.md); the tuning's release does not say.
+
 Privacy units (privacy_unit; lines without one are example level): the total is per example. A
 user-level run's (ε, δ) bounds one example only through the user holding it — removing one
 example of a user is two user-level steps away (remove the user, add them back without it) —
@@ -96,7 +103,7 @@ def run_record(*, run_id: str, run_dir, mode: str, target_epsilon: float, delta:
                accountant: Optional[str], epsilon: float, events_charged: Optional[int], steps: int, started: str,
                status: str, audit: bool = False, privacy_unit: str = "example", lineage: Optional[list] = None,
                base_events: Optional[int] = None, voids: Optional[list] = None, dir_identity: Optional[dict] = None,
-               ledger_key_id: Optional[str] = None) -> dict:
+               ledger_key_id: Optional[str] = None, tuning_id: Optional[str] = None, kind: str = "run") -> dict:
     if status not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
     return {"run_id": run_id, "lineage": list(lineage) if lineage else [run_id],
@@ -106,7 +113,8 @@ def run_record(*, run_id: str, run_dir, mode: str, target_epsilon: float, delta:
             "epsilon": float(epsilon), "events_charged": None if events_charged is None else int(events_charged), "steps": int(steps),
             "started": started, "updated": now(), "status": status, "audit": bool(audit),
             "privacy_unit": privacy_unit, "voids": list(voids or []), "dir_identity": dir_identity,
-            "ledger_key_id": ledger_key_id}
+            "ledger_key_id": ledger_key_id,
+            **({"tuning_id": tuning_id} if tuning_id is not None else {}), **({"kind": kind} if kind != "run" else {})}
 
 
 def _link(digest: str, line: bytes) -> str:
@@ -382,8 +390,12 @@ def summary(dataset_dir) -> dict:
     if not (Path(dataset_dir) / "dataset.json").exists():
         raise ValueError(f"{dataset_dir}: no dataset.json (not a widedp data set directory)")
     verified = _verified(dataset_dir)
+    latest = models(verified.records)
+    tunings = {r["run_id"] for r in latest if r.get("kind") == "tuning"}
+    # a trial of a tuning on record is part of it (its ε is inside the tuning's: trainer/run/tune.py);
+    # a line naming a tuning the file does not hold counts on its own
     runs = [dict(r, lineage=list(_lineage(r)), voids=_voids(r), epsilon_bound=_bound(r))
-            for r in models(verified.records)]
+            for r in latest if r.get("tuning_id") not in tunings]
     private = [r for r in runs if r.get("mode") != "nonprivate"]
     user = [r for r in private if r.get("privacy_unit", "example") == "user"]
     per_example = [(2 * r["epsilon_bound"], (1 + math.exp(min(r["epsilon_bound"], 700))) * (r.get("delta") or 0.0))

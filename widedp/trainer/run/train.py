@@ -54,7 +54,7 @@ import time
 import uuid
 import zipfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -212,6 +212,8 @@ def _example_units(cfg: Config, train_set, meta) -> Optional[np.ndarray]:
     return unit_indices(raw)[0]
 
 
+TRIAL_FILE = "tuning_trial.json"  # a trial of widedp tune: names its tuning (never resumed)
+
 # Files whose presence means a directory holds a run (a new run refuses it).
 RUN_FILES = ("checkpoint.pt", "ledger.json", "summary.json", "config.json", JOURNAL_FILE)
 # 3: records semantics, lineage, sticky, journal_head, budget_head, privacy_info (and records_mac
@@ -243,6 +245,11 @@ class RunState:
         self.key: Optional[LedgerKey] = None
         self.privacy_info: Optional[dict] = None
         self.dir_identity: Optional[dict] = None  # the journal file this session holds (`ReleaseJournal.identity`)
+        self.trial: Any = None  # a trial of widedp tune (trainer/run/tune.py `Trial`): never resumed
+
+    @property
+    def tuning_id(self) -> Optional[str]:
+        return None if self.trial is None else self.trial.tuning_id
 
     def plan(self, events: list, kind: str) -> None:
         target = self.one_time if kind == "one_time" else self.step
@@ -584,7 +591,7 @@ def _budget_line(run_state: RunState, run_dir: Path, cfg: Config, engine: Engine
         steps=engine.step_count, started=run_state.started, status=status,
         privacy_unit=run_state.semantics.get("privacy.unit", cfg.privacy.unit), lineage=run_state.lineage,
         base_events=run_state.base["events"], voids=run_state.voids(), dir_identity=run_state.dir_identity,
-        ledger_key_id=run_state.key.key_id if run_state.key is not None else None)
+        ledger_key_id=run_state.key.key_id if run_state.key is not None else None, tuning_id=run_state.tuning_id)
 
 
 def _append_budget(cfg: Config, run_state: RunState, line: dict) -> None:
@@ -597,13 +604,20 @@ def ledger_header(run_state: RunState) -> dict:
     return {"run_id": run_state.run_id, "semantics": run_semantics.public_semantics(run_state.semantics)}
 
 
-def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True) -> dict:
+def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True, trial=None) -> dict:
     """Train per `cfg`, writing only what docs/THREAT_MODEL.md allows (trainer/run/outputs.py).
     A new run refuses a `run_dir` that holds a run; the directory is created only once the
     config is valid and the data loaded. A failed new run (any exception, Ctrl-C included)
     removes the directory it created, and the parents it created, unless it holds a record
-    (a ledger, a checkpoint: `run_outputs.remove_unrecorded_run_dir`): no empty run dirs."""
+    (a ledger, a checkpoint: `run_outputs.remove_unrecorded_run_dir`): no empty run dirs.
+
+    `trial`: a trial of `widedp tune` (trainer/run/tune.py `Trial`): its training part of the
+    data, its tuning's id in every budget line, its noised score in the summary. A trial is
+    never resumed."""
     cfg.validate()
+    if resume and (run_dir / TRIAL_FILE).exists():
+        raise ValueError(f"--resume {run_dir}: a trial of widedp tune cannot be resumed (its tuning releases only "
+                         f"the best trial it finished; {TRIAL_FILE} there names the tuning)")
     if not resume:
         _check_run_dir_is_free(run_dir)
     missing = []  # run_dir and the ancestors this call may create, deepest first
@@ -612,16 +626,16 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tru
         missing.append(p)
         p = p.parent
     try:
-        return _train(cfg, run_dir, resume, progress)
+        return _train(cfg, run_dir, resume, progress, trial)
     except BaseException:
         if missing:
             remove_unrecorded_run_dir(run_dir, tuple(missing[1:]))
         raise
 
 
-def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
+def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, trial=None) -> dict:
     key = key_from_environment(run_dir)
-    with build_run(cfg) as run, contextlib.ExitStack() as held:
+    with build_run(cfg, None if trial is None else trial.train_part) as run, contextlib.ExitStack() as held:
         engine, info = run.engine, run.privacy
         data_events = list(run.meta.privacy_events)
         charged_data_events = _charged_data_events(cfg, engine, run.meta)
@@ -640,6 +654,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
             segment = uuid.uuid4().hex
             run_state = RunState(segment, dataset_budget.now(), now_semantics[run_semantics.DATA_IDENTITY], [], [],
                                  semantics=now_semantics, segment=segment)
+            run_state.trial = trial
             run_state.journal = ReleaseJournal(journal_file, key)
             dataset_budget.head(cfg.data.path)  # a damaged or deleted budget is refused before anything is written
             one_time = charged_data_events + _planned_one_time(engine) if engine.ledger is not None else []
@@ -664,6 +679,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool) -> dict:
         if fd is not None:
             journal.adopt(fd)
             held.pop_all()  # the journal closes it now
+        if trial is not None:
+            atomic_write_json(run_dir / TRIAL_FILE, trial.marker())
         held.callback(journal.close)
         run_state.key, run_state.privacy_info = key, info.to_dict()
         run_state.sticky["debug_metrics"] = run_state.sticky["debug_metrics"] or cfg.train.debug_metrics
@@ -727,6 +744,8 @@ def _train_session(run: Run, cfg: Config, run_dir: Path, resume: bool, progress:
         raise TrainingInterrupted(f"interrupted at step {engine.step_count}; resume with "
                                   f"`widedp train --resume {run_dir}`")
     summary = _summary(run, cfg, resume, result, recalibrated, recorder, run_state, data_events)
+    if run_state.trial is not None:
+        summary["tuning"] = run_state.trial.score(run)  # the noised validation score (trainer/run/tune.py)
     atomic_write_json(run_dir / "summary.json", summary)
     _append_budget(cfg, run_state, _budget_line(run_state, run_dir, cfg, engine, info, "finished"))
     return summary
