@@ -188,3 +188,77 @@ def test_platt_fit_keeps_the_models_order_when_the_counts_run_against_it():
     assert math.isclose(float((p * totals).sum() / totals.sum()), base, rel_tol=1e-6)
     # the free fit would have the negative slope (the same Newton problem without the floor)
     assert fit_platt(centers, totals, totals / (1 + np.exp(-0.5 * centers - 1.0)))[0] > 0.4
+
+
+@pytest.mark.parametrize("noise_ratio", [0.001, recalibration.MAX_TOTAL_NOISE_RATIO])
+def test_recalibrating_a_model_with_no_signal_never_ranks_below_chance_nor_loses_to_the_base_rate(noise_ratio):
+    """A model whose logits are independent of the labels, recalibrated from noisy counts 200
+    times, at low noise and at the most noise the "auto" rule lets through
+    (MAX_TOTAL_NOISE_RATIO of n on the total count): the recalibrated AUC stays at 0.5 up to its
+    sampling noise — never systematically below (the slope never turns negative) — and the
+    logloss is no worse than the base rate's by more than 0.005 on average (0.015 at worst).
+    The broken fit (no slope floor) on the same counts turns the ranking over, and at 20× the
+    limit the fit loses to the base rate: why the rule skips such a release."""
+    from widedp.trainer.models.auc import binary_auc
+    import torch
+
+    rng = np.random.default_rng(4)
+    n, repeats = 4_000, 200
+    labels = (rng.random(n) < 0.2).astype(float)
+    base = labels.mean()
+    base_rate = -(base * math.log(base) + (1 - base) * math.log(1 - base))
+
+    def fits(sigma):
+        aucs, excess, free_negative = [], [], 0
+        for _ in range(repeats):
+            model = rng.normal(0.0, 2.0, n)  # no signal
+            hist = noisy_histogram(model, labels, sigma, rng)
+            a, b = fit_platt(hist.centers, hist.totals, hist.positives)
+            z = a * np.clip(model, -recalibration.LOGIT_CLIP, recalibration.LOGIT_CLIP) + b
+            aucs.append(binary_auc(torch.from_numpy(z), torch.from_numpy(labels)))
+            excess.append(float(np.mean(np.logaddexp(0, z) - labels * z)) - base_rate)
+            free_negative += _free_platt(hist.centers, hist.totals, hist.positives)[0] < 0
+        return np.array(aucs), np.array(excess), free_negative
+
+    sigma = noise_ratio * n / (recalibration.SENSITIVITY * math.sqrt(recalibration.BINS))
+    assert recalibration.total_noise_ratio(sigma, n) == pytest.approx(noise_ratio)
+    assert recalibration.dominated_by_noise(sigma, n) is None
+    aucs, excess, free_negative = fits(sigma)
+    se = float(aucs.std() / math.sqrt(repeats))
+    assert abs(float(aucs.mean()) - 0.5) < 4 * se + 1e-3, (aucs.mean(), se)
+    assert excess.mean() <= 0.005 and excess.max() <= 0.015, (excess.mean(), excess.max())
+    assert free_negative > repeats // 10  # without the floor, the noise turns the ranking over often
+    if noise_ratio == recalibration.MAX_TOTAL_NOISE_RATIO:
+        assert recalibration.dominated_by_noise(20 * sigma, n) is not None
+        _, excess, _ = fits(20 * sigma)
+        assert excess.mean() > 0.005  # far past the limit the fit does lose to the base rate
+
+
+def test_the_auto_recalibration_is_skipped_where_its_noise_would_dominate():
+    """From public values only: a few hundred users at ε = 1 skip it (nothing planned or
+    charged); 160,000 examples at ε = 1 keep it."""
+    from widedp.trainer.config import load_config
+    from widedp.trainer.config.planning import recalibration_plan
+
+    for n, eps, skipped in ((800, 1.0, True), (800, 8.0, True), (160_000, 1.0, False), (50_000, 8.0, False)):
+        cfg = load_config("configs/ctr.toml", [f"privacy.target_epsilon={eps}"])
+        plan = recalibration_plan(cfg, n, min(0.1 / n, n ** -1.1))
+        assert bool(plan.get("skipped")) == skipped, (n, eps, plan)
+        if skipped:
+            assert "dominated by noise" in plan["skipped"] and f"{n} training units" in plan["skipped"]
+
+
+def _free_platt(centers, totals, positives, iterations: int = 100) -> tuple[float, float]:
+    """The unconstrained binned Platt fit (the broken variant): plain Newton on (a, b)."""
+    z = np.asarray(centers, dtype=np.float64)
+    n = np.clip(np.asarray(totals, dtype=np.float64), 0.0, None)
+    pos = np.clip(np.asarray(positives, dtype=np.float64), 0.0, n)
+    a, b = 1.0, 0.0
+    for _ in range(iterations):
+        p = 1 / (1 + np.exp(-(a * z + b)))
+        g = np.array([np.sum((n * p - pos) * z), np.sum(n * p - pos)])
+        w = n * p * (1 - p) + 1e-9
+        h = np.array([[np.sum(w * z * z), np.sum(w * z)], [np.sum(w * z), np.sum(w)]]) + 1e-9 * np.eye(2)
+        step = np.linalg.solve(h, g)
+        a, b = a - step[0], b - step[1]
+    return float(a), float(b)

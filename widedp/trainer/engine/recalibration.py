@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 import numpy as np
 
@@ -44,6 +45,12 @@ USEFUL_NOISE_RATIO = 0.01
 BUDGET_FRACTION = 0.05
 #: ℓ2 sensitivity of the (totals, positives) histogram under add/remove-one.
 SENSITIVITY = math.sqrt(2.0)
+#: The "auto" release is skipped (not charged; the model released as trained, the summary says
+#: why) when the noise on the histogram's total count, σ·√2·√bins, exceeds this fraction of the
+#: number of training units n: the intercept's error then reaches the base rate's scale and the
+#: fit can do more harm than good (a model with no signal fitted at that noise lost up to ~0.01
+#: logloss to the base rate; tests/test_recalibration.py). 6× the `USEFUL_NOISE_RATIO` level.
+MAX_TOTAL_NOISE_RATIO = 0.0075
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +206,23 @@ def auto_noise_multiplier(n: int, target_epsilon: float, delta: float, accountan
                    f"{BUDGET_FRACTION:g}·ε {spend} {affordable:.4g}) = {sigma:.4g}")
 
 
+def total_noise_ratio(noise_multiplier: float, n: int, bins: int = BINS) -> float:
+    """The std of the noise on the histogram's total count, σ·√2·√bins, over n (public)."""
+    return noise_multiplier * SENSITIVITY * math.sqrt(bins) / max(int(n), 1)
+
+
+def dominated_by_noise(noise_multiplier: float, n: int, bins: int = BINS) -> Optional[str]:
+    """Why a release at σ over n units would be dominated by its noise (None when it is not):
+    the rule of MAX_TOTAL_NOISE_RATIO, from public values only."""
+    ratio = total_noise_ratio(noise_multiplier, n, bins)
+    if ratio <= MAX_TOTAL_NOISE_RATIO:
+        return None
+    return (f"skipped: at σ = {noise_multiplier:.4g} the noise on the histogram's total count (σ·√2·√{bins} = "
+            f"{ratio * max(int(n), 1):.4g}) is {ratio:.3g} of the {int(n)} training units, above "
+            f"{MAX_TOTAL_NOISE_RATIO:g}: the fit would be dominated by noise, so the model is released as trained "
+            f"and nothing is charged for it")
+
+
 def recalibrate_engine(engine, train_set, noise_multiplier: float, batch_size: int) -> dict:
     """Run the mechanism on a trained engine: the released model's logits on every training
     example, the ledger charged (and persisted) with `GaussianDpEvent(σ)` *before* anything
@@ -256,5 +280,5 @@ def undo_recalibration(engine) -> None:
     engine.pre_recalibration = None
 
 
-__all__ = ["BINS", "LOGIT_CLIP", "MIN_SLOPE", "NoisyHistogram", "auto_noise_multiplier", "bin_edges", "exact_histogram",
-           "fit_platt", "noisy_histogram", "recalibrate_engine", "undo_recalibration"]
+__all__ = ["BINS", "LOGIT_CLIP", "MAX_TOTAL_NOISE_RATIO", "MIN_SLOPE", "NoisyHistogram", "auto_noise_multiplier",
+           "bin_edges", "dominated_by_noise", "exact_histogram", "fit_platt", "total_noise_ratio", "noisy_histogram", "recalibrate_engine", "undo_recalibration"]
