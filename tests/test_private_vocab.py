@@ -592,3 +592,52 @@ def test_cli_convert_criteo_hash_sizes(tmp_path, capsys):
         assert code == 2 and out == "" and len(err.strip().split("\n")) == 1, (argv, err)
         assert "--hash-size" in err
     assert not (tmp_path / "x").exists()
+
+
+# ---- the vocabulary's noise sized to the training ε the user intends (issue 50) -----------------
+
+def test_vocab_noise_for_a_target_spends_exactly_its_share():
+    from widedp.accounting import make_accountant
+    from widedp.accounting.events import GaussianPartitionSelectionDpEvent
+    from widedp.trainer.data.convert.text import vocab_noise_for
+
+    sigmas = []
+    for eps in (1.0, 3.0, 8.0):
+        sigma = vocab_noise_for(eps, 0.2, 1e-8, 1e-9)
+        spent = make_accountant("auto").epsilon([(GaussianPartitionSelectionDpEvent(sigma, 1e-9), 1)], 1e-8)
+        assert spent == pytest.approx(0.2 * eps, rel=1e-3) and spent <= 0.2 * eps * (1 + 1e-9)
+        sigmas.append(sigma)
+    assert sigmas[0] > sigmas[1] > sigmas[2]  # less ε, more noise
+    for kw, needle in (({"target_epsilon": 0.0}, "target epsilon"), ({"share": 1.0}, "share"),
+                       ({"delta": 1e-10}, "unseen-word")):
+        args = {"target_epsilon": 1.0, "share": 0.2, "delta": 1e-8, **kw}
+        with pytest.raises(ValueError, match=needle):
+            vocab_noise_for(args["target_epsilon"], args["share"], args["delta"], 1e-9)
+
+
+def test_cli_convert_text_sizes_the_vocabulary_noise_from_the_target_and_a_run_reports_its_share(
+        tmp_path, capsys, corpus):
+    from widedp.trainer.data.convert.text import vocab_noise_for
+
+    code, out, err = _cli(capsys, ["convert", "text", corpus, tmp_path / "p", "--vocab", "5", "--target-epsilon", "8",
+                                   "--vocab-budget-share", "0.25"])
+    assert code == 0, err
+    sigma = read_meta(tmp_path / "p").extra["vocabulary"]["noise_multiplier"]
+    assert sigma == pytest.approx(vocab_noise_for(8.0, 0.25, 1e-8, 1e-9))
+    code, out, err = _cli(capsys, ["convert", "text", corpus, tmp_path / "x", "--vocab", "5", "--target-epsilon", "8",
+                                   "--vocab-noise-multiplier", "4"])
+    assert code == 2 and "not both" in err and not (tmp_path / "x").exists()
+    code, out, err = _cli(capsys, ["convert", "text", corpus, tmp_path / "x", "--vocab", "5", "--target-epsilon", "8",
+                                   "--vocab-budget-share", "1.5"])
+    assert code == 2 and "--vocab-budget-share" in err
+    # a run on it says how much of its ε the vocabulary took, at the run's δ
+    config = tmp_path / "c.toml"
+    config.write_text(f'[data]\npath = "{tmp_path / "p"}"\n[model]\nname = "cbow"\nembedding_dim = 4\n')
+    code, out, err = _cli(capsys, ["train", "--config", config, "--run-dir", tmp_path / "run", "--no-progress",
+                                   "--set", "train.steps=2", "--set", "train.batch_size=32", "--set",
+                                   "cluster.backend=local", "--set", "privacy.target_epsilon=8", "--set",
+                                   "train.mode=dpsgd", "--set", "cluster.num_shards=1"])
+    assert code == 0, err
+    share = json.loads(out)["one_time_epsilon"]
+    assert len(share) == 1 and "private vocabulary" in share[0]["event"]
+    assert 0 < share[0]["epsilon_alone"] <= 0.25 * 8 * (1 + 1e-6)  # the run's δ is larger than 1e-8: less

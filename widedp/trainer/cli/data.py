@@ -140,7 +140,15 @@ def add_commands(subparsers) -> dict:
     t.add_argument("--vocab-file", help="PUBLIC vocabulary, one word per line (word or word<TAB>...): "
                                         "no private selection, nothing charged")
     t.add_argument("--vocab-noise-multiplier", type=_positive_float_arg("--vocab-noise-multiplier"),
-                   default=4.0, help="σ of the private vocabulary selection (default 4.0)")
+                   help="σ of the private vocabulary selection (default 4.0, or sized by --target-epsilon)")
+    t.add_argument("--target-epsilon", type=_positive_float_arg("--target-epsilon"),
+                   help="the ε you intend to train at: the vocabulary's σ is then the one whose selection alone "
+                        "spends --vocab-budget-share of it at --vocab-delta")
+    t.add_argument("--vocab-budget-share", type=_probability_arg("--vocab-budget-share"), default=0.2,
+                   help="with --target-epsilon: the share of it the vocabulary may spend (default 0.2)")
+    t.add_argument("--vocab-delta", type=_probability_arg("--vocab-delta"), default=1e-8,
+                   help="with --target-epsilon: the δ the share is computed at (default 1e-8, below the trainer's "
+                        "automatic δ for every data set under 10^7 examples)")
     t.add_argument("--vocab-max-words-per-line", type=_int_arg("--vocab-max-words-per-line", 1),
                    default=32, help="distinct words a line contributes to the selection (default 32)")
     t.add_argument("--vocab-unseen-delta", type=_probability_arg("--vocab-unseen-delta"), default=1e-9,
@@ -230,11 +238,20 @@ def cmd_convert(args) -> dict:
         if args.allow_small_vocab and args.vocab_file is not None:
             raise ValueError("convert text: --allow-small-vocab applies to a private vocabulary only, not with "
                              "--vocab-file")
-        from widedp.trainer.data.convert.text import convert_text
+        from widedp.trainer.data.convert.text import DEFAULT_VOCAB_NOISE_MULTIPLIER, convert_text, vocab_noise_for
 
+        sigma = args.vocab_noise_multiplier
+        if args.target_epsilon is not None:
+            if sigma is not None:
+                raise ValueError("convert text: give --vocab-noise-multiplier or --target-epsilon, not both")
+            if args.vocab_file is not None:
+                raise ValueError("convert text: --target-epsilon sizes the private vocabulary's noise; with "
+                                 "--vocab-file the vocabulary is public and costs nothing")
+            sigma = vocab_noise_for(args.target_epsilon, args.vocab_budget_share, args.vocab_delta,
+                                    args.vocab_unseen_delta)
         meta = convert_text(args.input, args.out_dir, vocab=args.vocab, window=args.window,
                             negatives=args.negatives, seed=args.seed, vocab_file=args.vocab_file,
-                            vocab_noise_multiplier=args.vocab_noise_multiplier,
+                            vocab_noise_multiplier=DEFAULT_VOCAB_NOISE_MULTIPLIER if sigma is None else sigma,
                             vocab_max_words_per_line=args.vocab_max_words_per_line,
                             vocab_unseen_delta=args.vocab_unseen_delta,
                             vocab_noise_seed=args.vocab_noise_seed, allow_small_vocab=args.allow_small_vocab)

@@ -814,11 +814,26 @@ def _summary(run: Run, cfg: Config, resume: bool, result, recalibrated, recorder
         "backend": cfg.cluster.backend,
         **({"ledger_key_id": run_state.key.key_id} if run_state.key is not None else {}),
         **({"validation_metrics": run.evaluate(run.validation_set)} if run.validation_set is not None else {}),
+        **({"one_time_epsilon": _one_time_epsilon(engine, data_events)} if data_events and engine.ledger is not None
+           else {}),
         **recorder.summary_fields(result.elapsed_s, engine.shards, [d for d, _ in data_events],
                                   validation=run.validation_set is not None,
                                   unit_column=run.meta.unit_column, unit=unit,
                                   user_sampling=semantics.get("privacy.user_sampling", cfg.privacy.user_sampling)),
     }
+
+
+def _one_time_epsilon(engine: Engine, data_events: list) -> list[dict]:
+    """What each of the data set's one-time events (the private vocabulary, ...) would spend
+    alone, as this run charged it, at the run's δ and accountant: how much of the target it
+    took before the first step."""
+    from widedp.accounting import make_accountant
+
+    ledger = engine.ledger
+    accountant = make_accountant(ledger.accountant.name)
+    charged = [e for e, _ in ledger.history[:len(data_events)]]
+    return [{"event": description, "epsilon_alone": accountant.epsilon([(event, 1)], ledger.delta)}
+            for (description, _), event in zip(data_events, charged)]
 
 
 def evaluate(run_dir: Path) -> dict:

@@ -273,6 +273,36 @@ def _noise_rng(vocab_noise_seed: Optional[int]) -> np.random.Generator:
     return NoiseKey(int(vocab_noise_seed) % (1 << KEY_BITS)).generator()
 
 
+def vocab_noise_for(target_epsilon: float, share: float, delta: float,
+                    unseen_delta: float = DEFAULT_VOCAB_UNSEEN_DELTA) -> float:
+    """The vocabulary's noise multiplier sized to the training ε the user intends: the least σ
+    whose selection event alone (`GaussianPartitionSelectionDpEvent(σ, unseen_delta)`) spends at
+    most `share` · `target_epsilon` at `delta` (default accountant). Public inputs only.
+
+    Args:
+        target_epsilon: the ε the data set is meant to be trained at (> 0).
+        share: the part of it the vocabulary may take, in (0, 1).
+        delta: the δ that share is computed at; it must exceed `unseen_delta`.
+    Returns:
+        σ (the `vocab_noise_multiplier` of `convert_text`).
+    """
+    from widedp.accounting import UnreachableTargetError, calibrate
+    from widedp.accounting.events import GaussianPartitionSelectionDpEvent
+
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"target epsilon must be finite and > 0, got {target_epsilon}")
+    if not (0 < share < 1):
+        raise ValueError(f"the vocabulary's budget share must be in (0, 1), got {share}")
+    if not (unseen_delta < delta < 1):
+        raise ValueError(f"the vocabulary's δ ({delta:g}) must exceed its unseen-word δ ({unseen_delta:g})")
+    try:
+        return float(calibrate(lambda s: GaussianPartitionSelectionDpEvent(s, unseen_delta), share * target_epsilon,
+                               delta))
+    except UnreachableTargetError as exc:
+        raise ValueError(f"no vocabulary noise spends only {share:g} of ε = {target_epsilon:g} at δ = {delta:g}: "
+                         f"{exc}") from None
+
+
 def convert_text(input_txt, out_dir, *, vocab: Optional[int] = None, window: int = 4,
                  negatives: int = 8, seed: int = 0,
                  vocab_noise_multiplier: float = DEFAULT_VOCAB_NOISE_MULTIPLIER,
