@@ -172,3 +172,22 @@ def test_one_unit_moves_the_validation_sum_by_at_most_the_clip():
         assert fewer == count - 1 and 0 <= total - without <= 1.0 + 1e-12
     # example level: the plain sum
     assert tune_mod.sum_per_unit(scores, None) == (pytest.approx(scores.sum()), 500)
+
+
+@pytest.mark.parametrize("tuned_auc, worst_excess, status", [(0.60, -0.01, "**met**"), (0.58, 0.02, "**missed**")])
+def test_the_benchmarks_results_section_reads_its_goals_from_the_json(tuned_auc, worst_excess, status):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import private_tuning
+
+    tuned = [{"auc": tuned_auc, "logloss": 0.3 + worst_excess, "base_rate_logloss": 0.3, "candidate": ["train.lr=1"]},
+             {"auc": tuned_auc, "logloss": 0.29, "base_rate_logloss": 0.3, "candidate": ["train.lr=3"]}]
+    doc = {"users": 2000, "days": 4, "seed": 11, "config": "configs/logs.toml", "grid": ["train.lr=1,3"],
+           "expected_trials": 10.0, "repeats": 2, "headers": ["row", "AUC"], "rows": [["tuned", "0.6"]],
+           "records": {"nonprivate_validation": {"chosen": {"auc": 0.605}}, "eps8": {"default": [], "tuned": tuned}}}
+    lines, goals = private_tuning.results_section(doc)
+    assert "| tuned | 0.6 |" in lines
+    assert [g[2] for g in goals] == [status, status]
+    assert f"{tuned_auc:.4f} vs 0.6050" == goals[0][1]

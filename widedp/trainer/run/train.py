@@ -698,9 +698,24 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, trial=None)
         return _train_session(run, cfg, run_dir, resume, progress, run_state, data_events, charged_data_events)
 
 
+def run_forecast(run: Run) -> dict:
+    """The run's forecast (trainer/config/forecast.py) from its plan's public values."""
+    from widedp.trainer.config.forecast import forecast
+
+    engine, info, cfg = run.engine, run.privacy, run.config
+    by_users = info.unit == "user" and info.user_sampling != "examples"
+    units = int(info.num_units) if by_users and info.num_units else len(run.train_set)
+    return forecast(noise_multiplier=info.noise_multiplier if engine.ledger is not None else None,
+                    expected_batch_size=float(engine.b), steps=int(cfg.train.steps),
+                    embedding_dim=int(engine.layout.dim), units=units, unit="user" if by_users else "example")
+
+
 def _train_session(run: Run, cfg: Config, run_dir: Path, resume: bool, progress: bool, run_state: RunState,
                    data_events: list, charged_data_events: list) -> dict:
     engine, info = run.engine, run.privacy
+    outlook = run_forecast(run)
+    if outlook.get("unlikely_to_learn"):
+        log.warning("%s", outlook["warning"])
     _append_budget(cfg, run_state, _budget_line(run_state, run_dir, cfg, engine, info, "running"))
     log.info("%s run %s in %s: %s, %d steps of expected batch %g, %s", "resuming" if resume else "starting",
              run_state.run_id, run_dir, cfg.train.mode if cfg.train.mode != "sparse" else f"sparse ({cfg.train.selection})",
@@ -744,6 +759,7 @@ def _train_session(run: Run, cfg: Config, run_dir: Path, resume: bool, progress:
         raise TrainingInterrupted(f"interrupted at step {engine.step_count}; resume with "
                                   f"`widedp train --resume {run_dir}`")
     summary = _summary(run, cfg, resume, result, recalibrated, recorder, run_state, data_events)
+    summary["forecast"] = outlook
     if run_state.trial is not None:
         summary["tuning"] = run_state.trial.score(run)  # the noised validation score (trainer/run/tune.py)
     atomic_write_json(run_dir / "summary.json", summary)
@@ -830,6 +846,7 @@ def _one_time_epsilon(engine: Engine, data_events: list) -> list[dict]:
     from widedp.accounting import make_accountant
 
     ledger = engine.ledger
+    assert ledger is not None  # a private run's
     accountant = make_accountant(ledger.accountant.name)
     charged = [e for e, _ in ledger.history[:len(data_events)]]
     return [{"event": description, "epsilon_alone": accountant.epsilon([(event, 1)], ledger.delta)}
