@@ -61,7 +61,7 @@ NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "
          "phase_breakdown_compiled_1k", "phase_breakdown_compiled_4k", "phase_breakdown_compiled_16k", "cluster_model", "cbow_large",
          "modelmix_image", "data_plane_probe", "own_model_dcn_ranking", "own_model_two_tower_retrieval",
          "own_model_sasrec_sequential", "own_model_transformer_lm", "own_model_opacus",
-         "ghost_transformer", "private_tuning", "forecast_check")
+         "ghost_transformer", "private_tuning", "private_tuning_small", "forecast_check")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -1787,6 +1787,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          _own_section("ghost_transformer", plot_dir), []),
         ("private_tuning", "22. Private hyper-parameter selection (`widedp tune`) against the defaults and the "
                            "non-private model tuned on validation", _own_section("private_tuning", plot_dir), []),
+        ("private_tuning_small", "22b. Private hyper-parameter selection on a small set (2,000 users): where the "
+                                 "score's noise decides", _own_section("private_tuning", plot_dir), []),
         ("forecast_check", "23. The forecast before training against the runs that did and did not learn",
          _own_section("forecast_check", plot_dir), []),
     ]

@@ -72,6 +72,7 @@ def results_section(doc: dict) -> tuple[list[str], list]:
              f"{doc['seed']}; the last day is the test split), `{Path(doc['config']).name}` (user level) with "
              f"`cluster.backend = local`. *default*: the config as shipped at the target ε, {doc['repeats']} runs. "
              f"*tuned*: `widedp tune` over {grid} with E[K] = {doc['expected_trials']:g} (logarithmic), "
+             f"validation fraction {doc.get('validation_fraction', 0.2):g}, score share {doc.get('score_share', 0.05):g}, "
              f"{doc['repeats']} tunings, each charged its whole target ε; the chosen trial's test metrics. "
              "*nonprivate (validation)*: every grid point trained non-privately with 20% of the training split held "
              "out, the lowest validation log loss kept — the reference (tuned on validation, never on the test "
@@ -110,12 +111,15 @@ def main() -> int:
     parser.add_argument("--eps", default="1,8")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--expected-trials", type=float, default=10.0)
+    parser.add_argument("--score-share", type=float, default=0.05)
+    parser.add_argument("--validation-fraction", type=float, default=0.2)
     parser.add_argument("--grid", action="append", default=None)
     parser.add_argument("--config", default=str(REPO / "configs" / "logs.toml"))
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--work-dir", default=str(REPO / "runs" / "bench" / "private_tuning"))
     parser.add_argument("--quick", action="store_true", help="300 users, 2 days, 20 steps, one repeat, ε 8")
     parser.add_argument("--out")
+    parser.add_argument("--name", default="private_tuning", help="results/NAME.json")
     args = parser.parse_args()
     started = time.time()
     machine = announce_machine()
@@ -147,14 +151,15 @@ def main() -> int:
     best = min(points, key=lambda p: p["validation_logloss"])
     records["nonprivate_validation"] = {"points": points, "chosen": best}
     rows.append(["nonprivate (validation)", "-", " ".join(best["candidate"]), _f(best["auc"]), "", _f(best["logloss"]),
-                 _f(best["base_rate_logloss"]), _f(best["ece"]), "-", "-"])
+                 _f(best["base_rate_logloss"]), _f(best["ece"]), "-", "-", "-"])
     for eps in [float(e) for e in args.eps.split(",")]:
         default = [_metrics(run(f"default-eps{eps:g}-r{r}", [f"privacy.target_epsilon={eps}"]))
                    for r in range(args.repeats)]
         tuned = []
         for r in range(args.repeats):
             spec = TuneSpec(args.config, tuple(base_sets), grid, target_epsilon=eps,
-                            expected_trials=args.expected_trials)
+                            expected_trials=args.expected_trials, score_share=args.score_share,
+                            validation_fraction=args.validation_fraction)
             try:
                 result = tune(spec, work / f"tune-eps{eps:g}-r{r}")
             except ValueError as exc:  # e.g. no per-trial target reachable: recorded, the grid goes on
@@ -166,7 +171,7 @@ def main() -> int:
                 continue
             chosen = json.loads((Path(result["chosen"]["run_dir"]) / "summary.json").read_text())
             tuned.append({**_metrics(chosen), "candidate": result["chosen"]["candidate"], "epsilon": result["epsilon"],
-                          "trial_epsilon": result["trial_epsilon"]})
+                          "trial_epsilon": result["trial_epsilon"], "score_noise_std": result["score"]["noise_std"]})
         records[f"eps{eps:g}"] = {"default": default, "tuned": tuned}
         for label, recs in (("default", default), ("tuned (widedp tune)", tuned)):
             auc, auc_lo, auc_hi = _spread(recs, "auc")
@@ -176,13 +181,15 @@ def main() -> int:
             chosen = "; ".join(" ".join(r["candidate"]) for r in recs if "candidate" in r) or "config"
             rows.append([label, eps, chosen, _f(auc), f"{_f(auc_lo)}–{_f(auc_hi)}", _f(ll), _f(base), _f(ece),
                          _f(_spread(recs, "epsilon")[0]) if label != "default" else eps,
-                         _f(_spread(recs, "trial_epsilon")[0]) if label != "default" else "-"])
+                         _f(_spread(recs, "trial_epsilon")[0]) if label != "default" else "-",
+                         _f(_spread(recs, "score_noise_std")[0]) if label != "default" else "-"])
     headers = ["row", "target ε", "chosen", "AUC (median)", "AUC min–max", "logloss", "base-rate logloss", "ECE",
-               "ε spent", "ε per trial"]
+               "ε spent", "ε per trial", "score noise std"]
     print(format_table(headers, rows))
-    write_results("private_tuning", {"users": args.users, "days": args.days, "seed": args.seed,
+    write_results(args.name, {"users": args.users, "days": args.days, "seed": args.seed,
                                      "config": str(args.config), "grid": [f"{k}={','.join(v)}" for k, v in grid],
                                      "expected_trials": args.expected_trials, "repeats": args.repeats,
+                                     "score_share": args.score_share, "validation_fraction": args.validation_fraction,
                                      "headers": headers, "rows": rows, "records": records},
                   quick=args.quick, machine=machine, out=args.out, started=started)
     return 0

@@ -71,7 +71,8 @@ def test_train_writes_the_run_dir_contract(capsys, tmp_path, config):
 
 @pytest.mark.parametrize("optimizer", ["adam", "adagrad"])
 def test_resume_equals_uninterrupted(capsys, tmp_path, config, optimizer):
-    common = _sets(*TINY, f"train.optimizer={optimizer}", "privacy.target_epsilon=2", "privacy.reproducible=true")
+    common = _sets(*TINY, f"train.optimizer={optimizer}", "privacy.target_epsilon=2", "privacy.reproducible=true",
+                   "privacy.recalibration_noise_multiplier=40")  # explicit: "auto" would skip it at this n
     # Explicit σ: the privacy parameters do not depend on train.steps, so a 5-step run resumed
     # to 8 must equal an uninterrupted 8-step run (parameters). Reproducible mode: only there
     # does a checkpoint carry generator states (a secret run resumes with fresh noise). The
@@ -157,7 +158,9 @@ def test_a_normal_run_on_embedded_ray_prints_no_warning(tmp_path, config):
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["backend"] == "ray" and summary["steps"] == 3
-    assert not WARNING_LINE.search(done.stderr), done.stderr
+    # the one warning a 3-step run gives is the forecast's (trainer/config/forecast.py): it can act on it
+    warnings = [line for line in done.stderr.splitlines() if WARNING_LINE.search(line)]
+    assert all("unlikely to learn" in line for line in warnings), done.stderr
     assert "widedp: INFO:" in done.stderr  # --log-level info reaches the 'widedp' logger
 
 

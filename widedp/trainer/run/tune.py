@@ -55,6 +55,9 @@ ACCOUNTANT = "rdp"  # the best-of-K bound is an RDP bound
 DISTRIBUTION_NAMES = {"logarithmic": ("truncated_negative_binomial", 0.0), "geometric": ("truncated_negative_binomial", 1.0),
                       "poisson": ("poisson", 0.0)}
 SCORES = ("brier", "loss")
+#: A warning when the noised score's std exceeds this fraction of its range (the clip): Brier
+#: scores of the candidates of one grid differ by a few thousandths.
+SCORE_NOISE_WARN = 0.002
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +303,15 @@ def tune(spec: TuneSpec, out_dir: Path, progress: bool = False) -> dict:
     data_events, _, delta = first
     score_sigma = calibrate(lambda s: ev.GaussianDpEvent(s), spec.score_share * target, delta, accountant=ACCOUNTANT)
     score_event = ev.GaussianDpEvent(score_sigma)
+    validation_units = int(val_pos.size if units is None else np.unique(units[val_pos]).size)
+    if validation_units == 0:
+        raise ValueError("the validation part is empty: raise --validation-fraction (or train on more data)")
+    score_noise_std = score_sigma * clip / validation_units  # public: σ_s, the clip and the part's size
+    if score_noise_std > SCORE_NOISE_WARN * clip:
+        log.warning("the noised validation score has std %.3g (σ_s = %.3g, clip %g, %d validation units): above %g "
+                    "of its range, candidates that differ by less are chosen between by the noise — raise "
+                    "--score-share or --validation-fraction, or tune on more data", score_noise_std, score_sigma, clip,
+                    validation_units, SCORE_NOISE_WARN)
 
     def at(epsilon: float) -> Optional[tuple[float, ev.DpEvent, list]]:
         planned = []
@@ -347,7 +359,7 @@ def tune(spec: TuneSpec, out_dir: Path, progress: bool = False) -> dict:
         "trials": {"distribution": count.describe(), **count.to_dict(), "expected": count.expected},
         "candidates": candidates, "validation_fraction": spec.validation_fraction,
         "score": {"name": score, "clip": clip, "noise_multiplier": score_sigma, "share": spec.score_share,
-                  "lower_is_better": True},
+                  "noise_std": score_noise_std, "validation_units": validation_units, "lower_is_better": True},
         "config": spec.config, "sets": list(spec.sets),
         "privacy_note": ("the released model is the best of a secret random number of private trials "
                          "(Papernot & Steinke 2022); its ε is this tuning's, which bounds every trial together; "
