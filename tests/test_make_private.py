@@ -324,9 +324,8 @@ def test_a_named_logit_layer_gets_the_private_recalibration_inside_the_target():
     torch.manual_seed(0)
     tower = Tower()
     with make_private(_ebc(), tower, bce, train, target_epsilon=4.0, batch_size=100, steps=6, mode="dpsgd",
-                      logit_layer=tower.mlp[-1], config=[*SETTINGS, "train.optimizer=sgd",
-                                                         "privacy.recalibration_noise_multiplier=5"]) as trainer:
-        assert trainer.privacy.recalibration is not None  # explicit σ: "auto" skips it at n = 1,200
+                      logit_layer=tower.mlp[-1], config=[*SETTINGS, "train.optimizer=sgd"]) as trainer:
+        assert trainer.privacy.recalibration is not None
         while trainer.step() is not None:
             pass
         before = trainer.predict(test)

@@ -222,30 +222,31 @@ def test_recalibrating_a_model_with_no_signal_never_ranks_below_chance_nor_loses
 
     sigma = noise_ratio * n / (recalibration.SENSITIVITY * math.sqrt(recalibration.BINS))
     assert recalibration.total_noise_ratio(sigma, n) == pytest.approx(noise_ratio)
-    assert recalibration.dominated_by_noise(sigma, n) is None
+    assert "noise_note" not in recalibration.noise_note(sigma, n)
     aucs, excess, free_negative = fits(sigma)
     se = float(aucs.std() / math.sqrt(repeats))
     assert abs(float(aucs.mean()) - 0.5) < 4 * se + 1e-3, (aucs.mean(), se)
     assert excess.mean() <= 0.005 and excess.max() <= 0.015, (excess.mean(), excess.max())
     assert free_negative > repeats // 10  # without the floor, the noise turns the ranking over often
     if noise_ratio == recalibration.MAX_TOTAL_NOISE_RATIO:
-        assert recalibration.dominated_by_noise(20 * sigma, n) is not None
+        assert "noise_note" in recalibration.noise_note(20 * sigma, n)
         _, excess, _ = fits(20 * sigma)
         assert excess.mean() > 0.005  # far past the limit the fit does lose to the base rate
 
 
-def test_the_auto_recalibration_is_skipped_where_its_noise_would_dominate():
-    """From public values only: a few hundred users at ε = 1 skip it (nothing planned or
-    charged); 160,000 examples at ε = 1 keep it."""
+def test_the_recalibration_plan_notes_where_its_noise_dominates_the_counts():
+    """From public values only: a few hundred users at ε = 1 get the note (the release still
+    runs and is charged); 160,000 examples at ε = 1 do not."""
     from widedp.trainer.config import load_config
     from widedp.trainer.config.planning import recalibration_plan
 
-    for n, eps, skipped in ((800, 1.0, True), (800, 8.0, True), (160_000, 1.0, False), (50_000, 8.0, False)):
+    for n, eps, noted in ((800, 1.0, True), (800, 8.0, True), (160_000, 1.0, False), (50_000, 8.0, False)):
         cfg = load_config("configs/ctr.toml", [f"privacy.target_epsilon={eps}"])
         plan = recalibration_plan(cfg, n, min(0.1 / n, n ** -1.1))
-        assert bool(plan.get("skipped")) == skipped, (n, eps, plan)
-        if skipped:
-            assert "dominated by noise" in plan["skipped"] and f"{n} training units" in plan["skipped"]
+        assert bool(plan.get("noise_note")) == noted, (n, eps, plan)
+        assert plan["noise_ratio"] == pytest.approx(recalibration.total_noise_ratio(plan["noise_multiplier"], n))
+        if noted:
+            assert "mostly noise" in plan["noise_note"] and f"{n} training units" in plan["noise_note"]
 
 
 def _free_platt(centers, totals, positives, iterations: int = 100) -> tuple[float, float]:

@@ -71,8 +71,7 @@ def test_train_writes_the_run_dir_contract(capsys, tmp_path, config):
 
 @pytest.mark.parametrize("optimizer", ["adam", "adagrad"])
 def test_resume_equals_uninterrupted(capsys, tmp_path, config, optimizer):
-    common = _sets(*TINY, f"train.optimizer={optimizer}", "privacy.target_epsilon=2", "privacy.reproducible=true",
-                   "privacy.recalibration_noise_multiplier=40")  # explicit: "auto" would skip it at this n
+    common = _sets(*TINY, f"train.optimizer={optimizer}", "privacy.target_epsilon=2", "privacy.reproducible=true")
     # Explicit σ: the privacy parameters do not depend on train.steps, so a 5-step run resumed
     # to 8 must equal an uninterrupted 8-step run (parameters). Reproducible mode: only there
     # does a checkpoint carry generator states (a secret run resumes with fresh noise). The

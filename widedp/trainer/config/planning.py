@@ -22,7 +22,7 @@ from widedp.trainer.engine.adaptive_clip import adaptive_clip_from_config
 from widedp.trainer.config import Config
 from widedp.trainer.engine import PrivacyPlan
 from widedp.trainer.models import DenseModel, model_class
-from widedp.trainer.engine.recalibration import auto_noise_multiplier, dominated_by_noise
+from widedp.trainer.engine.recalibration import auto_noise_multiplier, noise_note
 from widedp.trainer.engine.step_noise import step_noise_event
 from widedp.trainer.config.table_policy import TablePolicy, resolve_table_policy
 
@@ -102,9 +102,9 @@ def table_policy(cfg: Config, table_rows: Mapping[str, int], n: int,
 
 def recalibration_plan(cfg: Config, n: int, delta: float, group_size: int = 1) -> Optional[dict]:
     """train.recalibrate's σ for a private run of a binary model (explicit, or
-    `recalibration.auto_noise_multiplier` from n and the target ε), else None. An "auto" σ
-    whose noise would dominate the counts (`recalibration.dominated_by_noise`, public values)
-    comes with "skipped" (its reason): nothing is planned or charged for it."""
+    `recalibration.auto_noise_multiplier` from n and the target ε), else None. Either way the plan
+    carries the noise's share of the counts (`recalibration.noise_note`, public values) and,
+    above `MAX_TOTAL_NOISE_RATIO`, a note that the fit's intercept is mostly noise."""
     if cfg.train.mode == "nonprivate" or not cfg.train.recalibrate:
         return None
     if getattr(model_class(cfg.model.name), "logit_layer") is DenseModel.logit_layer:
@@ -113,13 +113,13 @@ def recalibration_plan(cfg: Config, n: int, delta: float, group_size: int = 1) -
         return None  # Theorem 3 composes T identical steps only: no event after them
     explicit = cfg.privacy.resolved("recalibration_noise_multiplier")
     if explicit is not None:
-        return {"noise_multiplier": float(explicit), "rule": "privacy.recalibration_noise_multiplier"}
+        return {"noise_multiplier": float(explicit), "rule": "privacy.recalibration_noise_multiplier",
+                **noise_note(float(explicit) / group_size, n)}
     sigma, rule = auto_noise_multiplier(n, cfg.privacy.target_epsilon, delta, cfg.privacy.accountant)
-    # the noise's scale against the counts is that of the unit-level σ (a group's σ·k counts k per user)
-    skipped = dominated_by_noise(sigma, n)
+    note = noise_note(sigma, n)  # the unit-level σ: a group's σ·k counts k per user
     if group_size > 1:  # charged for a group of k, i.e. as Gaussian(σ/k): k·σ spends what σ did
         sigma, rule = sigma * group_size, f"{rule}, × {group_size} (groups of privacy.max_examples_per_user)"
-    return {"noise_multiplier": sigma, "rule": rule, **({"skipped": skipped} if skipped else {})}
+    return {"noise_multiplier": sigma, "rule": rule, **note}
 
 
 def plan_run(cfg: Config, n: int, table_rows: Mapping[str, int], data_events: Sequence[ev.DpEvent] = (),
@@ -259,7 +259,7 @@ def _plan_privacy(cfg: Config, n: int, vocabulary: int, data_events: Sequence[ev
     extra = [(event, 1) for event, g in zip(data_events, grouped) if g]
     whole_unit = [(event, 1) for event, g in zip(data_events, grouped) if not g]  # charged as they are
     recalibration = recalibration_plan(cfg, n, delta, group)
-    if recalibration is not None and not recalibration.get("skipped"):
+    if recalibration is not None:
         extra.append((ev.GaussianDpEvent(recalibration["noise_multiplier"]), 1))
     params: Any = None
     if selector is not None:

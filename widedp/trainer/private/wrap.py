@@ -236,8 +236,7 @@ class PrivateTrainer:
         from widedp.trainer.engine.recalibration import recalibrate_engine
 
         plan, engine = self.privacy.recalibration, self.engine
-        if (plan is None or plan.get("skipped") or engine.ledger is None or engine.step_count == 0
-                or engine.recalibrated_at == engine.step_count):
+        if plan is None or engine.ledger is None or engine.step_count == 0 or engine.recalibrated_at == engine.step_count:
             return None
         if engine.ledger.would_exceed(engine.budget.accounted(GaussianDpEvent(plan["noise_multiplier"])),
                                       self.config.privacy.target_epsilon):

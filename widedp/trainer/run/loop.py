@@ -94,8 +94,7 @@ class Run:
         model is released as trained, with a warning)."""
         plan = self.privacy.recalibration
         engine = self.engine
-        if (plan is None or plan.get("skipped") or engine.ledger is None or engine.step_count == 0
-                or engine.recalibrated_at == engine.step_count):
+        if plan is None or engine.ledger is None or engine.step_count == 0 or engine.recalibrated_at == engine.step_count:
             return None
         event = engine.budget.accounted(GaussianDpEvent(plan["noise_multiplier"]))
         if engine.ledger.would_exceed(event, self.config.privacy.target_epsilon):

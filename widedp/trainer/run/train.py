@@ -387,7 +387,7 @@ def _planned_recalibration(info) -> list:
     """train.recalibrate's event (charged after the last step), if the plan has one (for a
     group of info.group_size under privacy.user_sampling = "examples", as the engine charges it)."""
     plan = info.recalibration
-    return [] if plan is None or plan.get("skipped") else [ev.grouped(ev.GaussianDpEvent(plan["noise_multiplier"]), info.group_size or 1)]
+    return [] if plan is None else [ev.grouped(ev.GaussianDpEvent(plan["noise_multiplier"]), info.group_size or 1)]
 
 
 _NO_WAY_PAST = "the only way on is a new run (a new --run-dir) with its own budget"
