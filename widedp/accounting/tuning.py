@@ -102,7 +102,9 @@ class TrialCount:
             return stats.poisson.pmf(k, self.mu)
         out = np.zeros(k.shape)
         for i, kk in np.ndenumerate(k):
-            if kk >= 1:
+            if kk >= 1 and self.eta == 0:  # the logarithmic distribution: the limit η → 0
+                out[i] = (1 - self.gamma) ** kk / kk
+            elif kk >= 1:
                 w = (1 - self.gamma) ** kk
                 for l in range(int(kk)):
                     w *= (l + self.eta) / (l + 1)
