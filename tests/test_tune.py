@@ -89,6 +89,7 @@ def test_the_chosen_trial_exports_with_the_tunings_epsilon_and_no_other_trial_do
     report = json.loads((tmp_path / "export" / "privacy_report.json").read_text())
     assert report["epsilon"] == pytest.approx(result["epsilon"]) and report["trial_epsilon"] < report["epsilon"]
     assert report["tuning"]["candidate"] == result["chosen"]["candidate"]
+    assert "Chosen by `widedp tune`" in (tmp_path / "export" / "PRIVACY.md").read_text()
     # a trial its tuning did not choose (here: the chosen one without its tuning.json) is not released
     import shutil
 

@@ -878,6 +878,12 @@ def privacy_markdown(r: dict) -> str:
     else:
         lines += [f"This model satisfies **(ε = {_fmt(r['epsilon'])}, δ = {_fmt(r['delta'])})-differential "
                   f"privacy** ({r['accountant']} accountant), unit of privacy: {r['unit_of_privacy']}.", ""]
+    if r.get("tuning"):
+        t = r["tuning"]
+        lines += [f"Chosen by `widedp tune` (candidate {' '.join(t['candidate']) or 'the config'}, noised validation "
+                  f"{t['score']['name']} {_fmt(t['noised_validation_score'])}): the best of a secret random number of "
+                  f"private trials ({t['trials']['distribution']}); ε is the whole tuning's, which bounds every trial "
+                  f"together — one trial alone spent {_fmt(r['trial_epsilon'])}.", ""]
     rows = [("mode", r["mode"]), ("selection", r["selection"]), ("target ε", r["target_epsilon"]),
             ("steps", r["steps"]), ("events charged", r["events_charged"]), ("sample rate q", r["sample_rate"]),
             ("expected batch size", r["expected_batch_size"]), ("noise multiplier σ", r["noise_multiplier"]),
