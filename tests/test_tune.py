@@ -17,6 +17,7 @@ from widedp.trainer.run import tune as tune_mod
 from test_train_cli import TINY
 
 STEPS = [*TINY, "train.steps=6", "train.recalibrate=false", "train.mode=dpsgd"]
+pytestmark = pytest.mark.xdist_group("tune")  # the module's tuning (a fixture) runs once, on one worker
 
 
 def _sets(*items):
