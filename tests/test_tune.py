@@ -125,6 +125,16 @@ def test_bad_input_is_refused_before_anything_runs(capsys, tmp_path, ctr_dir, ex
     assert len(after) == len(before)
 
 
+def test_user_level_by_example_sampling_is_refused_with_the_accountants_reason(capsys, tmp_path, user_logs_dir):
+    before = len(dataset_budget.read(user_logs_dir)) if (user_logs_dir / dataset_budget.BUDGET_FILE).exists() else 0
+    code, _, err = _tune(capsys, _config(tmp_path, user_logs_dir), tmp_path / "t", "--expected-trials", "2",
+                         sets=[*STEPS, "privacy.unit=user", "privacy.user_sampling=examples"])
+    assert code == 2 and "RDP accountant" in err and "privacy.user_sampling" in err, err
+    assert not (tmp_path / "t").exists()
+    after = len(dataset_budget.read(user_logs_dir)) if (user_logs_dir / dataset_budget.BUDGET_FILE).exists() else 0
+    assert after == before
+
+
 def test_a_tuning_never_writes_into_a_directory_that_holds_anything(capsys, tuned):
     _, run_dir, data, config = tuned
     code, _, err = _tune(capsys, config, run_dir)

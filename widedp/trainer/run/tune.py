@@ -235,10 +235,17 @@ def _curve(events: list) -> np.ndarray:
 
 
 def _tuning_epsilon(data: list, candidates: list, count: TrialCount, delta: float) -> tuple[float, ev.DpEvent]:
+    from widedp.accounting import UnsupportedEventError
+
     event = ev.RandomTrialsDpEvent(candidates, count.distribution, eta=count.eta, gamma=count.gamma, mu=count.mu)
     ledger = PrivacyLedger(ACCOUNTANT, delta)
-    for e in [*data, event]:
-        ledger.record(e)
+    try:
+        for e in [*data, event]:
+            ledger.record(e)
+    except UnsupportedEventError as exc:
+        raise ValueError(f"widedp tune composes its trials with the RDP accountant (the best-of-K bound is an RDP "
+                         f"bound), which cannot take this run's events: {exc}. At user level, sample users "
+                         f"(privacy.user_sampling = \"users\"): sampled groups only the PLD accountant composes") from None
     return ledger.epsilon(), event
 
 
