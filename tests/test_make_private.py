@@ -349,3 +349,20 @@ def test_a_named_logit_layer_gets_the_private_recalibration_inside_the_target():
     with pytest.raises(ValueError, match="logit_layer must be an nn.Linear with one output"):
         make_private(_ebc(), Tower(), bce, train, target_epsilon=4.0, batch_size=100, steps=2,
                      logit_layer=nn.ReLU())
+
+
+def test_the_trainer_carries_the_forecast_of_its_plan():
+    """make_private's trainer forecasts like `widedp train` (trainer/config/forecast.py): a few
+    steps on a small set cannot outgrow the noise; a non-private trainer has nothing to forecast."""
+    from widedp.trainer.config.forecast import forecast
+
+    train, _ = _data(n=1500).split(0.2, seed=1)
+    with make_private(_ebc(), Tower(), bce, train, target_epsilon=4.0, batch_size=100, steps=6, mode="dpsgd",
+                      config=SETTINGS) as trainer:
+        f = trainer.forecast
+        assert f["unlikely_to_learn"] and "unlikely to learn" in f["warning"]
+        assert f == forecast(noise_multiplier=trainer.privacy.noise_multiplier, expected_batch_size=trainer.engine.b,
+                             steps=6, embedding_dim=trainer.layout.dim, units=len(trainer.train_set))
+    with make_private(_ebc(), Tower(), bce, train, target_epsilon=4.0, batch_size=100, steps=6, mode="nonprivate",
+                      config=SETTINGS) as trainer:
+        assert trainer.forecast == {"unlikely_to_learn": False, "rule": "non-private: no noise to forecast"}

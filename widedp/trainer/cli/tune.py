@@ -3,24 +3,20 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
+
+from widedp.trainer.cli.data import _positive_float_arg, _probability_arg
 
 HELP = "choose hyper-parameters privately: the best of a secret random number of private trials, charged to the budget"
 
 
-def _float(name: str, low: float = 0.0, high: float = math.inf):
-    def parse(text: str) -> float:
-        import argparse
+def _more_than_one(text: str) -> float:
+    import argparse
 
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if not (math.isfinite(value) and low < value < high):
-            raise argparse.ArgumentTypeError(f"{name} must be in ({low:g}, {high:g}), got {text}")
-        return value
-    return parse
+    value = _positive_float_arg("--expected-trials")(text)
+    if value <= 1:
+        raise argparse.ArgumentTypeError(f"--expected-trials must be in (1, inf), got {text}")
+    return value
 
 
 def add_commands(sub) -> dict:
@@ -30,19 +26,19 @@ def add_commands(sub) -> dict:
     t.add_argument("--grid", action="append", default=[], metavar="SECTION.KEY=V1,V2,...",
                    help="a tuned key and its values; the candidates are the product of every --grid")
     t.add_argument("--run-dir", required=True, help="the tuning's directory (must be empty or absent)")
-    t.add_argument("--target-epsilon", type=_float("--target-epsilon"),
+    t.add_argument("--target-epsilon", type=_positive_float_arg("--target-epsilon"),
                    help="ε of the whole tuning (default: the config's privacy.target_epsilon)")
-    t.add_argument("--expected-trials", type=_float("--expected-trials", 1.0), default=10.0,
+    t.add_argument("--expected-trials", type=_more_than_one, default=10.0,
                    help="E[K], the expected number of trials (default 10)")
     t.add_argument("--distribution", default="logarithmic",
                    help="the number of trials' distribution: logarithmic (default), geometric, poisson or tnb:ETA")
-    t.add_argument("--validation-fraction", type=_float("--validation-fraction", 0.0, 1.0), default=0.2,
+    t.add_argument("--validation-fraction", type=_probability_arg("--validation-fraction"), default=0.2,
                    help="each example's (user's) probability of landing in the validation part (default 0.2)")
     t.add_argument("--score", choices=("brier", "loss"),
                    help="the noised validation score (default: brier for binary models, else the clipped loss)")
-    t.add_argument("--score-clip", type=_float("--score-clip"), default=10.0,
+    t.add_argument("--score-clip", type=_positive_float_arg("--score-clip"), default=10.0,
                    help="the per-example loss clip of --score loss (its sensitivity; default 10)")
-    t.add_argument("--score-share", type=_float("--score-share", 0.0, 1.0), default=0.05,
+    t.add_argument("--score-share", type=_probability_arg("--score-share"), default=0.05,
                    help="the share of the target ε the score's Gaussian alone would spend (default 0.05)")
     t.add_argument("--no-progress", action="store_true")
     return {"tune": cmd_tune}

@@ -32,6 +32,17 @@ from typing import Optional
 WARN_MIN_UNIT_SHARE = 0.003
 
 
+def forecast_of(engine, info, steps: int, train_set) -> dict:
+    """`forecast` of a built engine (`widedp train`'s run, `make_private`'s trainer): σ from its
+    plan (`PrivacyInfo`), b = its expected batch in the run's unit, D = its tables' width, n =
+    the users when users are sampled, else the training examples."""
+    by_users = info.unit == "user" and info.user_sampling != "examples"
+    units = int(info.num_units) if by_users and info.num_units else len(train_set)
+    return forecast(noise_multiplier=info.noise_multiplier if engine.ledger is not None else None,
+                    expected_batch_size=float(engine.b), steps=int(steps), embedding_dim=int(engine.layout.dim),
+                    units=units, unit="user" if by_users else "example")
+
+
 def forecast(*, noise_multiplier: Optional[float], expected_batch_size: float, steps: int, embedding_dim: int,
              units: int, unit: str = "example") -> dict:
     """The forecast of a private run (module docstring), or of a non-private one (nothing to say).

@@ -30,6 +30,7 @@ from torch import nn
 
 from widedp.public import public
 from widedp.trainer.config import Config, load_config
+from widedp.trainer.config.forecast import forecast_of
 from widedp.trainer.config.lr_schedule import lr_multiplier
 from widedp.trainer.config.planning import data_event_is_grouped
 from widedp.trainer.config.semantics import void_reasons
@@ -122,6 +123,12 @@ class PrivateTrainer:
             for event, unit in zip(events, data.privacy_event_units):
                 grouped = data_event_is_grouped(cfg, unit)
                 self.engine.budget.charge(self.engine.budget.accounted(event) if grouped else event, whole_unit=True)
+        #: the forecast before training (trainer/config/forecast.py): can the rows outgrow their noise?
+        self.forecast = forecast_of(self.engine, self.privacy, cfg.train.steps, self.train_set)
+        if self.forecast.get("unlikely_to_learn"):
+            import logging
+
+            logging.getLogger("widedp").warning("%s", self.forecast["warning"])
         self._checked = False
         self._dataset_path = getattr(data, "dataset_path", None)
         self._run_dir = Path(ledger_path).parent if ledger_path is not None else Path.cwd()

@@ -76,6 +76,7 @@ from widedp.trainer.config.planning import (PrivacyInfo, data_event_is_grouped, 
 from widedp.trainer.run.ledger_key import LedgerKey, LedgerKeyError, key_from_environment, require_key
 from widedp.trainer.engine.randomness import PrivacyRandomness  # noqa: F401
 from widedp.trainer.private.build import build_engine, connect_cluster, run_randomness  # noqa: F401 (public here too)
+from widedp.trainer.config.forecast import forecast_of
 from widedp.trainer.run.loop import Run
 from widedp.trainer.run.journal import JOURNAL_FILE, STICKY_KEYS, ReleaseJournal
 from widedp.trainer.run.journal import hold as hold_journal
@@ -698,22 +699,10 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, trial=None)
         return _train_session(run, cfg, run_dir, resume, progress, run_state, data_events, charged_data_events)
 
 
-def run_forecast(run: Run) -> dict:
-    """The run's forecast (trainer/config/forecast.py) from its plan's public values."""
-    from widedp.trainer.config.forecast import forecast
-
-    engine, info, cfg = run.engine, run.privacy, run.config
-    by_users = info.unit == "user" and info.user_sampling != "examples"
-    units = int(info.num_units) if by_users and info.num_units else len(run.train_set)
-    return forecast(noise_multiplier=info.noise_multiplier if engine.ledger is not None else None,
-                    expected_batch_size=float(engine.b), steps=int(cfg.train.steps),
-                    embedding_dim=int(engine.layout.dim), units=units, unit="user" if by_users else "example")
-
-
 def _train_session(run: Run, cfg: Config, run_dir: Path, resume: bool, progress: bool, run_state: RunState,
                    data_events: list, charged_data_events: list) -> dict:
     engine, info = run.engine, run.privacy
-    outlook = run_forecast(run)
+    outlook = forecast_of(engine, info, cfg.train.steps, run.train_set)
     if outlook.get("unlikely_to_learn"):
         log.warning("%s", outlook["warning"])
     _append_budget(cfg, run_state, _budget_line(run_state, run_dir, cfg, engine, info, "running"))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import math
 import shutil
@@ -139,6 +138,7 @@ class Trial:
     rng: np.random.Generator  # the score's noise (keyed, secret)
     candidate: list
     validation_units: Optional[np.ndarray] = None  # user level: each validation example's unit
+    validation: Any = None  # the validation part of the training split (set by `train_part`)
 
     def train_part(self, split):
         from widedp.trainer.data.format.dataset import SplitSubset
@@ -419,7 +419,3 @@ def _check_trial_ledger(run_dir: Path, data_events: list, planned: list) -> None
     allowed = _curve(planned) if planned else np.zeros(len(DEFAULT_ORDERS))
     if np.any(have > allowed * (1 + 1e-9) + 1e-12):
         raise RuntimeError(f"{run_dir}: the trial spent more than its tuning planned (the tuning's ε would not bound it)")
-
-
-def load_json(path: Path) -> Any:
-    return json.loads(Path(path).read_text())
