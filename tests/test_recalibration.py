@@ -124,16 +124,76 @@ def test_noisy_fit_lowers_the_logloss_of_an_overconfident_biased_model():
     assert logloss(a * model + b) < logloss(z_true) + 0.01  # ... and recalibrated near the truth
 
 
-def test_auto_noise_multiplier_takes_the_larger_of_its_two_rules():
-    small_n, rule_small = recalibration.auto_noise_multiplier(1_000, 1.0, 1e-6, "rdp")
-    big_n, rule_big = recalibration.auto_noise_multiplier(10_000_000, 1.0, 1e-6, "rdp")
-    assert "ε" in rule_small and small_n > 0.01 * (1_000 / 64) / math.sqrt(2)  # the budget rule wins
-    assert big_n == pytest.approx(0.01 * (10_000_000 / 64) / math.sqrt(2))  # the usefulness rule wins
+def test_auto_noise_multiplier_takes_the_larger_of_its_two_rules_unless_the_base_rate_needs_more():
+    """5% of ε or the usefulness rule where n is large; up to half of ε where the base rate needs it."""
     from widedp.accounting import make_accountant
     from widedp.accounting.events import GaussianDpEvent
 
-    spent = make_accountant("rdp").epsilon([(GaussianDpEvent(small_n), 1)], 1e-6)
-    assert spent <= 0.05 * 1.0 * (1 + 1e-9)
+    def spent(sigma):
+        return make_accountant("rdp").epsilon([(GaussianDpEvent(sigma), 1)], 1e-6)
+
+    mid_n, rule_mid = recalibration.auto_noise_multiplier(200_000, 1.0, 1e-6, "rdp")
+    big_n, rule_big = recalibration.auto_noise_multiplier(10_000_000, 1.0, 1e-6, "rdp")
+    assert "ε" in rule_mid and mid_n > 0.01 * (200_000 / 64) / math.sqrt(2)  # the budget rule wins ...
+    assert spent(mid_n) == pytest.approx(recalibration.BUDGET_FRACTION, rel=1e-6)  # ... at 5% of ε
+    assert big_n == pytest.approx(0.01 * (10_000_000 / 64) / math.sqrt(2))  # the usefulness rule wins
+    # a thousand units: 5% of ε leaves the noisy base rate off, so the release spends more,
+    # never above MAX_BUDGET_FRACTION of ε, and stops where the base rate's noise reaches its target
+    small_n, rule_small = recalibration.auto_noise_multiplier(1_000, 1.0, 1e-6, "rdp")
+    assert "base rate" in rule_small
+    assert recalibration.BUDGET_FRACTION < spent(small_n) <= recalibration.MAX_BUDGET_FRACTION * (1 + 1e-9)
+    rate_sigma = recalibration.RATE_NOISE_TARGET * 1_000 / math.sqrt(2)
+    assert small_n >= rate_sigma * (1 - 1e-9)
+    ample, _ = recalibration.auto_noise_multiplier(20_000, 8.0, 1e-6, "rdp")  # 20,000 units at ε = 8: ...
+    assert spent(ample) < recalibration.MAX_BUDGET_FRACTION * 8.0  # ... the target is met below the cap
+    assert ample == pytest.approx(recalibration.RATE_NOISE_TARGET * 20_000 / math.sqrt(2)) or \
+        spent(ample) == pytest.approx(recalibration.BUDGET_FRACTION * 8.0, rel=1e-6)
+
+
+def test_auto_bins_narrow_the_histogram_where_its_noise_would_dominate_the_counts():
+    assert recalibration.auto_bins(1.0, 1_000_000) == recalibration.BINS
+    assert recalibration.auto_bins(1e6, 1_000) == recalibration.MIN_BINS  # never below MIN_BINS
+    for sigma, n in ((8.2, 18_407), (54.0, 18_407), (6.9, 2_925), (20.0, 50_000)):
+        bins = recalibration.auto_bins(sigma, n)
+        assert recalibration.MIN_BINS <= bins <= recalibration.BINS and bins & (bins - 1) == 0
+        assert bins == recalibration.MIN_BINS or recalibration.total_noise_ratio(sigma, n, bins) <= recalibration.MAX_TOTAL_NOISE_RATIO
+        assert bins == recalibration.BINS or recalibration.total_noise_ratio(sigma, n, 2 * bins) > recalibration.MAX_TOTAL_NOISE_RATIO
+
+
+def _weak_model_excess(n: int, sigma: float, bins: int, repeats: int, rng) -> np.ndarray:
+    """The test log loss lost to the base rate by a weak, miscalibrated model (logits 0.3 × the
+    truth + N(0, 1.5²) − 1) recalibrated from noisy counts, per repeat."""
+    out = []
+    for _ in range(repeats):
+        truth = rng.normal(0.0, 0.5, n) + math.log(0.45 / 0.55)
+        labels = (rng.random(n) < 1 / (1 + np.exp(-truth))).astype(float)
+        model = 0.3 * truth + rng.normal(0.0, 1.5, n) - 1.0
+        hist = noisy_histogram(model, labels, sigma, rng, bins=bins)
+        a, b = fit_platt(hist.centers, hist.totals, hist.positives)
+        z = a * np.clip(model, -recalibration.LOGIT_CLIP, recalibration.LOGIT_CLIP) + b
+        rate = labels.mean()
+        out.append(float(np.mean(np.logaddexp(0, z) - labels * z)) + rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("n,eps", [(587, 1.0), (2_925, 1.0), (2_925, 8.0)])
+def test_the_auto_rule_keeps_a_weak_model_within_the_base_rate_where_the_old_one_lost_to_it(n, eps):
+    """A few hundred to a few thousand units: the "auto" σ and bins keep the recalibrated weak
+    model within 0.005 of the base rate's log loss on average; the previous rule (σ at 5% of ε,
+    64 bins) on the same data loses more — by more than 0.005 where the noise is large."""
+    from widedp.accounting.calibration import calibrate
+    from widedp.accounting.events import GaussianDpEvent
+
+    rng = np.random.default_rng(7)
+    delta = n ** -1.1
+    sigma, _ = recalibration.auto_noise_multiplier(n, eps, delta, "pld")
+    excess = _weak_model_excess(n, sigma, recalibration.auto_bins(sigma, n), 120, rng)
+    old_sigma = calibrate(GaussianDpEvent, recalibration.BUDGET_FRACTION * eps, delta, accountant="pld")
+    old = _weak_model_excess(n, old_sigma, recalibration.BINS, 120, rng)
+    assert excess.mean() <= 0.005, excess.mean()
+    assert old.mean() > excess.mean(), (old.mean(), excess.mean())
+    if eps == 1.0:
+        assert old.mean() > 0.005, old.mean()
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +304,8 @@ def test_the_recalibration_plan_notes_where_its_noise_dominates_the_counts():
         cfg = load_config("configs/ctr.toml", [f"privacy.target_epsilon={eps}"])
         plan = recalibration_plan(cfg, n, min(0.1 / n, n ** -1.1))
         assert bool(plan.get("noise_note")) == noted, (n, eps, plan)
-        assert plan["noise_ratio"] == pytest.approx(recalibration.total_noise_ratio(plan["noise_multiplier"], n))
+        assert plan["bins"] == recalibration.auto_bins(plan["noise_multiplier"], n)
+        assert plan["noise_ratio"] == pytest.approx(recalibration.total_noise_ratio(plan["noise_multiplier"], n, plan["bins"]))
         if noted:
             assert "mostly noise" in plan["noise_note"] and f"{n} training units" in plan["noise_note"]
 

@@ -22,7 +22,7 @@ from widedp.trainer.engine.adaptive_clip import adaptive_clip_from_config
 from widedp.trainer.config import Config
 from widedp.trainer.engine import PrivacyPlan
 from widedp.trainer.models import DenseModel, model_class
-from widedp.trainer.engine.recalibration import auto_noise_multiplier, noise_note
+from widedp.trainer.engine.recalibration import auto_bins, auto_noise_multiplier, noise_note
 from widedp.trainer.engine.step_noise import step_noise_event
 from widedp.trainer.config.table_policy import TablePolicy, resolve_table_policy
 
@@ -103,8 +103,8 @@ def table_policy(cfg: Config, table_rows: Mapping[str, int], n: int,
 def recalibration_plan(cfg: Config, n: int, delta: float, group_size: int = 1) -> Optional[dict]:
     """train.recalibrate's σ for a private run of a binary model (explicit, or
     `recalibration.auto_noise_multiplier` from n and the target ε), else None. Either way the plan
-    carries the noise's share of the counts (`recalibration.noise_note`, public values) and,
-    above `MAX_TOTAL_NOISE_RATIO`, a note that the fit's intercept is mostly noise."""
+    carries the histogram's bins (`recalibration.auto_bins`) and the noise's share of the counts
+    (`recalibration.noise_note`, public values) and, above `MAX_TOTAL_NOISE_RATIO`, a note that the fit's intercept is mostly noise."""
     if cfg.train.mode == "nonprivate" or not cfg.train.recalibrate:
         return None
     if getattr(model_class(cfg.model.name), "logit_layer") is DenseModel.logit_layer:
@@ -113,10 +113,12 @@ def recalibration_plan(cfg: Config, n: int, delta: float, group_size: int = 1) -
         return None  # Theorem 3 composes T identical steps only: no event after them
     explicit = cfg.privacy.resolved("recalibration_noise_multiplier")
     if explicit is not None:
+        bins = auto_bins(float(explicit) / group_size, n)
         return {"noise_multiplier": float(explicit), "rule": "privacy.recalibration_noise_multiplier",
-                **noise_note(float(explicit) / group_size, n)}
+                "bins": bins, **noise_note(float(explicit) / group_size, n, bins)}
     sigma, rule = auto_noise_multiplier(n, cfg.privacy.target_epsilon, delta, cfg.privacy.accountant)
-    note = noise_note(sigma, n)  # the unit-level σ: a group's σ·k counts k per user
+    bins = auto_bins(sigma, n)  # the unit-level σ: a group's σ·k counts k per user
+    note = {"bins": bins, **noise_note(sigma, n, bins)}
     if group_size > 1:  # charged for a group of k, i.e. as Gaussian(σ/k): k·σ spends what σ did
         sigma, rule = sigma * group_size, f"{rule}, × {group_size} (groups of privacy.max_examples_per_user)"
     return {"noise_multiplier": sigma, "rule": rule, **note}

@@ -40,8 +40,21 @@ BINS = 64
 #: privacy.recalibration_noise_multiplier = "auto" (`auto_noise_multiplier`): the count noise's
 #: std may reach this fraction of an average bin's count n / bins, ...
 USEFUL_NOISE_RATIO = 0.01
-#: ... and the release alone may spend up to this fraction of the target ε.
+#: ... and the release alone may spend up to this fraction of the target ε, ...
 BUDGET_FRACTION = 0.05
+#: ... unless that leaves the noisy base rate itself off: the "auto" rule spends up to
+#: MAX_BUDGET_FRACTION of ε to bring the std of the noise on the total positives, σ·√2, down to
+#: RATE_NOISE_TARGET of the n training units (the base rate's error, about that std over n,
+#: costs a calibrated predictor ≈ Δp² / (2p(1 − p)) of log loss: 0.0004 at p = 0.5 and 0.001
+#: at p = 0.1 for a std of 0.01 — a few hundred users need far more than 5% of ε for it).
+RATE_NOISE_TARGET = 0.01
+MAX_BUDGET_FRACTION = 0.5
+#: The histogram's bins: the most of BINS, BINS/2, …, MIN_BINS at which the noise on the total
+#: count, σ·√2·√bins, stays within MAX_TOTAL_NOISE_RATIO of n (`auto_bins`; public values).
+#: Fewer, wider bins carry less noise in all, which matters more to a weak model's fit than the
+#: resolution of 64 (docs/DESIGN.md §1.5b; tests/test_recalibration.py pairs the rules); 64
+#: stay where the noise allows them.
+MIN_BINS = 8
 #: ℓ2 sensitivity of the (totals, positives) histogram under add/remove-one.
 SENSITIVITY = math.sqrt(2.0)
 #: Above this ratio of the noise on the histogram's total count, σ·√2·√bins, to the number of
@@ -189,21 +202,45 @@ def _fit_intercept(z: np.ndarray, n: np.ndarray, pos: np.ndarray, a: float, b: f
 
 def auto_noise_multiplier(n: int, target_epsilon: float, delta: float, accountant: str,
                           bins: int = BINS) -> tuple[float, str]:
-    """σ for privacy.recalibration_noise_multiplier = "auto", from public values: the larger of
+    """σ for privacy.recalibration_noise_multiplier = "auto", from public values:
       σ_useful     = USEFUL_NOISE_RATIO · (n / bins) / √2  (count noise std = that fraction of an
                      average bin's count)
       σ_affordable = the σ at which GaussianDpEvent(σ) alone spends BUDGET_FRACTION · ε at δ
-    — as in DP-FEST's rule (selection.fest.auto_fest_noise_multiplier): as much noise as keeps
-    the fit useful when that is cheap, never a cost above the fraction of the budget."""
-    from widedp.accounting.calibration import one_time_gaussian_sigma
+      σ = max(σ_useful, σ_affordable) — as in DP-FEST's rule (selection.fest.auto_fest_noise_multiplier):
+    as much noise as keeps the fit useful when that is cheap — unless σ is then above
+      σ_rate       = RATE_NOISE_TARGET · n / √2  (the noise on the total positives, σ·√2, at
+                     RATE_NOISE_TARGET of n: the base rate's own error),
+    when the release may spend more, up to MAX_BUDGET_FRACTION · ε: σ = max(σ_rate, the σ
+    spending MAX_BUDGET_FRACTION · ε). The training gets the rest of ε (the planner composes
+    the release with the steps), so on a few hundred units — where the model has little to
+    learn at small ε anyway (trainer/config/forecast.py) — most of it goes to the base rate."""
+    from widedp.accounting.calibration import calibrate, one_time_gaussian_sigma
+    from widedp.accounting.events import GaussianDpEvent as _Gaussian
 
     if n < 1:
         raise ValueError(f"recalibration needs n >= 1 training examples, got {n}")
     useful = USEFUL_NOISE_RATIO * (n / bins) / SENSITIVITY
     sigma, affordable = one_time_gaussian_sigma(useful, BUDGET_FRACTION * target_epsilon, delta, accountant)
     spend = "≤" if affordable == useful else "="
-    return sigma, (f"auto: max({USEFUL_NOISE_RATIO:g}·(n/{bins})/√2 = {useful:.4g}, σ spending "
-                   f"{BUDGET_FRACTION:g}·ε {spend} {affordable:.4g}) = {sigma:.4g}")
+    rule = (f"auto: max({USEFUL_NOISE_RATIO:g}·(n/{bins})/√2 = {useful:.4g}, σ spending "
+            f"{BUDGET_FRACTION:g}·ε {spend} {affordable:.4g}) = {sigma:.4g}")
+    rate = RATE_NOISE_TARGET * n / SENSITIVITY
+    if sigma <= rate:
+        return sigma, rule
+    widest = calibrate(_Gaussian, MAX_BUDGET_FRACTION * target_epsilon, delta, accountant=accountant)
+    sigma = max(rate, widest)
+    return sigma, (f"{rule}, above {RATE_NOISE_TARGET:g}·n/√2 = {rate:.4g} (the base rate's noise): "
+                   f"max({rate:.4g}, σ spending {MAX_BUDGET_FRACTION:g}·ε = {widest:.4g}) = {sigma:.4g}")
+
+
+def auto_bins(noise_multiplier: float, n: int) -> int:
+    """The bins of the histogram (public values only): the largest of BINS, BINS/2, …, MIN_BINS
+    whose total-count noise ratio σ·√2·√bins / n is at most MAX_TOTAL_NOISE_RATIO, else
+    MIN_BINS."""
+    bins = BINS
+    while bins > MIN_BINS and total_noise_ratio(noise_multiplier, n, bins) > MAX_TOTAL_NOISE_RATIO:
+        bins //= 2
+    return bins
 
 
 def total_noise_ratio(noise_multiplier: float, n: int, bins: int = BINS) -> float:
@@ -223,12 +260,12 @@ def noise_note(noise_multiplier: float, n: int, bins: int = BINS) -> dict:
     return out
 
 
-def recalibrate_engine(engine, train_set, noise_multiplier: float, batch_size: int) -> dict:
+def recalibrate_engine(engine, train_set, noise_multiplier: float, batch_size: int, bins: int = BINS) -> dict:
     """Run the mechanism on a trained engine: the released model's logits on every training
     example, the ledger charged (and persisted) with `GaussianDpEvent(σ)` *before* anything
     depends on the counts, the noisy histogram from the run's secret "recalibration" stream,
     Platt's (a, b) fitted to it and folded into the logit layer of the released parameters
-    (W ← a·W, bias ← a·bias + b). Returns what summary.json reports (a, b are outputs of the
+    (W ← a·W, bias ← a·bias + b). `bins`: the plan's (`auto_bins`, public). Returns what summary.json reports (a, b are outputs of the
     mechanism, so they are released with the model)."""
     import torch
 
@@ -243,7 +280,7 @@ def recalibrate_engine(engine, train_set, noise_multiplier: float, batch_size: i
     engine.budget.charge(event)  # ledger first (docs/DESIGN.md §1): a crash after this only over-counts
     units = getattr(engine, "example_units", None)  # user level: each unit weighs 1 in all
     hist = noisy_histogram(logits, labels, noise_multiplier, engine.randomness.recalibration_rng(engine.step_count),
-                           weights=None if units is None else unit_weights(units))
+                           bins=bins, weights=None if units is None else unit_weights(units))
     a, b = fit_platt(hist.centers, hist.totals, hist.positives)
     params = engine.dense.released_params()
     names = {id(p): n for n, p in engine.model.named_parameters()}
@@ -280,5 +317,6 @@ def undo_recalibration(engine) -> None:
     engine.pre_recalibration = None
 
 
-__all__ = ["BINS", "LOGIT_CLIP", "MAX_TOTAL_NOISE_RATIO", "MIN_SLOPE", "NoisyHistogram", "auto_noise_multiplier",
+__all__ = ["BINS", "LOGIT_CLIP", "MAX_BUDGET_FRACTION", "MAX_TOTAL_NOISE_RATIO", "MIN_BINS", "MIN_SLOPE",
+           "RATE_NOISE_TARGET", "auto_bins", "NoisyHistogram", "auto_noise_multiplier",
            "bin_edges", "exact_histogram", "fit_platt", "noise_note", "total_noise_ratio", "noisy_histogram", "recalibrate_engine", "undo_recalibration"]

@@ -240,7 +240,7 @@ class PrivateTrainer:
         `train()` runs it after the planned steps; a loop of `step()` calls it at the end.
         Training on afterwards starts from the training iterate, not the recalibrated one."""
         from widedp.accounting.events import GaussianDpEvent
-        from widedp.trainer.engine.recalibration import recalibrate_engine
+        from widedp.trainer.engine.recalibration import BINS, recalibrate_engine
 
         plan, engine = self.privacy.recalibration, self.engine
         if plan is None or engine.ledger is None or engine.step_count == 0 or engine.recalibrated_at == engine.step_count:
@@ -251,7 +251,8 @@ class PrivateTrainer:
 
             logging.getLogger("widedp").warning("train.recalibrate skipped: it would spend past the target ε")
             return None
-        return recalibrate_engine(engine, self.train_set, plan["noise_multiplier"], self.config.train.eval_batch_size)
+        return recalibrate_engine(engine, self.train_set, plan["noise_multiplier"], self.config.train.eval_batch_size,
+                                  bins=plan.get("bins", BINS))
 
     def _check_first_batch(self, source=None) -> None:
         """The coupling probe and the logit layer's check on a few examples

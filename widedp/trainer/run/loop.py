@@ -20,7 +20,7 @@ from widedp.trainer.config import Config
 from widedp.trainer.engine import Engine, StepStats
 from widedp.trainer.config.lr_schedule import lr_multiplier
 from widedp.trainer.config.planning import PrivacyInfo
-from widedp.trainer.engine.recalibration import recalibrate_engine, undo_recalibration
+from widedp.trainer.engine.recalibration import BINS, recalibrate_engine, undo_recalibration
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,8 @@ class Run:
                         "%g; the model is released as trained", plan["noise_multiplier"],
                         self.config.privacy.target_epsilon)
             return None
-        return recalibrate_engine(engine, self.train_set, plan["noise_multiplier"], self.config.train.eval_batch_size)
+        return recalibrate_engine(engine, self.train_set, plan["noise_multiplier"], self.config.train.eval_batch_size,
+                                  bins=plan.get("bins", BINS))
 
     def evaluate(self, split: Any = None) -> dict:
         """Metrics on `split` (default: the test split) with the config's eval batch size."""
