@@ -34,6 +34,13 @@ RUN_VARIANTS = {**RUN_VARIANTS, "user_level_k": (
 RAY_BATCHES = (1024, 4096, 16384)
 RAY_BATCH_SYSTEMS = ("pytorch-nonprivate,opacus-ghost,widedp-sparse-sharded,widedp-sparse-ray,widedp-sparse-ray-compiled,"
                      "widedp-sparse-ray-compiled-spin,widedp-sparse-ray-eager,widedp-sparse-ray-norms-round")
+#: §24–25: the public logs (benchmarks/public_logs.py builds them under runs/bench/public_logs first)
+RUN_VARIANTS.update({f"user_level_{name}": ("user_level.py", [
+    "--data", f"runs/bench/public_logs/{name}/data", "--repeats", "5", "--out", f"benchmarks/results/user_level_{name}.json"])
+    for name in ("insteval", "movielens")})
+RUN_VARIANTS.update({f"private_tuning_{name}": ("private_tuning.py", [
+    "--data", f"runs/bench/public_logs/{name}/data", "--eps", "1,8", "--repeats", "2", "--expected-trials", "5",
+    "--name", f"private_tuning_{name}"]) for name in ("insteval", "movielens")})
 RUN_VARIANTS["phase_breakdown_16k"] = ("phase_breakdown.py", [
     "--set", "train.batch_size=16384", "--steps", "8", "--warmup", "2", "--out", "benchmarks/results/phase_breakdown_16k.json"])
 #: §5 over the compiled data plane (cluster.data_plane = "compiled", its default sleeping waits)
@@ -61,7 +68,8 @@ NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "
          "phase_breakdown_compiled_1k", "phase_breakdown_compiled_4k", "phase_breakdown_compiled_16k", "cluster_model", "cbow_large",
          "modelmix_image", "data_plane_probe", "own_model_dcn_ranking", "own_model_two_tower_retrieval",
          "own_model_sasrec_sequential", "own_model_transformer_lm", "own_model_opacus",
-         "ghost_transformer", "private_tuning", "private_tuning_small", "forecast_check")
+         "ghost_transformer", "private_tuning", "private_tuning_small", "forecast_check",
+         "user_level_insteval", "private_tuning_insteval", "user_level_movielens", "private_tuning_movielens")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -1791,6 +1799,14 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
                                  "score's noise decides", _own_section("private_tuning", plot_dir), []),
         ("forecast_check", "23. The forecast before training against the runs that did and did not learn",
          _own_section("forecast_check", plot_dir), []),
+        ("user_level_insteval", "24. Real users and time we did not generate: InstEval lecture ratings (development set)",
+         _own_section("user_level", plot_dir), []),
+        ("private_tuning_insteval", "24b. `widedp tune` on InstEval against the defaults and the non-private model "
+                                    "tuned on validation", _own_section("private_tuning", plot_dir), []),
+        ("user_level_movielens", "25. Held out from every choice: MovieLens ratings with users and time, reported last",
+         _own_section("user_level", plot_dir), []),
+        ("private_tuning_movielens", "25b. `widedp tune` on the held-out MovieLens set",
+         _own_section("private_tuning", plot_dir), []),
     ]
     machines: dict = {}
     pages, goals = _render_sections(sections, docs, plots, machines)

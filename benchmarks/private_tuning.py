@@ -68,8 +68,16 @@ def _spread(records: list[dict], key: str) -> tuple:
 def results_section(doc: dict) -> tuple[list[str], list]:
     """docs/RESULTS.md's section (benchmarks/make_results.py): the table and the goal rows."""
     grid = " × ".join(doc["grid"])
-    lines = [f"Click logs with users (`widedp synth logs`, {doc['users']:,} users, {doc['days']} days, seed "
-             f"{doc['seed']}; the last day is the test split), `{Path(doc['config']).name}` (user level) with "
+    if doc.get("data"):
+        where = (f"Public logs `{doc['set']}` ({doc['data_source']}; benchmarks/public_logs.py, "
+                 f"{doc['train_users'] or '?'} training users; its newest period is the test split)")
+        data_name = f"{doc['set']}, real users and time"
+    else:
+        where = (f"Click logs with users (`widedp synth logs`, {doc['users']:,} users, {doc['days']} days, seed "
+                 f"{doc['seed']}; the last day is the test split)")
+        data_name = f"synth logs, {doc['users']:,} users"
+    sets = "".join(f", `{s}`" for s in doc.get("sets", []))
+    lines = [f"{where}, `{Path(doc['config']).name}`{sets} with "
              f"`cluster.backend = local`. *default*: the config as shipped at the target ε, {doc['repeats']} runs. "
              f"*tuned*: `widedp tune` over {grid} with E[K] = {doc['expected_trials']:g} (logarithmic), "
              f"validation fraction {doc.get('validation_fraction', 0.2):g}, score share {doc.get('score_share', 0.05):g}, "
@@ -92,12 +100,12 @@ def results_section(doc: dict) -> tuple[list[str], list]:
         eps = key[3:]
         if eps == "8":
             goals.append((f"widedp tune at ε = 8 within 0.01 AUC of the non-private model tuned on validation "
-                          f"(synth logs, {doc['users']:,} users)",
+                          f"({data_name})",
                           f"{auc:.4f} vs {reference['auc']:.4f}",
                           "**met**" if auc >= reference["auc"] - 0.01 else "**missed**",
-                          f"median of {len(tuned)} tunings; the data generator is ours (the held-out real-data "
-                          "check is not done yet)"))
-        goals.append((f"widedp tune at ε = {eps}: log loss never worse than the base rate + 0.005",
+                          f"median of {len(tuned)} tunings" + ("" if doc.get("data") else
+                                                                 "; the data generator is ours")))
+        goals.append((f"widedp tune at ε = {eps}: log loss never worse than the base rate + 0.005 ({data_name})",
                       f"worst excess {worst_ll:+.4f}", "**met**" if worst_ll <= 0.005 else "**missed**",
                       f"over {len(tuned)} tunings (test split's base-rate log loss)"))
     return lines, goals
@@ -105,6 +113,9 @@ def results_section(doc: dict) -> tuple[list[str], list]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default=None,
+                        help="a converted data set with a unit column (e.g. benchmarks/public_logs.py's) instead of "
+                             "synth logs; its stats.json beside it, if any, describes it in the report")
     parser.add_argument("--users", type=int, default=2000)
     parser.add_argument("--days", type=int, default=4)
     parser.add_argument("--seed", type=int, default=11)
@@ -134,7 +145,17 @@ def main() -> int:
         args.set = [*args.set, "train.steps=20"]
     grid = parse_grid(args.grid or DEFAULT_GRID)
     work = Path(args.work_dir) / time.strftime("%Y%m%d-%H%M%S")
-    data = _dataset(Path(args.work_dir), args.users, args.days, args.seed)
+    if args.data:
+        data = Path(args.data)
+        if not (data / "dataset.json").is_file():
+            parser.error(f"--data {data}: no dataset.json (not a converted data set)")
+        stats_file = data.parent / "stats.json"
+        source = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
+        described = {"data": str(data), "data_source": source.get("source", str(data)),
+                     "train_users": source.get("train", {}).get("users"), "set": source.get("set", data.name)}
+    else:
+        data = _dataset(Path(args.work_dir), args.users, args.days, args.seed)
+        described = {}
     base_sets = [f"data.path={data}", "cluster.backend=local", "train.log_every=1000", *args.set]
     rows, records = [], {}
 
@@ -186,7 +207,7 @@ def main() -> int:
     headers = ["row", "target ε", "chosen", "AUC (median)", "AUC min–max", "logloss", "base-rate logloss", "ECE",
                "ε spent", "ε per trial", "score noise std"]
     print(format_table(headers, rows))
-    write_results(args.name, {"users": args.users, "days": args.days, "seed": args.seed,
+    write_results(args.name, {**described, "sets": args.set, "users": args.users, "days": args.days, "seed": args.seed,
                                      "config": str(args.config), "grid": [f"{k}={','.join(v)}" for k, v in grid],
                                      "expected_trials": args.expected_trials, "repeats": args.repeats,
                                      "score_share": args.score_share, "validation_fraction": args.validation_fraction,

@@ -634,9 +634,11 @@ def results_section(doc: dict) -> tuple[list[str], list]:
     per = d["examples_per_user"]
     units = ", ".join(doc["units"])
     repeats = int(doc.get("repeats") or 1)
-    lines = [f"`widedp synth logs` data `{d['tag']}`: {d['train_examples']:,} training examples of {d['users']:,} users "
+    where = (f"Public logs `{d['source']['set']}` ({d['source']['source']}; benchmarks/public_logs.py, real users "
+             "and time, not our generator)" if d.get("source") else f"`widedp synth logs` data `{d['tag']}`")
+    lines = [f"{where}: {d['train_examples']:,} training examples of {d['users']:,} users "
              f"(examples per user: median {per['median']:g}, mean {per['mean']:.2f}, max {per['max']:,}), "
-             f"{d['test_examples']:,} test examples (the last day). Units run: {units}; {doc['steps']} steps, backend "
+             f"{d['test_examples']:,} test examples ({'the newest period' if d.get('source') else 'the last day'}). Units run: {units}; {doc['steps']} steps, backend "
              f"{doc['backend']}, {'one run' if repeats == 1 else f'{repeats} runs'} per point (secret noise). Matching: {m['rule']}; example-level B = "
              f"{m['examples_per_step']} examples per step, user-level b = {m['user_batch']} users "
              f"(c̄ = {m['mean_contribution']:.2f}). Bayes AUC {_g(ref.get('bayes_auc'))}; `user-examples` runs: "
@@ -668,7 +670,29 @@ def results_section(doc: dict) -> tuple[list[str], list]:
                                                           "; one run per point, so small differences are within "
                                                           "run-to-run noise") + ".", "",
                   k_table(kc), "", *([note, ""] if note else [])]
-    return lines, []
+    return lines, (public_data_goals(records, d["source"]["set"]) if d.get("source") else [])
+
+
+def public_data_goals(records: list[dict], name: str) -> list:
+    """Issue 50's floor on a public set, per mode × unit × ε over the repeats: no run's test log
+    loss above the base rate + 0.005, and the mean AUC not below 0.5 by more than two standard
+    errors of the runs (systematically)."""
+    goals = []
+    groups: dict = {}
+    for r in records:
+        if r["mode"] != "nonprivate" and r.get("test_metrics"):
+            groups.setdefault((r["mode"], r["unit"], r["target_epsilon"]), []).append(r["test_metrics"])
+    for (mode, unit, eps), ms in sorted(groups.items()):
+        worst = max(m["logloss"] - m["base_rate_logloss"] for m in ms)
+        aucs = [m["auc"] for m in ms]
+        mean = statistics.fmean(aucs)
+        se = statistics.stdev(aucs) / math.sqrt(len(aucs)) if len(aucs) > 1 else 0.0
+        where = f"{name}, {mode}, {unit} level, ε = {eps:g}"
+        goals.append((f"{where}: no run's log loss above the base rate + 0.005", f"worst excess {worst:+.4f}",
+                      "**met**" if worst <= 0.005 else "**missed**", f"{len(ms)} runs, the config as shipped"))
+        goals.append((f"{where}: AUC not systematically below 0.5", f"mean {mean:.4f} ± {se:.4f} (s.e.)",
+                      "**met**" if mean + 2 * se >= 0.5 else "**missed**", f"{len(ms)} runs"))
+    return goals
 
 
 def main(argv=None) -> int:
@@ -736,9 +760,13 @@ def main(argv=None) -> int:
         data = Path(args.data)
         truth_path = find_truth(data)
         data_tag = data.name
+        described = data.parent / "stats.json"  # benchmarks/public_logs.py's description of its source
+        source = json.loads(described.read_text()) if described.is_file() else None
+        data_tag = source.get("set", data_tag) if source else data_tag
     else:
         data, truth_path = logs_dataset(work / "data", args.users, args.days, args.seed, args.items)
         data_tag = data.parent.name
+        source = None
     reference = truth_reference(truth_path)
     from widedp.trainer.config import load_config
 
@@ -795,7 +823,7 @@ def main(argv=None) -> int:
         print(f"FAILED CHECK: {line}")
     for line in chk["flags"]:
         print(f"SUSPICIOUS: {line}")
-    payload = {"data": {"path": str(data), "tag": data_tag, **stats}, "reference": reference, "matching": matching,
+    payload = {"data": {"path": str(data), "tag": data_tag, **stats, **({"source": source} if source else {})}, "reference": reference, "matching": matching,
                "eps": args.eps, "modes": args.modes, "units": args.units, "steps": args.steps,
                "backend": args.backend, "threads": args.threads, "train_seed": TRAIN_SEED, "configs": CONFIGS,
                "records": records, "costs": c, "group_privacy": g, "checks": chk}

@@ -139,3 +139,19 @@ def test_checks_fail_a_run_whose_summary_does_not_name_the_unit():
     better = {**good, "test_metrics": {**good["test_metrics"], "auc": 0.7}}  # user level far above example level
     res = user_level.checks([better, example], {})
     assert res["ok"] and any("above example level" in f for f in res["flags"])
+
+
+def test_public_data_goals_miss_on_one_run_over_the_base_rate_and_on_a_systematically_low_auc():
+    def rec(mode, unit, auc, logloss):
+        return {"mode": mode, "unit": unit, "target_epsilon": 1.0,
+                "test_metrics": {"auc": auc, "logloss": logloss, "base_rate_logloss": 0.69}}
+
+    records = [rec("nonprivate", "example", 0.7, 0.6),
+               rec("dpsgd", "user", 0.52, 0.69), rec("dpsgd", "user", 0.50, 0.70),  # one run +0.01 over
+               rec("sparse", "user", 0.47, 0.69), rec("sparse", "user", 0.48, 0.69), rec("sparse", "user", 0.46, 0.69)]
+    goals = {g[0]: g[2] for g in user_level.public_data_goals(records, "set")}
+    assert len(goals) == 4  # the nonprivate run has no goal
+    assert goals["set, dpsgd, user level, ε = 1: no run's log loss above the base rate + 0.005"] == "**missed**"
+    assert goals["set, dpsgd, user level, ε = 1: AUC not systematically below 0.5"] == "**met**"
+    assert goals["set, sparse, user level, ε = 1: no run's log loss above the base rate + 0.005"] == "**met**"
+    assert goals["set, sparse, user level, ε = 1: AUC not systematically below 0.5"] == "**missed**"
