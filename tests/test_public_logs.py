@@ -64,12 +64,15 @@ def test_lazy_load_chunks_of_every_compression_decode(wrap):
     assert public_logs._decompress_chunk(wrap(payload), "x.rdb") == payload
 
 
-def test_bad_chunks_and_missing_files_name_the_file(tmp_path):
+def test_bad_chunks_name_the_file():
     with pytest.raises(public_logs.PublicDataError, match="x.rdb: truncated"):
         public_logs._decompress_chunk(b"\0\0", "x.rdb")
     with pytest.raises(public_logs.PublicDataError, match="x.rdb: cannot decompress"):
         public_logs._decompress_chunk(b"\0\0\0\x05garbage", "x.rdb")
-    pytest.importorskip("rdata")
+
+
+def test_a_directory_without_the_lazy_load_files_is_named(tmp_path):
+    pytest.importorskip("rdata")  # the bench extra
     with pytest.raises(public_logs.PublicDataError, match="Rdata.rdx: no such file"):
         public_logs.read_lazy_load(tmp_path, "InstEval")
 
