@@ -149,8 +149,9 @@ def main() -> int:
         data = Path(args.data)
         if not (data / "dataset.json").is_file():
             parser.error(f"--data {data}: no dataset.json (not a converted data set)")
-        stats_file = data.parent / "stats.json"
-        source = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
+        from public_logs import source_of
+
+        source = source_of(data) or {}
         described = {"data": str(data), "data_source": source.get("source", str(data)),
                      "train_users": source.get("train", {}).get("users"), "set": source.get("set", data.name)}
     else:

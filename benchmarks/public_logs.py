@@ -287,6 +287,13 @@ def describe(frame, test_after: str) -> dict:
     return out
 
 
+def source_of(data: Path):
+    """The description `build` wrote beside a converted set (its stats.json: set, source, users,
+    examples per split), or None for a set that did not come from here."""
+    stats = Path(data).parent / "stats.json"
+    return json.loads(stats.read_text()) if stats.is_file() else None
+
+
 def build(name: str, work: Path, cache: Path) -> Path:
     """The converted data set of public logs `name` under work/name/data (made once)."""
     import contextlib

@@ -759,10 +759,10 @@ def main(argv=None) -> int:
     if args.data:
         data = Path(args.data)
         truth_path = find_truth(data)
-        data_tag = data.name
-        described = data.parent / "stats.json"  # benchmarks/public_logs.py's description of its source
-        source = json.loads(described.read_text()) if described.is_file() else None
-        data_tag = source.get("set", data_tag) if source else data_tag
+        from public_logs import source_of
+
+        source = source_of(data)  # benchmarks/public_logs.py's description of its source, if it made it
+        data_tag = source.get("set", data.name) if source else data.name
     else:
         data, truth_path = logs_dataset(work / "data", args.users, args.days, args.seed, args.items)
         data_tag = data.parent.name

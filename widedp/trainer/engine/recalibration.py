@@ -215,7 +215,6 @@ def auto_noise_multiplier(n: int, target_epsilon: float, delta: float, accountan
     the release with the steps), so on a few hundred units — where the model has little to
     learn at small ε anyway (trainer/config/forecast.py) — most of it goes to the base rate."""
     from widedp.accounting.calibration import calibrate, one_time_gaussian_sigma
-    from widedp.accounting.events import GaussianDpEvent as _Gaussian
 
     if n < 1:
         raise ValueError(f"recalibration needs n >= 1 training examples, got {n}")
@@ -227,7 +226,7 @@ def auto_noise_multiplier(n: int, target_epsilon: float, delta: float, accountan
     rate = RATE_NOISE_TARGET * n / SENSITIVITY
     if sigma <= rate:
         return sigma, rule
-    widest = calibrate(_Gaussian, MAX_BUDGET_FRACTION * target_epsilon, delta, accountant=accountant)
+    widest = calibrate(GaussianDpEvent, MAX_BUDGET_FRACTION * target_epsilon, delta, accountant=accountant)
     sigma = max(rate, widest)
     return sigma, (f"{rule}, above {RATE_NOISE_TARGET:g}·n/√2 = {rate:.4g} (the base rate's noise): "
                    f"max({rate:.4g}, σ spending {MAX_BUDGET_FRACTION:g}·ε = {widest:.4g}) = {sigma:.4g}")
