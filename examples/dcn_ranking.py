@@ -3,7 +3,7 @@ beside a deep MLP) over your own TorchRec EmbeddingBagCollection, trained with u
 `widedp.make_private` — sparse (noise only on privately selected rows), DP-SGD and non-private
 — on click logs with users; held-out AUC, logloss and ECE, median [min, max] over seeds. The
 private runs end with widedp's private recalibration (`logit_layer=`: a noisy histogram of the
-training logits, Platt's z ↦ a·z + b folded into the last layer; inside the target ε).
+training logits, Platt's z ↦ a·clip(z, ±8) + b folded into the last layer; inside the target ε).
 
     .venv/bin/python examples/dcn_ranking.py            # 3,000 users, ε ∈ {1, 8}, 2 seeds
     .venv/bin/python examples/dcn_ranking.py --quick    # a smoke run (what make test runs)

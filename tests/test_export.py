@@ -199,6 +199,41 @@ def test_weights_are_whole_tables_in_row_order(runs, exports):
     assert {(f["table"], f["pooling"]) for f in cbow["features"]} == {("input", "mean"), ("output", "sum")}
 
 
+def test_a_recalibrated_export_clamps_its_logit_to_the_fitted_range(runs, exports):
+    """The dlrm run was recalibrated: its released model computes a·clip(z, ±8) + b, and the
+    exported program does too — pooled inputs a thousand times too large (logits far beyond the
+    histogram's range) come out inside model.json's stated range, at its ends, as the run's own
+    evaluation gives them; the program without the clamp (the fold alone) does not."""
+    summary = json.loads((runs["dlrm"] / "summary.json").read_text())
+    recal = summary["recalibration"]
+    assert recal["applied"]
+    low, high = recal["b"] - 8 * recal["a"], recal["b"] + 8 * recal["a"]
+    spec = json.loads((exports["dlrm"][1] / "model.json").read_text())
+    assert spec["output"]["range"] == pytest.approx([low, high]) and "clip(z, ±8)" in spec["output"]["description"]
+    program = torch.export.load(str(exports["dlrm"][1] / "dense.pt2")).module()
+    assert any("clamp" in str(node.target) for node in program.graph.nodes)
+    F = len(spec["features"])
+    gen = torch.Generator().manual_seed(0)
+    pooled = 1000 * torch.randn(64, F, spec["embedding_dim"], generator=gen)
+    dense = 1000 * torch.randn(64, spec["num_dense"], generator=gen)
+    with torch.no_grad():
+        out = program(pooled, dense).ravel()
+    assert out.min() >= low - 1e-5 and out.max() <= high + 1e-5
+    assert ((out - low).abs() < 1e-5).any() or ((out - high).abs() < 1e-5).any()
+    from widedp.trainer.release.export import _dense_model
+    from widedp.trainer.data import open_dataset
+
+    state = torch.load(runs["dlrm"] / "checkpoint.pt", weights_only=False)
+    config = state["config"]
+    meta = open_dataset(config["data"]["path"], test_fraction=config["data"]["test_fraction"],
+                        seed=config["data"]["seed"])[0].meta
+    folded_only = _dense_model(config, meta, state["engine"]["averaged_model"])  # no clamp installed
+    with torch.no_grad():
+        unclamped = folded_only(pooled, dense).ravel()
+    assert unclamped.min() < low - 1.0 or unclamped.max() > high + 1.0
+    torch.testing.assert_close(out, unclamped.clamp(low, high), rtol=1e-5, atol=1e-5)
+
+
 def _walk_json(obj, path=""):
     if isinstance(obj, dict):
         for k, v in obj.items():

@@ -316,8 +316,10 @@ def test_epochs_give_the_planned_steps_as_opacus_users_count_them():
 
 def test_a_named_logit_layer_gets_the_private_recalibration_inside_the_target():
     """logit_layer=: train.recalibrate runs after the planned steps (its event in the ledger,
-    inside the target ε) and folds z -> a·z + b into that layer; the test logits are the
-    uncalibrated model's, mapped by the released (a, b). A layer whose output is not the
+    inside the target ε) and makes the model compute a·clip(z, ±8) + b (folded into that
+    layer, its output clamped): the test logits are the uncalibrated model's, mapped by the
+    released (a, b) — also where a diverged model's logits lie far outside the histogram's range,
+    and after the trainer's state is loaded into a fresh one. A layer whose output is not the
     module's logit is refused before anything is spent."""
     data = _data(n=1500)
     train, test = data.split(0.2, seed=1)
@@ -328,13 +330,27 @@ def test_a_named_logit_layer_gets_the_private_recalibration_inside_the_target():
         assert trainer.privacy.recalibration is not None
         while trainer.step() is not None:
             pass
-        before = trainer.predict(test)
+        with torch.no_grad():  # a diverged model: logits of ±hundreds, far outside the public ±8
+            tower.mlp[-1].weight.mul_(400.0)
+        before = trainer.predict(test).double()
+        assert (before.abs() > 8).float().mean() > 0.5
         steps = trainer.ledger.steps
         out = trainer.recalibrate()
         assert out is not None and trainer.ledger.steps == steps + 1 and trainer.epsilon() <= 4.0 + 1e-9
         assert trainer.recalibrate() is None  # once per step count
-        after = trainer.predict(test)
-        torch.testing.assert_close(after.double(), out["a"] * before.double() + out["b"], rtol=1e-4, atol=1e-4)
+        reference = out["a"] * before.clamp(-8.0, 8.0) + out["b"]  # the function the histogram's fit saw
+        assert out["logit_range"] == pytest.approx([out["b"] - 8 * out["a"], out["b"] + 8 * out["a"]])
+        after = trainer.predict(test).double()
+        torch.testing.assert_close(after, reference, rtol=1e-4, atol=1e-4)
+        state = trainer.state_dict()
+        unclamped = out["a"] * before + out["b"]  # the fold alone (the broken variant) differs there
+        assert (unclamped - reference).abs().max() > 1.0
+    torch.manual_seed(1)
+    fresh_tower = Tower()
+    with make_private(_ebc(), fresh_tower, bce, train, target_epsilon=4.0, batch_size=100, steps=6, mode="dpsgd",
+                      logit_layer=fresh_tower.mlp[-1], config=[*SETTINGS, "train.optimizer=sgd"]) as resumed:
+        resumed.load_state_dict(state)
+        torch.testing.assert_close(resumed.predict(test).double(), reference, rtol=1e-4, atol=1e-4)
     class Squashed(Tower):  # the layer's output goes through tanh: not the logit returned
         def forward(self, pooled, dense):
             return 3 * torch.tanh(super().forward(pooled, dense))

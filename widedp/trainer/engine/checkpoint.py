@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 
+from widedp.trainer.engine.recalibration import install_logit_range
+
 
 def engine_state(engine) -> dict:
     """Everything a resumed run needs. Generator states only in reproducible mode: a secret
@@ -23,6 +25,8 @@ def engine_state(engine) -> dict:
     }
     if engine.pre_recalibration is not None:
         state["pre_recalibration"] = {n: v.clone() for n, v in engine.pre_recalibration.items()}
+    if engine.logit_range is not None:  # the released model clamps its logit (trainer/engine/recalibration.py)
+        state["logit_range"] = list(engine.logit_range)
     if engine.dense.mix_previous is not None:  # ModelMix's θ_{t-2} of the dense parameters (a released state)
         state["mix_previous"] = {n: v.clone() for n, v in engine.dense.mix_previous.items()}
     if engine.dense.ema is not None:
@@ -66,6 +70,7 @@ def load_engine_state(engine, state: dict) -> None:
     engine.recalibrated_at = state.get("recalibrated_at")
     saved = state.get("pre_recalibration")
     engine.pre_recalibration = None if saved is None else {n: v.clone() for n, v in saved.items()}
+    install_logit_range(engine, state.get("logit_range"))
     previous = state.get("mix_previous")
     engine.dense.mix_previous = None if previous is None else {n: v.clone() for n, v in previous.items()}
     if engine.dense.ema is not None:

@@ -156,6 +156,9 @@ class Engine:
         self.recalibrated_at: Optional[int] = None  # the step after which train.recalibrate last ran
         # the logit layer before that recalibration folded (a, b) into it (trainer/engine/recalibration.py)
         self.pre_recalibration: Optional[dict] = None
+        # the released logit layer's output range, a·clip(z) + b's, and the hook that clamps it
+        self.logit_range: Optional[tuple] = None
+        self.logit_range_hook = None
         self.table_offsets = layout.table_offsets
         all_tables = tuple(range(len(layout.tables)))
         if any(t not in all_tables for t in dense_tables):

@@ -1,5 +1,5 @@
 """Private recalibration of a binary model's probabilities: one noisy histogram of the training
-set's logits by label, then Platt scaling (z ↦ a·z + b) fitted to it as post-processing.
+set's logits by label, then Platt scaling (z ↦ a·clip(z) + b) fitted to it as post-processing.
 
 Privacy assumption: add/remove-one neighbours over the whole training set (it runs once, after
 the last step, on all n training examples — no sampling; the model it reads is the released
@@ -22,6 +22,14 @@ whatever |p − y|, so the majority class wins — and the noise left in the emb
 label-free logit variance (the Platt slope fitted on the training set is 0.60). Fitting (a, b)
 on the training logits and applying them moved test logloss from 0.572 to 0.501 at an unchanged
 AUC (the ordering is monotone in z).
+
+The released model computes a·clip(z, ±LOGIT_CLIP) + b, the function the fit saw (every logit
+beyond the range falls in an end bin, so the counts say nothing about z = 50 that they do not
+say about z = 8): (a, b) are folded into the logit layer (W ← a·W, bias ← a·bias + b) and, as
+a > 0, its output is clamped to [b − a·LOGIT_CLIP, b + a·LOGIT_CLIP] (`LogitRange`, a forward
+hook on the layer, kept in checkpoints and in the exported program). Without the clamp a
+diverged model's logits of ±10³ came out of the fold as certain wrong answers (a test log loss
+of 1,154 on a public ratings set, where the clamped fold bounds every prediction by the fit's).
 """
 
 from __future__ import annotations
@@ -259,18 +267,63 @@ def noise_note(noise_multiplier: float, n: int, bins: int = BINS) -> dict:
     return out
 
 
+class LogitRange:
+    """A forward hook clamping a logit layer's output to [low, high]: with (a, b) folded into the
+    layer, clamp(a·z + b, b − a·c, b + a·c) = a·clip(z, ±c) + b for a > 0 (the recalibrated
+    model's function). A class, not a closure: it pickles with the module and torch.export
+    records it as one clamp."""
+
+    def __init__(self, low: float, high: float):
+        if not (math.isfinite(low) and math.isfinite(high) and low <= high):
+            raise ValueError(f"a logit range needs finite low <= high, got [{low}, {high}]")
+        self.low, self.high = float(low), float(high)
+
+    def __call__(self, module, inputs, output):
+        return output.clamp(self.low, self.high)
+
+    def __repr__(self) -> str:
+        return f"LogitRange({self.low:.6g}, {self.high:.6g})"
+
+
+def logit_range(a: float, b: float, clip: float = LOGIT_CLIP) -> tuple[float, float]:
+    """The output range of z ↦ a·clip(z, ±clip) + b for a > 0: (b − a·clip, b + a·clip)."""
+    if not a > 0:
+        raise ValueError(f"a recalibration's slope must be > 0, got {a}")
+    return b - a * clip, b + a * clip
+
+
+def install_logit_range(engine, bounds) -> None:
+    """Clamp the output of the engine's logit layer to `bounds` = (low, high) from now on (None:
+    remove the clamp). The hook sits on the model the engine evaluates and releases (for
+    make_private, the user's own layer, whose weights hold the fold)."""
+    handle = getattr(engine, "logit_range_hook", None)
+    if handle is not None:
+        handle.remove()
+    engine.logit_range_hook, engine.logit_range = None, None
+    if bounds is None:
+        return
+    layer = engine.model.logit_layer()
+    if layer is None:
+        raise ValueError(f"a logit range needs a model with a logit layer, not {type(engine.model).__name__}")
+    low, high = (float(v) for v in bounds)
+    engine.logit_range_hook = layer.register_forward_hook(LogitRange(low, high))
+    engine.logit_range = (low, high)
+
+
 def recalibrate_engine(engine, train_set, noise_multiplier: float, batch_size: int, bins: int = BINS) -> dict:
     """Run the mechanism on a trained engine: the released model's logits on every training
     example, the ledger charged (and persisted) with `GaussianDpEvent(σ)` *before* anything
     depends on the counts, the noisy histogram from the run's secret "recalibration" stream,
     Platt's (a, b) fitted to it and folded into the logit layer of the released parameters
-    (W ← a·W, bias ← a·bias + b). `bins`: the plan's (`auto_bins`, public). Returns what summary.json reports (a, b are outputs of the
+    (W ← a·W, bias ← a·bias + b), whose output is then clamped to `logit_range(a, b)` (the
+    released model computes a·clip(z) + b, the function fitted). `bins`: the plan's (`auto_bins`, public). Returns what summary.json reports (a, b are outputs of the
     mechanism, so they are released with the model)."""
     import torch
 
     layer = engine.model.logit_layer()
     if layer is None:
         raise ValueError(f"train.recalibrate needs a model with one logit output, not {type(engine.model).__name__}")
+    undo_recalibration(engine)  # the fit reads the training iterate's logits, never an earlier fold's
     outputs = engine.outputs(train_set, batch_size)
     if outputs is None:
         raise ValueError("train.recalibrate: the training split is empty")
@@ -290,9 +343,11 @@ def recalibrate_engine(engine, train_set, noise_multiplier: float, batch_size: i
     with torch.no_grad():
         weight.mul_(a)
         bias.mul_(a).add_(b)
+    bounds = logit_range(a, b)
+    install_logit_range(engine, bounds)
     engine.recalibrated_at = engine.step_count
     out = {"noise_multiplier": noise_multiplier, "a": a, "b": b, "bins": int(hist.centers.size),
-           "logit_clip": LOGIT_CLIP, "after_step": engine.step_count}
+           "logit_clip": LOGIT_CLIP, "logit_range": list(bounds), "after_step": engine.step_count}
     if a <= MIN_SLOPE:  # the fit found no positive signal: the model's order kept, near the base rate
         out["slope_held_at_minimum"] = ("the fitted slope was not positive: a is held at "
                                         f"{MIN_SLOPE:g}, keeping the model's order, and b fitted alone")
@@ -306,6 +361,7 @@ def undo_recalibration(engine) -> None:
     charged)."""
     import torch
 
+    install_logit_range(engine, None)
     saved = engine.pre_recalibration
     if saved is None:
         return
@@ -316,6 +372,6 @@ def undo_recalibration(engine) -> None:
     engine.pre_recalibration = None
 
 
-__all__ = ["BINS", "LOGIT_CLIP", "MAX_BUDGET_FRACTION", "MAX_TOTAL_NOISE_RATIO", "MIN_BINS", "MIN_SLOPE",
+__all__ = ["BINS", "LOGIT_CLIP", "LogitRange", "MAX_BUDGET_FRACTION", "MAX_TOTAL_NOISE_RATIO", "MIN_BINS", "MIN_SLOPE",
            "RATE_NOISE_TARGET", "auto_bins", "NoisyHistogram", "auto_noise_multiplier",
-           "bin_edges", "exact_histogram", "fit_platt", "noise_note", "total_noise_ratio", "noisy_histogram", "recalibrate_engine", "undo_recalibration"]
+           "bin_edges", "exact_histogram", "fit_platt", "install_logit_range", "logit_range", "noise_note", "total_noise_ratio", "noisy_histogram", "recalibrate_engine", "undo_recalibration"]

@@ -35,5 +35,5 @@ class DenseModel(nn.Module, abc.ABC):
 
     def logit_layer(self) -> Optional[nn.Linear]:
         """A binary model's last layer, whose one output is the logit (train.recalibrate folds
-        z ↦ a·z + b into it); None for a model without one logit (e.g. CBOW's softmax)."""
+        z ↦ a·z + b into it and clamps its output to the fitted range); None for a model without one logit (e.g. CBOW's softmax)."""
         return None

@@ -64,7 +64,8 @@ class UserDenseModel(DenseModel):
             (outputs are logits [n]).
         pooled_as: "dict" or "tensor", see `module`.
         logit_layer: the module's `nn.Linear` whose one output is the logit the module returns
-            (train.recalibrate folds z ↦ a·z + b into it; `check_logit_layer` verifies it).
+            (train.recalibrate folds z ↦ a·z + b into it and clamps its output to the fitted
+            range with a forward hook; `check_logit_layer` verifies it).
     """
 
     def __init__(self, module: nn.Module, loss_fn: LossFn, inputs: EmbeddingInputs,

@@ -234,8 +234,9 @@ class PrivateTrainer:
     def recalibrate(self) -> Optional[dict]:
         """train.recalibrate's release for a model with a `logit_layer` (make_private): a noisy
         histogram of the training set's logits by label, charged to the ledger first, and
-        Platt's z ↦ a·z + b folded into the logit layer of the released model
-        (trainer/engine/recalibration.py). Returns {a, b, σ, ...}, or None when the plan has none,
+        Platt's z ↦ a·clip(z, ±8) + b made the released model's function: (a, b) folded into
+        the logit layer, whose output a forward hook then clamps to [b − 8a, b + 8a] (on your
+        module's own layer; `state_dict()` keeps it; trainer/engine/recalibration.py). Returns {a, b, σ, ...}, or None when the plan has none,
         it already ran after this step, or it would pass the target ε (a warning says so).
         `train()` runs it after the planned steps; a loop of `step()` calls it at the end.
         Training on afterwards starts from the training iterate, not the recalibrated one."""

@@ -149,7 +149,9 @@ def export_run(run_dir, out_dir) -> dict:
     weights.update({f"dense.{k}": v.detach().cpu().contiguous().clone()
                     for k, v in dense_model.state_dict().items() if v.numel()})
     report = privacy_report(run_dir, summary, config, engine_state, meta, state)
-    spec = model_spec(config, meta, layout, engine_state.get("step"), output_is_logit=dense_model.logit_layer() is not None)
+    logit_range = _clamp_logit(dense_model, engine_state.get("logit_range"))
+    spec = model_spec(config, meta, layout, engine_state.get("step"), output_is_logit=dense_model.logit_layer() is not None,
+                      logit_range=logit_range)
     ema_decay = config.get("train", {}).get("ema_decay", 0.0)
     spec["parameters"] = (f"exponential moving average of the iterates, decay {ema_decay} (train.ema_decay)"
                           if averaged else "the last iterate")
@@ -272,6 +274,22 @@ def _dense_model(config: dict, meta, model_state: dict):
             raise ExportError(f"the run's model: {exc}") from exc
     model.load_state_dict(model_state)
     return model.eval()
+
+
+def _clamp_logit(dense_model, bounds):
+    """A recalibrated run's released model computes a·clip(z) + b: its logit layer's output is
+    clamped to the checkpoint's `logit_range` (trainer/engine/recalibration.py), recorded in the
+    exported program as one clamp. Returns the bounds, or None when the run has none."""
+    if bounds is None:
+        return None
+    from widedp.trainer.engine.recalibration import LogitRange
+
+    layer = dense_model.logit_layer()
+    if layer is None:
+        raise ExportError(f"the checkpoint clamps a logit but the {type(dense_model).__name__} model has no logit layer")
+    hook = LogitRange(*bounds)
+    layer.register_forward_hook(hook)
+    return [hook.low, hook.high]
 
 
 # ---- writing ----------------------------------------------------------------------------------------
@@ -657,7 +675,9 @@ def _check_pipeline(loaded, schema) -> None:
 
 
 # ---- model description ----------------------------------------------------------------------------
-def model_spec(config: dict, meta, layout, step, output_is_logit: bool = False) -> dict:
+def model_spec(config: dict, meta, layout, step, output_is_logit: bool = False, logit_range=None) -> dict:
+    """model.json's description of the exported model; `logit_range` (a recalibrated run's
+    [low, high]) is stated in the output's entry."""
     m = config["model"]
     name = m["name"]
     spec = {
@@ -714,6 +734,11 @@ def model_spec(config: dict, meta, layout, step, output_is_logit: bool = False) 
                             "probability = sigmoid(logit)" if output_is_logit else "")),
         }
         spec["architecture"] = f"{name}, built with model.kwargs = {dict(m.get('kwargs', {}))}"
+    if logit_range is not None:
+        low, high = logit_range
+        spec["output"]["range"] = [low, high]
+        spec["output"]["description"] += (f"; recalibrated (train.recalibrate): the logit is a·clip(z, ±8) + b of the "
+                                          f"trained logit z, so it lies in [{low:.6g}, {high:.6g}] (the program clamps it)")
     return spec
 
 
