@@ -228,7 +228,7 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
                 lr=0.1, dense_lr=0.05, model="dlrm", sampler=None, dense_optimizer="sgd", init_std=0.3,
                 plan_overrides=None, dense_tables=(), ema_decay=0.0, num_trainers=1,
                 selection_on_shards=False, trainer_actors=False, fuse_selection=True, example_units=None,
-                group_size=1, data_plane="calls", fold_write_back=None, norms_on_trainer=True):
+                group_size=1, data_plane="calls", fold_write_back=None, norms_on_trainer=True, lazy_noise=False):
     """An engine over `ds`. Extras (defaults keep the original behaviour): `sampler` replaces
     the Poisson `SimpleSampler(len(ds), q, seed + 7)` (e.g. a `ListSampler`);
     `dense_optimizer` is "sgd" | "adam" | "adagrad" (lr = dense_lr); `plan_overrides` replaces
@@ -242,7 +242,8 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
     (a unit index per example; q and b stay as given); `group_size`: every event charged for
     groups of that many examples (user level by example sampling); `data_plane`: the Ray shard
     group's ("calls" or "compiled"); `fold_write_back`: the group's (None: its default, off
-    in-process, on for Ray); `norms_on_trainer`: the engine's (False: the shards' norms round)."""
+    in-process, on for Ray); `norms_on_trainer`: the engine's (False: the shards' norms round);
+    `lazy_noise`: DP-SGD's noise deferred to each row's next read (trainer/engine/shard_update.py)."""
     from widedp.trainer.engine.shard_group import InProcessShardGroup
     from widedp.trainer.cluster.ray_shards import RayShardGroup
     from widedp.trainer.cluster.ray_trainers import ray_trainer_factory
@@ -251,7 +252,7 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
     torch.manual_seed(seed)
     net = MODELS[model](features=list(ds.meta.features), embedding_dim=dim, num_dense=ds.meta.num_dense,
                         bottom_mlp=[5], top_mlp=[5])
-    kwargs = dict(optimizer=optimizer, lr=lr, seed=seed, init_std=init_std, ema_decay=ema_decay)
+    kwargs = dict(optimizer=optimizer, lr=lr, seed=seed, init_std=init_std, ema_decay=ema_decay, lazy_noise=lazy_noise)
     fold = {} if fold_write_back is None else {"fold_write_back": fold_write_back}
     shards = InProcessShardGroup(layout, **fold, **kwargs) if backend == "local" else RayShardGroup(
         layout, cpus_per_shard=0.25, data_plane=data_plane, **fold, **kwargs)

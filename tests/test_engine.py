@@ -82,9 +82,10 @@ def build(ds, batches, *, mode, selection="em", num_shards=1, second_clip=None, 
           optimizer="sgd", dense_optimizer="sgd", model="dlrm", target_epsilon=1e9, seed=SEED, overrides=None,
           dense_tables=(), lr=LR, dense_lr=DENSE_LR, ema_decay=0.0, num_trainers=1, selection_on_shards=False,
           trainer_actors=False, fuse_selection=True, example_units=None, data_plane="calls", fold_write_back=None,
-          norms_on_trainer=True):
+          norms_on_trainer=True, lazy_noise=False):
     return make_engine(ds, num_shards=num_shards, mode=mode, selection=selection, backend=backend, example_units=example_units,
                        data_plane=data_plane, fold_write_back=fold_write_back, norms_on_trainer=norms_on_trainer,
+                       lazy_noise=lazy_noise,
                        optimizer=optimizer, dense_optimizer=dense_optimizer, q=Q, seed=seed, dim=DIM,
                        second_clip=second_clip, lr=lr, dense_lr=dense_lr, model=model, init_std=INIT_STD,
                        sampler=ListSampler(batches), target_epsilon=target_epsilon, dense_tables=dense_tables,
@@ -797,6 +798,37 @@ def test_a_killed_shard_actor_is_replaced_and_the_run_equals_an_uninterrupted_on
     assert runs[True][2] == runs[False][2]
     assert runs[True][3] == runs[False][3] == len(batches)
     assert (runs[False][4], runs[True][4]) == (0, 1)
+
+
+@ON_THE_MODULES_RAY
+@pytest.mark.parametrize("trainer_actors", [False, True], ids=["coordinator-lookups", "trainer-actors"])
+def test_lazy_dpsgd_noise_on_ray_equals_in_process_with_a_lost_shard_replayed(ray_cluster, trainer_actors):
+    """Lazy DP-SGD noise (trainer/engine/shard_update.py) on shard actors: the pending noise
+    lives on the shard that holds the row and is added before its lookup answers; a shard
+    actor killed after a checkpoint (the group's snapshot, every row's noise stored) is rebuilt
+    from the write-backs since — which store what the lost shard's lookups read — so the run
+    equals the in-process one bit for bit: with the coordinator's lookups, and with trainer
+    actors that look rows up on the shards directly (the step redone)."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 6)
+    kw = dict(mode="dpsgd", num_shards=2, second_clip=S2, optimizer="sgd", lazy_noise=True,
+              num_trainers=2 if trainer_actors else 1)
+    runs = {}
+    for backend in ("local", "ray"):
+        engine = build(ds, batches, backend=backend, trainer_actors=trainer_actors and backend == "ray", **kw)
+        try:
+            for step in range(1, len(batches) + 1):
+                if step - 1 == 2:
+                    engine.state_dict()  # a checkpoint: its shards' states hold every row's noise
+                if backend == "ray" and step - 1 == 4:
+                    ray_cluster.kill(engine.shards.actors[1], no_restart=True)
+                assert engine.step() is not None
+            runs[backend] = (engine_params(engine), engine.ledger.state_dict(), engine.shards.restarts
+                             if backend == "ray" else 1)
+        finally:
+            engine.shutdown()
+    assert_params_equal(runs["ray"][0], runs["local"][0])
+    assert runs["ray"][1] == runs["local"][1] and runs["ray"][2] == 1
 
 
 def test_a_negative_restart_bound_is_refused_naming_the_key():

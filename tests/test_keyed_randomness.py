@@ -41,8 +41,14 @@ def _selected_row_and_dense_noise(key: NoiseKey) -> np.ndarray:
 
 
 def _dpsgd_row_noise(key: NoiseKey) -> np.ndarray:
-    """DP-SGD's (and dense tables') per-row noise, counter-based on the shards."""
-    return row_block_normal(key, "dpsgd", 3, 1, 1000, 1100, 4, 1.0).numpy()
+    """DP-SGD's (and dense tables') per-row noise, counter-based on the shards, and the lazy
+    noise's one draw per pending interval (trainer/engine/shard_update.py), point-addressed."""
+    from widedp.selection.keyed_random import interval_normals
+    from widedp.trainer.engine.shard_update import LAZY_DOMAIN, ROW_BITS
+
+    rows = (1 << ROW_BITS) + np.arange(1000, 1100)
+    lazy = interval_normals(key.derive(LAZY_DOMAIN), rows, np.full(100, 2), np.full(100, 9), 4).numpy()
+    return np.concatenate([row_block_normal(key, "dpsgd", 3, 1, 1000, 1100, 4, 1.0).numpy().ravel(), lazy.ravel()])
 
 
 def _modelmix_weights(key: NoiseKey) -> np.ndarray:

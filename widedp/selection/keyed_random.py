@@ -183,6 +183,53 @@ def standard_normals(key: NoiseKey, start: int, count: int) -> torch.Tensor:
     return pairs.view(-1)[start - 2 * first: start - 2 * first + count]
 
 
+#: `interval_normals`' AES input block (128 bits, big-endian): row (64) | start (24) | end (24) | j (16).
+_INTERVAL_BITS, _BLOCK_INDEX_BITS = 24, 16
+
+
+def interval_normals(key: NoiseKey, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, dim: int) -> torch.Tensor:
+    """Standard normal values [N, dim] (float32), point i's a function of (key, rows[i],
+    starts[i], ends[i]) alone: AES (128-bit key fast, 256-bit secure) of the distinct 128-bit
+    blocks row | start | end | j (j = 0, 1, ... the block's index within the point), converted as
+    `standard_normals` converts its keystream (fast: one word per pair of float32 values;
+    secure: four words per 4-draw float64 value). AES is a pseudorandom permutation, so distinct
+    blocks give independent-looking words: distinct (row, start, end) give independent values,
+    and the same point gives the same values however many others are drawn with it (lazy
+    DP-SGD noise: a row's pending steps [start, end) of one table, trainer/engine/shard_update.py).
+    The key must not also key a `standard_normals` stream (its counter blocks could coincide
+    with these): derive one for it. Needs 0 <= start < end < 2^24, rows >= 0."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    rows, starts, ends = (np.asarray(a, dtype=np.int64).ravel() for a in (rows, starts, ends))
+    n, dim = rows.size, int(dim)
+    if not (starts.size == n and ends.size == n):
+        raise ValueError(f"interval_normals needs one start and end per row, got {n} rows, {starts.size} starts, "
+                         f"{ends.size} ends")
+    words_per_point = 4 * dim if key.secure else (dim + 1) // 2
+    blocks = (words_per_point + _AES_BLOCK_WORDS - 1) // _AES_BLOCK_WORDS
+    if dim < 1 or blocks > (1 << _BLOCK_INDEX_BITS):
+        raise ValueError(f"interval_normals: dim {dim} outside 1..{(1 << _BLOCK_INDEX_BITS) * (1 if key.secure else 4) // (2 if key.secure else 1)}")
+    if n == 0:
+        return torch.zeros((0, dim), dtype=torch.float32)
+    if rows.min() < 0 or starts.min() < 0 or (ends <= starts).any() or ends.max() >= (1 << _INTERVAL_BITS):
+        raise ValueError("interval_normals needs rows >= 0 and 0 <= start < end < 2^24")
+    block = np.empty((n, blocks, 2), dtype=">u8")
+    block[:, :, 0] = rows.astype(np.uint64)[:, None]
+    low = (starts.astype(np.uint64) << np.uint64(_INTERVAL_BITS + _BLOCK_INDEX_BITS)) \
+        | (ends.astype(np.uint64) << np.uint64(_BLOCK_INDEX_BITS))
+    block[:, :, 1] = low[:, None] | np.arange(blocks, dtype=np.uint64)[None, :]
+    encryptor = Cipher(algorithms.AES(int(key.key).to_bytes(key.key_bytes, "little")), modes.ECB()).encryptor()
+    cipher = np.frombuffer(encryptor.update(block.tobytes()) + encryptor.finalize(), dtype="<u8")
+    words = torch.from_numpy(cipher.astype(np.int64).reshape(n, blocks * _AES_BLOCK_WORDS)[:, :words_per_point].copy())
+    if key.secure:
+        return _secure_values(words.reshape(-1)).view(n, dim).to(torch.float32)
+    pairs = torch.empty((words.numel(), 2), dtype=torch.float32)
+    flat = words.reshape(-1)
+    for lo in range(0, flat.numel(), _CHUNK_WORDS):
+        _fast_pairs(flat[lo: lo + _CHUNK_WORDS], pairs[lo: lo + _CHUNK_WORDS])
+    return pairs.view(n, 2 * words_per_point)[:, :dim]
+
+
 def uniforms(key: NoiseKey, start: int, count: int) -> torch.Tensor:
     """Values [start, start + count) of `key`'s U[0, 1) stream: float32 from the top 24 bits of
     keystream word i."""

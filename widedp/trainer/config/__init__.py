@@ -37,6 +37,8 @@ from widedp.trainer.names import is_import_path
 from widedp.trainer.config.table_policy import POLICIES as TABLE_POLICIES
 
 MODES = ("nonprivate", "dpsgd", "sparse")
+#: train.dpsgd_noise (`lazy_dpsgd_noise`).
+DPSGD_NOISE = ("auto", "lazy", "eager")
 # train.selection: any registered selector (selection.registry); DP-SGD is train.mode = "dpsgd".
 AUTO = "auto"
 ADAPTIVE = "adaptive"
@@ -217,6 +219,12 @@ class TrainConfig:
     tensorboard: bool = False
     eval_batch_size: int = 4096
     checkpoint_every: int = 100
+    # DP-SGD's noise of the rows a step does not read (train.mode = "dpsgd"): "lazy" defers it to
+    # the row's next read or release and draws it there at once — the same distribution of
+    # everything the run reads and releases, exact for SGD without ema_decay or ModelMix
+    # (trainer/engine/shard_update.py); "eager" draws every row every step; "auto" (default):
+    # lazy where exact, else eager (`lazy_dpsgd_noise`).
+    dpsgd_noise: str = "auto"
 
     def validate(self) -> None:
         selectors, LR_SCHEDULES, OPTIMIZERS = registry("selectors"), registry("lr_schedules"), registry("optimizers")
@@ -234,6 +242,7 @@ class TrainConfig:
             (self.eval_every >= 0, "train.eval_every must be >= 0"),
             (self.eval_batch_size >= 1, "train.eval_batch_size must be >= 1"),
             (self.checkpoint_every >= 1, "train.checkpoint_every must be >= 1"),
+            (self.dpsgd_noise in DPSGD_NOISE, f"train.dpsgd_noise must be one of {DPSGD_NOISE}, got {self.dpsgd_noise!r}"),
             (not self.tensorboard or importlib.util.find_spec("tensorboard") is not None, TENSORBOARD_MISSING),
         ])
 
@@ -514,7 +523,32 @@ class Config:
                        "breaks the per-coordinate bound)")])
         elif p.mix_width or p.mix_coordinates != 1:
             raise ConfigError("privacy.mix_width and privacy.mix_coordinates apply only with train.modelmix = true")
+        if t.dpsgd_noise == "lazy":
+            refusal = lazy_noise_refusal(self)
+            if refusal is not None:
+                raise ConfigError(f'train.dpsgd_noise = "lazy" {refusal}; use "auto" or "eager"')
         return self
+
+
+def lazy_noise_refusal(cfg: "Config") -> Optional[str]:
+    """Why lazy DP-SGD noise would not be exact for `cfg` (None: it is). Exact: SGD on the
+    tables, without an average of the iterates or ModelMix (trainer/engine/shard_update.py)."""
+    t = cfg.train
+    if t.mode != "dpsgd":
+        return f'applies to train.mode = "dpsgd" only (got {t.mode!r}; sparse mode\'s dense tables are noised eagerly)'
+    if t.optimizer != "sgd":
+        return (f"is exact for train.optimizer = \"sgd\" only (got {t.optimizer!r}): Adagrad's and Adam's state "
+                "depend on every step's noisy gradient of every row")
+    if t.ema_decay > 0:
+        return "is not exact with train.ema_decay > 0: the average reads every row's every intermediate value"
+    if t.modelmix:
+        return "is not exact with train.modelmix: every step mixes every row's two latest states"
+    return None
+
+
+def lazy_dpsgd_noise(cfg: "Config") -> bool:
+    """Whether the run defers DP-SGD's noise (train.dpsgd_noise: "auto" = where exact)."""
+    return cfg.train.dpsgd_noise != "eager" and lazy_noise_refusal(cfg) is None
 
 
 def _check_auto_fields(section: str, values: Any) -> None:

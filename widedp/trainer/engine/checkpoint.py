@@ -12,6 +12,7 @@ from widedp.trainer.engine.recalibration import install_logit_range
 def engine_state(engine) -> dict:
     """Everything a resumed run needs. Generator states only in reproducible mode: a secret
     run's randomness never reaches disk (a resumed secret run draws a fresh root)."""
+    engine.store_pending_noise()  # lazy DP-SGD noise: stored in a logged round before the shards' states are read
     state = {
         "step": engine.step_count,
         # Copies: a checkpoint held in memory must not change as training continues.

@@ -351,6 +351,14 @@ class Engine:
         """(model outputs, labels) over `dataset` with the released parameters."""
         return evaluation.outputs(self, dataset, batch_size, averaged)
 
+    def store_pending_noise(self) -> None:
+        """DP-SGD: every row of every shard with lazy noise receives its pending noise, in a
+        logged state-changing round (an evaluation or a saved state reads the rows as released,
+        and what it reports must agree with every later read: trainer/engine/shard_update.py);
+        shards with eager noise answer 0. Nothing in the other modes."""
+        if self.mode == "dpsgd":
+            self.shards.broadcast("flush_pending")
+
     def state_dict(self) -> dict:
         """Everything a resumed run needs (trainer/engine/checkpoint.py)."""
         return checkpoint.engine_state(self)

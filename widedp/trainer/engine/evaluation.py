@@ -31,6 +31,7 @@ def outputs(engine, dataset, batch_size: int, averaged: Optional[bool] = None
     """(model outputs, labels) over `dataset` with the released parameters (see `evaluate`);
     None for an empty dataset."""
     averaged = engine.dense.ema is not None if averaged is None else averaged
+    engine.store_pending_noise()  # lazy DP-SGD noise: the rows read as released, consistently with later reads
     dense_params = engine.dense.released_params(averaged)
     outs, labels = [], []
     for batch in dataset.iter_batches(batch_size):

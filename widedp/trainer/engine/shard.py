@@ -38,9 +38,9 @@ from widedp.trainer.names import OPTIMIZERS  # noqa: F401  (the one list: config
 SHARD_CALLS = frozenset({
     "lookup", "example_sq_norms", "unit_sq_norms", "set_pooled_grad", "clipped_row_sums",
     "add_clipped_row_sums", "reduced_row_sums", "select_rows", "apply_rows", "apply_dense_noise_update",
-    "averaged_weights", "state_dict", "load_state_dict", "discard_step", "ping",
+    "averaged_weights", "state_dict", "load_state_dict", "discard_step", "flush_pending", "ping",
 })
-MUTATING = frozenset({"apply_rows", "apply_dense_noise_update", "load_state_dict"})
+MUTATING = frozenset({"apply_rows", "apply_dense_noise_update", "load_state_dict", "flush_pending"})
 
 
 def owned(obj: Any) -> Any:
@@ -69,7 +69,7 @@ class EmbeddingShard:
     Args:
         layout: the tables, features and row ranges of every shard.
         shard_index: which shard this is.
-        optimizer, lr, adam_betas, eps, ema_decay: the write-back's settings (`ShardUpdates`).
+        optimizer, lr, adam_betas, eps, ema_decay, lazy_noise: the write-back's settings (`ShardUpdates`).
         seed, init_std: the rows' public initialisation (`ShardStorage`).
 
     Attributes: `storage`, `gradients`, `selection`, `updates` (the four parts: see the
@@ -77,14 +77,14 @@ class EmbeddingShard:
 
     def __init__(self, layout: ShardLayout, shard_index: int, optimizer: str = "sgd", lr: float = 0.1,
                  seed: int = 0, init_std: float = 0.01, adam_betas: Sequence[float] = (0.9, 0.999),
-                 eps: float = 1e-8, ema_decay: float = 0.0):
+                 eps: float = 1e-8, ema_decay: float = 0.0, lazy_noise: bool = False):
         from widedp.trainer.engine.memory import keep_freed_memory
 
         keep_freed_memory()  # as the coordinator: a shard actor's per-step buffers stay in its heap
         if optimizer not in OPTIMIZERS:  # before the TBE is built
             raise ValueError(f"embedding optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         self.storage = ShardStorage(layout, shard_index, optimizer, lr, eps, seed, init_std)
-        self.updates = ShardUpdates(self.storage, optimizer, lr, adam_betas, eps, ema_decay)
+        self.updates = ShardUpdates(self.storage, optimizer, lr, adam_betas, eps, ema_decay, lazy_noise)
         self.gradients = ShardGradients(self.storage)
         self.selection = ShardSelection(self.storage, self.gradients)
         self.shard_index = shard_index
@@ -99,7 +99,7 @@ class EmbeddingShard:
             "select_rows": self.selection.select_rows, "apply_rows": self._apply_rows,
             "apply_dense_noise_update": self._apply_dense_noise_update, "averaged_weights": u.averaged_weights,
             "state_dict": u.state_dict, "load_state_dict": u.load_state_dict, "discard_step": g.discard,
-            "ping": self.ping,
+            "flush_pending": self._flush_pending, "ping": self.ping,
         }
         assert set(self._calls) == SHARD_CALLS
 
@@ -159,7 +159,19 @@ class EmbeddingShard:
         """`ShardGradients.lookup`; with `averaged`, from the averaged weights (evaluation only:
         no gradient cache is kept)."""
         table = self.updates.averaged_weights_flat() if averaged else None
-        return self.gradients.lookup(inp, batch_size, trainer, averaged_table=table)
+        if not self.updates.lazy_noise or averaged:
+            return self.gradients.lookup(inp, batch_size, trainer, averaged_table=table)
+        # lazy DP-SGD noise: the rows read hold their pending noise while the TBE reads them; the
+        # step's write-back stores it (the same draws: shard_update.py's module docstring)
+        st = self.storage
+        self.gradients._check_ids(inp, batch_size)  # before the ids index the pending state
+        with self.updates.with_pending_noise(st.row_base[st.feature_table[inp.feature]] + inp.local_id):
+            return self.gradients.lookup(inp, batch_size, trainer)
+
+    def _flush_pending(self) -> int:
+        """Store every row's pending DP-SGD noise (before an evaluation or any release that
+        reads the rows); returns how many rows received some (0 without lazy noise)."""
+        return self.updates.flush()
 
     def _clipped_row_sums(self, factors: np.ndarray, trainer: int = 0, selection_weights=None,
                           select: Optional[ShardSelect] = None, coordinate_bound: Optional[float] = None,

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from widedp.accounting import PrivacyLedger
-from widedp.trainer.config import Config
+from widedp.trainer.config import Config, lazy_dpsgd_noise
 from widedp.trainer.config.planning import PrivacyInfo, plan_run
 from widedp.trainer.engine import Engine, EngineOptions, EnginePrivacy
 from widedp.trainer.engine.layout import ShardLayout
@@ -30,7 +30,8 @@ def shard_group(cfg: Config, layout: ShardLayout):
     from widedp.trainer.engine.shard_group import InProcessShardGroup
 
     kwargs: dict[str, Any] = dict(optimizer=cfg.train.optimizer, lr=cfg.train.lr, seed=cfg.train.seed,
-                                  init_std=cfg.model.init_std, ema_decay=cfg.train.ema_decay)
+                                  init_std=cfg.model.init_std, ema_decay=cfg.train.ema_decay,
+                                  lazy_noise=lazy_dpsgd_noise(cfg))
     if cfg.cluster.backend == "local":
         return InProcessShardGroup(layout, **kwargs)
     return RayShardGroup(layout, cpus_per_shard=cfg.cluster.cpus_per_shard, gpus_per_shard=cfg.cluster.gpus_per_shard,

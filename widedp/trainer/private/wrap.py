@@ -299,6 +299,7 @@ class PrivateTrainer:
         them (with several modules, the keys of each). `averaged` (default: with
         train.ema_decay > 0) gives the averaged tables."""
         averaged = self.config.train.ema_decay > 0 if averaged is None else averaged
+        self.engine.store_pending_noise()
         states = self.engine.shards.broadcast("state_dict")
         key = "averaged_weights" if averaged else "weights"
         out = {}
@@ -309,6 +310,7 @@ class PrivateTrainer:
         return out
 
     def _load_tables(self, tables: Mapping[str, torch.Tensor]) -> None:
+        self.engine.store_pending_noise()
         states = self.engine.shards.broadcast("state_dict")
         for t, table in enumerate(self.layout.tables):
             if table.name not in tables:

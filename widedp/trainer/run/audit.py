@@ -293,6 +293,7 @@ def table_values(engine, table: str, released: bool) -> np.ndarray:
     averaging is on)."""
     t = engine.layout.table_index(table)
     parts = []
+    engine.store_pending_noise()  # lazy DP-SGD noise: every row's, in a logged round
     for state in engine.shards.broadcast("state_dict"):
         weights = state["averaged_weights"] if released and "averaged_weights" in state else state["weights"]
         parts.append(np.asarray(weights[t], dtype=np.float64))
@@ -365,6 +366,7 @@ def canary_row_values(engine, canaries: Canaries, released: bool) -> np.ndarray:
     layout = engine.layout
     if not canaries.tables:
         raise ValueError("these canaries have no rows of their own (inserted phrases)")
+    engine.store_pending_noise()
     states = engine.shards.broadcast("state_dict")
     out = np.empty((canaries.count, len(canaries.tables), layout.dim), dtype=np.float64)
     for j, table in enumerate(canaries.tables):

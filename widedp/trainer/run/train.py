@@ -65,7 +65,7 @@ from widedp.accounting.atomic import atomic_write_bytes
 from widedp.trainer import strict_json
 from widedp.trainer.run import budget as dataset_budget
 from widedp.trainer.config import semantics as run_semantics
-from widedp.trainer.config import Config, saved_config
+from widedp.trainer.config import Config, lazy_dpsgd_noise, saved_config
 from widedp.trainer.data.format.meta import dataset_identity
 from widedp.trainer.data.format.dataset import split_rule
 from widedp.trainer.engine import Engine, StepStats
@@ -340,7 +340,10 @@ def check_replay_is_identical(state: dict, cfg: Config, info, ckpt_file: Path) -
     recalibration's parameters are calibrated for train.steps) is the checkpoint's, and the
     learning-rate schedule is constant (linear and cosine are functions of train.steps)."""
     saved = state["config"]
-    changed = changed_computation_keys(saved, cfg.to_dict(), _RESUME_FREE_KEYS | {("train", "steps")})
+    free = _RESUME_FREE_KEYS | {("train", "steps")}
+    if lazy_dpsgd_noise(cfg):  # lazy DP-SGD noise: evaluations and checkpoints are where rows get their noise
+        free = free - {("train", "eval_every"), ("train", "checkpoint_every")}
+    changed = changed_computation_keys(saved, cfg.to_dict(), free)
     if changed:
         raise ValueError(f"{ckpt_file}: --resume in reproducible mode would replay the checkpoint's noise on different "
                          f"values: {', '.join(changed)} changed; resume with the run's values (privacy.reproducible "
