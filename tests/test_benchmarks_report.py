@@ -906,3 +906,21 @@ def test_round_timings_are_summarized_per_method_and_a_round_a_shard_missed_is_l
     assert r["shard_wall_ms"] == pytest.approx(4.0)  # parts 1, 5, 3, 9
     assert r["shards_cpu_sum_ms"] == pytest.approx(6.5) and r["shard_cpu_ms"] == pytest.approx(3.0)
     assert r["return_ms"] == pytest.approx(2.0) and r["round_ms"] == pytest.approx(15.0)
+
+
+def test_lazy_noise_goal_compares_the_median_auc_with_the_seed_spread():
+    sys.path.insert(0, str(BENCH))
+    import lazy_noise as ln
+
+    def rec(mode, auc, e=8.0):
+        return {"target_epsilon": e, "mode": mode, "seed": 0, "step_time_ms_median": 10.0,
+                "test_metrics": {"auc": auc, "logloss": 0.5, "ece": 0.01}}
+
+    close = ln.summarize([rec("lazy", 0.760), rec("lazy", 0.764), rec("eager", 0.761), rec("eager", 0.765)])
+    (row,) = ln.auc_goal(close)
+    assert row["met"] is True and row["difference"] == pytest.approx(-0.001) and row["spread"] == pytest.approx(0.004)
+    far = ln.summarize([rec("lazy", 0.740), rec("lazy", 0.742), rec("eager", 0.761), rec("eager", 0.765)])
+    assert ln.auc_goal(far)[0]["met"] is False
+    assert ln.auc_goal(ln.summarize([rec("lazy", 0.74)]))[0]["met"] is None  # eager not run: not measured
+    lines, goals = ln.results_section({"config": "c.toml", "seeds": [0, 1], "summary": far, "goal": ln.auc_goal(far)})
+    assert "| 8 | lazy | 2 | 0.7410 [0.7400, 0.7420] |" in "\n".join(lines) and goals[0][2] == "**missed**"

@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from widedp.selection._sparse import unique_ints
 from widedp.selection.keyed_random import NoiseKey, interval_normals
 from widedp.trainer.engine.layout import row_block_normal, row_block_uniform
 from widedp.trainer.engine.modelmix import mix
@@ -196,7 +197,7 @@ class ShardUpdates:
         the same rows give the same values until `flush` stores them."""
         if not self.lazy_noise or flat_ids.size == 0:
             return np.zeros(0, np.int64), None
-        ids = np.unique(np.asarray(flat_ids, dtype=np.int64))
+        ids = unique_ints(np.asarray(flat_ids, dtype=np.int64))
         through = self.noised_through[torch.from_numpy(ids)].numpy()
         waiting = through < self.step
         ids, through = ids[waiting], through[waiting]
@@ -257,8 +258,7 @@ class ShardUpdates:
         if noise is None or ids.size == 0:
             return 0
         index = torch.from_numpy(ids)
-        with torch.no_grad():
-            self.storage.flat[index.to(self.storage.flat.device)] -= noise.to(self.storage.flat.device)
+        _subtract_rows(self.storage.flat, index.to(self.storage.flat.device), noise)
         self.noised_through[index] = self.step
         return int(ids.size)
 
@@ -425,14 +425,22 @@ class _PendingNoise:
         if noise is not None:
             flat = self.updates.storage.flat
             index = torch.from_numpy(ids).to(flat.device)
-            self._saved = (index, flat[index].clone())
-            with torch.no_grad():
-                flat[index] -= noise.to(flat.device)
+            self._saved = (index, _subtract_rows(flat, index, noise))
         return self
 
     def __exit__(self, *exc) -> None:
         if self._saved is not None:
             index, values = self._saved
             with torch.no_grad():
-                self.updates.storage.flat[index] = values
+                self.updates.storage.flat.index_copy_(0, index, values)
             self._saved = None
+
+
+def _subtract_rows(flat: torch.Tensor, index: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """flat[index] ← flat[index] − noise (distinct indices), in place; returns the rows' values
+    before. The one arithmetic both a lookup's temporary noise and the write-back's stored noise
+    use, so the value a lookup read is the value stored, bit for bit."""
+    with torch.no_grad():
+        before = flat.index_select(0, index)
+        flat.index_copy_(0, index, before - noise.to(flat.device))
+    return before
