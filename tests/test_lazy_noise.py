@@ -217,11 +217,14 @@ def dataset():
     return wide_ctr(n=60, tables=(23, 17, 2), seed=1)
 
 
-def test_no_row_is_read_or_released_with_noise_missing(monkeypatch):
-    """An in-process lazy DP-SGD engine, 3 shards: every row a lookup reads has, at that moment,
-    the noise of every earlier step (stored, or pending and added for the read); the rows each
-    write-back updates include every row its step read (so the stored state follows from the
-    write-backs); after an evaluation and in a checkpoint every row holds all of its noise."""
+@pytest.mark.parametrize("unit", ["example", "user"])
+def test_no_row_is_read_or_released_with_noise_missing(monkeypatch, unit):
+    """An in-process lazy DP-SGD engine, 3 shards, at example level and at user level (3
+    examples per user, clipped per user: the shards' noise path does not see the unit, so lazy
+    noise composes with it unchanged): every row a lookup reads has, at that moment, the noise of
+    every earlier step (stored, or pending and added for the read); the rows each write-back
+    updates include every row its step read (so the stored state follows from the write-backs);
+    after an evaluation every row holds all of its noise."""
     reads: list = []
     original = ShardUpdates.with_pending_noise
 
@@ -245,7 +248,9 @@ def test_no_row_is_read_or_released_with_noise_missing(monkeypatch):
     monkeypatch.setattr(ShardUpdates, "with_pending_noise", recorded)
     monkeypatch.setattr(ShardUpdates, "_lazy_dense_update", recorded_update)
     ds = dataset()
-    engine = make_engine(ds, num_shards=3, mode="dpsgd", optimizer="sgd", lazy_noise=True, q=0.3, seed=4)
+    units = None if unit == "example" else np.arange(len(ds)) // 3
+    engine = make_engine(ds, num_shards=3, mode="dpsgd", optimizer="sgd", lazy_noise=True, q=0.3, seed=4,
+                         example_units=units)
     try:
         for _ in range(5):
             reads.clear()
