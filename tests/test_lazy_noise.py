@@ -20,7 +20,6 @@ import pytest
 import torch
 from scipy import stats
 
-import widedp.trainer.engine.shard_update as update_module
 from widedp.selection.keyed_random import NoiseKey, interval_normals
 from widedp.trainer.config import ConfigError, lazy_dpsgd_noise, load_config
 from widedp.trainer.engine.layout import FeatureSpec, ShardInput, ShardLayout, TableSpec
@@ -202,7 +201,7 @@ def test_a_broken_lazy_noise_is_caught(eager_samples, broken):
     assert min(pvalues.values()) < 1e-6, pvalues
 
 
-def test_the_released_tables_do_not_depend_on_when_rows_were_read_in_expectation_only():
+def test_a_fixed_key_replays_the_lazy_run_bit_for_bit_with_values_of_its_own():
     """A fixed key: the lazy run's values are its own (not the eager run's draws) — the
     guarantee is the distribution's, tested above — and the same key replays them bit for bit."""
     key = NoiseKey(424242)
@@ -285,10 +284,9 @@ def test_the_lazy_engine_gives_the_same_tables_over_one_and_three_shards():
         torch.testing.assert_close(params[1][0][name], params[0][0][name], rtol=1e-5, atol=1e-6)
 
 
-def test_an_eager_shard_refuses_nothing_and_a_lazy_one_refuses_what_is_not_exact():
-    storage_args = dict(optimizer="adam", lr=0.1, seed=0)
+def test_a_lazy_shard_refuses_what_is_not_exact():
     with pytest.raises(ValueError, match="exact for SGD without averaging"):
-        EmbeddingShard(LAYOUT, 0, lazy_noise=True, **storage_args)
+        EmbeddingShard(LAYOUT, 0, optimizer="adam", lr=0.1, seed=0, lazy_noise=True)
     with pytest.raises(ValueError, match="exact for SGD without averaging"):
         EmbeddingShard(LAYOUT, 0, optimizer="sgd", ema_decay=0.5, lazy_noise=True)
     shard = EmbeddingShard(LAYOUT, 0, optimizer="sgd", lazy_noise=True)
@@ -343,8 +341,14 @@ def test_auto_is_lazy_exactly_where_lazy_is_exact_and_lazy_is_refused_elsewhere(
         cfg("train.dpsgd_noise=sometimes", "data.path=somewhere").validate()
 
 
-def test_the_chunked_eager_update_is_untouched_by_lazy_state(monkeypatch):
+def test_an_eager_shard_keeps_no_pending_state():
     """An eager shard keeps no pending state and flushes nothing (its evaluation costs nothing more)."""
-    monkeypatch.setattr(update_module, "UPDATE_CHUNK", 2)
     shard = EmbeddingShard(LAYOUT, 0, optimizer="sgd")
     assert shard.call("flush_pending") == 0 and not hasattr(shard.updates, "noised_through")
+
+
+def test_a_lazy_lookup_names_a_bad_id_before_it_indexes_the_pending_state():
+    shard = EmbeddingShard(LAYOUT, 0, optimizer="sgd", lazy_noise=True)
+    bad = ShardInput(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([6], np.int64), np.ones(1, np.float32))
+    with pytest.raises(ValueError, match="feature 'fa' id 6 .* outside this shard's 6 rows of table 'a'"):
+        shard.call("lookup", bad, 1)

@@ -166,7 +166,7 @@ class EmbeddingShard:
         st = self.storage
         self.gradients._check_ids(inp, batch_size)  # before the ids index the pending state
         with self.updates.with_pending_noise(st.row_base[st.feature_table[inp.feature]] + inp.local_id):
-            return self.gradients.lookup(inp, batch_size, trainer)
+            return self.gradients.lookup(inp, batch_size, trainer, ids_checked=True)
 
     def _flush_pending(self) -> int:
         """Store every row's pending DP-SGD noise (before an evaluation or any release that

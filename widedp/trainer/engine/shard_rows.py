@@ -38,7 +38,7 @@ class ShardGradients:
         self.caches, self._row_sum_parts, self.step_row_sums = {}, [], None
 
     def lookup(self, inp: ShardInput, batch_size: int, trainer: int = 0,
-               averaged_table: Optional[torch.Tensor] = None) -> np.ndarray:
+               averaged_table: Optional[torch.Tensor] = None, ids_checked: bool = False) -> np.ndarray:
         """Partial pooled embeddings of this shard's bags ([bags, D], in `inp.bags` order: only
         what this shard holds travels back). One TBE call over every feature's bags
         (feature-major, like a KJT), and the step's cache for trainer `trainer` (whose examples
@@ -47,7 +47,8 @@ class ShardGradients:
         weighted sum pooling over those rows instead, and no cache (evaluation only)."""
         st = self.storage
         dim = st.layout.dim
-        self._check_ids(inp, batch_size)
+        if not ids_checked:  # (the shard checked them already where the ids index its lazy-noise state)
+            self._check_ids(inp, batch_size)
         bags = inp.bags(batch_size)
         if averaged_table is None:
             self.caches[int(trainer)] = {"inp": inp, "batch_size": batch_size, "bags": bags}
