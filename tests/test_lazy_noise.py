@@ -118,6 +118,7 @@ def _release_without_pending_noise(updates: ShardUpdates) -> None:
 def _reads_not_stored(updates: ShardUpdates) -> None:
     flush = updates.flush
     updates.flush = lambda flat_ids=None: 0 if flat_ids is not None else flush(None)  # the write-back forgets
+    updates._drawn_match = lambda flat_ids: None  # in its fused write too (`_store_and_update`)
 
 
 def _one_step_variance(updates: ShardUpdates) -> None:
@@ -209,6 +210,29 @@ def test_a_fixed_key_replays_the_lazy_run_bit_for_bit_with_values_of_its_own():
     for t in range(2):
         np.testing.assert_array_equal(lazy_a[1][t], lazy_b[1][t])
     assert not np.allclose(lazy_a[1][0], eager[1][0])
+
+
+def _slow_write_back(updates: ShardUpdates) -> None:
+    updates._drawn_match = lambda flat_ids: None  # every write-back searches its rows and stores, then updates
+
+
+def test_the_fused_write_back_equals_store_then_update_bit_for_bit():
+    """The write-back whose rows are exactly the step's drawn ones stores their noise and −lr·G in
+    one write (`_store_and_update`); the slow path (`flush`, then the SGD update) gives the same
+    reads and tables bit for bit, and the fused path is taken."""
+    key, fused = NoiseKey(77), []
+
+    def counting(updates: ShardUpdates) -> None:
+        original = updates._store_and_update
+        updates._store_and_update = lambda *a, **k: (fused.append(1), original(*a, **k))[1]
+
+    fast, slow = _simulate(key, True, counting), _simulate(key, True, _slow_write_back)
+    assert len(fused) >= STEPS // 2, len(fused)
+    assert fast[0].keys() == slow[0].keys()
+    for k in fast[0]:
+        np.testing.assert_array_equal(fast[0][k], slow[0][k])
+    for t in range(2):
+        np.testing.assert_array_equal(fast[1][t], slow[1][t])
 
 
 # ---- the engine: nothing read or released without its noise -----------------------------------------

@@ -181,14 +181,42 @@ class ShardUpdates:
         self._lazy_key = noise_key
         table_idx, global_ids = np.asarray(table_idx, dtype=np.int64), np.asarray(global_ids, dtype=np.int64)
         flat_ids = self.storage.row_base[table_idx] + global_ids - self.storage.starts[table_idx]
-        self.flush(flat_ids)
+        fused = self._drawn_match(flat_ids)
+        if fused is None:
+            self.flush(flat_ids)
         self.begin_update(step + 1, lr_scale)
         if self._lazy_len == self._lazy_var.size:
             self._lazy_var = np.concatenate([self._lazy_var, np.zeros_like(self._lazy_var)])
         self._lazy_var[self._lazy_len] = self._lazy_var[self._lazy_len - 1] + (self._current_lr * float(std)) ** 2
         self._lazy_len += 1
-        if flat_ids.size:
-            self._update_weights(torch.from_numpy(flat_ids), torch.from_numpy(np.array(rows, dtype=np.float32)))
+        update = torch.from_numpy(np.array(rows, dtype=np.float32))
+        if fused is not None:  # the rows read are the rows updated: noise and −lr·G in one write
+            self._store_and_update(flat_ids, fused, update, through=int(step))
+        elif flat_ids.size:
+            self._update_weights(torch.from_numpy(flat_ids), update)
+
+    def _drawn_match(self, flat_ids: np.ndarray) -> Optional[torch.Tensor]:
+        """This step's drawn noise when `flat_ids` are exactly the rows it drew for (sorted, as
+        the write-back of one trainer sends them), else None: the write-back then needs no
+        second search of its rows (`_store_and_update`)."""
+        step, drawn_ids, drawn = self._drawn
+        if step != self.step or flat_ids.size != drawn_ids.size or flat_ids.size == 0:
+            return None
+        if not np.array_equal(flat_ids, drawn_ids):
+            return None
+        return drawn
+
+    def _store_and_update(self, flat_ids: np.ndarray, noise: torch.Tensor, update: torch.Tensor, through: int) -> None:
+        """flat[r] ← (flat[r] − noise) − lr·update for distinct rows `flat_ids` that wait for
+        `noise` (their draw through step `through`), then noised_through[r] = `through`:
+        the arithmetic of `_store` followed by SGD's `_update_weights`, in one read and one write,
+        so the stored noisy value is the one a lookup read, bit for bit."""
+        flat = self.storage.flat
+        index = torch.from_numpy(flat_ids).to(flat.device)
+        with torch.no_grad():
+            noisy = flat.index_select(0, index) - noise.to(flat.device)
+            flat.index_copy_(0, index, noisy - self._current_lr * update.to(flat.device, torch.float32))
+        self.noised_through[torch.from_numpy(flat_ids)] = through
 
     def pending_noise(self, flat_ids: np.ndarray) -> tuple[np.ndarray, Optional[torch.Tensor]]:
         """(rows, noise [rows, D]): of the distinct flat rows `flat_ids`, those with noise still to
@@ -204,8 +232,10 @@ class ShardUpdates:
         if ids.size == 0:
             return ids, None
         step, drawn_ids, drawn = self._drawn
-        if step != self.step:
-            drawn_ids, drawn = drawn_ids[:0], drawn[:0]
+        if step != self.step or drawn_ids.size == 0:  # the step's first draw: all of them, in order
+            fresh = self._draw(ids, through)
+            self._drawn = (self.step, ids, fresh)
+            return ids, fresh
         pos = np.minimum(np.searchsorted(drawn_ids, ids), max(drawn_ids.size - 1, 0))
         known = (drawn_ids[pos] == ids) if drawn_ids.size else np.zeros(ids.size, dtype=bool)
         noise = torch.empty((ids.size, self.storage.layout.dim), dtype=torch.float32)
