@@ -199,10 +199,12 @@ def section_scaling(doc, plots, out_dir) -> tuple[list, list]:
     elif sp:
         goals.append(("Sparse step time at 10^7 rows ≤ 1.3× its time at 10^4",
                       f"not measured at both sizes (measured {', '.join(e10(x) for x in sorted(sp))})", "–", why))
-    dp = ratios.get("dpsgd_largest_over_smallest")
+    dp = ratios.get("dpsgd_1e7_over_1e4")
     if dp:
-        goals.append(("dpsgd step time grows with rows", f"{f(dp['ratio'])}× from {e10(dp['rows'][0])} to {e10(dp['rows'][1])}",
-                      met(dp["ratio"] > 1.5), "every row is noised and updated each step: O(p) work"))
+        goals.append(("dpsgd (lazy noise) step time at 10^7 rows ≤ 1.3× its time at 10^4", f"{f(dp['ratio'])}× (medians)"
+                      + (f"; {f(dp['ratio_min'])}× (fastest steps)" if dp.get("ratio_min") else ""), met(dp["met"]),
+                      "a step draws the pending noise of the rows it reads only; what grows with the rows is the "
+                      "rows touched per step (fewer id collisions in bigger tables)"))
     if why:
         lines.append(f"- Why: {why}.")
     return lines, goals

@@ -7,7 +7,8 @@ Each (p, mode) runs in a fresh process on the config's backend (embedded Ray by 
 warm-up steps, then the median of the timed steps. Data: planted-truth synthetic CTR with
 `--examples` examples (Zipf ids spread over each table), cached under runs/bench_data/.
 
-Goal: sparse step time at 10^7 rows <= 1.3x its time at 10^4; dpsgd grows with rows.
+Goals: sparse step time at 10^7 rows <= 1.3x its time at 10^4; the same for dpsgd with lazy noise
+(the default for SGD: a step draws the pending noise of the rows it reads, not of every row).
 The embedding optimizer defaults to SGD (FBGEMM fused, no optimizer state) so 10^8 rows fit;
 `--optimizer adam` uses the config's lazy Adam instead.
 
@@ -133,6 +134,11 @@ def scaling_ratios(results) -> dict:
         r = sp[10**7]["step_ms_median"] / sp[10**4]["step_ms_median"]
         out["sparse_1e7_over_1e4"] = {"ratio": r, "goal": 1.3, "met": r <= 1.3,
                                       "ratio_min": sp[10**7]["step_ms_min"] / sp[10**4]["step_ms_min"]}
+    dp = _by(results, "dpsgd")
+    if 10**4 in dp and 10**7 in dp:
+        r = dp[10**7]["step_ms_median"] / dp[10**4]["step_ms_median"]
+        out["dpsgd_1e7_over_1e4"] = {"ratio": r, "goal": 1.3, "met": r <= 1.3,
+                                     "ratio_min": dp[10**7]["step_ms_min"] / dp[10**4]["step_ms_min"]}
     np_ = _by(results, "nonprivate")
     out["sparse_over_nonprivate_throughput"] = {
         str(rows): sp[rows]["examples_per_sec"] / np_[rows]["examples_per_sec"] for rows in sp if rows in np_}
@@ -149,6 +155,9 @@ def ratio_lines(ratios: dict) -> list[str]:
     g = ratios.get("sparse_1e7_over_1e4")
     if g:
         lines.append(f"sparse 10^7 / 10^4 = {g['ratio']:.2f}x (goal <= 1.3: {'met' if g['met'] else 'missed'})")
+    g = ratios.get("dpsgd_1e7_over_1e4")
+    if g:
+        lines.append(f"dpsgd (lazy noise) 10^7 / 10^4 = {g['ratio']:.2f}x (goal <= 1.3: {'met' if g['met'] else 'missed'})")
     for rows, v in ratios.get("sparse_over_nonprivate_throughput", {}).items():
         lines.append(f"sparse / nonprivate throughput at {int(rows):.0e} rows = {v:.2f}")
     return lines

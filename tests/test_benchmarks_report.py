@@ -107,7 +107,8 @@ def test_results_generator_reads_its_numbers_from_the_json(tmp_path):
                "results": [_engine_result(10**4, "sparse", 123.25), _engine_result(10**7, "sparse", 135.5),
                            _engine_result(10**4, "dpsgd", 150.0), _engine_result(10**7, "dpsgd", 98765.0)],
                "ratios": {"sparse_1e7_over_1e4": {"ratio": 135.5 / 123.25, "goal": 1.3, "met": True},
-                          "dpsgd_largest_over_smallest": {"rows": [10**4, 10**7], "ratio": 98765.0 / 150.0}}}
+                          "dpsgd_largest_over_smallest": {"rows": [10**4, 10**7], "ratio": 98765.0 / 150.0},
+                          "dpsgd_1e7_over_1e4": {"ratio": 98765.0 / 150.0, "goal": 1.3, "met": False}}}
     overhead = {"benchmark": "privacy_overhead", "quick": True, "machine": _machine(),
                 "results": [dict(_engine_result(10**5, "sparse", 40.0)), dict(_engine_result(10**5, "nonprivate", 10.0))],
                 "ratios": {"configs/ctr.toml": {"sparse_over_nonprivate": 0.25, "goal": 0.5, "met": False}}}
@@ -120,6 +121,8 @@ def test_results_generator_reads_its_numbers_from_the_json(tmp_path):
     assert "| 10^7 | dpsgd | 98,765 |" in md and "123" in md and "expected batch 777, k = 333" in md
     assert "| Sparse step time at 10^7 rows ≤ 1.3× its time at 10^4 | 1.1× (medians) | **met**" in md
     assert "sparse / nonprivate throughput ≥ 0.5 | 0.25 | **missed**" in md
+    dpsgd_goal = next(line for line in md.splitlines() if line.startswith("| dpsgd (lazy noise) step time at 10^7"))
+    assert "**missed**" in dpsgd_goal, dpsgd_goal
     assert "privacy_overhead are `--quick` runs" in md  # the fallback to quick/ is labelled
     assert "Not run yet: `python benchmarks/opacus_compare.py`" in md
     assert _is_png(tmp_path / "docs" / "plots" / "step_time_vs_rows.png")
