@@ -1,7 +1,8 @@
 """Auditing: measuring what a run's privacy claim allows, beside `accounting`, which states the
 claim. Accounting says what is claimed (events, accountants, the ledger's ε); auditing measures
 it — empirical lower bounds on ε from one training run with canaries (`one_run_audit`, Steinke,
-Nasr & Jagielski 2023), the canary exposure test (`canary_exposure`, Carlini et al. 2019), the
+Nasr & Jagielski 2023) and its Gaussian-DP refinement (`fdp_one_run`, Mahloujifar, Melis &
+Chaudhuri 2025), the canary exposure test (`canary_exposure`, Carlini et al. 2019), the
 canaries themselves (`canaries`) and the auditor's scores of a released model (`scores`).
 
 Import rule (a pure library, like `selection` and `accounting`): auditing imports the standard
@@ -27,8 +28,10 @@ from widedp.auditing.canaries import (
     make_phrase_examples,
 )
 from widedp.auditing.canary_exposure import CanaryExposureReport, exposure_report
+from widedp.auditing.fdp_one_run import epsilon_lower_bound_gdp, gdp_epsilon, gdp_mu_lower_bound, gdp_mu_of_epsilon
 from widedp.auditing.one_run_audit import OneRunAudit, audit_from_scores, epsilon_lower_bound
-from widedp.auditing.scores import guess_counts, phrase_log_perplexities, tie_broken, white_box_scores
+from widedp.auditing.scores import (guess_counts, phrase_log_perplexities, robust_step_scales, step_projections,
+                                    subsampled_gaussian_log_likelihood_ratios, tie_broken, white_box_scores)
 
 __all__ = [
     "CANARY_KINDS",
@@ -41,11 +44,18 @@ __all__ = [
     "audit_from_scores",
     "canary_features",
     "epsilon_lower_bound",
+    "epsilon_lower_bound_gdp",
     "exposure_report",
+    "gdp_epsilon",
+    "gdp_mu_lower_bound",
+    "gdp_mu_of_epsilon",
     "guess_counts",
     "make_canaries",
     "make_phrase_examples",
     "phrase_log_perplexities",
+    "robust_step_scales",
+    "step_projections",
+    "subsampled_gaussian_log_likelihood_ratios",
     "tie_broken",
     "white_box_scores",
 ]

@@ -4,7 +4,10 @@ numbers of guesses fixed before any score is seen.
 `white_box_scores` (one-run audit): how far each canary's own rows moved (or moved against its
 injected gradient); `phrase_log_perplexities` (exposure test): each phrase's log-perplexity under
 a CBOW model's tables; `tie_broken`: scores made distinct by the auditor's random order, never
-by array order. Arrays in, arrays out; the rows are read from the run by trainer/run/audit.py.
+by array order; `step_projections`, `robust_step_scales` and
+`subsampled_gaussian_log_likelihood_ratios` (the intermediate-release audit): each step's noisy
+update of a gradient canary's rows and the likelihood-ratio score of the claimed mechanism.
+Arrays in, arrays out; the rows are read from the run by trainer/run/audit.py.
 """
 
 from __future__ import annotations
@@ -61,3 +64,71 @@ def tie_broken(scores: np.ndarray, tie_break: np.ndarray) -> np.ndarray:
     ranks = np.empty(scores.size, dtype=np.float64)
     ranks[order] = np.arange(scores.size)
     return ranks
+
+
+# ---- intermediate releases: each step's noisy update of every canary's rows -----------------------
+#
+# The threat model of `widedp audit --observe steps`: the auditor sees the model after every
+# step (each step's release), not only the final one. Gradient canary i's rows then give one
+# projection per step, p_{i,t} = ⟨w_{t−1} − w_t, u_i⟩ over its own rows (u_i its secret unit
+# direction). For DP-SGD with SGD (no momentum) the step adds −η_t(Σ clipped + σ S1 z)/b, so
+# p_{i,t} = (η_t S1 / b)(c_{i,t} + σ z_{i,t}) with c_{i,t} ≈ 1 when canary i is a member and was
+# sampled in step t (probability q) and 0 otherwise, z standard normal: divided by the step's
+# noise scale s_t = η_t σ S1 / b it is y_{i,t} = c_{i,t}/σ + z_{i,t}.
+
+
+def step_projections(rows_by_step: np.ndarray, directions: np.ndarray) -> np.ndarray:
+    """p [m, T]: ⟨w_{t−1} − w_t, u_i⟩ per canary and step.
+
+    Args:
+        rows_by_step: [T + 1, m, len(features)·D], every canary's rows before the first step
+            and after each step, as released.
+        directions: [m, len(features), D] (or [m, len(features)·D]), unit per canary.
+    """
+    rows = np.asarray(rows_by_step, dtype=np.float64)
+    u = np.asarray(directions, dtype=np.float64).reshape(rows.shape[1], -1)
+    if rows.ndim != 3 or rows.shape[0] < 2 or u.shape != rows.shape[1:]:
+        raise ValueError(f"rows_by_step must be [T + 1 >= 2, m, width] and directions [m, width], got "
+                         f"{rows.shape} and {np.asarray(directions).shape}")
+    return np.einsum("tij,ij->it", rows[:-1] - rows[1:], u)
+
+
+def robust_step_scales(projections: np.ndarray) -> np.ndarray:
+    """ŝ_t [T]: each step's noise scale estimated from the released projections alone (never the
+    membership coins): 1.4826 · the median absolute deviation over canaries, robust to the few
+    (≤ q/2 of them) that carry a member's shift. A step whose projections are all equal (no
+    canary row moved) gets ŝ = 0."""
+    p = np.asarray(projections, dtype=np.float64)
+    if p.ndim != 2 or p.shape[0] < 2:
+        raise ValueError(f"projections must be [m >= 2, T], got shape {p.shape}")
+    centre = np.median(p, axis=0)
+    return 1.4826 * np.median(np.abs(p - centre), axis=0)
+
+
+def subsampled_gaussian_log_likelihood_ratios(normalized: np.ndarray, sample_rate: float,
+                                              noise_multiplier: float) -> np.ndarray:
+    """Per canary, Σ_t log[((1 − q) φ(y_t) + q φ(y_t − 1/σ)) / φ(y_t)]
+    = Σ_t log(1 − q + q·exp(y_t/σ − 1/(2σ²))): the log-likelihood ratio of "member" against
+    "not a member" for the observations y_{i,t} = c_{i,t}/σ + z of the module's model, the most
+    powerful test of the claimed mechanism for one canary (Neyman–Pearson). A score: it may be
+    computed for any mechanism; it is the optimal one for the claimed mechanism.
+
+    Args:
+        normalized: y [m, T], each step's projections divided by its noise scale.
+        sample_rate: q in (0, 1], the claimed Poisson rate.
+        noise_multiplier: σ > 0, the claimed noise multiplier.
+
+    Returns:
+        [m] float64 scores, higher = more likely a member.
+    """
+    y = np.asarray(normalized, dtype=np.float64)
+    q, sigma = float(sample_rate), float(noise_multiplier)
+    if y.ndim != 2:
+        raise ValueError(f"normalized must be [m, T], got shape {y.shape}")
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    if not (np.isfinite(sigma) and sigma > 0.0):
+        raise ValueError(f"noise_multiplier must be a finite number > 0, got {noise_multiplier!r}")
+    shifted = np.log(q) + y / sigma - 0.5 / sigma ** 2
+    per_step = shifted if q == 1.0 else np.logaddexp(np.log1p(-q), shifted)
+    return per_step.sum(axis=1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from widedp.auditing.canaries import CANARY_KINDS, PHRASE_PLACEMENTS
-from widedp.trainer.run.audit import AUDIT_KINDS, BROKEN_VARIANTS, exposure_audit, one_run_audit, write_audit
+from widedp.trainer.run.audit import AUDIT_KINDS, BROKEN_VARIANTS, OBSERVATIONS, exposure_audit, one_run_audit, write_audit
 
 
 def add_commands(sub) -> dict:
@@ -33,8 +33,13 @@ def add_commands(sub) -> dict:
     a.add_argument("--canary-examples", type=int,
                    help="one-run: examples per canary, all carrying it (default: privacy.max_examples_per_user at "
                         "privacy.unit = user, a canary user; else 1)")
+    a.add_argument("--observe", choices=OBSERVATIONS, default="final",
+                   help="one-run: what the auditor sees — 'final': the released model only; 'steps': the model "
+                        "after every step (intermediate releases; needs --canary-kind gradient), scored by the "
+                        "claimed mechanism's likelihood ratio")
     a.add_argument("--broken", choices=sorted(BROKEN_VARIANTS),
-                   help="train deliberately broken (noise off / σ divided by 10 / every touched row selected / "
+                   help="train deliberately broken (noise off / σ divided by 10 or by 2 / each example clipped "
+                        "to 2·S1 / every touched row selected / "
                         "untouched rows never selected / each example clipped at user level / a user's examples "
                         "accounted as one example, the ledger told otherwise) to see the audit catch it on this "
                         "configuration; NOT a private run")
@@ -55,7 +60,8 @@ def cmd_audit(args) -> dict:
         return {"out": str(out), **write_audit(record, out)}
     record = one_run_audit(cfg, canaries=args.canaries, feature=args.feature, member_fraction=args.member_guesses,
                            non_member_fraction=args.non_member_guesses, confidence=args.confidence, seed=args.seed,
-                           broken=args.broken, canary_kind=args.canary_kind, canary_examples=args.canary_examples)
+                           broken=args.broken, canary_kind=args.canary_kind, canary_examples=args.canary_examples,
+                           observe=args.observe)
     out = Path(args.out) if args.out else Path(cfg.run_dir or "runs/latest") / "audit"
     record_audit(cfg, record, out)  # the audit's run trained on the data set: its spending counts
     return {"out": str(out), **write_audit(record, out)}

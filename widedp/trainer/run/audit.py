@@ -59,11 +59,20 @@ from widedp.trainer.data.format.jagged import KeyedJaggedTensor
 from widedp.auditing.canaries import (CANARY_KINDS, PHRASE_PLACEMENTS, Canaries, as_gradient_canaries, make_canaries,
                                       make_phrase_examples)
 from widedp.auditing.canary_exposure import canary_ranks, exposure, exposure_report
+from widedp.auditing.fdp_one_run import epsilon_lower_bound_gdp
 from widedp.auditing.one_run_audit import audit_from_scores
-from widedp.auditing.scores import guess_counts, phrase_log_perplexities, tie_broken, white_box_scores
+from widedp.auditing.scores import (guess_counts, phrase_log_perplexities, robust_step_scales, step_projections,
+                                    subsampled_gaussian_log_likelihood_ratios, tie_broken, white_box_scores)
 from widedp.trainer.data.format.dataset import Batch, _gather_jagged
 
 AUDIT_KINDS = ("one-run", "exposure")
+#: What the one-run auditor sees (`--observe`): the released model only, or every step's release.
+OBSERVATIONS = ("final", "steps")
+THREAT_MODELS = {
+    "final": "final model only: the auditor reads the released model once, after the last step",
+    "steps": "intermediate releases: the auditor reads the model after every step (each step's noisy update), "
+             "as an observer of every checkpoint or a federated participant would",
+}
 
 
 # ---- deliberately broken training: the audit's teeth ------------------------------------------------
@@ -94,6 +103,30 @@ def _noise_off(run):
 def _sigma_over_10(run):
     """Noise of σ/10 while the ledger is told σ."""
     return _noise_scaled(0.1)
+
+
+def _sigma_over_2(run):
+    """Noise of σ/2 while the ledger is told σ: a subtle break (ε roughly doubles)."""
+    return _noise_scaled(0.5)
+
+
+@contextlib.contextmanager
+def _clip_doubled(run):
+    """Each example clipped to 2·S1 while the noise is σ·S1 and the ledger is told sensitivity S1:
+    the add/remove sensitivity taken for a bound half its size (the factor 2 that separates the
+    replace-one sensitivity 2·S1 from the add/remove one, missed)."""
+    from widedp.trainer.engine.trainer_role import TrainerRole
+
+    real = TrainerRole.finish_part
+
+    def doubled(self, clip_norm, select=None):
+        return real(self, None if clip_norm is None else 2.0 * clip_norm, select)
+
+    TrainerRole.finish_part = doubled  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TrainerRole.finish_part = real  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -184,11 +217,24 @@ def _skip_untouched(run):
 #: Broken variants for `widedp audit --broken`: a run made non-private on purpose, to show that
 #: the audit catches it on the user's own configuration. Never used by training.
 BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "sigma-over-10": _sigma_over_10,
+                                        "sigma-over-2": _sigma_over_2, "clip-doubled": _clip_doubled,
                                         "every-touched-row": _every_touched_row, "skip-untouched": _skip_untouched,
                                         "clip-per-example": _clip_per_example, "group-as-example": _group_as_example}
 #: The broken variants that rewrite the row selection: they act on sparse tables only, so a
 #: canary table noised densely (trainer/config/table_policy.py) would not see them.
 SELECTION_BROKEN = ("every-touched-row", "skip-untouched")
+
+class _StepRows:
+    """A step callback that reads every canary's rows after each step (the intermediate-release
+    threat model): `rows` [initial, after step 1, …]. Reading rows applies their pending lazy
+    noise first (`canary_row_values`), as any read of a row does."""
+
+    def __init__(self, canaries: Canaries, initial: np.ndarray):
+        self.canaries, self.rows = canaries, [initial]
+
+    def on_step(self, engine, stats, seconds) -> None:
+        self.rows.append(canary_row_values(engine, self.canaries, released=False))
+
 
 class WithCanaries:
     """A training split plus the included canaries, as one split (indices [0, n) are the
@@ -386,14 +432,20 @@ def canary_row_values(engine, canaries: Canaries, released: bool) -> np.ndarray:
 def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, member_fraction: float = 0.1,
                   non_member_fraction: float = 0.1, confidence: float = 0.95, seed: Optional[int] = None,
                   broken: Optional[str] = None, canary_kind: str = "example",
-                  canary_examples: Optional[int] = None) -> dict:
+                  canary_examples: Optional[int] = None, observe: str = "final") -> dict:
     """Train `cfg` once with canaries and audit it (module docstring). `seed`: the audit's
     coins and tie-breaking (default: fresh OS entropy, recorded in the result only after the
     run). `broken`: a name in BROKEN_VARIANTS to train deliberately broken (the record says
     so). `canary_kind`: one of CANARY_KINDS. `canary_examples`: examples per canary, all
     carrying it (default: privacy.max_examples_per_user at user level — a canary user —
     else 1; more than 1 at example level audits a group the example-level claim does not
-    cover). Returns the audit record (`audit.json`)."""
+    cover). `observe`: one of OBSERVATIONS — "final" scores the released model only; "steps"
+    (gradient canaries only) reads every canary's rows after every step, the intermediate-release
+    threat model, and scores each canary by the likelihood ratio of the claimed subsampled
+    Gaussian mechanism over its per-step updates (`subsampled_gaussian_log_likelihood_ratios`).
+    Both bounds are computed from the same scores: the (ε, δ) one-run bound over k+ and k−
+    guesses, and the Gaussian-DP (f-DP) bound over the k+ member guesses (`fdp_one_run`).
+    Returns the audit record (`audit.json`)."""
     from widedp.trainer.run.train import build_run
 
     if not 0 < confidence < 1:
@@ -402,6 +454,14 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         raise ValueError(f"--broken must be one of {sorted(BROKEN_VARIANTS)}, got {broken!r}")
     if canary_kind not in CANARY_KINDS:
         raise ValueError(f"--canary-kind must be one of {list(CANARY_KINDS)}, got {canary_kind!r}")
+    if observe not in OBSERVATIONS:
+        raise ValueError(f"--observe must be one of {list(OBSERVATIONS)}, got {observe!r}")
+    if observe == "steps" and canary_kind != "gradient":
+        raise ValueError("--observe steps scores each step's update along the canary's injected direction: "
+                         "use --canary-kind gradient")
+    if observe == "steps" and cfg.train.mode == "nonprivate":
+        raise ValueError("--observe steps scores by the claimed mechanism's likelihood ratio: a nonprivate run "
+                         "claims none (audit it with --observe final)")
     user_level = cfg.privacy.unit == "user"
     if canary_examples is None:
         canary_examples = cfg.privacy.max_examples_per_user if user_level else 1
@@ -433,16 +493,27 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
                              f"{list(c.tables)} are noised densely in this run (privacy.table_default / "
                              f"privacy.dense_max_rows); set privacy.tables.{c.tables[0]} = \"sparse\" or audit another --feature")
         initial = canary_row_values(run.engine, c, released=False)
+        watch = _StepRows(c, initial) if observe == "steps" else None
         with BROKEN_VARIANTS[broken](run) if broken else contextlib.nullcontext():
-            result = run.run(cfg.train.steps)
+            result = run.run(cfg.train.steps, [watch] if watch is not None else ())
         final = canary_row_values(run.engine, c, released=True)
+        sample_rate, sigma = float(run.engine.q), run.engine.plan.noise_multiplier if run.engine.plan else None
         ledger = run.engine.ledger
         claimed = ledger.epsilon() if ledger is not None else math.inf
         delta = float(run.privacy.delta) if ledger is not None else 0.0
         steps = run.engine.step_count
-    scores = white_box_scores(initial, final, c.directions)
+    if watch is not None:
+        assert c.directions is not None and sigma is not None  # checked above: gradient canaries, a private run
+        projections = step_projections(np.stack(watch.rows), c.directions)
+        scales = robust_step_scales(projections)
+        normalized = np.divide(projections, scales, out=np.zeros_like(projections), where=scales > 0)
+        scores = subsampled_gaussian_log_likelihood_ratios(normalized, sample_rate, sigma)
+    else:
+        scores = white_box_scores(initial, final, c.directions)
     ranked = tie_broken(scores, rng.permutation(scores.size))
     audit = audit_from_scores(ranked, c.included, k_pos, k_neg, delta, confidence)
+    gdp = audit_from_scores(ranked, c.included, k_pos, 0, delta, confidence)
+    gdp_bound = epsilon_lower_bound_gdp(gdp.guesses, gdp.correct, c.count, delta, confidence) if delta > 0 else math.inf
     return {
         "kind": "one-run", "broken": broken,
         "mode": cfg.train.mode, "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
@@ -456,8 +527,18 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         "canary_kind": canary_kind,
         "privacy_unit": cfg.privacy.unit, "canary_examples": int(canary_examples),
         "score": ("white box: ‖released rows − initial rows‖₂ of the canary's own rows" if c.directions is None else
-                  "white box: ⟨initial rows − released rows, u_i⟩, u_i the canary's injected gradient direction"),
+                  "white box: ⟨initial rows − released rows, u_i⟩, u_i the canary's injected gradient direction"
+                  if watch is None else "white box, every step: the claimed subsampled Gaussian's log-likelihood "
+                  "ratio of the canary's per-step updates along u_i, each step's noise scale estimated from "
+                  "the released updates (median absolute deviation over canaries)"),
         "exceeds_claim": bool(audit.epsilon_lower_bound > claimed),
+        "observe": observe, "threat_model": THREAT_MODELS[observe],
+        "sample_rate": sample_rate, "noise_multiplier": sigma,
+        "epsilon_lower_bound_gdp": gdp_bound, "gdp_correct": gdp.correct, "gdp_guesses": gdp.guesses,
+        "gdp_null": ("exact: every example in every step, the claim is μ-GDP" if sample_rate >= 1.0 else
+                     "approximate: a subsampled Gaussian's tradeoff is Gaussian only in the limit of many steps; "
+                     "the (ε, δ) bound is the one that refutes the claim"),
+        "gdp_exceeds_claim": bool(gdp_bound > claimed),
         "audit_seed": seed,
         "member_scores": scores[c.included].tolist(), "non_member_scores": scores[~c.included].tolist(),
     }
