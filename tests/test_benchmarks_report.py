@@ -927,3 +927,29 @@ def test_lazy_noise_goal_compares_the_median_auc_with_the_seed_spread():
     assert ln.auc_goal(ln.summarize([rec("lazy", 0.74)]))[0]["met"] is None  # eager not run: not measured
     lines, goals = ln.results_section({"config": "c.toml", "seeds": [0, 1], "summary": far, "goal": ln.auc_goal(far)})
     assert "| 8 | lazy | 2 | 0.7410 [0.7400, 0.7420] |" in "\n".join(lines) and goals[0][2] == "**missed**"
+
+
+def test_audit_power_goal_rows_follow_the_measured_bounds_and_can_be_missed():
+    sys.path.insert(0, str(BENCH))
+    import audit_power as ap
+
+    def cell(eps, broken, gdp, eps_delta=None):
+        stat = {"median": gdp, "min": gdp, "max": gdp}
+        return {"setting": "q = 1", "epsilon": eps, "observe": "steps", "broken": broken, "claimed_epsilon": eps,
+                "sample_rate": 1.0, "gdp": stat, "epsilon_delta": {**stat, "median": eps_delta or gdp},
+                "correct": stat, "guesses": 500, "seconds": 2.0, "runs": []}
+
+    def doc(cells, exceed=0):
+        return {"model": "small DLRM", "canaries": 10_000, "member_fraction": 0.05, "repeats": 1, "cells": cells,
+                "false_alarm": {"runs": 10, "setting": "q = 1", "epsilon": 4.0, "observe": "steps",
+                                "exceed_epsilon_delta": exceed, "exceed_gdp": exceed, "gdp_bounds": [2.0],
+                                "epsilon_delta_bounds": [1.5], "claimed_epsilon": 4.0}}
+
+    good = doc([cell(8.0, None, 4.2), cell(4.0, "sigma-over-2", 5.5)])
+    lines, goals = ap.results_section(good)
+    assert [g[2] for g in goals] == ["**met**"] * 3
+    assert "| q = 1 | 4 | steps | sigma-over-2 | 4 | 5.5 | 5.5 (5.5–5.5) | 1.38 | caught |" in lines
+    weak = doc([cell(8.0, None, 3.0), cell(8.0, "sigma-over-2", 7.3)], exceed=2)
+    lines, goals = ap.results_section(weak)
+    assert [g[2] for g in goals] == ["**missed**"] * 3
+    assert "not: sigma-over-2 at ε = 8" in goals[1][1]

@@ -224,6 +224,7 @@ BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "sigma-over-10"
 #: canary table noised densely (trainer/config/table_policy.py) would not see them.
 SELECTION_BROKEN = ("every-touched-row", "skip-untouched")
 
+
 class _StepRows:
     """A step callback that reads every canary's rows after each step (the intermediate-release
     threat model): `rows` [initial, after step 1, …]. Reading rows applies their pending lazy
@@ -513,7 +514,8 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     ranked = tie_broken(scores, rng.permutation(scores.size))
     audit = audit_from_scores(ranked, c.included, k_pos, k_neg, delta, confidence)
     gdp = audit_from_scores(ranked, c.included, k_pos, 0, delta, confidence)
-    gdp_bound = epsilon_lower_bound_gdp(gdp.guesses, gdp.correct, c.count, delta, confidence) if delta > 0 else math.inf
+    # A nonprivate run (δ = 0, no claim) has no Gaussian-DP bound: μ-GDP with μ > 0 is (ε, 0)-DP for no finite ε.
+    gdp_bound = epsilon_lower_bound_gdp(gdp.guesses, gdp.correct, c.count, delta, confidence) if delta > 0 else None
     return {
         "kind": "one-run", "broken": broken,
         "mode": cfg.train.mode, "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
@@ -538,7 +540,7 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         "gdp_null": ("exact: every example in every step, the claim is μ-GDP" if sample_rate >= 1.0 else
                      "approximate: a subsampled Gaussian's tradeoff is Gaussian only in the limit of many steps; "
                      "the (ε, δ) bound is the one that refutes the claim"),
-        "gdp_exceeds_claim": bool(gdp_bound > claimed),
+        "gdp_exceeds_claim": bool(gdp_bound is not None and gdp_bound > claimed),
         "audit_seed": seed,
         "member_scores": scores[c.included].tolist(), "non_member_scores": scores[~c.included].tolist(),
     }
