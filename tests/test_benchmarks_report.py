@@ -128,7 +128,9 @@ def test_results_generator_reads_its_numbers_from_the_json(tmp_path):
     assert _is_png(tmp_path / "docs" / "plots" / "step_time_vs_rows.png")
     assert "![step_time_vs_rows](../plots/step_time_vs_rows.png)" in md  # on the section's own page
     summary = path.read_text()
-    assert "(results/1-step-time-versus-table-size.md)" in summary and len(summary.splitlines()) < 80
+    # The summary links every section (one line each) and lists the goal rows of those with data:
+    # short, but it grows by a line per section (27 sections and this test's few rows: ~80).
+    assert "(results/1-step-time-versus-table-size.md)" in summary and len(summary.splitlines()) < 90
 
 
 # ---- smoke runs of the benchmark scripts (smallest configurations) --------------------------------
