@@ -165,6 +165,10 @@ def test_a_correct_full_batch_dpsgd_run_audited_every_step_reaches_half_its_clai
     assert record["epsilon_lower_bound"] <= record["claimed_epsilon"], record
     assert record["epsilon_lower_bound_gdp"] <= record["claimed_epsilon"], record
     assert record["epsilon_lower_bound_gdp"] >= 0.4 * record["claimed_epsilon"], record
+    threshold = record["threshold_audit"]["gdp"]
+    assert threshold["members"] + threshold["non_members"] < record["canaries"], threshold  # the counted half only
+    assert threshold["epsilon_lower_bound_gdp"] <= record["claimed_epsilon"], threshold
+    assert threshold["epsilon_lower_bound_gdp"] >= 0.6 * record["claimed_epsilon"], threshold
 
 
 @pytest.mark.parametrize("broken", ["sigma-over-2", "clip-doubled"])

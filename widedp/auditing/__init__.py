@@ -1,8 +1,9 @@
 """Auditing: measuring what a run's privacy claim allows, beside `accounting`, which states the
 claim. Accounting says what is claimed (events, accountants, the ledger's ε); auditing measures
 it — empirical lower bounds on ε from one training run with canaries (`one_run_audit`, Steinke,
-Nasr & Jagielski 2023) and its Gaussian-DP refinement (`fdp_one_run`, Mahloujifar, Melis &
-Chaudhuri 2025), the canary exposure test (`canary_exposure`, Carlini et al. 2019), the
+Nasr & Jagielski 2023), its Gaussian-DP refinement (`fdp_one_run`, Mahloujifar, Melis &
+Chaudhuri 2025), the threshold audit over independent trials (`threshold_audit`, Nasr et al.
+2023), the canary exposure test (`canary_exposure`, Carlini et al. 2019), the
 canaries themselves (`canaries`) and the auditor's scores of a released model (`scores`).
 
 Import rule (a pure library, like `selection` and `accounting`): auditing imports the standard
@@ -30,6 +31,7 @@ from widedp.auditing.canaries import (
 from widedp.auditing.canary_exposure import CanaryExposureReport, exposure_report
 from widedp.auditing.fdp_one_run import epsilon_lower_bound_gdp, gdp_epsilon, gdp_mu_lower_bound, gdp_mu_of_epsilon
 from widedp.auditing.one_run_audit import OneRunAudit, audit_from_scores, epsilon_lower_bound
+from widedp.auditing.threshold_audit import ThresholdAudit, clopper_pearson_upper, threshold_audit
 from widedp.auditing.scores import (guess_counts, phrase_log_perplexities, robust_step_scales, step_projections,
                                     subsampled_gaussian_log_likelihood_ratios, tie_broken, white_box_scores)
 
@@ -40,9 +42,11 @@ __all__ = [
     "Canaries",
     "CanaryExposureReport",
     "OneRunAudit",
+    "ThresholdAudit",
     "as_gradient_canaries",
     "audit_from_scores",
     "canary_features",
+    "clopper_pearson_upper",
     "epsilon_lower_bound",
     "epsilon_lower_bound_gdp",
     "exposure_report",
@@ -56,6 +60,7 @@ __all__ = [
     "robust_step_scales",
     "step_projections",
     "subsampled_gaussian_log_likelihood_ratios",
+    "threshold_audit",
     "tie_broken",
     "white_box_scores",
 ]

@@ -61,6 +61,7 @@ from widedp.auditing.canaries import (CANARY_KINDS, PHRASE_PLACEMENTS, Canaries,
 from widedp.auditing.canary_exposure import canary_ranks, exposure, exposure_report
 from widedp.auditing.fdp_one_run import epsilon_lower_bound_gdp
 from widedp.auditing.one_run_audit import audit_from_scores
+from widedp.auditing.threshold_audit import threshold_audit
 from widedp.auditing.scores import (guess_counts, phrase_log_perplexities, robust_step_scales, step_projections,
                                     subsampled_gaussian_log_likelihood_ratios, tie_broken, white_box_scores)
 from widedp.trainer.data.format.dataset import Batch, _gather_jagged
@@ -516,7 +517,16 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     gdp = audit_from_scores(ranked, c.included, k_pos, 0, delta, confidence)
     # A nonprivate run (δ = 0, no claim) has no Gaussian-DP bound: μ-GDP with μ > 0 is (ε, 0)-DP for no finite ε.
     gdp_bound = epsilon_lower_bound_gdp(gdp.guesses, gdp.correct, c.count, delta, confidence) if delta > 0 else None
+    # The threshold audit (many-run method) over the canaries as independent trials: half (drawn
+    # independently of the coins) chooses the threshold, the other half is counted.
+    choose = rng.random(c.count) < 0.5
+    thresholds = {objective: dataclasses.asdict(threshold_audit(scores, c.included, choose, delta, confidence, objective))
+                  for objective in ("epsilon", "gdp")} if c.included.any() and (~c.included).any() else None
     return {
+        "threshold_audit": thresholds,
+        "threshold_assumption": "the canaries are independent trials: each canary's score depends only on its own "
+                                "coin and its own rows' noise (white-box canaries on rows no other example reads); "
+                                "the one-run bounds do not need this",
         "kind": "one-run", "broken": broken,
         "mode": cfg.train.mode, "selection": cfg.train.selection if cfg.train.mode == "sparse" else None,
         "claimed_epsilon": claimed, "delta": delta, "steps": steps, "stopped_by_budget": bool(result.stopped_by_budget),
