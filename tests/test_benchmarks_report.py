@@ -935,23 +935,34 @@ def test_audit_power_goal_rows_follow_the_measured_bounds_and_can_be_missed():
     sys.path.insert(0, str(BENCH))
     import audit_power as ap
 
-    def cell(eps, broken, gdp, eps_delta=None):
-        stat = {"median": gdp, "min": gdp, "max": gdp}
+    def cell(eps, broken, gdp, eps_delta=None, threshold_gdp=0.0):
+        def stat(v):
+            return {"median": v, "min": v, "max": v}
         return {"setting": "q = 1", "epsilon": eps, "observe": "steps", "broken": broken, "claimed_epsilon": eps,
-                "sample_rate": 1.0, "gdp": stat, "epsilon_delta": {**stat, "median": eps_delta or gdp},
-                "correct": stat, "guesses": 500, "seconds": 2.0, "runs": []}
+                "sample_rate": 1.0, "gdp": stat(gdp), "epsilon_delta": stat(eps_delta or gdp),
+                "threshold_gdp": stat(threshold_gdp), "threshold_epsilon_delta": stat(threshold_gdp / 2),
+                "correct": stat(gdp), "guesses": 500, "seconds": 2.0, "runs": []}
 
-    def doc(cells, exceed=0):
+    def doc(cells, exceed=0, exceed_threshold=0):
         return {"model": "small DLRM", "canaries": 10_000, "member_fraction": 0.05, "repeats": 1, "cells": cells,
                 "false_alarm": {"runs": 10, "setting": "q = 1", "epsilon": 4.0, "observe": "steps",
-                                "exceed_epsilon_delta": exceed, "exceed_gdp": exceed, "gdp_bounds": [2.0],
+                                "exceed_epsilon_delta": exceed, "exceed_gdp": exceed,
+                                "exceed_threshold_epsilon_delta": 0, "exceed_threshold_gdp": exceed_threshold,
+                                "gdp_bounds": [2.0], "threshold_gdp_bounds": [3.0],
                                 "epsilon_delta_bounds": [1.5], "claimed_epsilon": 4.0}}
 
     good = doc([cell(8.0, None, 4.2), cell(4.0, "sigma-over-2", 5.5)])
     lines, goals = ap.results_section(good)
     assert [g[2] for g in goals] == ["**met**"] * 3
-    assert "| q = 1 | 4 | steps | sigma-over-2 | 4 | 5.5 | 5.5 (5.5–5.5) | 1.38 | caught |" in lines
+    assert "| q = 1 | 4 | steps | sigma-over-2 | 4 | 5.5 | 5.5 (5.5–5.5) | 0 | 0 (0–0) | 1.38 | caught |" in lines
     weak = doc([cell(8.0, None, 3.0), cell(8.0, "sigma-over-2", 7.3)], exceed=2)
     lines, goals = ap.results_section(weak)
     assert [g[2] for g in goals] == ["**missed**"] * 3
     assert "not: sigma-over-2 at ε = 8" in goals[1][1]
+    # the threshold bound can carry a goal the one-run bounds miss, and its false alarms count
+    rescued = doc([cell(8.0, None, 3.0, threshold_gdp=7.0), cell(8.0, "sigma-over-2", 7.3, threshold_gdp=15.0)],
+                  exceed_threshold=3)
+    lines, goals = ap.results_section(rescued)
+    assert [g[2] for g in goals] == ["**met**", "**met**", "**missed**"]
+    assert goals[0][1].startswith("threshold GDP 7 = 0.88·ε") and "by the one-run bounds alone 0" in goals[1][1]
+    assert "| q = 1 | 8 | steps | correct | 8 | 3 | 3 (3–3) | 3.5 | 7 (7–7) | 0.88 | holds |" in lines

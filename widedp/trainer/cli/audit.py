@@ -36,7 +36,8 @@ def add_commands(sub) -> dict:
     a.add_argument("--observe", choices=OBSERVATIONS, default="final",
                    help="one-run: what the auditor sees — 'final': the released model only; 'steps': the model "
                         "after every step (intermediate releases; needs --canary-kind gradient), scored by the "
-                        "claimed mechanism's likelihood ratio")
+                        "claimed mechanism's likelihood ratio. Every one-run audit reports the one-run (ε, δ) and Gaussian-DP "
+                        "bounds and the threshold audit over the canaries as independent trials (threshold_audit)")
     a.add_argument("--broken", choices=sorted(BROKEN_VARIANTS),
                    help="train deliberately broken (noise off / σ divided by 10 or by 2 / each example clipped "
                         "to 2·S1 / every touched row selected / "

@@ -592,8 +592,14 @@ def _plot(record: dict, path: Path) -> None:
         ax.set_xlabel("‖released row − initial row‖₂" if record.get("canary_kind", "example") == "example"
                       else "⟨initial row − released row, injected direction⟩")
         ax.set_ylabel("canaries")
+        bounds = f"lower bound {record['epsilon_lower_bound']:.3g}"
+        if record.get("epsilon_lower_bound_gdp") is not None:
+            bounds += f", GDP {record['epsilon_lower_bound_gdp']:.3g}"
+        threshold = (record.get("threshold_audit") or {}).get("gdp") or {}
+        if threshold.get("epsilon_lower_bound_gdp") is not None:
+            bounds += f", threshold GDP {threshold['epsilon_lower_bound_gdp']:.3g}"
         ax.set_title(f"{record['mode']}: ε claimed {record['claimed_epsilon']:.3g}, "
-                     f"lower bound {record['epsilon_lower_bound']:.3g} ({100 * record['confidence']:.0f}%)", fontsize=9)
+                     f"{bounds} ({100 * record['confidence']:.0f}%)", fontsize=9)
         ax.legend()
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
