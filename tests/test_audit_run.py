@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -150,9 +151,9 @@ FULL_BATCH_AUDIT = ["train.steps=10", "train.batch_size=100000", "privacy.target
 STEP_CANARIES = 10_000
 
 
-def _step_audit(cfg, broken=None, seed=7):
+def _step_audit(cfg, broken=None, seed=7, channel="as-run"):
     return one_run_audit(cfg, canaries=STEP_CANARIES, member_fraction=0.05, non_member_fraction=0.0, confidence=0.95,
-                         seed=seed, broken=broken, canary_kind="gradient", observe="steps")
+                         seed=seed, broken=broken, canary_kind="gradient", observe="steps", channel=channel)
 
 
 def test_a_correct_full_batch_dpsgd_run_audited_every_step_reaches_half_its_claim_and_stays_below_it(ctr_dir):
@@ -196,6 +197,92 @@ def test_at_a_claimed_epsilon_of_8_the_threshold_audit_catches_sigma_over_2_wher
         assert 0.6 * claimed <= threshold <= claimed, record["threshold_audit"]
     else:
         assert threshold > claimed + 2.0, record["threshold_audit"]
+
+
+SPARSE_VALUE_AUDIT = [*FULL_BATCH_AUDIT, "train.mode=sparse", "train.selection=threshold", "privacy.dense_max_rows=1"]
+
+
+def test_the_value_channel_puts_every_canary_row_in_every_selection(ctr_dir):
+    """As run, a sparse step moves a canary row only when its selection picks it: after one step
+    almost every non-member's row is where it started (score exactly 0). With `--channel value`
+    every canary row receives the step's noisy value, member or not."""
+    cfg = _cfg(ctr_dir, *SPARSE_VALUE_AUDIT, "train.steps=1")
+    runs = {channel: one_run_audit(cfg, canaries=200, member_fraction=0.1, non_member_fraction=0.0, seed=3,
+                                   canary_kind="gradient", channel=channel) for channel in ("as-run", "value")}
+    unmoved = {channel: int(np.sum(np.asarray(r["non_member_scores"]) == 0.0)) for channel, r in runs.items()}
+    assert unmoved["value"] == 0 and unmoved["as-run"] >= 0.9 * len(runs["as-run"]["non_member_scores"]), unmoved
+    assert runs["value"]["channel"] == "value" and runs["value"]["channel_audited"].startswith("the value channel")
+    assert runs["as-run"]["value_claimed_epsilon"] is None
+    # the canaries' rows added to the selection change nothing the ledger charges
+    assert runs["value"]["claimed_epsilon"] == pytest.approx(runs["as-run"]["claimed_epsilon"], rel=1e-9)
+
+
+def test_a_sparse_runs_value_channel_audited_every_step_reaches_half_its_claim_at_epsilon_8(ctr_dir):
+    """Threshold selection, q = 1, 10 steps. Measured (seeds 7, 8): threshold GDP bound
+    6.33–6.75 against 7.98 claimed (6.97 for the value events alone), one-run GDP 4.17–4.34; the
+    run as it executes shows nothing (a canary's count of 1 rarely passes the calibrated τ)."""
+    from widedp.auditing.fdp_one_run import gdp_epsilon
+
+    record = _step_audit(_cfg(ctr_dir, *SPARSE_VALUE_AUDIT, "privacy.target_epsilon=8"), channel="value")
+    claimed, value = record["claimed_epsilon"], record["value_claimed_epsilon"]
+    # the value events alone: T Gaussian steps at q = 1 are exactly √T/σ-GDP, which the accountant
+    # can only over-state; the selection's events make up the rest of the claim
+    exact = gdp_epsilon(math.sqrt(record["steps"]) / record["noise_multiplier"], record["delta"])
+    assert exact <= value * (1 + 1e-6) and value <= 1.05 * exact and value < claimed <= 8.0, (exact, value, claimed)
+    threshold = record["threshold_audit"]["gdp"]["epsilon_lower_bound_gdp"]
+    assert 0.5 * claimed <= threshold <= value, record["threshold_audit"]
+    assert record["epsilon_lower_bound"] <= claimed and record["epsilon_lower_bound_gdp"] <= claimed, record
+
+
+def test_sigma_over_2_on_a_sparse_runs_values_is_caught_by_the_value_channel(ctr_dir):
+    """At a claimed ε = 3.99 (3.51 for the values). Measured (seeds 7, 8): threshold GDP bound
+    6.96–7.65, one-run GDP 4.67–4.94."""
+    record = _step_audit(_cfg(ctr_dir, *SPARSE_VALUE_AUDIT), broken="sigma-over-2", channel="value")
+    threshold = record["threshold_audit"]["gdp"]["epsilon_lower_bound_gdp"]
+    assert threshold > record["claimed_epsilon"] + 1.0, record["threshold_audit"]
+
+
+def test_the_value_channel_is_refused_where_it_means_nothing_by_name(ctr_dir):
+    with pytest.raises(ValueError, match="--channel value audits sparse mode.*'dpsgd'"):
+        one_run_audit(_cfg(ctr_dir, "train.mode=dpsgd", "train.steps=1"), canaries=10, channel="value")
+    sparse = _cfg(ctr_dir, "train.mode=sparse", "train.steps=1")
+    with pytest.raises(ValueError, match="--broken skip-untouched"):
+        one_run_audit(sparse, canaries=10, channel="value", broken="skip-untouched")
+    with pytest.raises(ValueError, match="--channel must be one of"):
+        one_run_audit(sparse, canaries=10, channel="values")
+    train, _ = open_dataset(ctr_dir, test_fraction=0.2, seed=0)
+    table = train.meta.feature_tables[train.meta.features[0]]
+    dense = _cfg(ctr_dir, "train.mode=sparse", "train.steps=1", f"privacy.tables.{table}=dense")
+    with pytest.raises(ValueError, match=f"--channel value needs the canaries' table.*privacy.tables.{table}"):
+        one_run_audit(dense, canaries=10, channel="value")
+
+
+def test_delta_taken_as_one_over_n_is_caught_by_the_threshold_fixed_from_the_claim(ctr_dir):
+    """σ calibrated, the budget checked and ε computed at δ = 1/n while the run states the auto δ
+    (1/(10n)): the true ε at the stated δ is ~14% above the claim at ε = 8 — a subtle under-count.
+    With 40,000 canaries and every step observed (q = 1), the threshold fixed from the claimed
+    mechanism counts every canary. Measured over 8 runs of each: correct 7.59–7.86 against 7.98
+    claimed, δ = 1/n 8.43–8.83 against 7.97; the half-split threshold bound caught 7 of 8.
+    Reproducible noise (a fixed noise seed) makes the outcome the same on every run of the suite."""
+    cfg = _cfg(ctr_dir, *FULL_BATCH_AUDIT, "privacy.target_epsilon=8", "privacy.reproducible=true",
+               "privacy.noise_seed=11")
+    runs = {broken: one_run_audit(cfg, canaries=40_000, member_fraction=0.05, non_member_fraction=0.0, seed=5,
+                                  broken=broken, canary_kind="gradient", observe="steps")
+            for broken in (None, "delta-one-over-n")}
+    correct, broken = runs[None], runs["delta-one-over-n"]
+    assert broken["delta"] == correct["delta"] and correct["delta"] < 1e-4  # the stated (auto) δ, both runs
+    assert broken["noise_multiplier"] < 0.95 * correct["noise_multiplier"]  # calibrated at the larger δ
+    assert 7.9 < broken["claimed_epsilon"] <= 8.0 and 7.9 < correct["claimed_epsilon"] <= 8.0
+    fixed = {k: r["threshold_audit"]["gdp_at_claimed_threshold"] for k, r in runs.items()}
+    assert fixed[None]["chosen_by"] == "claim" and fixed[None]["members"] + fixed[None]["non_members"] == 40_000
+    assert fixed[None]["epsilon_lower_bound_gdp"] <= correct["claimed_epsilon"], fixed[None]
+    assert fixed["delta-one-over-n"]["epsilon_lower_bound_gdp"] > broken["claimed_epsilon"] + 0.2, fixed
+
+
+def test_delta_one_over_n_is_refused_where_delta_is_not_auto_by_name(ctr_dir):
+    with pytest.raises(ValueError, match="--broken delta-one-over-n replaces privacy.delta"):
+        one_run_audit(_cfg(ctr_dir, "train.mode=dpsgd", "train.steps=1", "privacy.delta=1e-6"), canaries=10,
+                      broken="delta-one-over-n")
 
 
 def test_the_every_step_audit_refuses_example_canaries_and_nonprivate_runs_by_name(ctr_dir):

@@ -14,8 +14,9 @@ import sys
 
 import widedp.auditing.threshold_audit  # noqa: F401 (the module; the package's name is the function)
 from widedp.auditing.fdp_one_run import epsilon_lower_bound_gdp, gdp_epsilon, gdp_mu_of_epsilon
+from widedp.auditing.scores import claimed_mechanism_threshold, subsampled_gaussian_log_likelihood_ratios
 from widedp.auditing.threshold_audit import (best_threshold, clopper_pearson_upper, epsilon_from_rates,
-                                             gdp_mu_from_rates, threshold_audit)
+                                             gdp_mu_from_rates, threshold_audit, threshold_audit_at)
 
 REPS = 300
 DELTA = 1e-5
@@ -148,3 +149,86 @@ def test_threshold_functions_refuse_bad_inputs_naming_the_parameter():
         threshold_audit(scores, included, np.ones_like(choose), DELTA, 0.95, "gdp")
     with pytest.raises(ValueError, match="successes"):
         clopper_pearson_upper(5, 3, 0.95)
+
+
+# ---- a threshold fixed from the claimed mechanism, every trial counted ------------------------------
+def _claimed_trials(rng, m: int, sample_rate: float, sigma: float, steps: int = 10):
+    """m independent trials of the claimed every-step mechanism, scored as the audit scores them:
+    y_t = c_t/σ + z_t (c_t ~ Bernoulli(q) for a member), the claim's log-likelihood ratio."""
+    included = rng.random(m) < 0.5
+    present = (rng.random((m, steps)) < sample_rate) & included[:, None]
+    y = present / sigma + rng.standard_normal((m, steps))
+    return subsampled_gaussian_log_likelihood_ratios(y, sample_rate, sigma), included
+
+
+def test_a_pre_registered_threshold_counts_every_trial_like_the_slow_loop():
+    rng = np.random.default_rng(4)
+    scores, included = _claimed_trials(rng, 400, 1.0, 2.0)
+    got = threshold_audit_at(scores, included, 0.1, DELTA, 0.95)
+    fn = sum(1 for x, inc in zip(scores, included) if inc and x < 0.1)
+    fp = sum(1 for x, inc in zip(scores, included) if not inc and x >= 0.1)
+    assert (got.false_negatives, got.false_positives, got.chosen_by) == (fn, fp, "claim")
+    assert got.members + got.non_members == 400  # every trial counted
+    fnr = _reference_upper(fn, int(included.sum()), 0.975)
+    fpr = _reference_upper(fp, int((~included).sum()), 0.975)
+    assert got.mu_lower_bound == pytest.approx(max(0.0, stats.norm.ppf(1 - fpr) - stats.norm.ppf(fnr)), abs=1e-9)
+    assert got.epsilon_lower_bound == pytest.approx(epsilon_from_rates(fpr, fnr, DELTA), abs=1e-9)
+
+
+@pytest.mark.parametrize("sample_rate, sigma", [(1.0, 2.0), (1.0, 0.8), (0.5, 1.0)])
+def test_the_claimed_threshold_bound_exceeds_the_truth_no_more_often_than_its_confidence_allows(sample_rate, sigma):
+    """At q = 1 the mechanism is exactly √T/σ-GDP: the μ bound is checked against it; at q = ½ the
+    (ε, δ) bound against the subsampled Gaussian's ε (PLD accountant)."""
+    import dp_accounting as dpa
+
+    rng, steps = np.random.default_rng(int(100 * sigma + 10 * sample_rate)), 10
+    if sample_rate == 1.0:
+        truth = math.sqrt(steps) / sigma
+    else:
+        acc = dpa.pld.PLDAccountant(dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        acc.compose(dpa.PoissonSampledDpEvent(sample_rate, dpa.GaussianDpEvent(sigma)), steps)
+        truth = acc.get_epsilon(DELTA)
+    t = claimed_mechanism_threshold(sample_rate, sigma, steps, 1000, 1000, np.random.default_rng(1), simulated=50_000)
+    over = 0
+    for _ in range(REPS):
+        got = threshold_audit_at(*_claimed_trials(rng, 2000, sample_rate, sigma, steps), t, DELTA, 0.95)
+        over += (got.mu_lower_bound if sample_rate == 1.0 else got.epsilon_lower_bound) > truth
+    assert over <= _exceedance_limit(REPS, 0.05), over
+
+
+def test_a_claimed_threshold_bound_without_its_confidence_is_caught(monkeypatch):
+    module = sys.modules["widedp.auditing.threshold_audit"]
+    monkeypatch.setattr(module, "clopper_pearson_upper", lambda k, n, confidence: k / n)  # broken: point estimates
+    rng = np.random.default_rng(8)
+    over = sum(threshold_audit_at(*_claimed_trials(rng, 2000, 1.0, 2.0), 0.0, DELTA, 0.95).mu_lower_bound
+               > math.sqrt(10) / 2.0 for _ in range(REPS))
+    assert over > 3 * _exceedance_limit(REPS, 0.05), over
+
+
+def test_at_a_claimed_epsilon_8_the_claimed_threshold_bound_comes_within_a_tenth():
+    """All 10,000 trials counted at a threshold fixed from the claim, against half of them at a
+    threshold chosen on the other half."""
+    rng = np.random.default_rng(11)
+    sigma = math.sqrt(10) / gdp_mu_of_epsilon(8.0, DELTA)
+    t = claimed_mechanism_threshold(1.0, sigma, 10, 5000, 5000, np.random.default_rng(2))
+    fixed, half = [], []
+    for _ in range(20):
+        scores, included = _claimed_trials(rng, 10_000, 1.0, sigma)
+        fixed.append(threshold_audit_at(scores, included, t, DELTA, 0.95).epsilon_lower_bound_gdp)
+        half.append(threshold_audit(scores, included, rng.random(10_000) < 0.5, DELTA, 0.95, "gdp").epsilon_lower_bound_gdp)
+    assert max(fixed) <= 8.0 and np.median(fixed) >= 0.9 * 8.0, fixed
+    assert np.median(fixed) > np.median(half), (fixed, half)
+
+
+def test_the_claimed_threshold_functions_refuse_bad_inputs_naming_the_parameter():
+    scores, included = _claimed_trials(np.random.default_rng(2), 100, 1.0, 1.0)
+    with pytest.raises(ValueError, match="threshold must be a finite"):
+        threshold_audit_at(scores, included, float("nan"), DELTA, 0.95)
+    with pytest.raises(ValueError, match="members and non-members"):
+        threshold_audit_at(scores, np.ones_like(included), 0.0, DELTA, 0.95)
+    with pytest.raises(ValueError, match="one entry per trial"):
+        threshold_audit_at(scores[:-1], included, 0.0, DELTA, 0.95)
+    with pytest.raises(ValueError, match="steps, members and non_members"):
+        claimed_mechanism_threshold(1.0, 1.0, 0, 10, 10, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="sample_rate"):
+        claimed_mechanism_threshold(1.5, 1.0, 10, 10, 10, np.random.default_rng(0))

@@ -935,34 +935,56 @@ def test_audit_power_goal_rows_follow_the_measured_bounds_and_can_be_missed():
     sys.path.insert(0, str(BENCH))
     import audit_power as ap
 
-    def cell(eps, broken, gdp, eps_delta=None, threshold_gdp=0.0):
+    def cell(eps, broken, gdp, eps_delta=None, threshold_gdp=0.0, model="DLRM", mode="dpsgd"):
         def stat(v):
             return {"median": v, "min": v, "max": v}
-        return {"setting": "q = 1", "epsilon": eps, "observe": "steps", "broken": broken, "claimed_epsilon": eps,
+        return {"model": model, "mode": mode, "setting": "q = 1", "epsilon": eps, "observe": "steps",
+                "broken": broken, "claimed_epsilon": eps, "value_claimed_epsilon": None if mode == "dpsgd" else 0.8 * eps,
                 "sample_rate": 1.0, "gdp": stat(gdp), "epsilon_delta": stat(eps_delta or gdp),
                 "threshold_gdp": stat(threshold_gdp), "threshold_epsilon_delta": stat(threshold_gdp / 2),
                 "correct": stat(gdp), "guesses": 500, "seconds": 2.0, "runs": []}
 
     def doc(cells, exceed=0, exceed_threshold=0):
-        return {"model": "small DLRM", "canaries": 10_000, "member_fraction": 0.05, "repeats": 1, "cells": cells,
-                "false_alarm": {"runs": 10, "setting": "q = 1", "epsilon": 4.0, "observe": "steps",
-                                "exceed_epsilon_delta": exceed, "exceed_gdp": exceed,
-                                "exceed_threshold_epsilon_delta": 0, "exceed_threshold_gdp": exceed_threshold,
-                                "gdp_bounds": [2.0], "threshold_gdp_bounds": [3.0],
-                                "epsilon_delta_bounds": [1.5], "claimed_epsilon": 4.0}}
+        alarm = {"model": "DLRM", "mode": "dpsgd", "runs": 10, "setting": "q = 1", "epsilon": 4.0, "observe": "steps",
+                 "exceed_epsilon_delta": exceed, "exceed_gdp": exceed, "exceed_threshold_epsilon_delta": 0,
+                 "exceed_threshold_gdp": exceed_threshold, "exceed_claim_threshold_gdp": 0,
+                 "gdp_bounds": [2.0], "threshold_gdp_bounds": [3.0],
+                 "epsilon_delta_bounds": [1.5], "claimed_epsilon": 4.0}
+        return {"models": {"DLRM": "small DLRM"}, "canaries": 10_000, "member_fraction": 0.05, "repeats": 1,
+                "cells": cells, "false_alarms": [alarm, {**alarm, "mode": "sparse value"}]}
 
     good = doc([cell(8.0, None, 4.2), cell(4.0, "sigma-over-2", 5.5)])
     lines, goals = ap.results_section(good)
     assert [g[2] for g in goals] == ["**met**"] * 3
-    assert "| q = 1 | 4 | steps | sigma-over-2 | 4 | 5.5 | 5.5 (5.5–5.5) | 0 | 0 (0–0) | 1.38 | caught |" in lines
+    assert ("| DLRM | dpsgd | q = 1 | 4 | steps | sigma-over-2 | 4 | — | 5.5 | 5.5 (5.5–5.5) | 0 | 0 (0–0) | — | 1.38 "
+            "| caught |") in lines
     weak = doc([cell(8.0, None, 3.0), cell(8.0, "sigma-over-2", 7.3)], exceed=2)
     lines, goals = ap.results_section(weak)
     assert [g[2] for g in goals] == ["**missed**"] * 3
-    assert "not: sigma-over-2 at ε = 8" in goals[1][1]
+    assert "not: DLRM dpsgd sigma-over-2 at ε = 8" in goals[1][1]
     # the threshold bound can carry a goal the one-run bounds miss, and its false alarms count
     rescued = doc([cell(8.0, None, 3.0, threshold_gdp=7.0), cell(8.0, "sigma-over-2", 7.3, threshold_gdp=15.0)],
-                  exceed_threshold=3)
+                  exceed_threshold=2)
     lines, goals = ap.results_section(rescued)
-    assert [g[2] for g in goals] == ["**met**", "**met**", "**missed**"]
-    assert goals[0][1].startswith("threshold GDP 7 = 0.88·ε") and "by the one-run bounds alone 0" in goals[1][1]
-    assert "| q = 1 | 8 | steps | correct | 8 | 3 | 3 (3–3) | 3.5 | 7 (7–7) | 0.88 | holds |" in lines
+    assert [g[2] for g in goals] == ["**met**", "**met**", "**met**"]  # 2 + 2 of 100 bounds: within 5%
+    assert "DLRM dpsgd: threshold GDP 7 = 0.88·ε" in goals[0][1] and "by the one-run bounds alone 0" in goals[1][1]
+    assert ("| DLRM | dpsgd | q = 1 | 8 | steps | correct | 8 | — | 3 | 3 (3–3) | 3.5 | 7 (7–7) | — | 0.88 | holds |"
+            in lines)
+    # every (model, mode) at ε = 8 must reach half its claim: one weak sparse value cell misses the goal
+    one_weak = doc([cell(8.0, None, 3.0, threshold_gdp=7.0),
+                    cell(8.0, None, 2.0, threshold_gdp=3.9, mode="sparse value")], exceed_threshold=5)
+    lines, goals = ap.results_section(one_weak)
+    assert [g[2] for g in goals] == ["**missed**", "**missed**", "**missed**"]  # no broken cells; 10 of 100 > 5%
+    assert "DLRM sparse value: threshold GDP 3.9 = 0.49·ε" in goals[0][1]
+    assert "| DLRM | sparse value | q = 1 | 8 | steps | correct | 8 | 6.4 |" in "\n".join(lines)
+    # the δ = 1/n block's goal: every broken run caught by the claim-threshold bound, no correct one above the claim
+    def delta_run(bound, claimed=8.0):
+        return {"claim_threshold_gdp": bound, "threshold_gdp": bound - 0.3, "claimed_epsilon": claimed,
+                "noise_multiplier": 1.9, "delta": 1e-5}
+    block = {"canaries": 40_000, "epsilon": 8.0, "setting": "q = 1", "observe": "steps",
+             "runs": {"correct": [delta_run(7.7), delta_run(7.8)], "delta-one-over-n": [delta_run(8.6), delta_run(8.4)]}}
+    lines, goals = ap.results_section({**good, "delta_one_over_n": block})
+    assert goals[2][0].startswith("δ taken as 1/n") and goals[2][2] == "**met**" and goals[2][1].startswith("2 of 2")
+    block["runs"]["delta-one-over-n"][1] = delta_run(7.9)
+    lines, goals = ap.results_section({**good, "delta_one_over_n": block})
+    assert goals[2][2] == "**missed**" and "caught in 1 of 2 (the half-split threshold bound: 1)" in "\n".join(lines)

@@ -110,6 +110,31 @@ def test_the_user_level_audit_passes_and_catches_a_run_that_clips_each_example(u
     assert broken["epsilon_lower_bound"] > broken["claimed_epsilon"] + 0.5, (broken["correct"], broken["claimed_epsilon"])
 
 
+# Every step observed, q = 1 (every user in every step: the claim is exactly μ-GDP), 10 steps, σ
+# calibrated to ε = 4, each canary a user of k = 2 examples (the subtle version of the variant).
+STEP_AUDIT = [*SMALL, "privacy.unit=user", "privacy.max_examples_per_user=2", "train.mode=dpsgd", "train.steps=10",
+              "train.batch_size=1000000", "privacy.noise_multiplier=auto", "privacy.target_epsilon=4",
+              "train.optimizer=sgd", "train.recalibrate=false"]
+
+
+@pytest.mark.parametrize("broken", [None, "clip-per-example"])
+def test_the_every_step_user_level_audit_catches_per_example_clipping_at_k_2(user_logs_dir, broken):
+    """Clipping each of a canary user's 2 examples on its own lets it move its row by 2·S1 per
+    step while the ledger claims S1: ε roughly doubles, not the 8× of the test above. Measured
+    (10,000 canary users, seed 5): correct threshold GDP bound 3.41 (one-run 2.06) against 4.0
+    claimed; per-example clipping 7.54 (one-run 4.72)."""
+    cfg = load_config(None, [f"data.path={user_logs_dir}", *STEP_AUDIT]).validate()
+    record = one_run_audit(cfg, canaries=10_000, member_fraction=0.05, non_member_fraction=0.0, seed=5,
+                           broken=broken, canary_kind="gradient", observe="steps")
+    assert record["privacy_unit"] == "user" and record["canary_examples"] == 2 and record["sample_rate"] == 1.0
+    claimed, threshold = record["claimed_epsilon"], record["threshold_audit"]["gdp"]["epsilon_lower_bound_gdp"]
+    if broken is None:
+        assert threshold <= claimed and record["epsilon_lower_bound_gdp"] <= claimed, record["threshold_audit"]
+        assert threshold >= 0.5 * claimed, record["threshold_audit"]
+    else:
+        assert threshold > claimed + 2.0 and record["epsilon_lower_bound_gdp"] > claimed, record["threshold_audit"]
+
+
 def test_user_level_by_example_sampling_keeps_k_examples_per_user_and_charges_groups(user_logs_dir, tmp_path, capsys):
     from widedp.accounting import events as ev
     from widedp.accounting.ledger import PrivacyLedger

@@ -132,3 +132,53 @@ def subsampled_gaussian_log_likelihood_ratios(normalized: np.ndarray, sample_rat
     shifted = np.log(q) + y / sigma - 0.5 / sigma ** 2
     per_step = shifted if q == 1.0 else np.logaddexp(np.log1p(-q), shifted)
     return per_step.sum(axis=1)
+
+
+def claimed_mechanism_threshold(sample_rate: float, noise_multiplier: float, steps: int, members: int,
+                                non_members: int, rng: np.random.Generator, simulated: int = 200_000,
+                                confidence: float = 0.975) -> float:
+    """A threshold on `subsampled_gaussian_log_likelihood_ratios` fixed from the claimed mechanism
+    alone, before any score is seen: the one whose Gaussian-DP bound would be largest if the run
+    were exactly the claim. Each of `simulated` trials per class draws y_t = c_t/σ + z_t over
+    `steps` steps (c_t ~ Bernoulli(q) for a member, 0 otherwise; z_t standard normal); the
+    rates at each candidate threshold are the simulated ones, read as Clopper–Pearson upper
+    bounds at `confidence` over the audit's own counts (`members`, `non_members`), so that the
+    choice weighs the slack those counts leave. Any fixed threshold gives a valid bound; this
+    one gives the most power against the claim (threshold_audit.threshold_audit_at).
+
+    Args:
+        sample_rate: q in (0, 1]; noise_multiplier: σ > 0; steps: T ≥ 1.
+        members, non_members: the counted trials of each class (≥ 1).
+        rng: a generator independent of the audit's coins.
+    Returns:
+        The threshold (a score value).
+    """
+    from scipy import special, stats
+
+    q, sigma, T = float(sample_rate), float(noise_multiplier), int(steps)
+    if T < 1 or members < 1 or non_members < 1:
+        raise ValueError(f"steps, members and non_members must be >= 1, got {steps}, {members}, {non_members}")
+    rows = max(1, simulated // T) if T > 0 else 1
+    chunks_m, chunks_n = [], []
+    for start in range(0, simulated, rows):
+        size = min(rows, simulated - start)
+        present = rng.random((size, T)) < q
+        chunks_m.append(subsampled_gaussian_log_likelihood_ratios(present / sigma + rng.standard_normal((size, T)),
+                                                                  q, sigma))
+        chunks_n.append(subsampled_gaussian_log_likelihood_ratios(rng.standard_normal((size, T)), q, sigma))
+    member_scores, other_scores = np.sort(np.concatenate(chunks_m)), np.sort(np.concatenate(chunks_n))
+    candidates = np.quantile(np.concatenate([member_scores, other_scores]), np.linspace(0.001, 0.999, 999))
+    fnr = np.searchsorted(member_scores, candidates, side="left") / member_scores.size
+    fpr = (other_scores.size - np.searchsorted(other_scores, candidates, side="left")) / other_scores.size
+
+    def upper(rate, n):
+        k = np.rint(rate * n)
+        out = np.ones_like(k)
+        below = k < n
+        out[below] = stats.beta.ppf(confidence, k[below] + 1, n - k[below])
+        return out
+
+    value = special.ndtri(1.0 - upper(fpr, non_members)) - special.ndtri(upper(fnr, members))
+    # the bound is flat near its best: the middle of the near-best candidates, not the simulation's noisy argmax
+    near = candidates[value >= value.max() - 1e-3]
+    return float(np.median(near))

@@ -25,7 +25,9 @@ uses the whole score distribution, not r guesses against a binomial.
 
 The threshold is chosen on one part of the trials (`choose`: the best bound there) and
 the rates are counted on the others, so the threshold is fixed before the counted outcomes are
-seen; the split must be drawn independently of the coins.
+seen; the split must be drawn independently of the coins. Or it is fixed before any trial from
+the claimed mechanism alone (`threshold_audit_at`; `claimed_mechanism_threshold` in
+`auditing/scores.py` simulates the claim), and every trial is counted.
 
 The Gaussian-DP bound's null is "M is μ-GDP": exact for DP-SGD with every example in every step,
 approximate for subsampled runs (as in `fdp_one_run`); the (ε, δ) bound refutes any (ε, δ)
@@ -63,6 +65,7 @@ class ThresholdAudit:
     mu_lower_bound: float  # from the μ-GDP tradeoff at the upper rates
     epsilon_lower_bound_gdp: Optional[float]  # gdp_epsilon(μ̂, δ); None at δ = 0
     confidence: float
+    chosen_by: str = "half"  # "half": on the choosing trials; "claim": from the claimed mechanism, before any trial
 
 
 def clopper_pearson_upper(successes: int, trials: int, confidence: float) -> float:
@@ -184,7 +187,36 @@ def threshold_audit(scores, included, choose, delta: float, confidence: float, o
             raise ValueError(f"the {name} trials need members and non-members")
     each = 1.0 - (1.0 - confidence) / 2.0
     t = best_threshold(s[pick & inc], s[pick & ~inc], objective, delta, each)
-    members, others = s[~pick & inc], s[~pick & ~inc]
+    return _counted(t, s[~pick & inc], s[~pick & ~inc], delta, confidence, objective, "half")
+
+
+def threshold_audit_at(scores, included, threshold: float, delta: float, confidence: float) -> ThresholdAudit:
+    """Lower bounds on ε and μ from the test "score ≥ threshold" counted over every trial, the
+    threshold fixed before any trial was run (from the claimed mechanism alone: it must not
+    depend on the scores or the coins).
+
+    Args:
+        scores: [m] one score per trial, higher = more member-like; included: [m] bool coins.
+        threshold: the pre-registered threshold; delta in [0, 1); confidence in (0, 1).
+    Returns:
+        ThresholdAudit with chosen_by = "claim" (objective "gdp": the bound it is meant for).
+    """
+    delta, confidence = _check_delta(delta), _check_confidence(confidence)
+    s = _scores(scores, "scores")
+    inc = np.asarray(included, dtype=bool).reshape(-1)
+    if inc.size != s.size:
+        raise ValueError(f"scores and included must have one entry per trial, got {s.size} and {inc.size}")
+    if not inc.any() or inc.all():
+        raise ValueError("the trials need members and non-members")
+    if not math.isfinite(float(threshold)):
+        raise ValueError(f"threshold must be a finite number, got {threshold!r}")
+    return _counted(float(threshold), s[inc], s[~inc], delta, confidence, "gdp", "claim")
+
+
+def _counted(t: float, members: np.ndarray, others: np.ndarray, delta: float, confidence: float, objective: str,
+             chosen_by: str) -> ThresholdAudit:
+    """The rates of "score ≥ t" on the counted trials, each bounded by Clopper–Pearson at 1 − β/2."""
+    each = 1.0 - (1.0 - confidence) / 2.0
     fn, fp = int((members < t).sum()), int((others >= t).sum())
     fnr_up, fpr_up = clopper_pearson_upper(fn, members.size, each), clopper_pearson_upper(fp, others.size, each)
     mu = gdp_mu_from_rates(fpr_up, fnr_up)
@@ -192,4 +224,4 @@ def threshold_audit(scores, included, choose, delta: float, confidence: float, o
                           false_negatives=fn, false_positives=fp, fnr_upper=fnr_up, fpr_upper=fpr_up,
                           epsilon_lower_bound=epsilon_from_rates(fpr_up, fnr_up, delta), mu_lower_bound=mu,
                           epsilon_lower_bound_gdp=gdp_epsilon(mu, delta) if delta > 0 else None,
-                          confidence=confidence)
+                          confidence=confidence, chosen_by=chosen_by)

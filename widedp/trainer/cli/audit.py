@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from widedp.auditing.canaries import CANARY_KINDS, PHRASE_PLACEMENTS
-from widedp.trainer.run.audit import AUDIT_KINDS, BROKEN_VARIANTS, OBSERVATIONS, exposure_audit, one_run_audit, write_audit
+from widedp.trainer.run.audit import AUDIT_KINDS, BROKEN_VARIANTS, CHANNELS, OBSERVATIONS, exposure_audit, one_run_audit, write_audit
 
 
 def add_commands(sub) -> dict:
@@ -38,11 +38,17 @@ def add_commands(sub) -> dict:
                         "after every step (intermediate releases; needs --canary-kind gradient), scored by the "
                         "claimed mechanism's likelihood ratio. Every one-run audit reports the one-run (ε, δ) and Gaussian-DP "
                         "bounds and the threshold audit over the canaries as independent trials (threshold_audit)")
+    a.add_argument("--channel", choices=CHANNELS, default="as-run",
+                   help="one-run, sparse mode: 'as-run' audits the run as it executes (a canary row moves only when "
+                        "the step's selection picks it: selection and value together); 'value' adds the canaries' "
+                        "rows to every step's selection (data-independent post-processing: the claim still covers "
+                        "the run) so the audit sees the noisy values alone")
     a.add_argument("--broken", choices=sorted(BROKEN_VARIANTS),
                    help="train deliberately broken (noise off / σ divided by 10 or by 2 / each example clipped "
                         "to 2·S1 / every touched row selected / "
                         "untouched rows never selected / each example clipped at user level / a user's examples "
-                        "accounted as one example, the ledger told otherwise) to see the audit catch it on this "
+                        "accounted as one example / σ calibrated and ε computed at δ = 1/n while the auto δ is "
+                        "stated, the ledger told otherwise) to see the audit catch it on this "
                         "configuration; NOT a private run")
     a.add_argument("--out", help="directory for audit.json and audit.png (default RUN_DIR/audit)")
     return {"audit": cmd_audit}
@@ -62,7 +68,7 @@ def cmd_audit(args) -> dict:
     record = one_run_audit(cfg, canaries=args.canaries, feature=args.feature, member_fraction=args.member_guesses,
                            non_member_fraction=args.non_member_guesses, confidence=args.confidence, seed=args.seed,
                            broken=args.broken, canary_kind=args.canary_kind, canary_examples=args.canary_examples,
-                           observe=args.observe)
+                           observe=args.observe, channel=args.channel)
     out = Path(args.out) if args.out else Path(cfg.run_dir or "runs/latest") / "audit"
     record_audit(cfg, record, out)  # the audit's run trained on the data set: its spending counts
     return {"out": str(out), **write_audit(record, out)}

@@ -32,6 +32,12 @@ initial rows‖₂ over the canary's own rows (the released model: the averaged 
 averaging is on). Ties (e.g. rows never selected: score 0) are broken by a random order from
 the audit's generator, which is independent of the membership coins.
 
+Sparse mode's two channels: as the run executes, a canary's row moves only when the step's
+selection picks it (selection and value together; a count of 1 rarely passes a calibrated
+threshold). `channel="value"` adds the canaries' rows to every step's selection — rows fixed by
+the auditor before training, independently of the data, so the union is a post-processing of the
+selection and the run's claim covers it — and the audit sees the noisy values alone.
+
 User level (privacy.unit = "user"): a canary is a *user* — a unit of its own whose every example
 (`canary_examples` of them, by default privacy.max_examples_per_user) carries the canary — and
 is included or not as a whole. The guarantee bounds that user's whole contribution; the broken
@@ -61,9 +67,10 @@ from widedp.auditing.canaries import (CANARY_KINDS, PHRASE_PLACEMENTS, Canaries,
 from widedp.auditing.canary_exposure import canary_ranks, exposure, exposure_report
 from widedp.auditing.fdp_one_run import epsilon_lower_bound_gdp
 from widedp.auditing.one_run_audit import audit_from_scores
-from widedp.auditing.threshold_audit import threshold_audit
-from widedp.auditing.scores import (guess_counts, phrase_log_perplexities, robust_step_scales, step_projections,
-                                    subsampled_gaussian_log_likelihood_ratios, tie_broken, white_box_scores)
+from widedp.auditing.threshold_audit import threshold_audit, threshold_audit_at
+from widedp.auditing.scores import (claimed_mechanism_threshold, guess_counts, phrase_log_perplexities,
+                                    robust_step_scales, step_projections, subsampled_gaussian_log_likelihood_ratios,
+                                    tie_broken, white_box_scores)
 from widedp.trainer.data.format.dataset import Batch, _gather_jagged
 
 AUDIT_KINDS = ("one-run", "exposure")
@@ -215,15 +222,74 @@ def _skip_untouched(run):
     return _selection_rewritten(run, touched_only)
 
 
+@contextlib.contextmanager
+def _delta_one_over_n_at_build(stated: dict):
+    """While the run is built, privacy.delta = "auto" resolves to 1/n (n: examples, or users at
+    user level) instead of min(1/(10n), n^-1.1): σ is calibrated, the budget checked and the
+    ledger's ε computed at δ = 1/n, while the run states the auto δ (`stated["delta"]`, which
+    the audit's bound uses). A δ of 1/n admits mechanisms that publish an example outright."""
+    import widedp.trainer.config.planning as planning
+
+    real = planning.default_delta
+
+    def one_over_n(n: int) -> float:
+        stated["delta"] = real(n)
+        return 1.0 / n
+
+    planning.default_delta = one_over_n
+    try:
+        yield
+    finally:
+        planning.default_delta = real
+
+
+def _delta_one_over_n(run):
+    """The run-time half of `delta-one-over-n` (the build-time half: `_delta_one_over_n_at_build`)."""
+    return contextlib.nullcontext()
+
+
 #: Broken variants for `widedp audit --broken`: a run made non-private on purpose, to show that
 #: the audit catches it on the user's own configuration. Never used by training.
 BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "sigma-over-10": _sigma_over_10,
                                         "sigma-over-2": _sigma_over_2, "clip-doubled": _clip_doubled,
                                         "every-touched-row": _every_touched_row, "skip-untouched": _skip_untouched,
-                                        "clip-per-example": _clip_per_example, "group-as-example": _group_as_example}
+                                        "clip-per-example": _clip_per_example, "group-as-example": _group_as_example,
+                                        "delta-one-over-n": _delta_one_over_n}
 #: The broken variants that rewrite the row selection: they act on sparse tables only, so a
 #: canary table noised densely (trainer/config/table_policy.py) would not see them.
 SELECTION_BROKEN = ("every-touched-row", "skip-untouched")
+
+#: What a one-run audit of a sparse run sees (`--channel`): the run as it executes (a canary row
+#: moves only when selected: selection and value together), or the value channel alone.
+CHANNELS = ("as-run", "value")
+
+
+def _canary_rows_always_selected(run, canaries: Canaries):
+    """Each step's selection also takes every canary row (`--channel value`). The canary rows are
+    fixed before training by the auditor, independently of the data, so S_t ∪ C is a
+    post-processing of the step's selection S_t; the noisy values of the rows in it are the
+    step's Gaussian mechanism on the clipped sums restricted to those rows (sensitivity S1 for
+    any row set), so the run's claim covers the audited run unchanged. Each canary row then
+    receives every step's value noise, member or not, and its updates show the value channel."""
+    offsets = run.engine.layout.table_offsets
+    rows = np.concatenate([offsets[run.engine.layout.table_index(t)] + canaries.rows(j)
+                           for j, t in enumerate(canaries.tables)])
+    return _selection_rewritten(run, lambda engine, selected, touched: np.union1d(selected, rows))
+
+
+def _value_channel_epsilon(engine, ledger, steps: int) -> float:
+    """ε of the run's value events alone (its Poisson-sampled step noise, without the selection's
+    event or any one-time event), by the run's accountant at its δ: what an audit of the value
+    channel alone can approach; the run's claim (every event) is what refutes it."""
+    from widedp.accounting import events as ev
+    from widedp.accounting.calibration import sampled_step_event
+    from widedp.accounting.ledger import PrivacyLedger
+
+    value = PrivacyLedger(ledger.accountant, ledger.delta)
+    event = ev.grouped(sampled_step_event(engine.q, engine.plan.noise_event(), None), engine.budget.group_size)
+    if steps:
+        value.record(event, steps)
+    return value.epsilon()
 
 
 class _StepRows:
@@ -434,7 +500,7 @@ def canary_row_values(engine, canaries: Canaries, released: bool) -> np.ndarray:
 def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, member_fraction: float = 0.1,
                   non_member_fraction: float = 0.1, confidence: float = 0.95, seed: Optional[int] = None,
                   broken: Optional[str] = None, canary_kind: str = "example",
-                  canary_examples: Optional[int] = None, observe: str = "final") -> dict:
+                  canary_examples: Optional[int] = None, observe: str = "final", channel: str = "as-run") -> dict:
     """Train `cfg` once with canaries and audit it (module docstring). `seed`: the audit's
     coins and tie-breaking (default: fresh OS entropy, recorded in the result only after the
     run). `broken`: a name in BROKEN_VARIANTS to train deliberately broken (the record says
@@ -447,6 +513,15 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     Gaussian mechanism over its per-step updates (`subsampled_gaussian_log_likelihood_ratios`).
     Both bounds are computed from the same scores: the (ε, δ) one-run bound over k+ and k−
     guesses, and the Gaussian-DP (f-DP) bound over the k+ member guesses (`fdp_one_run`).
+    `channel`: one of CHANNELS — "as-run" audits the run as it executes (in sparse mode a
+    canary row moves only when the step's selection picks it: selection and value together);
+    "value" (sparse mode) adds the canaries' rows to every step's selection, so each canary
+    row receives every step's noisy value and the audit sees the value channel alone (the
+    record also gives the ε of the value events alone, `value_claimed_epsilon`).
+    `threshold_audit`: the many-run threshold test over the canaries as independent trials —
+    at a threshold chosen on a coin-independent half ("epsilon", "gdp") and, when every step is
+    observed, at one fixed from the claimed mechanism before the run with every canary counted
+    ("gdp_at_claimed_threshold").
     Returns the audit record (`audit.json`)."""
     from widedp.trainer.run.train import build_run
 
@@ -461,6 +536,14 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     if observe == "steps" and canary_kind != "gradient":
         raise ValueError("--observe steps scores each step's update along the canary's injected direction: "
                          "use --canary-kind gradient")
+    if channel not in CHANNELS:
+        raise ValueError(f"--channel must be one of {list(CHANNELS)}, got {channel!r}")
+    if channel == "value" and cfg.train.mode != "sparse":
+        raise ValueError(f"--channel value audits sparse mode's noisy values of the selected rows; train.mode is "
+                         f"{cfg.train.mode!r}, where every row's value is noised every step (use --channel as-run)")
+    if channel == "value" and broken in SELECTION_BROKEN:
+        raise ValueError(f"--channel value adds the canaries' rows to every selection, which hides what --broken "
+                         f"{broken} does to the selection: audit it with --channel as-run")
     if observe == "steps" and cfg.train.mode == "nonprivate":
         raise ValueError("--observe steps scores by the claimed mechanism's likelihood ratio: a nonprivate run "
                          "claims none (audit it with --observe final)")
@@ -485,7 +568,15 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     if isinstance(canaries, bool) or not isinstance(canaries, (int, np.integer)) or canaries < 2:
         raise ValueError(f"--canaries must be an integer >= 2, got {canaries!r}")
     k_pos, k_neg = guess_counts(canaries, member_fraction, non_member_fraction)
-    run = build_run(cfg, train_transform=add_canaries)
+    stated: dict = {}
+    if broken == "delta-one-over-n":
+        if str(cfg.privacy.delta) != "auto":
+            raise ValueError(f"--broken delta-one-over-n replaces privacy.delta = \"auto\" by 1/n; privacy.delta is "
+                             f"{cfg.privacy.delta!r}: set it to \"auto\"")
+        if cfg.train.mode == "nonprivate":
+            raise ValueError("--broken delta-one-over-n breaks a private run's δ: train.mode is nonprivate")
+    with _delta_one_over_n_at_build(stated) if broken == "delta-one-over-n" else contextlib.nullcontext():
+        run = build_run(cfg, train_transform=add_canaries)
     with run:
         c: Canaries = made["canaries"]
         dense = {run.engine.layout.tables[t].name for t in run.engine.dense_tables}
@@ -496,20 +587,29 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
                              f"privacy.dense_max_rows); set privacy.tables.{c.tables[0]} = \"sparse\" or audit another --feature")
         initial = canary_row_values(run.engine, c, released=False)
         watch = _StepRows(c, initial) if observe == "steps" else None
-        with BROKEN_VARIANTS[broken](run) if broken else contextlib.nullcontext():
+        if channel == "value" and any(p == "dense" for p in policy.values()):
+            raise ValueError(f"--channel value needs the canaries' table(s) {list(c.tables)} to be sparse, but they "
+                             f"are noised densely in this run; set privacy.tables.{c.tables[0]} = \"sparse\"")
+        with contextlib.ExitStack() as stack:
+            if broken:
+                stack.enter_context(BROKEN_VARIANTS[broken](run))
+            if channel == "value":
+                stack.enter_context(_canary_rows_always_selected(run, c))
             result = run.run(cfg.train.steps, [watch] if watch is not None else ())
         final = canary_row_values(run.engine, c, released=True)
         sample_rate, sigma = float(run.engine.q), run.engine.plan.noise_multiplier if run.engine.plan else None
         ledger = run.engine.ledger
         claimed = ledger.epsilon() if ledger is not None else math.inf
-        delta = float(run.privacy.delta) if ledger is not None else 0.0
+        delta = float(stated.get("delta", run.privacy.delta)) if ledger is not None else 0.0
         steps = run.engine.step_count
+        value_claim = _value_channel_epsilon(run.engine, ledger, steps) if channel == "value" else None
     if watch is not None:
         assert c.directions is not None and sigma is not None  # checked above: gradient canaries, a private run
         projections = step_projections(np.stack(watch.rows), c.directions)
         scales = robust_step_scales(projections)
         normalized = np.divide(projections, scales, out=np.zeros_like(projections), where=scales > 0)
         scores = subsampled_gaussian_log_likelihood_ratios(normalized, sample_rate, sigma)
+        scores_steps = normalized.shape[1]
     else:
         scores = white_box_scores(initial, final, c.directions)
     ranked = tie_broken(scores, rng.permutation(scores.size))
@@ -522,6 +622,12 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     choose = rng.random(c.count) < 0.5
     thresholds = {objective: dataclasses.asdict(threshold_audit(scores, c.included, choose, delta, confidence, objective))
                   for objective in ("epsilon", "gdp")} if c.included.any() and (~c.included).any() else None
+    if thresholds is not None and watch is not None and delta > 0:
+        # every step observed, the score is the claim's likelihood ratio: a threshold fixed from the
+        # claimed mechanism alone (simulated at the expected counts), every canary counted
+        claim_t = claimed_mechanism_threshold(sample_rate, sigma, scores_steps, c.count // 2, c.count - c.count // 2, rng)
+        thresholds["gdp_at_claimed_threshold"] = dataclasses.asdict(
+            threshold_audit_at(scores, c.included, claim_t, delta, confidence))
     return {
         "threshold_audit": thresholds,
         "threshold_assumption": "the canaries are independent trials: each canary's score depends only on its own "
@@ -551,6 +657,12 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
                      "approximate: a subsampled Gaussian's tradeoff is Gaussian only in the limit of many steps; "
                      "the (ε, δ) bound is the one that refutes the claim"),
         "gdp_exceeds_claim": bool(gdp_bound is not None and gdp_bound > claimed),
+        "channel": channel, "value_claimed_epsilon": value_claim,
+        "channel_audited": ("the value channel alone: the canaries' rows added to every step's selection (a "
+                            "data-independent post-processing of it), so each receives every step's noisy value"
+                            if channel == "value" else "the run as it executes" + (
+                                ": a canary row moves only when the step's selection picks it (selection and "
+                                "value together)" if cfg.train.mode == "sparse" else "")),
         "audit_seed": seed,
         "member_scores": scores[c.included].tolist(), "non_member_scores": scores[~c.included].tolist(),
     }
