@@ -193,3 +193,34 @@ def test_the_robust_step_scale_ignores_the_members_shift_and_needs_no_coins():
     p[:5000] += 0.5 * scale  # a quarter of the canaries (members sampled at q = ½) shifted by 1/σ, σ = 2
     assert robust_step_scales(p) == pytest.approx(scale, rel=0.05)
     assert robust_step_scales(np.zeros((5, 2))).tolist() == [0.0, 0.0]
+
+
+def test_selected_step_scores_count_the_steps_a_row_moved_and_break_ties_by_its_values_like_the_slow_loop():
+    from widedp.auditing.scores import selected_step_scores
+
+    rng = np.random.default_rng(3)
+    m, steps, width = 40, 6, 4
+    rows = np.zeros((steps + 1, m, width))
+    for t in range(1, steps + 1):
+        rows[t] = rows[t - 1]
+        picked = rng.random(m) < 0.3
+        rows[t, picked] += rng.normal(size=(int(picked.sum()), width))
+    u = rng.normal(size=(m, width))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    p = step_projections(rows, u)
+    got = selected_step_scores(rows, p)
+    moved_values = [p[i, t] for i in range(m) for t in range(steps) if not np.array_equal(rows[t + 1, i], rows[t, i])]
+    centre = np.median(moved_values)
+    scale = 1.4826 * np.median([abs(v - centre) for v in moved_values])
+    for i in range(m):
+        count, total = 0, 0.0
+        for t in range(steps):
+            if not np.array_equal(rows[t + 1, i], rows[t, i]):
+                count += 1
+                total += p[i, t]
+        assert got[i] == pytest.approx(count + math.atan(total / scale) / math.pi, abs=1e-12)
+    # the count ranks first: the values move a score by less than half a step either way
+    counts = np.any(rows[1:] != rows[:-1], axis=2).sum(axis=0)
+    assert np.array_equal(np.round(got), counts) and np.all(np.abs(got - counts) < 0.5)
+    with pytest.raises(ValueError, match="rows_by_step must be"):
+        selected_step_scores(rows[:1], p)

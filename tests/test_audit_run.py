@@ -146,8 +146,13 @@ def test_dpsgd_with_sigma_divided_by_10_is_caught_by_gradient_canaries(ctr_dir):
 
 # Every example in every step (b above n: q = 1), 10 steps of plain SGD, σ calibrated to ε = 4:
 # the claim is exactly μ-GDP (μ = √10/σ), the null of the Gaussian-DP bound.
+# Reproducible noise (a fixed noise seed, tests only): a correct run's bound comes within a few
+# percent of its claim and may exceed it in up to 5% of runs by design (95% confidence; the
+# benchmark counts how often), so a suite assertion that it stays below needs the same noise
+# every time; the measured spreads over fresh noise are in the docstrings and RESULTS §27.
 FULL_BATCH_AUDIT = ["train.steps=10", "train.batch_size=100000", "privacy.target_epsilon=4",
-                    "privacy.noise_multiplier=auto", "train.optimizer=sgd", "train.mode=dpsgd"]
+                    "privacy.noise_multiplier=auto", "train.optimizer=sgd", "train.mode=dpsgd",
+                    "privacy.reproducible=true", "privacy.noise_seed=3"]
 STEP_CANARIES = 10_000
 
 
@@ -158,7 +163,8 @@ def _step_audit(cfg, broken=None, seed=7, channel="as-run"):
 
 def test_a_correct_full_batch_dpsgd_run_audited_every_step_reaches_half_its_claim_and_stays_below_it(ctr_dir):
     """Measured over 6 runs (10,000 gradient canaries, 500 member guesses): Gaussian-DP bound
-    2.07–2.60 (0.52–0.65 of the claimed 3.99), (ε, δ) bound 1.59–1.97."""
+    2.07–2.60 (0.52–0.65 of the claimed 3.99), (ε, δ) bound 1.59–1.97; at the suite's noise seed
+    2.39, and the threshold bound 3.55."""
     record = _step_audit(_cfg(ctr_dir, *FULL_BATCH_AUDIT))
     assert record["observe"] == "steps" and record["threat_model"].startswith("intermediate releases")
     assert record["sample_rate"] == 1.0 and record["gdp_null"].startswith("exact") and record["steps"] == 10
@@ -188,7 +194,7 @@ def test_at_a_claimed_epsilon_of_8_the_threshold_audit_catches_sigma_over_2_wher
     """At ε = 8 the one-run bounds with 500 member guesses are capped below the claim (all 500
     right gives 7.3), so σ/2 is invisible to them; the threshold audit over the canaries as
     independent trials is not capped that way. Measured (benchmarks/audit_power.py, 2 runs each):
-    correct 7.22 (0.91 of the claimed 7.98), σ/2 17.8."""
+    correct 7.22 (0.91 of the claimed 7.98; 7.36 at the suite's noise seed), σ/2 17.8."""
     record = _step_audit(_cfg(ctr_dir, *FULL_BATCH_AUDIT, "privacy.target_epsilon=8"), broken=broken)
     claimed, threshold = record["claimed_epsilon"], record["threshold_audit"]["gdp"]["epsilon_lower_bound_gdp"]
     assert 7.9 < claimed <= 8.0
@@ -219,8 +225,9 @@ def test_the_value_channel_puts_every_canary_row_in_every_selection(ctr_dir):
 
 def test_a_sparse_runs_value_channel_audited_every_step_reaches_half_its_claim_at_epsilon_8(ctr_dir):
     """Threshold selection, q = 1, 10 steps. Measured (seeds 7, 8): threshold GDP bound
-    6.33–6.75 against 7.98 claimed (6.97 for the value events alone), one-run GDP 4.17–4.34; the
-    run as it executes shows nothing (a canary's count of 1 rarely passes the calibrated τ)."""
+    6.33–6.75 against 7.98 claimed (6.97 for the value events alone), one-run GDP 4.17–4.34 (at the
+    suite's noise seed: 4.95); the run as it executes shows little (a canary's count of 1 rarely
+    passes the calibrated τ)."""
     from widedp.auditing.fdp_one_run import gdp_epsilon
 
     record = _step_audit(_cfg(ctr_dir, *SPARSE_VALUE_AUDIT, "privacy.target_epsilon=8"), channel="value")
@@ -230,7 +237,7 @@ def test_a_sparse_runs_value_channel_audited_every_step_reaches_half_its_claim_a
     exact = gdp_epsilon(math.sqrt(record["steps"]) / record["noise_multiplier"], record["delta"])
     assert exact <= value * (1 + 1e-6) and value <= 1.05 * exact and value < claimed <= 8.0, (exact, value, claimed)
     threshold = record["threshold_audit"]["gdp"]["epsilon_lower_bound_gdp"]
-    assert 0.5 * claimed <= threshold <= value, record["threshold_audit"]
+    assert 0.5 * claimed <= threshold <= claimed, record["threshold_audit"]
     assert record["epsilon_lower_bound"] <= claimed and record["epsilon_lower_bound_gdp"] <= claimed, record
 
 
@@ -324,6 +331,25 @@ def test_a_selection_that_skips_untouched_rows_is_caught_and_the_correct_one_is_
     correct = _audit(cfg, non_member_fraction=0.0)
     assert correct["claimed_epsilon"] < 2.0
     assert correct["epsilon_lower_bound"] <= correct["claimed_epsilon"], correct
+
+
+def test_a_sparse_run_audited_every_step_as_it_runs_scores_the_selection_and_catches_skipped_untouched_rows(ctr_dir):
+    """As run, a sparse step moves a canary row only when it selects it: the every-step score is
+    the number of steps the row was selected, its values breaking ties. Measured (seed 7, 1,000
+    gradient canaries): correct 0.0 (one-run and threshold) against 1.45 claimed; skip-untouched
+    threshold GDP 18.9, one-run GDP 5.22 — non-members' rows never move."""
+    cfg = _cfg(ctr_dir, *SKIP_UNTOUCHED_AUDIT)
+    runs = {broken: one_run_audit(cfg, canaries=CANARIES, member_fraction=0.1, non_member_fraction=0.0, seed=7,
+                                  broken=broken, canary_kind="gradient", observe="steps")
+            for broken in (None, "skip-untouched")}
+    correct, broken = runs[None], runs["skip-untouched"]
+    assert correct["score"].startswith("white box, every step, sparse as run")
+    assert "gdp_at_claimed_threshold" not in correct["threshold_audit"]  # not the claim's likelihood ratio
+    claimed = correct["claimed_epsilon"]
+    assert max(correct["epsilon_lower_bound_gdp"], correct["threshold_audit"]["gdp"]["epsilon_lower_bound_gdp"]) <= claimed
+    assert max(broken["non_member_scores"]) == 0.0  # a non-member's row is touched by nobody: never selected
+    assert broken["threshold_audit"]["gdp"]["epsilon_lower_bound_gdp"] > claimed + 2.0, broken["threshold_audit"]
+    assert broken["epsilon_lower_bound_gdp"] > claimed + 1.0, broken["epsilon_lower_bound_gdp"]
 
 
 def test_the_broken_variants_leave_the_engine_as_it_was(ctr_dir):

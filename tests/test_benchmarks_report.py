@@ -977,6 +977,13 @@ def test_audit_power_goal_rows_follow_the_measured_bounds_and_can_be_missed():
     assert [g[2] for g in goals] == ["**missed**", "**missed**", "**missed**"]  # no broken cells; 10 of 100 > 5%
     assert "DLRM sparse value: threshold GDP 3.9 = 0.49·ε" in goals[0][1]
     assert "| DLRM | sparse value | q = 1 | 8 | steps | correct | 8 | 6.4 |" in "\n".join(lines)
+    # the selection channel as run is shown, not held to the goals: a weak or uncaught diagnostic cell misses nothing
+    shown = doc([cell(8.0, None, 4.2), cell(4.0, "sigma-over-2", 5.5), cell(8.0, None, 0.1, mode="sparse as run"),
+                 cell(8.0, "sigma-over-2", 0.2, mode="sparse as run")])
+    lines, goals = ap.results_section(shown)
+    assert [g[2] for g in goals] == ["**met**"] * 3 and "sparse as run" not in goals[0][1]
+    assert any(line.startswith("| DLRM | sparse as run | q = 1 | 8 | steps | sigma-over-2 |") and "not caught" in line
+               for line in lines)
     # the δ = 1/n block's goal: every broken run caught by the claim-threshold bound, no correct one above the claim
     def delta_run(bound, claimed=8.0):
         return {"claim_threshold_gdp": bound, "threshold_gdp": bound - 0.3, "claimed_epsilon": claimed,

@@ -182,3 +182,27 @@ def claimed_mechanism_threshold(sample_rate: float, noise_multiplier: float, ste
     # the bound is flat near its best: the middle of the near-best candidates, not the simulation's noisy argmax
     near = candidates[value >= value.max() - 1e-3]
     return float(np.median(near))
+
+
+def selected_step_scores(rows_by_step: np.ndarray, projections: np.ndarray) -> np.ndarray:
+    """Per canary of a sparse run audited as it executes: the number of steps its rows moved —
+    were selected: a sparse step writes back the selected rows only — plus arctan(Σ_t p_t / ŝ)/π
+    ∈ (−½, ½) over those steps (p_t its update along u_i, ŝ the robust scale of every moved
+    canary's updates), so the selection channel ranks first and the values only break its ties.
+
+    Args:
+        rows_by_step: [T + 1, m, width] every canary's rows before the first step and after each.
+        projections: [m, T] `step_projections` of the same rows.
+    Returns:
+        [m] float64 scores, higher = more likely a member.
+    """
+    rows = np.asarray(rows_by_step, dtype=np.float64)
+    p = np.asarray(projections, dtype=np.float64)
+    if rows.ndim != 3 or rows.shape[0] < 2 or p.shape != (rows.shape[1], rows.shape[0] - 1):
+        raise ValueError(f"rows_by_step must be [T + 1 >= 2, m, width] and projections [m, T], got {rows.shape} "
+                         f"and {p.shape}")
+    moved = np.any(rows[1:] != rows[:-1], axis=2).T  # [m, T]
+    values = p[moved]
+    scale = 1.4826 * float(np.median(np.abs(values - np.median(values)))) if values.size >= 2 else 0.0
+    tie = np.arctan(np.where(moved, p, 0.0).sum(axis=1) / scale) / np.pi if scale > 0 else np.zeros(p.shape[0])
+    return moved.sum(axis=1) + tie

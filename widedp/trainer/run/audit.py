@@ -69,8 +69,8 @@ from widedp.auditing.fdp_one_run import epsilon_lower_bound_gdp
 from widedp.auditing.one_run_audit import audit_from_scores
 from widedp.auditing.threshold_audit import threshold_audit, threshold_audit_at
 from widedp.auditing.scores import (claimed_mechanism_threshold, guess_counts, phrase_log_perplexities,
-                                    robust_step_scales, step_projections, subsampled_gaussian_log_likelihood_ratios,
-                                    tie_broken, white_box_scores)
+                                    robust_step_scales, selected_step_scores, step_projections,
+                                    subsampled_gaussian_log_likelihood_ratios, tie_broken, white_box_scores)
 from widedp.trainer.data.format.dataset import Batch, _gather_jagged
 
 AUDIT_KINDS = ("one-run", "exposure")
@@ -603,13 +603,20 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         delta = float(stated.get("delta", run.privacy.delta)) if ledger is not None else 0.0
         steps = run.engine.step_count
         value_claim = _value_channel_epsilon(run.engine, ledger, steps) if channel == "value" else None
+    # A sparse run audited as it executes: a canary row moves only in the steps that select it, so
+    # the every-step score counts those steps (the selection channel) before their values.
+    selection_score = (watch is not None and cfg.train.mode == "sparse" and channel == "as-run"
+                       and all(p == "sparse" for p in policy.values()))
     if watch is not None:
         assert c.directions is not None and sigma is not None  # checked above: gradient canaries, a private run
         projections = step_projections(np.stack(watch.rows), c.directions)
-        scales = robust_step_scales(projections)
-        normalized = np.divide(projections, scales, out=np.zeros_like(projections), where=scales > 0)
-        scores = subsampled_gaussian_log_likelihood_ratios(normalized, sample_rate, sigma)
-        scores_steps = normalized.shape[1]
+        if selection_score:
+            scores = selected_step_scores(np.stack(watch.rows), projections)
+        else:
+            scales = robust_step_scales(projections)
+            normalized = np.divide(projections, scales, out=np.zeros_like(projections), where=scales > 0)
+            scores = subsampled_gaussian_log_likelihood_ratios(normalized, sample_rate, sigma)
+            scores_steps = normalized.shape[1]
     else:
         scores = white_box_scores(initial, final, c.directions)
     ranked = tie_broken(scores, rng.permutation(scores.size))
@@ -622,7 +629,7 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     choose = rng.random(c.count) < 0.5
     thresholds = {objective: dataclasses.asdict(threshold_audit(scores, c.included, choose, delta, confidence, objective))
                   for objective in ("epsilon", "gdp")} if c.included.any() and (~c.included).any() else None
-    if thresholds is not None and watch is not None and delta > 0:
+    if thresholds is not None and watch is not None and not selection_score and delta > 0:
         # every step observed, the score is the claim's likelihood ratio: a threshold fixed from the
         # claimed mechanism alone (simulated at the expected counts), every canary counted
         claim_t = claimed_mechanism_threshold(sample_rate, sigma, scores_steps, c.count // 2, c.count - c.count // 2, rng)
@@ -646,7 +653,9 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         "privacy_unit": cfg.privacy.unit, "canary_examples": int(canary_examples),
         "score": ("white box: ‖released rows − initial rows‖₂ of the canary's own rows" if c.directions is None else
                   "white box: ⟨initial rows − released rows, u_i⟩, u_i the canary's injected gradient direction"
-                  if watch is None else "white box, every step: the claimed subsampled Gaussian's log-likelihood "
+                  if watch is None else "white box, every step, sparse as run: the number of steps the canary's "
+                  "row was selected (moved), ties broken by its updates along u_i over those steps"
+                  if selection_score else "white box, every step: the claimed subsampled Gaussian's log-likelihood "
                   "ratio of the canary's per-step updates along u_i, each step's noise scale estimated from "
                   "the released updates (median absolute deviation over canaries)"),
         "exceeds_claim": bool(audit.epsilon_lower_bound > claimed),
