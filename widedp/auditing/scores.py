@@ -158,7 +158,7 @@ def claimed_mechanism_threshold(sample_rate: float, noise_multiplier: float, ste
     q, sigma, T = float(sample_rate), float(noise_multiplier), int(steps)
     if T < 1 or members < 1 or non_members < 1:
         raise ValueError(f"steps, members and non_members must be >= 1, got {steps}, {members}, {non_members}")
-    rows = max(1, simulated // T) if T > 0 else 1
+    rows = max(1, simulated // T)  # trials per chunk: about `simulated` draws of y at a time
     chunks_m, chunks_n = [], []
     for start in range(0, simulated, rows):
         size = min(rows, simulated - start)

@@ -607,6 +607,7 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     # the every-step score counts those steps (the selection channel) before their values.
     selection_score = (watch is not None and cfg.train.mode == "sparse" and channel == "as-run"
                        and all(p == "sparse" for p in policy.values()))
+    scores_steps = 0  # steps scored by the claim's likelihood ratio (0: another score)
     if watch is not None:
         assert c.directions is not None and sigma is not None  # checked above: gradient canaries, a private run
         projections = step_projections(np.stack(watch.rows), c.directions)
@@ -632,6 +633,7 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     if thresholds is not None and watch is not None and not selection_score and delta > 0:
         # every step observed, the score is the claim's likelihood ratio: a threshold fixed from the
         # claimed mechanism alone (simulated at the expected counts), every canary counted
+        assert sigma is not None  # watch is set: a private run (checked above)
         claim_t = claimed_mechanism_threshold(sample_rate, sigma, scores_steps, c.count // 2, c.count - c.count // 2, rng)
         thresholds["gdp_at_claimed_threshold"] = dataclasses.asdict(
             threshold_audit_at(scores, c.included, claim_t, delta, confidence))
@@ -710,7 +712,8 @@ def _plot(record: dict, path: Path) -> None:
         # matplotlib's stub types `bins` as int | Sequence[float] | str; hist takes any array of edges
         ax.hist(others, bins=bins, alpha=0.6, label=f"non-members ({others.size})")  # type: ignore[arg-type]
         ax.hist(members, bins=bins, alpha=0.6, label=f"members ({members.size})")  # type: ignore[arg-type]
-        ax.set_xlabel("‖released row − initial row‖₂" if record.get("canary_kind", "example") == "example"
+        ax.set_xlabel("every-step score (audit.json: score)" if record.get("observe") == "steps"
+                      else "‖released row − initial row‖₂" if record.get("canary_kind", "example") == "example"
                       else "⟨initial row − released row, injected direction⟩")
         ax.set_ylabel("canaries")
         bounds = f"lower bound {record['epsilon_lower_bound']:.3g}"
