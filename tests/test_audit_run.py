@@ -264,6 +264,24 @@ def test_the_value_channel_is_refused_where_it_means_nothing_by_name(ctr_dir):
         one_run_audit(dense, canaries=10, channel="value")
 
 
+@pytest.mark.parametrize("broken", [None, "sigma-over-2"])
+def test_at_q_one_half_the_claims_own_curve_refutes_sigma_over_2_and_not_the_correct_run(ctr_dir, broken):
+    """q ≈ ½, where the Gaussian-DP bounds are approximate and the (ε, δ) bound at the stated δ
+    stays far below a claimed 4: the same jointly bounded rates tested against the run's own
+    accountant at δ ∈ {stated, 10⁻³, 10⁻², 10⁻¹} refute σ/2. Measured (fresh noise, one run each):
+    correct max ε̂/ε 0.71, σ/2 2.00 (ε̂ 1.65 against 0.82 claimed at δ = 0.1)."""
+    record = _step_audit(_cfg(ctr_dir, *FULL_BATCH_AUDIT, "train.batch_size=3700"), broken=broken)
+    curve = record["claim_curve"]
+    assert 0.4 < record["sample_rate"] < 0.6 and curve["rates_from"] == "gdp_at_claimed_threshold"
+    assert [p[0] for p in curve["points"]] == sorted({record["delta"], 1e-3, 1e-2, 1e-1})
+    assert curve["points"][0][1] == pytest.approx(record["claimed_epsilon"])  # the stated δ's ε is the claim
+    if broken is None:
+        assert not curve["refuted"] and curve["ratio"] < 1.0, curve
+    else:
+        assert curve["refuted"] and curve["ratio"] > 1.5, curve
+        assert record["epsilon_lower_bound"] < record["claimed_epsilon"]  # the stated δ alone does not see it
+
+
 def test_delta_taken_as_one_over_n_is_caught_by_the_threshold_fixed_from_the_claim(ctr_dir):
     """σ calibrated, the budget checked and ε computed at δ = 1/n while the run states the auto δ
     (1/(10n)): the true ε at the stated δ is ~14% above the claim at ε = 8 — a subtle under-count.

@@ -232,3 +232,50 @@ def test_the_claimed_threshold_functions_refuse_bad_inputs_naming_the_parameter(
         claimed_mechanism_threshold(1.0, 1.0, 0, 10, 10, np.random.default_rng(0))
     with pytest.raises(ValueError, match="sample_rate"):
         claimed_mechanism_threshold(1.5, 1.0, 10, 10, 10, np.random.default_rng(0))
+
+
+def test_the_claim_curve_test_is_the_rate_bound_at_every_delta_of_the_curve():
+    from widedp.auditing.threshold_audit import claim_curve_test
+
+    curve = [(8.0, 1e-5), (4.0, 1e-2), (2.0, 0.1)]
+    got = claim_curve_test(0.05, 0.2, curve)
+    for (delta, eps, bound), (want_eps, want_delta) in zip(got["points"], curve):
+        assert (delta, eps) == (want_delta, want_eps)
+        assert bound == pytest.approx(epsilon_from_rates(0.05, 0.2, want_delta), abs=1e-12)
+    ratios = [p[2] / p[1] for p in got["points"]]
+    assert got["ratio"] == pytest.approx(max(ratios)) and got["refuted"] is (max(ratios) > 1.0)
+    # log((1 − 0.1 − 0.2) / 0.05) = 2.64 > 2 claimed at δ = 0.1: that pair is refuted
+    assert got["refuted"] and got["delta"] == 0.1 and got["epsilon_bound"] == pytest.approx(math.log(0.7 / 0.05))
+    assert not claim_curve_test(0.3, 0.3, curve)["refuted"]
+    # an accountant's ε < 0 at a large δ is the claim (0, δ): refuted exactly when FPR + FNR < 1 − δ
+    assert claim_curve_test(0.3, 0.3, [(-0.1, 0.3)])["refuted"] and not claim_curve_test(0.4, 0.3, [(-0.1, 0.3)])["refuted"]
+    assert claim_curve_test(0.3, 0.3, [(-0.1, 0.3)])["epsilon_claimed"] == 0.0
+    with pytest.raises(ValueError, match="curve points"):
+        claim_curve_test(0.1, 0.1, [(1.0, 0.0)])
+    with pytest.raises(ValueError, match="at least one"):
+        claim_curve_test(0.1, 0.1, [])
+
+
+def test_the_claim_curve_test_refutes_a_subsampled_gaussian_told_twice_its_sigma_and_not_the_true_one():
+    """q = ½, 10 steps: the claim's curve from the PLD accountant at σ, the trials at σ (correct)
+    or σ/2 (the break); rates at the claimed mechanism's threshold, 4,000 trials."""
+    import dp_accounting as dpa
+
+    sigma, q, steps = 1.2, 0.5, 10
+    acc = dpa.pld.PLDAccountant(dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    acc.compose(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), steps)
+    curve = [(acc.get_epsilon(d), d) for d in (1e-5, 1e-3, 1e-2, 1e-1)]
+    t = claimed_mechanism_threshold(q, sigma, steps, 2000, 2000, np.random.default_rng(3), simulated=50_000)
+    from widedp.auditing.threshold_audit import claim_curve_test
+
+    rng = np.random.default_rng(5)
+    refuted = {"correct": 0, "sigma/2": 0}
+    for _ in range(40):
+        for name, true_sigma in (("correct", sigma), ("sigma/2", sigma / 2)):
+            included = rng.random(4000) < 0.5
+            present = (rng.random((4000, steps)) < q) & included[:, None]
+            y = present / true_sigma + rng.standard_normal((4000, steps))
+            scores = subsampled_gaussian_log_likelihood_ratios(y, q, sigma)  # the claim's score
+            a = threshold_audit_at(scores, included, t, 1e-5, 0.95)
+            refuted[name] += claim_curve_test(a.fpr_upper, a.fnr_upper, curve)["refuted"]
+    assert refuted["correct"] <= _exceedance_limit(40, 0.05) and refuted["sigma/2"] == 40, refuted

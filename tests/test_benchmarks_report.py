@@ -956,7 +956,7 @@ def test_audit_power_goal_rows_follow_the_measured_bounds_and_can_be_missed():
     good = doc([cell(8.0, None, 4.2), cell(4.0, "sigma-over-2", 5.5)])
     lines, goals = ap.results_section(good)
     assert [g[2] for g in goals] == ["**met**"] * 3
-    assert ("| DLRM | dpsgd | q = 1 | 4 | steps | sigma-over-2 | 4 | — | 5.5 | 5.5 (5.5–5.5) | 0 | 0 (0–0) | — | 1.38 "
+    assert ("| DLRM | dpsgd | q = 1 | 4 | steps | sigma-over-2 | 4 | — | 5.5 | 5.5 (5.5–5.5) | 0 | 0 (0–0) | — | 1.38 | — "
             "| caught |") in lines
     weak = doc([cell(8.0, None, 3.0), cell(8.0, "sigma-over-2", 7.3)], exceed=2)
     lines, goals = ap.results_section(weak)
@@ -968,7 +968,7 @@ def test_audit_power_goal_rows_follow_the_measured_bounds_and_can_be_missed():
     lines, goals = ap.results_section(rescued)
     assert [g[2] for g in goals] == ["**met**", "**met**", "**met**"]  # 2 + 2 of 100 bounds: within 5%
     assert "DLRM dpsgd: threshold GDP 7 = 0.88·ε" in goals[0][1] and "by the one-run bounds alone 0" in goals[1][1]
-    assert ("| DLRM | dpsgd | q = 1 | 8 | steps | correct | 8 | — | 3 | 3 (3–3) | 3.5 | 7 (7–7) | — | 0.88 | holds |"
+    assert ("| DLRM | dpsgd | q = 1 | 8 | steps | correct | 8 | — | 3 | 3 (3–3) | 3.5 | 7 (7–7) | — | 0.88 | — | holds |"
             in lines)
     # every (model, mode) at ε = 8 must reach half its claim: one weak sparse value cell misses the goal
     one_weak = doc([cell(8.0, None, 3.0, threshold_gdp=7.0),
@@ -992,6 +992,19 @@ def test_audit_power_goal_rows_follow_the_measured_bounds_and_can_be_missed():
              "runs": {"correct": [delta_run(7.7), delta_run(7.8)], "delta-one-over-n": [delta_run(8.6), delta_run(8.4)]}}
     lines, goals = ap.results_section({**good, "delta_one_over_n": block})
     assert goals[2][0].startswith("δ taken as 1/n") and goals[2][2] == "**met**" and goals[2][1].startswith("2 of 2")
+    # the claim-curve goal at q ≈ ½: every broken cell's median ratio above 1, and a correct cell above 1 is an alarm
+    def curved(c, ratio, setting="q ≈ ½"):
+        return {**c, "setting": setting, "claim_curve_ratio": {"median": ratio, "min": ratio, "max": ratio}}
+    half = doc([cell(8.0, None, 4.2), cell(4.0, "sigma-over-2", 5.5), curved(cell(4.0, "sigma-over-2", 1.0), 2.0),
+                curved(cell(4.0, None, 1.0), 0.7)])
+    lines, goals = ap.results_section(half)
+    assert goals[2][0].startswith("Subtle breaks at q ≈ ½") and goals[2][2] == "**met**"
+    assert any(line.startswith("| DLRM | dpsgd | q ≈ ½ | 4 | steps | sigma-over-2 |") and "| 2 (2–2) | caught |" in line
+               for line in lines)
+    half["cells"][2] = curved(cell(4.0, "sigma-over-2", 1.0), 0.9)
+    half["cells"][3] = curved(cell(4.0, None, 1.0), 1.2)
+    lines, goals = ap.results_section(half)
+    assert goals[2][2] == "**missed**" and any("**above the claim**" in line for line in lines)
     block["runs"]["delta-one-over-n"][1] = delta_run(7.9)
     lines, goals = ap.results_section({**good, "delta_one_over_n": block})
     assert goals[2][2] == "**missed**" and "caught in 1 of 2 (the half-split threshold bound: 1)" in "\n".join(lines)

@@ -225,3 +225,35 @@ def _counted(t: float, members: np.ndarray, others: np.ndarray, delta: float, co
                           epsilon_lower_bound=epsilon_from_rates(fpr_up, fnr_up, delta), mu_lower_bound=mu,
                           epsilon_lower_bound_gdp=gdp_epsilon(mu, delta) if delta > 0 else None,
                           confidence=confidence, chosen_by=chosen_by)
+
+
+def claim_curve_test(fpr_upper: float, fnr_upper: float, curve) -> dict:
+    """The rates' upper bounds against every (ε_j, δ_j) the claim asserts (its accountant's curve):
+    an (ε_j, δ_j)-DP mechanism allows no test whose rates give `epsilon_from_rates` > ε_j at δ_j,
+    so one such pair refutes the claim. The rates' Clopper–Pearson bounds hold jointly (with
+    probability ≥ the audit's confidence), so every pair is tested at once at that confidence —
+    no multiplicity — and at q < 1, where the Gaussian-DP nulls are approximate, this is a
+    refutation of the run's own claim at every δ of the curve, not only at its stated one.
+
+    Args:
+        fpr_upper, fnr_upper: the rates' upper bounds (ThresholdAudit.fpr_upper / fnr_upper).
+        curve: [(ε_j, δ_j)], the claim at several δ (δ_j in (0, 1)); an accountant's ε_j < 0 at a
+            large δ_j (its δ(0) is already below δ_j) is read as the claim (0, δ_j).
+    Returns:
+        {"ratio": max_j ε̂_j / ε_j, "delta", "epsilon_bound", "epsilon_claimed" (at that j),
+         "refuted": whether some ε̂_j > ε_j, "points": [(δ_j, ε_j, ε̂_j)]}.
+    """
+    points = []
+    for eps, delta in curve:
+        if not (math.isfinite(eps) and 0.0 < delta < 1.0):
+            raise ValueError(f"curve points must be (a finite ε, δ in (0, 1)), got ({eps!r}, {delta!r})")
+        points.append((float(delta), max(0.0, float(eps)), epsilon_from_rates(fpr_upper, fnr_upper, delta)))
+    if not points:
+        raise ValueError("curve must hold at least one (ε, δ) point")
+
+    def ratio(p):
+        return math.inf if p[1] == 0.0 and p[2] > 0.0 else (p[2] / p[1] if p[1] > 0.0 else 0.0)
+
+    worst = max(points, key=ratio)
+    return {"ratio": ratio(worst), "delta": worst[0], "epsilon_claimed": worst[1], "epsilon_bound": worst[2],
+            "refuted": any(p[2] > p[1] for p in points), "points": points}

@@ -37,7 +37,8 @@ def add_commands(sub) -> dict:
                    help="one-run: what the auditor sees — 'final': the released model only; 'steps': the model "
                         "after every step (intermediate releases; needs --canary-kind gradient), scored by the "
                         "claimed mechanism's likelihood ratio. Every one-run audit reports the one-run (ε, δ) and Gaussian-DP "
-                        "bounds and the threshold audit over the canaries as independent trials (threshold_audit)")
+                        "bounds, the threshold audit over the canaries as independent trials (threshold_audit) and those "
+                        "rates against the run's own ε at several δ (claim_curve)")
     a.add_argument("--channel", choices=CHANNELS, default="as-run",
                    help="one-run, sparse mode: 'as-run' audits the run as it executes (a canary row moves only when "
                         "the step's selection picks it: selection and value together); 'value' adds the canaries' "

@@ -67,7 +67,7 @@ from widedp.auditing.canaries import (CANARY_KINDS, PHRASE_PLACEMENTS, Canaries,
 from widedp.auditing.canary_exposure import canary_ranks, exposure, exposure_report
 from widedp.auditing.fdp_one_run import epsilon_lower_bound_gdp
 from widedp.auditing.one_run_audit import audit_from_scores
-from widedp.auditing.threshold_audit import threshold_audit, threshold_audit_at
+from widedp.auditing.threshold_audit import claim_curve_test, threshold_audit, threshold_audit_at
 from widedp.auditing.scores import (claimed_mechanism_threshold, guess_counts, phrase_log_perplexities,
                                     robust_step_scales, selected_step_scores, step_projections,
                                     subsampled_gaussian_log_likelihood_ratios, tie_broken, white_box_scores)
@@ -258,6 +258,9 @@ BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "sigma-over-10"
 #: The broken variants that rewrite the row selection: they act on sparse tables only, so a
 #: canary table noised densely (trainer/config/table_policy.py) would not see them.
 SELECTION_BROKEN = ("every-touched-row", "skip-untouched")
+
+#: The δ at which the claim's curve is tested besides the run's own (`claim_curve_test`).
+CURVE_DELTAS = (1e-3, 1e-2, 1e-1)
 
 #: What a one-run audit of a sparse run sees (`--channel`): the run as it executes (a canary row
 #: moves only when selected: selection and value together), or the value channel alone.
@@ -637,7 +640,16 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         claim_t = claimed_mechanism_threshold(sample_rate, sigma, scores_steps, c.count // 2, c.count - c.count // 2, rng)
         thresholds["gdp_at_claimed_threshold"] = dataclasses.asdict(
             threshold_audit_at(scores, c.included, claim_t, delta, confidence))
+    # The claim's curve: its accountant's ε at a few δ besides the stated one, each tested with the
+    # same jointly bounded rates (at q < 1 the rigorous test where the Gaussian-DP nulls are not).
+    curve = None
+    if thresholds is not None and ledger is not None and delta > 0:
+        rates = thresholds.get("gdp_at_claimed_threshold") or thresholds["epsilon"]
+        deltas = sorted({float(delta), *CURVE_DELTAS})
+        curve = claim_curve_test(rates["fpr_upper"], rates["fnr_upper"], [(ledger.epsilon(d), d) for d in deltas])
+        curve["rates_from"] = "gdp_at_claimed_threshold" if "gdp_at_claimed_threshold" in thresholds else "epsilon"
     return {
+        "claim_curve": curve,
         "threshold_audit": thresholds,
         "threshold_assumption": "the canaries are independent trials: each canary's score depends only on its own "
                                 "coin and its own rows' noise (white-box canaries on rows no other example reads); "
