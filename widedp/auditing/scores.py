@@ -153,7 +153,9 @@ def claimed_mechanism_threshold(sample_rate: float, noise_multiplier: float, ste
     Returns:
         The threshold (a score value).
     """
-    from scipy import special, stats
+    from scipy import special
+
+    from widedp.auditing.threshold_audit import _upper_rates
 
     q, sigma, T = float(sample_rate), float(noise_multiplier), int(steps)
     if T < 1 or members < 1 or non_members < 1:
@@ -171,14 +173,8 @@ def claimed_mechanism_threshold(sample_rate: float, noise_multiplier: float, ste
     fnr = np.searchsorted(member_scores, candidates, side="left") / member_scores.size
     fpr = (other_scores.size - np.searchsorted(other_scores, candidates, side="left")) / other_scores.size
 
-    def upper(rate, n):
-        k = np.rint(rate * n)
-        out = np.ones_like(k)
-        below = k < n
-        out[below] = stats.beta.ppf(confidence, k[below] + 1, n - k[below])
-        return out
-
-    value = special.ndtri(1.0 - upper(fpr, non_members)) - special.ndtri(upper(fnr, members))
+    value = (special.ndtri(1.0 - _upper_rates(np.rint(fpr * non_members), non_members, confidence))
+             - special.ndtri(_upper_rates(np.rint(fnr * members), members, confidence)))
     # the bound is flat near its best: the middle of the near-best candidates, not the simulation's noisy argmax
     near = candidates[value >= value.max() - 1e-3]
     return float(np.median(near))

@@ -284,12 +284,11 @@ def _value_channel_epsilon(engine, ledger, steps: int) -> float:
     """ε of the run's value events alone (its Poisson-sampled step noise, without the selection's
     event or any one-time event), by the run's accountant at its δ: what an audit of the value
     channel alone can approach; the run's claim (every event) is what refutes it."""
-    from widedp.accounting import events as ev
-    from widedp.accounting.calibration import sampled_step_event
     from widedp.accounting.ledger import PrivacyLedger
+    from widedp.trainer.engine.plan import step_event_of
 
     value = PrivacyLedger(ledger.accountant, ledger.delta)
-    event = ev.grouped(sampled_step_event(engine.q, engine.plan.noise_event(), None), engine.budget.group_size)
+    event = step_event_of(engine.mode, engine.q, engine.plan, False, engine.budget.group_size)  # no selection
     if steps:
         value.record(event, steps)
     return value.epsilon()
@@ -613,9 +612,10 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     scores_steps = 0  # steps scored by the claim's likelihood ratio (0: another score)
     if watch is not None:
         assert c.directions is not None and sigma is not None  # checked above: gradient canaries, a private run
-        projections = step_projections(np.stack(watch.rows), c.directions)
+        rows_by_step = np.stack(watch.rows)
+        projections = step_projections(rows_by_step, c.directions)
         if selection_score:
-            scores = selected_step_scores(np.stack(watch.rows), projections)
+            scores = selected_step_scores(rows_by_step, projections)
         else:
             scales = robust_step_scales(projections)
             normalized = np.divide(projections, scales, out=np.zeros_like(projections), where=scales > 0)
