@@ -70,7 +70,7 @@ NAMES = ("table_scaling", "opacus_compare", "dlrm_compare", "trainer_scaling", "
          "own_model_sasrec_sequential", "own_model_transformer_lm", "own_model_opacus",
          "ghost_transformer", "private_tuning", "private_tuning_small", "forecast_check",
          "user_level_insteval", "private_tuning_insteval", "user_level_movielens", "private_tuning_movielens",
-         "lazy_noise", "audit_power")
+         "lazy_noise", "audit_power", "audit_conformance")
 MODE_STYLE = {"sparse": "-o", "dpsgd": "-s", "nonprivate": "-^"}
 
 
@@ -1811,6 +1811,8 @@ def render(results_dir: Path, out_dir: Path, prefer: str = "full") -> Path:
          _own_section("lazy_noise", plot_dir), []),
         ("audit_power", "27. White-box audits with teeth: every-step audits, the Gaussian-DP bound, subtle breaks",
          _own_section("audit_power", plot_dir), []),
+        ("audit_conformance", "27b. Conformance audits: shuffled batches and the selection's σ, which no ε bound "
+                              "here can see", _own_section("audit_conformance", plot_dir), []),
     ]
     machines: dict = {}
     pages, goals = _render_sections(sections, docs, plots, machines)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ORDER = ("selection_scaling", "table_scaling", "communication", "privacy_overhead", "phase_breakdown", "opacus_compare",
-         "dlrm_compare", "trainer_scaling", "cluster_model", "data_plane_probe", "paper_fig1", "paper_fig1_seed", "privacy_utility", "calibration_study", "privacy_audit", "audit_power",
+         "dlrm_compare", "trainer_scaling", "cluster_model", "data_plane_probe", "paper_fig1", "paper_fig1_seed", "privacy_utility", "calibration_study", "privacy_audit", "audit_power", "audit_conformance",
          "canary_exposure", "canary_exposure_kjv", "canary_exposure_line", "canary_exposure_kjv_line", "sparse_mean_estimation",
          "wide_linear", "dp_ambssgd", "modelmix_accountant", "engine_modelmix_adaptive", "modelmix_image", "noise_generators",
          "cli_startup", "user_level", "user_level_examples", "convert_throughput")

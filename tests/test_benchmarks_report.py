@@ -1008,3 +1008,31 @@ def test_audit_power_goal_rows_follow_the_measured_bounds_and_can_be_missed():
     block["runs"]["delta-one-over-n"][1] = delta_run(7.9)
     lines, goals = ap.results_section({**good, "delta_one_over_n": block})
     assert goals[2][2] == "**missed**" and "caught in 1 of 2 (the half-split threshold bound: 1)" in "\n".join(lines)
+
+
+def test_audit_conformance_goal_rows_follow_the_runs_and_can_be_missed():
+    sys.path.insert(0, str(BENCH))
+    import audit_conformance as ac
+
+    def block(mode, broken, refuted, runs):
+        return {"mode": mode, "broken": broken, "runs": [{}] * runs, "refuted": refuted, "claimed_epsilon": 1.2,
+                "best_bound_max": 0.4, "bound_above_claim": 0, "claim_curve_max": 0.5, "seconds": 0.5}
+
+    def doc(blocks, shuffled=1.5):
+        return {"delta": 1e-5, "oracle_canaries": 10_000, "canaries": 1000,
+                "shuffle_oracle": [{"q": 0.1, "epochs": 1, "steps": 10, "sigma": 1.0, "claimed": 2.85,
+                                    "poisson": 0.6, "shuffled": shuffled}],
+                "selection_oracle": [{"steps": 10, "sigma_sel": 2.0, "claimed": 7.5, "correct": 2.5, "halved": 4.7,
+                                      "halved_gaussian_claim": 17.9}],
+                "blocks": blocks}
+
+    good = doc([block("sparse", None, 8, 200), block("sparse", "shuffle-as-poisson", 20, 20),
+                block("sparse", "selection-sigma-over-2", 20, 20)])
+    lines, goals = ac.results_section(good)
+    assert [g[2] for g in goals] == ["**met**", "**met**"]
+    assert "in 2 of 2 simulated settings" in goals[0][3]
+    assert "| sparse | selection-sigma-over-2 | 20 | 20 | 1.2 | 0.4 | 0 | 0.5 |" in lines
+    bad = doc([block("sparse", None, 30, 200), block("sparse", "shuffle-as-poisson", 19, 20)], shuffled=3.0)
+    lines, goals = ac.results_section(bad)
+    assert [g[2] for g in goals] == ["**missed**", "**missed**"]  # 19 of 20; 30 of 200 is above 5% + 2 sd
+    assert "in 1 of 2 simulated settings" in goals[0][3]

@@ -3,7 +3,9 @@ claim. Accounting says what is claimed (events, accountants, the ledger's ε); a
 it — empirical lower bounds on ε from one training run with canaries (`one_run_audit`, Steinke,
 Nasr & Jagielski 2023), its Gaussian-DP refinement (`fdp_one_run`, Mahloujifar, Melis &
 Chaudhuri 2025), the threshold audit over independent trials (`threshold_audit`, Nasr et al.
-2023), the canary exposure test (`canary_exposure`, Carlini et al. 2019), the
+2023), conformance tests of a run's randomness against the distribution its claim states
+(`conformance`: Poisson sampling, Gaussian thresholding), the canary exposure test
+(`canary_exposure`, Carlini et al. 2019), the
 canaries themselves (`canaries`) and the auditor's scores of a released model (`scores`).
 
 Import rule (a pure library, like `selection` and `accounting`): auditing imports the standard
@@ -29,6 +31,7 @@ from widedp.auditing.canaries import (
     make_phrase_examples,
 )
 from widedp.auditing.canary_exposure import CanaryExposureReport, exposure_report
+from widedp.auditing.conformance import poisson_sampling_test, threshold_selection_test
 from widedp.auditing.fdp_one_run import epsilon_lower_bound_gdp, gdp_epsilon, gdp_mu_lower_bound, gdp_mu_of_epsilon
 from widedp.auditing.one_run_audit import OneRunAudit, audit_from_scores, epsilon_lower_bound
 from widedp.auditing.threshold_audit import ThresholdAudit, clopper_pearson_upper, threshold_audit
@@ -57,10 +60,12 @@ __all__ = [
     "make_canaries",
     "make_phrase_examples",
     "phrase_log_perplexities",
+    "poisson_sampling_test",
     "robust_step_scales",
     "step_projections",
     "subsampled_gaussian_log_likelihood_ratios",
     "threshold_audit",
+    "threshold_selection_test",
     "tie_broken",
     "white_box_scores",
 ]

@@ -49,7 +49,9 @@ def add_commands(sub) -> dict:
                         "to 2·S1 / every touched row selected / "
                         "untouched rows never selected / each example clipped at user level / a user's examples "
                         "accounted as one example / σ calibrated and ε computed at δ = 1/n while the auto δ is "
-                        "stated, the ledger told otherwise) to see the audit catch it on this "
+                        "stated / batches cut from a shuffle accounted as Poisson / thresholding with σ_sel/2, the "
+                        "ledger told otherwise; the last two are caught by the record's `conformance` tests, not "
+                        "by an ε bound) to see the audit catch it on this "
                         "configuration; NOT a private run")
     a.add_argument("--out", help="directory for audit.json and audit.png (default RUN_DIR/audit)")
     return {"audit": cmd_audit}

@@ -65,6 +65,7 @@ from widedp.trainer.data.format.jagged import KeyedJaggedTensor
 from widedp.auditing.canaries import (CANARY_KINDS, PHRASE_PLACEMENTS, Canaries, as_gradient_canaries, make_canaries,
                                       make_phrase_examples)
 from widedp.auditing.canary_exposure import canary_ranks, exposure, exposure_report
+from widedp.auditing.conformance import combined_refutation, poisson_sampling_test, threshold_selection_test
 from widedp.auditing.fdp_one_run import epsilon_lower_bound_gdp
 from widedp.auditing.one_run_audit import audit_from_scores
 from widedp.auditing.threshold_audit import claim_curve_test, threshold_audit, threshold_audit_at
@@ -248,13 +249,75 @@ def _delta_one_over_n(run):
     return contextlib.nullcontext()
 
 
+class _ShuffledBatches:
+    """Batches cut from a shuffle of the examples, about q·n each, every example in exactly one
+    batch per epoch (the last batch of an epoch holds what is left): what a data loader that
+    shuffles gives. Not Poisson sampling: Chua et al. (ICML 2024) show accounting it as Poisson
+    under-counts."""
+
+    def __init__(self, num_examples: int, sample_rate: float, rng: np.random.Generator):
+        self.num_examples, self.sample_rate, self._rng = int(num_examples), float(sample_rate), rng
+        self.batch_size = max(1, int(round(self.sample_rate * self.num_examples)))
+        self._order = np.zeros(0, dtype=np.int64)
+
+    def sample(self) -> np.ndarray:
+        if not self._order.size:
+            self._order = self._rng.permutation(self.num_examples).astype(np.int64)
+        batch, self._order = self._order[:self.batch_size], self._order[self.batch_size:]
+        return np.sort(batch)
+
+
+@contextlib.contextmanager
+def _shuffle_as_poisson(run):
+    """Batches from a shuffle of the examples each epoch (`_ShuffledBatches`) while the ledger
+    charges Poisson sampling at the same q."""
+    engine = run.engine
+    if engine.example_units is not None:
+        raise ValueError("--broken shuffle-as-poisson replaces example-level Poisson sampling: privacy.unit is "
+                         "\"user\" (audit it at privacy.unit = \"example\")")
+    if engine.q >= 1.0:
+        raise ValueError("--broken shuffle-as-poisson needs q < 1 (at q = 1 every example is in every step either "
+                         "way): lower train.batch_size below the number of examples")
+    real = engine.sampler
+    engine.sampler = _ShuffledBatches(real.num_examples, engine.q, real._rng)
+    try:
+        yield
+    finally:
+        engine.sampler = real
+
+
+@contextlib.contextmanager
+def _selection_sigma_over_2(run):
+    """Gaussian thresholding with noise σ_sel/2 on the counts while the ledger is told σ_sel: the
+    selection's σ composed wrongly."""
+    import widedp.selection.selectors.threshold as threshold_module
+    from widedp.accounting.events import GaussianDpEvent
+
+    if run.engine.mode != "sparse" or run.engine.plan is None or run.engine.plan.selection != "threshold":
+        raise ValueError("--broken selection-sigma-over-2 halves the noise of Gaussian thresholding: set "
+                         "train.mode = \"sparse\" and train.selection = \"threshold\"")
+    real = threshold_module.gaussian_threshold
+
+    def halved(count_ids, counts, num_rows, threshold, noise_multiplier, *args, **kwargs):
+        selection = real(count_ids, counts, num_rows, threshold, 0.5 * noise_multiplier, *args, **kwargs)
+        return dataclasses.replace(selection, event=GaussianDpEvent(noise_multiplier))
+
+    threshold_module.gaussian_threshold = halved
+    try:
+        yield
+    finally:
+        threshold_module.gaussian_threshold = real
+
+
 #: Broken variants for `widedp audit --broken`: a run made non-private on purpose, to show that
 #: the audit catches it on the user's own configuration. Never used by training.
 BROKEN_VARIANTS: dict[str, Callable] = {"noise-off": _noise_off, "sigma-over-10": _sigma_over_10,
                                         "sigma-over-2": _sigma_over_2, "clip-doubled": _clip_doubled,
                                         "every-touched-row": _every_touched_row, "skip-untouched": _skip_untouched,
                                         "clip-per-example": _clip_per_example, "group-as-example": _group_as_example,
-                                        "delta-one-over-n": _delta_one_over_n}
+                                        "delta-one-over-n": _delta_one_over_n,
+                                        "shuffle-as-poisson": _shuffle_as_poisson,
+                                        "selection-sigma-over-2": _selection_sigma_over_2}
 #: The broken variants that rewrite the row selection: they act on sparse tables only, so a
 #: canary table noised densely (trainer/config/table_policy.py) would not see them.
 SELECTION_BROKEN = ("every-touched-row", "skip-untouched")
@@ -304,6 +367,87 @@ class _StepRows:
 
     def on_step(self, engine, stats, seconds) -> None:
         self.rows.append(canary_row_values(engine, self.canaries, released=False))
+
+
+class _SampleWatch:
+    """White-box view of the run's sampling (the conformance test's input, `poisson_sampling_test`):
+    wraps the engine's sampler to count, in each step's sample, the units sampled and the steps
+    each canary was in. Only these counts are kept, never which base examples were sampled."""
+
+    def __init__(self, sampler, base_size: int, members: np.ndarray, canaries: int):
+        self.sampler, self.base_size, self.members = sampler, int(base_size), members
+        self.canary_steps = np.zeros(int(canaries), dtype=np.int64)
+        self.units_per_step: list[int] = []
+        units_of = getattr(sampler, "units_of", None)
+        self.population = int(sampler.num_units if units_of is not None else sampler.num_examples)
+        self._units_of = units_of
+        self._real = sampler.sample
+
+    def __enter__(self):
+        self.sampler.sample = self._sample
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.sampler.sample  # the instance attribute: the class's method again
+
+    def _sample(self):
+        idx = self._real()
+        self.units_per_step.append(int(np.unique(self._units_of(idx)).size if self._units_of is not None
+                                       else np.asarray(idx).size))
+        canary = np.asarray(idx, dtype=np.int64)
+        canary = canary[canary >= self.base_size]
+        self.canary_steps[np.unique(self.members[canary - self.base_size])] += 1
+        return idx
+
+
+#: The conformance tests' null draws come from their own stream of the audit's seed, so adding them
+#: left every other draw of the audit as it was.
+CONFORMANCE_STREAM = 0xC0F
+
+
+def _conformance(cfg, run, c: Canaries, sampling: _SampleWatch, rows_by_step: Optional[np.ndarray], steps: int,
+                 confidence: float, rng: np.random.Generator, channel: str, policy: dict) -> dict:
+    """The conformance tests of the run's randomness against its claim (auditing/conformance.py):
+    its sampling against the ledger's Poisson(q), and — a sparse run with Gaussian thresholding,
+    audited as it runs — how often the non-member canaries' rows (rows nobody reads) were selected
+    against the stated τ and σ_sel. `rows_by_step`: the canary rows [observations, m, F·D], every
+    step's when observed, else (initial, final)."""
+    from widedp.accounting.calibration import sel_event_of
+
+    engine = run.engine
+    tests: dict = {"sampling": None, "selection": None}
+    notes: dict = {}
+    if steps and len(sampling.units_per_step) == steps:
+        tests["sampling"] = poisson_sampling_test(sampling.canary_steps[c.included], steps, sampling.units_per_step,
+                                                  sampling.population, float(engine.q), rng, confidence)
+        if engine.q >= 1.0:
+            notes["sampling"] = "q = 1: every unit in every step, Poisson and shuffled sampling alike (no power)"
+    else:
+        notes["sampling"] = f"{len(sampling.units_per_step)} samples drawn for {steps} steps (a step redone?): not tested"
+    plan = engine.plan
+    if cfg.train.mode != "sparse" or plan is None or plan.selection != "threshold":
+        notes["selection"] = "tested for sparse mode with train.selection = \"threshold\" only"
+    elif channel != "as-run":
+        notes["selection"] = "--channel value adds the canaries' rows to every selection: audit it with --channel as-run"
+    elif any(p == "dense" for p in policy.values()):
+        notes["selection"] = "the canaries' table(s) are noised densely in this run: no selection to test"
+    elif rows_by_step is None or not (~c.included).any():
+        notes["selection"] = "no non-member canary: no row that nobody reads"
+    else:
+        event = sel_event_of(engine.budget.step_event) if engine.budget.step_event is not None else None
+        sigma = getattr(event, "noise_multiplier", None) or plan.selection_params.noise_multiplier
+        d = engine.layout.dim
+        rows = rows_by_step[:, ~c.included].reshape(rows_by_step.shape[0], -1, len(c.tables), d)
+        moved = np.any(np.diff(rows, axis=0) != 0, axis=-1)  # [observations − 1, non-members, F]
+        every_step = moved.shape[0] == steps
+        tests["selection"] = threshold_selection_test(
+            int(moved.sum()), int(moved.size), plan.selection_params.threshold, float(sigma),
+            plan.selection_params.contribution_clip, confidence, steps_per_trial=1 if every_step else max(1, steps))
+        tests["selection"]["sigma_from"] = "the ledger's selection event" if event is not None else "the plan"
+    combined = combined_refutation(tests, confidence)
+    return {**tests, "notes": notes, "combined": combined,
+            "what": "the run's randomness against the distribution its claim states (not an ε bound): a correct run "
+                    "is refuted with probability ≤ 1 − confidence"}
 
 
 class WithCanaries:
@@ -565,7 +709,8 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
             if clip == "adaptive":  # far above every S1 DP-STAT can pick
                 clip = cfg.privacy.adaptive_clip_min * 2.0 ** cfg.privacy.adaptive_clip_doublings
             made["canaries"] = as_gradient_canaries(made["canaries"], cfg.model.embedding_dim, clip, rng)
-        return WithCanaries(train_set, made["canaries"], canary_examples)
+        made["split"] = WithCanaries(train_set, made["canaries"], canary_examples)
+        return made["split"]
 
     if isinstance(canaries, bool) or not isinstance(canaries, (int, np.integer)) or canaries < 2:
         raise ValueError(f"--canaries must be an integer >= 2, got {canaries!r}")
@@ -597,14 +742,23 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
                 stack.enter_context(BROKEN_VARIANTS[broken](run))
             if channel == "value":
                 stack.enter_context(_canary_rows_always_selected(run, c))
+            split = made["split"]
+            sampling = stack.enter_context(_SampleWatch(run.engine.sampler, len(split.base), split.members, c.count))
             result = run.run(cfg.train.steps, [watch] if watch is not None else ())
         final = canary_row_values(run.engine, c, released=True)
+        # the weights as they are (not averaged): a row moved iff a step selected it
+        last = canary_row_values(run.engine, c, released=False) if watch is None and cfg.train.mode == "sparse" \
+            else None
         sample_rate, sigma = float(run.engine.q), run.engine.plan.noise_multiplier if run.engine.plan else None
         ledger = run.engine.ledger
         claimed = ledger.epsilon() if ledger is not None else math.inf
         delta = float(stated.get("delta", run.privacy.delta)) if ledger is not None else 0.0
         steps = run.engine.step_count
         value_claim = _value_channel_epsilon(run.engine, ledger, steps) if channel == "value" else None
+        observed = np.stack(watch.rows) if watch is not None else None if last is None else np.stack([initial, last])
+        conformance = _conformance(cfg, run, c, sampling, observed, steps, confidence,
+                                   np.random.default_rng([seed, CONFORMANCE_STREAM]), channel, policy) \
+            if ledger is not None else None
     # A sparse run audited as it executes: a canary row moves only in the steps that select it, so
     # the every-step score counts those steps (the selection channel) before their values.
     selection_score = (watch is not None and cfg.train.mode == "sparse" and channel == "as-run"
@@ -650,6 +804,8 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         curve["rates_from"] = "gdp_at_claimed_threshold" if "gdp_at_claimed_threshold" in thresholds else "epsilon"
     return {
         "claim_curve": curve,
+        "conformance": conformance,
+        "conformance_refuted": bool(conformance is not None and conformance["combined"]["any_refuted"]),
         "threshold_audit": thresholds,
         "threshold_assumption": "the canaries are independent trials: each canary's score depends only on its own "
                                 "coin and its own rows' noise (white-box canaries on rows no other example reads); "
