@@ -166,6 +166,8 @@ from typing import Optional
 import numpy as np
 from scipy import special, stats
 
+from widedp.accounting.gaussian_profile import gaussian_delta as profile_delta
+
 _DROP_WEIGHT = 1e-30
 _ABS_SLACK = 1e-12
 _MAX_EPS0 = 500.0  # calibration's search cap (e^ε₀ stays finite in float64)
@@ -376,12 +378,7 @@ def gaussian_delta(eps: float, sensitivity: float, noise_std: float) -> float:
     space (no cancellation) and rounded up by a relative 1e-9."""
     eps = _nonneg("eps", eps)
     mu = _positive_finite("sensitivity", sensitivity) / _positive_finite("noise_std", noise_std)
-    a, b = mu / 2.0 - eps / mu, -mu / 2.0 - eps / mu
-    log_a, log_b = float(special.log_ndtr(a)), float(special.log_ndtr(b))
-    gap = eps + log_b - log_a  # < 0: the profile is positive for every finite ε
-    if gap >= 0.0:
-        return 0.0
-    return float(math.exp(log_a) * -math.expm1(gap)) * (1.0 + 1e-9)
+    return profile_delta(eps, mu)
 
 
 def gaussian_epsilon(delta: float, sensitivity: float, noise_std: float) -> float:

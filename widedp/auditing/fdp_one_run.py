@@ -37,9 +37,9 @@ from __future__ import annotations
 import math
 import numbers
 
-import numpy as np
-from scipy import optimize, special, stats
+from scipy import optimize, special
 
+from widedp.accounting.gaussian_profile import log_gaussian_delta
 from widedp.auditing.one_run_audit import _check_canaries, _check_confidence, _check_counts, _check_delta
 
 # μ above which every finite count is explained (Φ(Φ⁻¹(x) − μ) underflows to 0 for every x < 1).
@@ -117,10 +117,8 @@ def gdp_epsilon(mu: float, delta: float) -> float:
     if mu == 0.0:
         return 0.0
 
-    def gap(eps: float) -> float:  # log δ(ε) − log δ, decreasing in ε
-        a = stats.norm.logcdf(-eps / mu + mu / 2)
-        b = eps + stats.norm.logcdf(-eps / mu - mu / 2)
-        return float(a + np.log1p(-np.exp(min(b - a, 0.0))) - math.log(delta)) if b < a else -math.inf
+    def gap(eps: float) -> float:  # log δ(ε) − log δ, decreasing in ε (the profile unrounded: a lower bound)
+        return log_gaussian_delta(eps, mu) - math.log(delta)
 
     if gap(0.0) <= 0.0:
         return 0.0

@@ -50,9 +50,9 @@ from typing import Optional
 import numpy as np
 import scipy.sparse as sp
 from dp_accounting import dp_event
-from scipy import special
 from scipy.optimize import linprog
 
+from widedp.accounting.gaussian_profile import gaussian_delta as profile_delta
 from widedp.sparse_learners.projection import project_l1_ball
 
 RELATIONS = {"add-remove": 1.0, "replace-one": 2.0}
@@ -165,9 +165,7 @@ def l1_sensitivity(L: float, s: int, n: int, relation: str = "add-remove") -> fl
 def gaussian_delta(epsilon: float, noise_multiplier: float) -> float:
     """Exact δ(ε) of the Gaussian mechanism with noise std = noise_multiplier × ℓ2 sensitivity
     (Balle and Wang 2018, Thm 8, μ = 1/noise_multiplier)."""
-    mu = 1.0 / noise_multiplier
-    # e^ε·Φ(-ε/μ - μ/2) in log space: it is a tiny number times a huge one for large ε
-    return float(special.ndtr(-epsilon / mu + mu / 2) - math.exp(epsilon + special.log_ndtr(-epsilon / mu - mu / 2)))
+    return profile_delta(epsilon, 1.0 / noise_multiplier)
 
 
 def gaussian_noise_multiplier(epsilon: float, delta: float) -> float:
