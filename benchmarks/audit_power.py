@@ -303,6 +303,8 @@ def results_section(doc: dict) -> tuple[list, list]:
              "(the claim is μ-GDP) and approximate at q ≈ ½, where the (ε, δ) bounds are the ones that can refute the "
              "claim. `steps`: the auditor sees the model after every step, scored by the claimed mechanism's likelihood "
              "ratio; `final`: the released model only. Verdicts by the largest median bound against the whole claim. "
+             "Cost: each audit is one training run with the canaries; `s / audit` is its median wall time here (2 cores, "
+             "one torch thread), the canaries' rows read after every step and every bound computed included. "
              "Run: `python benchmarks/audit_power.py`.",
              "",
              "Anchors (their settings, not re-run here): Nasr et al. (2023) report (nearly) tight estimates for DP-SGD "
@@ -312,8 +314,8 @@ def results_section(doc: dict) -> tuple[list, list]:
              "updates does not improve the guarantee — here, at q = 1, the `final` rows' threshold bounds match the `steps` rows'.",
              "", "| model | mode | q | ε | observe | run | claimed ε | value ε | one-run (ε, δ) | one-run GDP (range) | "
                  "threshold (ε, δ) | threshold GDP (range) | claim-threshold GDP (range) | best / claim | "
-                 "claim curve ε̂/ε (range) | verdict |",
-             "|---|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                 "claim curve ε̂/ε (range) | verdict | s / audit |",
+             "|---|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for c in cells:
         claimed, gdp, tgdp = c["claimed_epsilon"], c["gdp"], c["threshold_gdp"]
         curve = c.get("claim_curve_ratio")
@@ -327,7 +329,7 @@ def results_section(doc: dict) -> tuple[list, list]:
                      f"{_fmt(c['epsilon_delta']['median'])} | {_fmt(gdp['median'])} "
                      f"({_fmt(gdp['min'])}–{_fmt(gdp['max'])}) | {_fmt(c['threshold_epsilon_delta']['median'])} | "
                      f"{_range(tgdp)} | {_range(c.get('claim_threshold_gdp'))} | "
-                     f"{best_bound(c) / claimed:.2f} | {_range(curve)} | {verdict} |")
+                     f"{best_bound(c) / claimed:.2f} | {_range(curve)} | {verdict} | {c['seconds']:.0f} |")
     lines.append("")
     for a in alarms:
         lines.append(f"False alarms (bounds above the claim) over {a['runs']} correct audits ({a['model']} {a['mode']}, "

@@ -957,7 +957,7 @@ def test_audit_power_goal_rows_follow_the_measured_bounds_and_can_be_missed():
     lines, goals = ap.results_section(good)
     assert [g[2] for g in goals] == ["**met**"] * 3
     assert ("| DLRM | dpsgd | q = 1 | 4 | steps | sigma-over-2 | 4 | — | 5.5 | 5.5 (5.5–5.5) | 0 | 0 (0–0) | — | 1.38 | — "
-            "| caught |") in lines
+            "| caught | 2 |") in lines
     weak = doc([cell(8.0, None, 3.0), cell(8.0, "sigma-over-2", 7.3)], exceed=2)
     lines, goals = ap.results_section(weak)
     assert [g[2] for g in goals] == ["**missed**"] * 3
@@ -968,7 +968,7 @@ def test_audit_power_goal_rows_follow_the_measured_bounds_and_can_be_missed():
     lines, goals = ap.results_section(rescued)
     assert [g[2] for g in goals] == ["**met**", "**met**", "**met**"]  # 2 + 2 of 100 bounds: within 5%
     assert "DLRM dpsgd: threshold GDP 7 = 0.88·ε" in goals[0][1] and "by the one-run bounds alone 0" in goals[1][1]
-    assert ("| DLRM | dpsgd | q = 1 | 8 | steps | correct | 8 | — | 3 | 3 (3–3) | 3.5 | 7 (7–7) | — | 0.88 | — | holds |"
+    assert ("| DLRM | dpsgd | q = 1 | 8 | steps | correct | 8 | — | 3 | 3 (3–3) | 3.5 | 7 (7–7) | — | 0.88 | — | holds | 2 |"
             in lines)
     # every (model, mode) at ε = 8 must reach half its claim: one weak sparse value cell misses the goal
     one_weak = doc([cell(8.0, None, 3.0, threshold_gdp=7.0),
