@@ -152,3 +152,59 @@ def test_the_conformance_breaks_are_refused_where_they_mean_nothing_by_name(ctr_
         _conformance_audit(ctr_dir, "selection-sigma-over-2", "final", "train.mode=dpsgd")
     with pytest.raises(ValueError, match="shuffle-as-poisson needs q < 1"):
         _conformance_audit(ctr_dir, "shuffle-as-poisson", "final", "train.batch_size=100000")
+
+
+# ---- the many-run audit: one canary per independent run ---------------------------------------------
+MANY_RUN = [*CLI_TINY, "train.steps=10", "train.batch_size=100000", "privacy.noise_multiplier=auto",
+            "privacy.target_epsilon=1", "train.optimizer=sgd", "train.mode=dpsgd"]
+
+
+@pytest.mark.parametrize("broken", [None, "noise-off"])
+def test_the_many_run_audit_over_independent_runs_catches_noise_off_and_not_the_correct_run(ctr_dir, broken):
+    """60 runs (q = 1, 10 steps, ε = 1), one trial each: noise off puts every member above every
+    non-member (both halves' Clopper–Pearson rates at 0 of ~15: bound ≈ 1.9 (ε, δ), 4+ GDP)."""
+    from widedp.trainer.run.audit import many_run_audit
+
+    cfg = load_config(None, [f"data.path={ctr_dir}", *MANY_RUN]).validate()
+    spent = []
+    record = many_run_audit(cfg, 60, seed=3, broken=broken, on_run=spent.append)
+    assert record["kind"] == "many-run" and record["runs"] == 60 and len(spent) == 60
+    assert len(record["member_scores"]) + len(record["non_member_scores"]) == 60
+    assert 0.9 < record["claimed_epsilon"] <= 1.0
+    if broken is None:
+        assert record["epsilon_lower_bound"] <= record["claimed_epsilon"], record["threshold_audit"]
+    else:
+        assert record["exceeds_claim"] and record["epsilon_lower_bound"] > 1.5, record["threshold_audit"]
+
+
+def test_the_many_run_audit_refuses_runs_that_are_not_independent_by_name(ctr_dir):
+    from widedp.trainer.run.audit import many_run_audit
+
+    cfg = load_config(None, [f"data.path={ctr_dir}", *MANY_RUN, "privacy.reproducible=true"]).validate()
+    with pytest.raises(ValueError, match="privacy.reproducible = true gives every run the same noise"):
+        many_run_audit(cfg, 10)
+    with pytest.raises(ValueError, match="--runs must be an integer >= 4"):
+        many_run_audit(load_config(None, [f"data.path={ctr_dir}", *MANY_RUN]).validate(), 2)
+
+
+def test_the_cli_runs_the_many_run_audit_charging_every_run_and_refuses_runs_with_exposure(ctr_dir, tmp_path, capsys):
+    import json
+    import shutil
+
+    from widedp.trainer.cli import main
+    from widedp.trainer.run.budget import read as read_budget
+
+    data = tmp_path / "ctr"
+    shutil.copytree(ctr_dir, data)  # its own budget file
+    config = tmp_path / "audit.toml"
+    config.write_text(f'[data]\npath = "{data}"\n')
+    sets = [x for item in [*MANY_RUN, "train.steps=2"] for x in ("--set", item)]
+    out = tmp_path / "many"
+    assert main(["audit", "--config", str(config), *sets, "--runs", "4", "--canary-kind", "gradient",
+                 "--out", str(out)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    saved = json.loads((out / "audit.json").read_text())
+    assert shown["kind"] == saved["kind"] == "many-run" and saved["runs"] == 4
+    assert sum(1 for r in read_budget(data) if r.get("audit")) == 4  # each run charged
+    assert main(["audit", "--config", str(config), *sets, "--kind", "exposure", "--runs", "4"]) == 2
+    assert "--runs applies to --kind one-run" in capsys.readouterr().err

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from widedp.auditing.canaries import CANARY_KINDS, PHRASE_PLACEMENTS
-from widedp.trainer.run.audit import AUDIT_KINDS, BROKEN_VARIANTS, CHANNELS, OBSERVATIONS, exposure_audit, one_run_audit, write_audit
+from widedp.trainer.run.audit import (AUDIT_KINDS, BROKEN_VARIANTS, CHANNELS, OBSERVATIONS, exposure_audit, many_run_audit,
+                                      one_run_audit, write_audit)
 
 
 def add_commands(sub) -> dict:
@@ -53,6 +54,10 @@ def add_commands(sub) -> dict:
                         "ledger told otherwise; the last two are caught by the record's `conformance` tests, not "
                         "by an ε bound) to see the audit catch it on this "
                         "configuration; NOT a private run")
+    a.add_argument("--runs", type=int, default=1,
+                   help="one-run kind with R >= 4: the many-run audit instead (Nasr et al. 2023) — R independent "
+                        "training runs, one canary of each the trial, nothing assumed about canaries sharing a run; "
+                        "each run is charged to the data set's budget")
     a.add_argument("--out", help="directory for audit.json and audit.png (default RUN_DIR/audit)")
     return {"audit": cmd_audit}
 
@@ -62,11 +67,19 @@ def cmd_audit(args) -> dict:
     from widedp.trainer.run.budget import record_audit
 
     cfg = load_config(args.config, args.set)
+    if args.kind == "exposure" and args.runs != 1:
+        raise ValueError("--runs applies to --kind one-run (the many-run audit), not to --kind exposure")
     if args.kind == "exposure":
         record = exposure_audit(cfg, canaries=args.canaries, insertions=args.insertions, references=args.references,
                                 seed=args.seed, placement=args.placement)
         out = Path(args.out) if args.out else Path(cfg.run_dir or "runs/latest") / "audit"
         record_audit(cfg, record, out)  # the audit's run trained on the data set: its spending counts
+        return {"out": str(out), **write_audit(record, out)}
+    if args.runs != 1:
+        out = Path(args.out) if args.out else Path(cfg.run_dir or "runs/latest") / "audit"
+        record = many_run_audit(cfg, args.runs, confidence=args.confidence, seed=args.seed, broken=args.broken,
+                                canary_kind=args.canary_kind, observe=args.observe,
+                                on_run=lambda run: record_audit(cfg, run, out))  # every run spent on the data set
         return {"out": str(out), **write_audit(record, out)}
     record = one_run_audit(cfg, canaries=args.canaries, feature=args.feature, member_fraction=args.member_guesses,
                            non_member_fraction=args.non_member_guesses, confidence=args.confidence, seed=args.seed,

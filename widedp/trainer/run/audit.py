@@ -785,8 +785,9 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     # The threshold audit (many-run method) over the canaries as independent trials: half (drawn
     # independently of the coins) chooses the threshold, the other half is counted.
     choose = rng.random(c.count) < 0.5
+    both = all(c.included[half].any() and (~c.included[half]).any() for half in (choose, ~choose))
     thresholds = {objective: dataclasses.asdict(threshold_audit(scores, c.included, choose, delta, confidence, objective))
-                  for objective in ("epsilon", "gdp")} if c.included.any() and (~c.included).any() else None
+                  for objective in ("epsilon", "gdp")} if both else None  # (too few canaries: none)
     if thresholds is not None and watch is not None and not selection_score and delta > 0:
         # every step observed, the score is the claim's likelihood ratio: a threshold fixed from the
         # claimed mechanism alone (simulated at the expected counts), every canary counted
@@ -845,6 +846,62 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         "audit_seed": seed,
         "member_scores": scores[c.included].tolist(), "non_member_scores": scores[~c.included].tolist(),
     }
+
+
+def many_run_audit(cfg, runs: int, confidence: float = 0.95, seed: Optional[int] = None, broken: Optional[str] = None,
+                   canary_kind: str = "gradient", observe: str = "final", on_run: Optional[Callable] = None) -> dict:
+    """Nasr et al. (2023)'s many-run method with nothing assumed about canaries that share a run:
+    `runs` independent training runs of `cfg` (each with fresh secret noise keys and coins), each
+    trial one canary of its own run — a member with probability ½ — scored as `one_run_audit`
+    scores it; the threshold is chosen on a coin-independent half of the runs and the rates
+    counted on the other half (`threshold_audit`, as (ε, δ) and as Gaussian DP).
+
+    Each run trains with two canaries and one of them, picked uniformly at random independently
+    of everything, is the run's trial (its coin is fair; the other only fills the table's
+    second canary row). `on_run(record)`: called with each run's one-run record (e.g. to charge
+    the data set's budget for it). Returns the many-run record (`audit.json`)."""
+    if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 4:
+        raise ValueError(f"--runs must be an integer >= 4 (trials split in halves to choose and to count), got {runs!r}")
+    if cfg.privacy.reproducible:
+        raise ValueError("--runs needs independent runs, but privacy.reproducible = true gives every run the same "
+                         "noise: set privacy.reproducible = false")
+    if cfg.train.mode == "nonprivate":
+        raise ValueError("--runs bounds a private run's ε: train.mode is nonprivate")
+    seed = int(np.random.SeedSequence().entropy) if seed is None else int(seed)  # type: ignore[arg-type]
+    rng = np.random.default_rng(seed)
+    scores, included, claims, deltas, sigmas, steps = [], [], [], [], [], []
+    for _ in range(int(runs)):
+        record = one_run_audit(cfg, canaries=2, member_fraction=0.5, non_member_fraction=0.0, confidence=confidence,
+                               seed=int(rng.integers(2 ** 63)), broken=broken, canary_kind=canary_kind, observe=observe)
+        pooled = [(x, True) for x in record["member_scores"]] + [(x, False) for x in record["non_member_scores"]]
+        score, member = pooled[int(rng.integers(len(pooled)))]
+        scores.append(float(score))
+        included.append(bool(member))
+        claims.append(float(record["claimed_epsilon"]))
+        deltas.append(float(record["delta"]))
+        sigmas.append(record["noise_multiplier"])
+        steps.append(int(record["steps"]))
+        if on_run is not None:
+            on_run(record)
+    score_arr, coin = np.asarray(scores), np.asarray(included)
+    delta = max(deltas)
+    choose = rng.random(score_arr.size) < 0.5
+    both = all(coin[half].any() and (~coin[half]).any() for half in (choose, ~choose))
+    thresholds = {objective: dataclasses.asdict(threshold_audit(score_arr, coin, choose, delta, confidence, objective))
+                  for objective in ("epsilon", "gdp")} if both else None
+    claimed = max(claims)
+    best = max([t["epsilon_lower_bound"] for t in (thresholds or {}).values()]
+               + [t["epsilon_lower_bound_gdp"] or 0.0 for t in (thresholds or {}).values()], default=0.0)
+    return {"kind": "many-run", "broken": broken, "mode": cfg.train.mode, "runs": int(runs),
+            "claimed_epsilon": claimed, "claimed_epsilon_min": min(claims), "delta": delta,
+            "confidence": confidence, "threshold_audit": thresholds, "epsilon_lower_bound": best,
+            "noise_multiplier": float(np.median([x for x in sigmas if x is not None])) if any(
+                x is not None for x in sigmas) else None, "steps": int(np.median(steps)),
+            "exceeds_claim": bool(best > claimed), "canary_kind": canary_kind, "observe": observe,
+            "threat_model": THREAT_MODELS[observe],
+            "trials": "one canary per run, each run with fresh secret noise: independent trials exactly (no "
+                      "assumption about canaries sharing a run)",
+            "audit_seed": seed, "member_scores": score_arr[coin].tolist(), "non_member_scores": score_arr[~coin].tolist()}
 
 
 def write_audit(record: dict, out_dir: Path) -> dict:
