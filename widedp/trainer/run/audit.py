@@ -86,22 +86,31 @@ THREAT_MODELS = {
 
 # ---- deliberately broken training: the audit's teeth ------------------------------------------------
 @contextlib.contextmanager
-def _noise_scaled(factor: float):
-    """Every Gaussian step draws noise of factor·σ while the ledger is told the planned σ."""
-    import widedp.trainer.engine.noise_stage as engine_module
+def _sigma_scaled(module, name: str, sigma_at: int, factor: float):
+    """`module.name` (a mechanism whose positional argument `sigma_at` is its noise multiplier σ
+    and whose result carries its `event`) draws noise of factor·σ while its result still says
+    `GaussianDpEvent(σ)`: the ledger is told σ."""
     from widedp.accounting.events import GaussianDpEvent
 
-    real = engine_module.noisy_step
+    real = getattr(module, name)
 
-    def scaled(rows, dense, noise_multiplier, *args, **kwargs):
-        step = real(rows, dense, factor * noise_multiplier, *args, **kwargs)
-        return dataclasses.replace(step, event=GaussianDpEvent(noise_multiplier))
+    def scaled(*args, **kwargs):
+        sigma = args[sigma_at]
+        out = real(*args[:sigma_at], factor * sigma, *args[sigma_at + 1:], **kwargs)
+        return dataclasses.replace(out, event=GaussianDpEvent(sigma))
 
-    engine_module.noisy_step = scaled
+    setattr(module, name, scaled)
     try:
         yield
     finally:
-        engine_module.noisy_step = real
+        setattr(module, name, real)
+
+
+def _noise_scaled(factor: float):
+    """Every Gaussian step draws noise of factor·σ while the ledger is told the planned σ."""
+    import widedp.trainer.engine.noise_stage as engine_module
+
+    return _sigma_scaled(engine_module, "noisy_step", 2, factor)  # noisy_step(rows, dense, σ, …)
 
 
 def _noise_off(run):
@@ -286,27 +295,16 @@ def _shuffle_as_poisson(run):
         engine.sampler = real
 
 
-@contextlib.contextmanager
 def _selection_sigma_over_2(run):
     """Gaussian thresholding with noise σ_sel/2 on the counts while the ledger is told σ_sel: the
     selection's σ composed wrongly."""
     import widedp.selection.selectors.threshold as threshold_module
-    from widedp.accounting.events import GaussianDpEvent
 
     if run.engine.mode != "sparse" or run.engine.plan is None or run.engine.plan.selection != "threshold":
         raise ValueError("--broken selection-sigma-over-2 halves the noise of Gaussian thresholding: set "
                          "train.mode = \"sparse\" and train.selection = \"threshold\"")
-    real = threshold_module.gaussian_threshold
-
-    def halved(count_ids, counts, num_rows, threshold, noise_multiplier, *args, **kwargs):
-        selection = real(count_ids, counts, num_rows, threshold, 0.5 * noise_multiplier, *args, **kwargs)
-        return dataclasses.replace(selection, event=GaussianDpEvent(noise_multiplier))
-
-    threshold_module.gaussian_threshold = halved
-    try:
-        yield
-    finally:
-        threshold_module.gaussian_threshold = real
+    # gaussian_threshold(touched, counts, num_rows, τ, σ_sel, C1, rng)
+    return _sigma_scaled(threshold_module, "gaussian_threshold", 4, 0.5)
 
 
 #: Broken variants for `widedp audit --broken`: a run made non-private on purpose, to show that
