@@ -870,7 +870,8 @@ def many_run_audit(cfg, runs: int, confidence: float = 0.95, seed: Optional[int]
     scores, included, claims, deltas, sigmas, steps = [], [], [], [], [], []
     for _ in range(int(runs)):
         record = one_run_audit(cfg, canaries=2, member_fraction=0.5, non_member_fraction=0.0, confidence=confidence,
-                               seed=int(rng.integers(2 ** 63)), broken=broken, canary_kind=canary_kind, observe=observe)
+                               seed=int.from_bytes(rng.bytes(16), "little"),  # each run's coins: 128 bits
+                               broken=broken, canary_kind=canary_kind, observe=observe)
         pooled = [(x, True) for x in record["member_scores"]] + [(x, False) for x in record["non_member_scores"]]
         score, member = pooled[int(rng.integers(len(pooled)))]
         scores.append(float(score))
