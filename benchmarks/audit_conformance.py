@@ -128,7 +128,7 @@ def audit_run(data: Path, mode: str, broken, seed: int) -> dict:
     cfg = load_config(None, [f"data.path={data}", *RUN, *MODES[mode]]).validate()
     t0 = time.perf_counter()
     r = one_run_audit(cfg, canaries=CANARIES, member_fraction=0.05, non_member_fraction=0.0, confidence=0.95,
-                      seed=seed, broken=broken, canary_kind="gradient", observe="steps")
+                      seed=seed, broken=broken, canary_kind="gradient", observe="steps", test_step_sizes=True)
     conf = r["conformance"]
     threshold = r["threshold_audit"] or {}
     bounds = [r["epsilon_lower_bound"], r["epsilon_lower_bound_gdp"],
@@ -263,7 +263,8 @@ def results_section(doc: dict) -> tuple[list, list]:
         f"Clopper–Pearson at 97.5%, δ = {doc['delta']:g}). What catches them is a conformance test of the run's "
         "randomness against the distribution its claim states (`auditing/conformance.py`, in every audit record as "
         "`conformance`): each canary's number of sampled steps and each step's number of sampled units against "
-        "Binomial (the ledger's Poisson sampling), and how often Gaussian thresholding selected rows nobody reads (the "
+        "Binomial (the ledger's Poisson sampling; the step sizes, an un-noised statistic of the secret coins, only "
+        "with the auditor's opt-in `--test-step-sizes`, as in these runs, or in runs that are no private release), and how often Gaussian thresholding selected rows nobody reads (the "
         "non-member canaries' rows) against Φ̄(τ/(σ_sel·C1)). A correct run is refuted with probability ≤ 5% by "
         "construction (Monte Carlo and exact binomial tests, Bonferroni over the tests that ran). Run: "
         "`python benchmarks/audit_conformance.py`.", "",

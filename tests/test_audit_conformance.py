@@ -87,6 +87,10 @@ def test_the_combined_refutation_holds_the_family_to_its_level():
     out = combined_refutation(tests, 0.95)
     assert out["tests"] == 2 and out["level"] == pytest.approx(0.025)
     assert out["p_values"] == {"a": 0.03, "s": 0.02} and out["refuted"] == ["s"]
+    alone = combined_refutation({"s": {"per_unit": {"p_value": 0.04}, "per_step": None}}, 0.95)
+    assert alone["p_values"] == {"s": 0.04} and alone["refuted"] == ["s"]
+    unit_only = poisson_sampling_test([1, 2, 3], 10, None, 100, 0.2, np.random.default_rng(0))
+    assert unit_only["per_step"] is None and unit_only["level"] == pytest.approx(0.05)
 
 
 def test_the_conformance_tests_refuse_bad_input_by_name():
@@ -208,3 +212,18 @@ def test_the_cli_runs_the_many_run_audit_charging_every_run_and_refuses_runs_wit
     assert sum(1 for r in read_budget(data) if r.get("audit")) == 4  # each run charged
     assert main(["audit", "--config", str(config), *sets, "--kind", "exposure", "--runs", "4"]) == 2
     assert "--runs applies to --kind one-run" in capsys.readouterr().err
+
+
+def test_a_private_audit_withholds_the_step_sizes_unless_the_auditor_opts_in(ctr_dir):
+    """Each step's sample size is an un-noised statistic of the secret coins of every example: a
+    correct, non-reproducible audit tests the canaries' counts only, and says so."""
+    extra = ("privacy.reproducible=false",)
+    withheld = _conformance_audit(ctr_dir, None, "final", *extra)
+    assert withheld["conformance"]["sampling"]["per_step"] is None
+    assert withheld["conformance_step_sizes"] == "withheld"
+    assert withheld["conformance"]["notes"]["sampling_step_sizes"].startswith("withheld")
+    cfg = load_config(None, [f"data.path={ctr_dir}", *CONFORMANCE_AUDIT, *extra]).validate()
+    opted = one_run_audit(cfg, canaries=1000, member_fraction=0.1, non_member_fraction=0.0, seed=7,
+                          canary_kind="gradient", test_step_sizes=True)
+    assert opted["conformance"]["sampling"]["per_step"]["trials"] > 3000
+    assert opted["conformance_step_sizes"].startswith("tested") and "--test-step-sizes" in opted["conformance_step_sizes"]

@@ -38,7 +38,7 @@ Import rule: as the rest of `auditing` (numpy and scipy only).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 from scipy import stats
@@ -104,7 +104,7 @@ def binomial_dispersion_test(counts, trials: int, rate: float, rng: np.random.Ge
     return out
 
 
-def poisson_sampling_test(unit_step_counts, steps: int, units_per_step: Sequence[int], population: int,
+def poisson_sampling_test(unit_step_counts, steps: int, units_per_step: Optional[Sequence[int]], population: int,
                           sample_rate: float, rng: np.random.Generator, confidence: float = 0.95) -> dict:
     """Whether a run's sampling is the Poisson sampling its ledger states (module docstring).
 
@@ -112,7 +112,9 @@ def poisson_sampling_test(unit_step_counts, steps: int, units_per_step: Sequence
     Two dispersion tests (`binomial_dispersion_test`), each at level (1 − confidence)/2, so the
     pair refutes a correct run with probability ≤ 1 − confidence: the audited units' numbers of
     sampled steps against Binomial(steps, q), and each step's number of sampled units against
-    Binomial(population, q).
+    Binomial(population, q). `units_per_step` None: the per-unit test alone, at level
+    1 − confidence (the step sizes are a statistic of the secret coins of every unit: the caller
+    withholds them from a private run's record).
 
     Args:
         unit_step_counts: per audited unit (e.g. the member canaries), the number of steps it was
@@ -122,16 +124,19 @@ def poisson_sampling_test(unit_step_counts, steps: int, units_per_step: Sequence
         {"per_unit": …, "per_step": …, "level": each test's level, "refuted": bool, "null": text}.
     """
     confidence = _check_confidence(confidence)
-    sizes = _int_array(units_per_step, "units_per_step")
-    if sizes.size != int(steps):
-        raise ValueError(f"units_per_step has {sizes.size} entries for steps={steps}")
     if isinstance(population, bool) or int(population) != population or population < 1:
         raise ValueError(f"population must be an integer >= 1, got {population!r}")
-    level = (1.0 - confidence) / 2.0
+    per_step = None
+    if units_per_step is not None:
+        sizes = _int_array(units_per_step, "units_per_step")
+        if sizes.size != int(steps):
+            raise ValueError(f"units_per_step has {sizes.size} entries for steps={steps}")
+    level = (1.0 - confidence) / (1.0 if units_per_step is None else 2.0)
     per_unit = binomial_dispersion_test(unit_step_counts, int(steps), sample_rate, rng)
-    per_step = binomial_dispersion_test(sizes, int(population), sample_rate, rng)
+    if units_per_step is not None:
+        per_step = binomial_dispersion_test(sizes, int(population), sample_rate, rng)
     return {"per_unit": per_unit, "per_step": per_step, "level": level,
-            "refuted": bool(per_unit["p_value"] <= level or per_step["p_value"] <= level),
+            "refuted": bool(per_unit["p_value"] <= level or (per_step is not None and per_step["p_value"] <= level)),
             "null": "each unit in each step's sample independently with probability q (Poisson sampling, as the "
                     "ledger's PoissonSampledDpEvent states)"}
 
@@ -199,6 +204,8 @@ def combined_refutation(tests: dict, confidence: float) -> dict:
     for name, record in ran.items():
         if "p_value" in record:
             p_values[name] = float(record["p_value"])
+        elif record["per_step"] is None:  # the sampling test's per-unit half alone
+            p_values[name] = float(record["per_unit"]["p_value"])
         else:  # the sampling test's two halves: its own Bonferroni (×2)
             p_values[name] = min(1.0, 2.0 * min(record["per_unit"]["p_value"], record["per_step"]["p_value"]))
     k = max(1, len(p_values))

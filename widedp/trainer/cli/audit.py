@@ -54,6 +54,10 @@ def add_commands(sub) -> dict:
                         "ledger told otherwise; the last two are caught by the record's `conformance` tests, not "
                         "by an ε bound) to see the audit catch it on this "
                         "configuration; NOT a private run")
+    a.add_argument("--test-step-sizes", action="store_true",
+                   help="one-run: the conformance test also tests each step's sample size against Binomial(n, q) "
+                        "(catches fixed-size batches); the record then holds an un-noised statistic of the secret "
+                        "sampling coins and says so (on anyway with --broken or privacy.reproducible = true)")
     a.add_argument("--runs", type=int, default=1,
                    help="one-run kind with R >= 4: the many-run audit instead (Nasr et al. 2023) — R independent "
                         "training runs, one canary of each the trial, nothing assumed about canaries sharing a run; "
@@ -84,7 +88,7 @@ def cmd_audit(args) -> dict:
     record = one_run_audit(cfg, canaries=args.canaries, feature=args.feature, member_fraction=args.member_guesses,
                            non_member_fraction=args.non_member_guesses, confidence=args.confidence, seed=args.seed,
                            broken=args.broken, canary_kind=args.canary_kind, canary_examples=args.canary_examples,
-                           observe=args.observe, channel=args.channel)
+                           observe=args.observe, channel=args.channel, test_step_sizes=args.test_step_sizes)
     out = Path(args.out) if args.out else Path(cfg.run_dir or "runs/latest") / "audit"
     record_audit(cfg, record, out)  # the audit's run trained on the data set: its spending counts
     return {"out": str(out), **write_audit(record, out)}

@@ -404,20 +404,28 @@ CONFORMANCE_STREAM = 0xC0F
 
 
 def _conformance(cfg, run, c: Canaries, sampling: _SampleWatch, rows_by_step: Optional[np.ndarray], steps: int,
-                 confidence: float, rng: np.random.Generator, channel: str, policy: dict) -> dict:
+                 confidence: float, rng: np.random.Generator, channel: str, policy: dict,
+                 step_sizes: bool = False) -> dict:
     """The conformance tests of the run's randomness against its claim (auditing/conformance.py):
     its sampling against the ledger's Poisson(q), and — a sparse run with Gaussian thresholding,
     audited as it runs — how often the non-member canaries' rows (rows nobody reads) were selected
     against the stated τ and σ_sel. `rows_by_step`: the canary rows [observations, m, F·D], every
-    step's when observed, else (initial, final)."""
+    step's when observed, else (initial, final). `step_sizes`: also test each step's number of
+    sampled units — a statistic of the secret coins of every example, so only where the record is
+    no private release or the auditor opted in (`one_run_audit`'s `test_step_sizes`)."""
     from widedp.accounting.calibration import sel_event_of
 
     engine = run.engine
     tests: dict = {"sampling": None, "selection": None}
     notes: dict = {}
     if steps and len(sampling.units_per_step) == steps:
-        tests["sampling"] = poisson_sampling_test(sampling.canary_steps[c.included], steps, sampling.units_per_step,
+        tests["sampling"] = poisson_sampling_test(sampling.canary_steps[c.included], steps,
+                                                  sampling.units_per_step if step_sizes else None,
                                                   sampling.population, float(engine.q), rng, confidence)
+        if not step_sizes:
+            notes["sampling_step_sizes"] = ("withheld: each step's sample size is a statistic of the secret coins of "
+                                            "every example, un-noised; tested with --test-step-sizes (the record "
+                                            "then says so), --broken or privacy.reproducible = true")
         if engine.q >= 1.0:
             notes["sampling"] = "q = 1: every unit in every step, Poisson and shuffled sampling alike (no power)"
     else:
@@ -644,7 +652,8 @@ def canary_row_values(engine, canaries: Canaries, released: bool) -> np.ndarray:
 def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, member_fraction: float = 0.1,
                   non_member_fraction: float = 0.1, confidence: float = 0.95, seed: Optional[int] = None,
                   broken: Optional[str] = None, canary_kind: str = "example",
-                  canary_examples: Optional[int] = None, observe: str = "final", channel: str = "as-run") -> dict:
+                  canary_examples: Optional[int] = None, observe: str = "final", channel: str = "as-run",
+                  test_step_sizes: bool = False) -> dict:
     """Train `cfg` once with canaries and audit it (module docstring). `seed`: the audit's
     coins and tie-breaking (default: fresh OS entropy, recorded in the result only after the
     run). `broken`: a name in BROKEN_VARIANTS to train deliberately broken (the record says
@@ -666,6 +675,10 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     at a threshold chosen on a coin-independent half ("epsilon", "gdp") and, when every step is
     observed, at one fixed from the claimed mechanism before the run with every canary counted
     ("gdp_at_claimed_threshold").
+    `conformance`: the run's randomness against its claim (`_conformance`); `test_step_sizes`:
+    the auditor's opt-in to also test each step's sample size, an un-noised statistic of the
+    secret coins (on anyway for --broken and reproducible runs, which are no private release);
+    the record says whether it ran (`conformance_step_sizes`).
     Returns the audit record (`audit.json`)."""
     from widedp.trainer.run.train import build_run
 
@@ -754,8 +767,9 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         steps = run.engine.step_count
         value_claim = _value_channel_epsilon(run.engine, ledger, steps) if channel == "value" else None
         observed = np.stack(watch.rows) if watch is not None else None if last is None else np.stack([initial, last])
+        step_sizes = bool(test_step_sizes or broken or cfg.privacy.reproducible)
         conformance = _conformance(cfg, run, c, sampling, observed, steps, confidence,
-                                   np.random.default_rng([seed, CONFORMANCE_STREAM]), channel, policy) \
+                                   np.random.default_rng([seed, CONFORMANCE_STREAM]), channel, policy, step_sizes) \
             if ledger is not None else None
     # A sparse run audited as it executes: a canary row moves only in the steps that select it, so
     # the every-step score counts those steps (the selection channel) before their values.
@@ -783,9 +797,7 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     # The threshold audit (many-run method) over the canaries as independent trials: half (drawn
     # independently of the coins) chooses the threshold, the other half is counted.
     choose = rng.random(c.count) < 0.5
-    both = all(c.included[half].any() and (~c.included[half]).any() for half in (choose, ~choose))
-    thresholds = {objective: dataclasses.asdict(threshold_audit(scores, c.included, choose, delta, confidence, objective))
-                  for objective in ("epsilon", "gdp")} if both else None  # (too few canaries: none)
+    thresholds = _half_split_thresholds(scores, c.included, choose, delta, confidence)
     if thresholds is not None and watch is not None and not selection_score and delta > 0:
         # every step observed, the score is the claim's likelihood ratio: a threshold fixed from the
         # claimed mechanism alone (simulated at the expected counts), every canary counted
@@ -805,6 +817,10 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
         "claim_curve": curve,
         "conformance": conformance,
         "conformance_refuted": bool(conformance is not None and conformance["combined"]["any_refuted"]),
+        "conformance_step_sizes": ("tested: the record holds a statistic of the secret sampling coins, un-noised "
+                                   + ("(--test-step-sizes)" if test_step_sizes else "(no private release: --broken "
+                                      "or privacy.reproducible)")) if conformance is not None and step_sizes
+        else "withheld",
         "threshold_audit": thresholds,
         "threshold_assumption": "the canaries are independent trials: each canary's score depends only on its own "
                                 "coin and its own rows' noise (white-box canaries on rows no other example reads); "
@@ -846,6 +862,16 @@ def one_run_audit(cfg, canaries: int = 1000, feature: Optional[str] = None, memb
     }
 
 
+def _half_split_thresholds(scores: np.ndarray, included: np.ndarray, choose: np.ndarray, delta: float,
+                           confidence: float) -> Optional[dict]:
+    """The threshold audit at a threshold chosen on the `choose` half, as (ε, δ) and as Gaussian DP;
+    None when a half lacks members or non-members (too few trials)."""
+    if not all(included[half].any() and (~included[half]).any() for half in (choose, ~choose)):
+        return None
+    return {objective: dataclasses.asdict(threshold_audit(scores, included, choose, delta, confidence, objective))
+            for objective in ("epsilon", "gdp")}
+
+
 def many_run_audit(cfg, runs: int, confidence: float = 0.95, seed: Optional[int] = None, broken: Optional[str] = None,
                    canary_kind: str = "gradient", observe: str = "final", on_run: Optional[Callable] = None) -> dict:
     """Nasr et al. (2023)'s many-run method with nothing assumed about canaries that share a run:
@@ -885,9 +911,7 @@ def many_run_audit(cfg, runs: int, confidence: float = 0.95, seed: Optional[int]
     score_arr, coin = np.asarray(scores), np.asarray(included)
     delta = max(deltas)
     choose = rng.random(score_arr.size) < 0.5
-    both = all(coin[half].any() and (~coin[half]).any() for half in (choose, ~choose))
-    thresholds = {objective: dataclasses.asdict(threshold_audit(score_arr, coin, choose, delta, confidence, objective))
-                  for objective in ("epsilon", "gdp")} if both else None
+    thresholds = _half_split_thresholds(score_arr, coin, choose, delta, confidence)
     claimed = max(claims)
     best = max([t["epsilon_lower_bound"] for t in (thresholds or {}).values()]
                + [t["epsilon_lower_bound_gdp"] or 0.0 for t in (thresholds or {}).values()], default=0.0)
