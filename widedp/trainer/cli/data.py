@@ -160,6 +160,19 @@ def add_commands(subparsers) -> dict:
                    help="keep a private vocabulary of fewer than half of --vocab words (default: an error "
                         "saying what corpus size would do)")
 
+    pt = csub.add_parser("partition", help="a data set -> K Parquet parts with a manifest, each read only by the "
+                                           "trainer that owns it (trainer/data/format/partitioned.py)")
+    pt.add_argument("input", help="a widedp data set directory (from convert criteo / table / text or synth)")
+    pt.add_argument("out_dir")
+    pt.add_argument("--parts", type=_int_arg("--parts", 1), required=True, help="number of parts K")
+    pt.add_argument("--by", choices=("example", "unit"), default="example",
+                    help="hash of each example's row (default) or of its unit, so a user's examples stay in one "
+                         "part (user-level training needs --by unit)")
+    pt.add_argument("--test-fraction", type=float, default=0.1,
+                    help="without a test file: the rows `widedp train` would hold out at data.test_fraction "
+                         "(default 0.1) and data.seed (--seed) go to the test split")
+    pt.add_argument("--seed", type=_int_arg("--seed", 0), default=0, help="data.seed of that split (public)")
+
     syn = subparsers.add_parser("synth", help="synthetic data set with planted ground truth")
     ssub = syn.add_subparsers(dest="synth_kind", required=True, parser_class=type(syn))
     s = ssub.add_parser("ctr", help="Zipf ids + known logistic model (known Bayes AUC)")
@@ -227,6 +240,15 @@ def cmd_convert(args) -> dict:
 
         meta = convert_criteo(args.input, args.out_dir, hash_size=args.hash_size,
                               hash_sizes=args.hash_sizes, chunk_rows=args.chunk_rows)
+    elif args.convert_kind == "partition":
+        from widedp.trainer.data.format.partitioned import write_partitioned
+
+        manifest = write_partitioned(args.input, args.out_dir, args.parts, partition_by=args.by,
+                                     test_fraction=args.test_fraction, seed=args.seed)
+        return {"out_dir": str(args.out_dir), "parts": manifest.num_parts, "partition_by": manifest.partition_by,
+                "num_examples": manifest.num_examples, "num_units": manifest.num_units,
+                "part_examples": [p.num_examples for p in manifest.parts], "test_examples": manifest.test_examples,
+                "split": manifest.split, "seconds": round(time.perf_counter() - started, 3)}
     elif args.convert_kind == "table":
         from widedp.trainer.data.convert.table import convert_table
 

@@ -98,7 +98,11 @@ class RayTrainers(TrainerGroup):
         self.layout, self.options, self.shards = layout, options, shards
         self.num_trainers = options.num_trainers
         self._model = model
-        self._data_ref = ray.put(train_set)  # one copy in the object store; each trainer takes its own rows
+        # A partitioned data set: each trainer gets its own share (its parts' paths and streams) and
+        # opens its parts itself. Else one copy in the object store; each trainer takes its own rows.
+        self._shares = train_set if getattr(train_set, "partitioned_shares", False) else None
+        self._data_ref = ray.put(train_set) if self._shares is None else None
+        self._restarts_of = [0] * options.num_trainers
         self._actor_cls = ray.remote(_TrainerActor).options(**ACTOR_OPTIONS, num_cpus=cpus_per_trainer,
                                                             scheduling_strategy="SPREAD")
         self.actors = [self._make(i) for i in range(self.num_trainers)]
@@ -106,7 +110,8 @@ class RayTrainers(TrainerGroup):
         self._last_dense_state: Optional[dict] = None
 
     def _make(self, i: int):
-        return self._actor_cls.remote(i, copy.deepcopy(self._model), self.layout, self._data_ref,
+        data = self._data_ref if self._shares is None else self._shares.share(i, self._restarts_of[i])
+        return self._actor_cls.remote(i, copy.deepcopy(self._model), self.layout, data,
                                       self.shards.actors, self.options)
 
     @property
@@ -130,6 +135,18 @@ class RayTrainers(TrainerGroup):
 
     def example_rows(self):
         return self._gather([actor.example_rows.remote() for actor in self.actors], "example_rows")
+
+    def sample(self):
+        return self._gather([actor.draw_sample.remote() for actor in self.actors], "draw_sample")
+
+    def sampler_states(self):
+        return self._gather([actor.sampler_state.remote() for actor in self.actors], "sampler_state")
+
+    def load_sampler_states(self, states):
+        if len(states) != len(self.actors):
+            raise ValueError(f"sampler states of {len(states)} trainers, this run has {len(self.actors)}")
+        self._gather([actor.load_sampler_state.remote(s) for actor, s in zip(self.actors, states)],
+                     "load_sampler_state")
 
     def shard_bytes(self):
         return self._gather([actor.shard_bytes.remote() for actor in self.actors], "shard_bytes")
@@ -182,6 +199,10 @@ class RayTrainers(TrainerGroup):
                 self._ray.kill(self.actors[i])
             except Exception:  # noqa: BLE001 — already gone
                 pass
+            # a restored trainer of a partitioned data set samples from fresh streams of its own
+            # (`TrainerShares.share(i, restart)`): the step is redone from the coordinator's copy
+            # of its sample, and no later coin repeats one drawn before
+            self._restarts_of[i] += 1
             self.actors[i] = self._make(i)
             self.restarts += 1
         self._gather([actor.set_shard_actors.remote(self.shards.actors) for actor in self.actors], "set_shard_actors")

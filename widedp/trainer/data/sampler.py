@@ -177,3 +177,89 @@ def trimmed_positions(example_units: np.ndarray, max_examples_per_unit: int, rng
     ranked = order[np.lexsort((keys[order], units[order]))]
     rank = np.arange(units.size) - np.repeat(starts, counts)
     return np.sort(ranked[rank < k]).astype(np.int64)
+
+
+class PartitionSampler:
+    """One trainer's Poisson sampling of its own parts of a partitioned data set
+    (trainer/data/format/partitioned.py): each part is sampled at the one rate q by a sampler
+    of its own (`PoissonSampler`, or `UnitPoissonSampler` at user level), each with its own
+    stream.
+
+    Privacy assumption: every part's sampler draws independent coins (its own keyed stream:
+    the run's "sampler" key derived with the part's index), so each example (unit) of every
+    part is in a step's sample independently with probability q; the union over every part
+    of every trainer is exactly a global Poisson(q) sample (DESIGN §1: Poisson sampling is
+    separable per example), which is what the accountant assumes with q = b/n (b/U).
+
+    Args:
+        part_sizes: examples of each of this trainer's parts, in the order they are read.
+        sample_rate: q, the same for every part of every trainer.
+        generators: one numpy Generator per part (independent streams).
+        part_units: user level: per part, its examples' unit labels (any int64); None at
+            example level.
+        max_examples_per_unit: user level: the public cap k on a sampled unit's examples.
+
+    `sample()` returns the sampled examples' indices into the trainer's parts read as one
+    split (part 0's examples, then part 1's, ...), sorted; at user level `sample_units()`
+    returns (examples, unit of each numbered 0..m-1 within the sample, m).
+    """
+
+    def __init__(self, part_sizes, sample_rate: float, generators: list, part_units: list | None = None,
+                 max_examples_per_unit: int | None = None):
+        sizes = [int(s) for s in part_sizes]
+        if len(generators) != len(sizes):
+            raise ValueError(f"one generator per part: {len(generators)} generators for {len(sizes)} parts")
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.sample_rate = float(sample_rate)
+        self.unit_level = part_units is not None
+        self.samplers: list = []
+        self._unit_offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+        if part_units is None:
+            self.samplers = [PoissonSampler(n, sample_rate, g) for n, g in zip(sizes, generators)]
+        else:
+            if max_examples_per_unit is None:
+                raise ValueError("user-level partition sampling needs max_examples_per_unit")
+            for j, (labels, g) in enumerate(zip(part_units, generators)):
+                if len(labels) != sizes[j]:
+                    raise ValueError(f"part {j}: {len(labels)} unit labels for {sizes[j]} examples")
+                dense, count = unit_indices(np.asarray(labels, dtype=np.int64)) if len(labels) else \
+                    (np.zeros(0, dtype=np.int64), 0)
+                self.samplers.append(UnitPoissonSampler(dense, sample_rate, max_examples_per_unit, g))
+                self._unit_offsets[j + 1] = self._unit_offsets[j] + count
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def num_units(self) -> int:
+        return int(self._unit_offsets[-1]) if self.unit_level else self.num_examples
+
+    def sample(self) -> np.ndarray:
+        return self._draw()[0]
+
+    def sample_units(self) -> tuple[np.ndarray, np.ndarray, int]:
+        examples, units = self._draw()
+        uniq, local = np.unique(units, return_inverse=True)
+        return examples, local.astype(np.int64).reshape(-1), int(uniq.size)
+
+    def _draw(self) -> tuple[np.ndarray, np.ndarray]:
+        examples, units = [], []
+        for j, sampler in enumerate(self.samplers):
+            idx = sampler.sample()
+            examples.append(idx + self.offsets[j])
+            if self.unit_level:
+                units.append(sampler.units_of(idx) + self._unit_offsets[j])
+        out = np.concatenate(examples).astype(np.int64) if examples else np.zeros(0, dtype=np.int64)
+        return out, (np.concatenate(units).astype(np.int64) if units else np.zeros(0, dtype=np.int64))
+
+    def state_dict(self) -> dict:
+        return {"parts": [s.state_dict() for s in self.samplers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        parts = state.get("parts") if isinstance(state, dict) else None
+        if not isinstance(parts, list) or len(parts) != len(self.samplers):
+            raise ValueError(f"sampler state is for {len(parts) if isinstance(parts, list) else '?'} parts, "
+                             f"this trainer samples {len(self.samplers)}")
+        for sampler, s in zip(self.samplers, parts):
+            sampler.load_state_dict(s)

@@ -54,8 +54,8 @@ from widedp.trainer.engine.release_stage import release_dense_tables, release_ro
 from widedp.trainer.engine.selection_stage import RowSelection
 from widedp.trainer.engine.shard_group import ShardLostError, StepInterrupted
 from widedp.trainer.engine.trainer_role import PhaseClock, TrainerPart
-from widedp.trainer.engine.trainers import (InProcessTrainers, TrainerGroupFactory, in_process_trainers, make_trainers,
-                                            partition, trainer_samples)
+from widedp.trainer.engine.trainers import (InProcessTrainers, TrainerGroupFactory, TrainerSampling, in_process_trainers,
+                                            make_trainers, partition, trainer_samples)
 from widedp.trainer.engine.vocabulary import SparseVocabulary
 from widedp.trainer.models import DenseModel
 
@@ -70,7 +70,10 @@ class EngineOptions:
     `dense_grad_method`: trainer/engine/dense_grads.py (auto, ghost or per_example).
     `num_trainers` N: the data-parallel split of docs/DESIGN.md §2.2; trainer i owns examples
     [⌊i·n/N⌋, ⌊(i+1)·n/N⌋) (units, at user level) and takes its part of each step's Poisson
-    sample (one sampler, so the union is the global sample exactly).
+    sample (one sampler, so the union is the global sample exactly); with a partitioned
+    training set (`train_set.partitioned`, trainer/data/partitioned_training.py) trainer i reads
+    its own parts and samples them itself (independent streams per part: the union is again the
+    global Poisson sample), and the coordinator holds no example.
     `selection_on_shards`: a selector that can (`Selector.shard_statistic`) selects on the
     shards, each over its own rows with its own stream, merged exactly; with one trainer and
     `fuse_selection`, each shard selects in the call that makes its row sums.
@@ -167,8 +170,23 @@ class Engine:
         self.dense_table_rows = sum(layout.tables[t].num_rows for t in self.dense_tables)
         self.sparse_vocabulary = SparseVocabulary(np.array([t.num_rows for t in layout.tables]), self.dense_tables)
         self.num_trainers = options.num_trainers
-        self.trainer_bounds, self.example_units, self.num_units, self.unit_bounds = partition(
-            len(train_set), self.num_trainers, example_units, self.plan)
+        # A partitioned data set (trainer/data/format/partitioned.py): each trainer reads and
+        # samples its own parts; this process holds the data set's shape only, never an example.
+        self.partitioned = bool(getattr(train_set, "partitioned", False))
+        trainer_data = train_set
+        if self.partitioned:
+            if sampler is not None or example_units is not None or group_size > 1:
+                raise ValueError("a partitioned training set is sampled by its trainers: pass sampler=None and "
+                                 "example_units=None (user level: the set's max_examples_per_unit); "
+                                 "privacy.user_sampling = \"examples\" is not available for it")
+            self.trainer_bounds, self.example_units, self.unit_bounds = None, None, None
+            self.num_units = int(train_set.num_units) if train_set.unit_level else len(train_set)
+            sampler_key = self.randomness.key("sampler")
+            trainer_data = train_set.trainer_shares(
+                self.num_trainers, self.q, lambda part, restart: sampler_key.generator("part", part, "restart", restart))
+        else:
+            self.trainer_bounds, self.example_units, self.num_units, self.unit_bounds = partition(
+                len(train_set), self.num_trainers, example_units, self.plan)
         self.noise = NoiseStage(mode=mode, plan=self.plan, expected_batch_size=self.b, noise_gen=self.noise_gen,
                                 clip_rng=self.clip_rng, secure=self.secure_mode,
                                 noise_dense_tables=bool(self.dense_tables))
@@ -180,10 +198,12 @@ class Engine:
         self.selects = self.selection.selects
         self.budget.step_event = step_event_of(mode, self.q, self.plan, self.selects, group_size)
         self.trainers = make_trainers(options.trainer_group or in_process_trainers, model=model, layout=layout,
-                                      train_set=train_set, shards=shards, mode=mode, plan=self.plan,
+                                      train_set=trainer_data, shards=shards, mode=mode, plan=self.plan,
                                       selects=self.selects, options=options, expected_batch_size=self.b,
                                       dense_tables=self.dense_tables)
         self.selection.trainers = self.trainers
+        if self.partitioned:
+            self.sampler = TrainerSampling(self.trainers, len(train_set), self.num_units, self.q)
 
     # ---- what the step is told --------------------------------------------------------------------------
     @property
@@ -218,6 +238,9 @@ class Engine:
 
     def prepare_fest(self, feature_rows: Callable[[str], tuple[np.ndarray, np.ndarray]]) -> None:
         """A one-time selection (DP-FEST): charged, then the trainable rows fixed for all steps."""
+        if self.partitioned:
+            raise ValueError("DP-FEST's one-time selection counts rows over the whole training set at the "
+                             "coordinator: not with a partitioned data set (whose examples only the trainers read)")
         self.selection.prepare_fest(feature_rows, len(self.train_set), self.example_units, self.num_units,
                                     self.budget.charge)
 
@@ -233,16 +256,14 @@ class Engine:
         if self.budget.would_exceed(self.step_count):
             return None
         clock = PhaseClock()
-        idx = self.sampler.sample()
-        B = int(idx.size)
-        clock.mark("sample")
-        samples = trainer_samples(idx, self.trainer_bounds, self.example_units, self.unit_bounds, self.num_trainers)
         limit = getattr(self.shards, "max_restarts", 0)
-        attempts, lost = 0, None
+        attempts, lost, samples, B = 0, None, None, 0
         while True:
             try:
                 if lost is not None:
                     self._recover(lost)
+                if samples is None:  # drawn once: a redone step uses the same sample
+                    samples, B = self._sample(clock)
                 return self._step_from(samples, B, clock)
             except StepInterrupted as interrupted:
                 # Nothing of this step was recorded or released (the ledger records after the
@@ -253,6 +274,18 @@ class Engine:
                         else f"in step {self.step_count + 1} (cluster.max_actor_restarts = 0)"
                     raise ShardLostError(f"{interrupted}; an actor died {again}") from interrupted
                 lost = interrupted
+
+    def _sample(self, clock: PhaseClock) -> tuple[list, int]:
+        """(each trainer's part of this step's Poisson sample, its size B)."""
+        if self.partitioned:  # each trainer's Poisson sample of its own parts: their union is the step's
+            samples = self.sampler.sample()
+            clock.mark("sample")
+            return samples, sum(int(getattr(s, "examples", s).size) for s in samples)
+        idx = self.sampler.sample()
+        clock.mark("sample")
+        assert self.trainer_bounds is not None  # set for every data set the coordinator samples
+        return trainer_samples(idx, self.trainer_bounds, self.example_units, self.unit_bounds,
+                               self.num_trainers), int(idx.size)
 
     def _recover(self, lost: StepInterrupted) -> None:
         """Restore every lost shard and trainer actor, forget the step's partial state."""

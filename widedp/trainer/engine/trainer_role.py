@@ -172,6 +172,11 @@ class TrainerRole:
 
     def __init__(self, index: int, model, layout: ShardLayout, train_set, shards, options: TrainerOptions):
         self.index, self.model, self.layout, self.train_set = int(index), model, layout, train_set
+        # a partitioned data set (trainer/data/format/partitioned.py `TrainerShare`): this trainer
+        # opens its own parts and samples them itself (`draw_sample`); else the coordinator samples
+        self.sampler = None
+        if hasattr(train_set, "open") and hasattr(train_set, "generators"):
+            self.train_set, self.sampler = train_set.open()
         self.shards, self.options = shards, options
         self.vocabulary = SparseVocabulary(np.array([t.num_rows for t in layout.tables]), tuple(options.dense_tables))
         self.bags: list = []  # this step's bags per shard (training lookup)
@@ -196,6 +201,30 @@ class TrainerRole:
     def shard_bytes(self) -> tuple[int, int]:
         """(bytes sent to, received from) the shards by this trainer so far."""
         return int(self.shards.bytes_to_shards), int(self.shards.bytes_from_shards)
+
+    # ---- its own sampling (a partitioned data set) -------------------------------------------------
+    def draw_sample(self):
+        """This step's Poisson sample of this trainer's parts (`PartitionSampler`): sorted indices
+        into its parts, or a `UnitSample` at user level. Only with a partitioned data set."""
+        if self.sampler is None:
+            raise RuntimeError(f"trainer {self.index} samples nothing: the coordinator samples this data set")
+        if self.sampler.unit_level:
+            return UnitSample(*self.sampler.sample_units())
+        return self.sampler.sample()
+
+    def sampler_state(self) -> dict:
+        if self.sampler is None:
+            raise RuntimeError(f"trainer {self.index} has no sampler")
+        return self.sampler.state_dict()
+
+    def load_sampler_state(self, state: dict) -> None:
+        if self.sampler is None:
+            raise RuntimeError(f"trainer {self.index} has no sampler")
+        self.sampler.load_state_dict(state)
+
+    def num_examples(self) -> int:
+        """Examples in this trainer's own data (its parts, or the whole split it was handed)."""
+        return len(self.train_set)
 
     def _as(self, *args) -> tuple:
         """A shard call's arguments on behalf of this trainer (its index last; a lone

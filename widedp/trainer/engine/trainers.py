@@ -45,6 +45,18 @@ class TrainerGroup:
     def example_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
         raise NotImplementedError
 
+    def sample(self) -> list:
+        """A partitioned data set: every trainer's Poisson sample of its own parts
+        (`TrainerRole.draw_sample`), in trainer order."""
+        raise NotImplementedError
+
+    def sampler_states(self) -> list:
+        """A partitioned data set: every trainer's sampler state (reproducible checkpoints)."""
+        raise NotImplementedError
+
+    def load_sampler_states(self, states: list) -> None:
+        raise NotImplementedError
+
     @property
     def needs_dense_state(self) -> bool:
         """Whether the trainers hold replicas that must be sent the dense parameters."""
@@ -89,6 +101,18 @@ class InProcessTrainers(TrainerGroup):
     def example_rows(self):
         return [role.example_rows() for role in self.roles]
 
+    def sample(self):
+        return [role.draw_sample() for role in self.roles]
+
+    def sampler_states(self):
+        return [role.sampler_state() for role in self.roles]
+
+    def load_sampler_states(self, states):
+        if len(states) != len(self.roles):
+            raise ValueError(f"sampler states of {len(states)} trainers, this run has {len(self.roles)}")
+        for role, state in zip(self.roles, states):
+            role.load_sampler_state(state)
+
     def shard_bytes(self):
         return [role.shard_bytes() for role in self.roles]
 
@@ -106,8 +130,37 @@ class TrainerGroupFactory(Protocol):
 
 def in_process_trainers(model, layout, train_set, shards, options: TrainerOptions) -> TrainerGroup:
     """The default placement: the trainers in the coordinator's process."""
-    return InProcessTrainers([TrainerRole(i, model, layout, train_set, shards, options)
+    return InProcessTrainers([TrainerRole(i, model, layout, trainer_data(train_set, i), shards, options)
                               for i in range(options.num_trainers)])
+
+
+def trainer_data(train_set, trainer: int, restart: int = 0):
+    """What trainer `trainer` is handed: its own `TrainerShare` of a partitioned data set
+    (trainer/data/format/partitioned.py `TrainerShares`), else the training split itself (the
+    trainer then reads its part of each step's sample, drawn by the coordinator)."""
+    return train_set.share(trainer, restart) if getattr(train_set, "partitioned_shares", False) else train_set
+
+
+class TrainerSampling:
+    """The engine's sampler when the trainers sample their own parts: `sample()` is every
+    trainer's sample (a list, trainer order); the state is every trainer's sampler state."""
+
+    def __init__(self, trainers: TrainerGroup, num_examples: int, num_units: int, sample_rate: float):
+        self.trainers, self.num_examples, self.sample_rate = trainers, int(num_examples), float(sample_rate)
+        self.num_units = int(num_units)
+
+    def sample(self) -> list:
+        return self.trainers.sample()
+
+    def state_dict(self) -> dict:
+        return {"trainers": self.trainers.sampler_states(), "num_examples": self.num_examples,
+                "sample_rate": self.sample_rate}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("num_examples") != self.num_examples or state.get("sample_rate") != self.sample_rate:
+            raise ValueError(f"sampler state is for n={state.get('num_examples')}, q={state.get('sample_rate')}, "
+                             f"this run has n={self.num_examples}, q={self.sample_rate}")
+        self.trainers.load_sampler_states(state["trainers"])
 
 
 def make_trainers(factory: TrainerGroupFactory, *, model, layout, train_set, shards, mode: str, plan, selects: bool,

@@ -115,6 +115,11 @@ def build_engine(cfg: Config, model, layout: ShardLayout, train_set, *, table_si
         raise ValueError("the training set is empty")
     randomness = run_randomness(cfg) if randomness is None else randomness
     num_units = None
+    partitioned = bool(getattr(train_set, "partitioned", False))
+    if partitioned:  # the trainers read and sample their own parts (trainer/data/format/partitioned.py)
+        _check_partitioned(cfg, train_set, example_units)
+        if train_set.unit_level:
+            n = int(train_set.num_units)
     if example_units is not None and cfg.privacy.user_sampling == "examples":
         # user level by example sampling: each user keeps ≤ k examples (a secret random subset),
         # the steps are example-level and every event is accounted for a group of k
@@ -131,8 +136,10 @@ def build_engine(cfg: Config, model, layout: ShardLayout, train_set, *, table_si
                                   data_event_units=data_event_units, feature_max_ids=feature_max_ids)
     ledger = PrivacyLedger(cfg.privacy.accountant, info.delta) if plan is not None else None
     shards = shard_group(cfg, layout)
-    sampler: "PoissonSampler | UnitPoissonSampler"
-    if example_units is None:
+    sampler: "PoissonSampler | UnitPoissonSampler | None"
+    if partitioned:
+        sampler = None  # each trainer samples its parts (`PartitionSampler`), the engine gathers them
+    elif example_units is None:
         sampler = PoissonSampler(n, info.sample_rate, seed=randomness.sampler_rng())
     else:
         sampler = UnitPoissonSampler(example_units, info.sample_rate, cfg.privacy.max_examples_per_user,
@@ -148,3 +155,20 @@ def build_engine(cfg: Config, model, layout: ShardLayout, train_set, *, table_si
                     options=options, dense_tables=policy.dense_indices([t.name for t in layout.tables]) if policy else (),
                     ema_decay=cfg.train.ema_decay, example_units=example_units)
     return BuiltEngine(engine, info, train_set)
+
+
+def _check_partitioned(cfg: Config, train_set, example_units) -> None:
+    """What a run on a partitioned data set needs: the trainers sample their parts, so no
+    per-example array reaches the coordinator, and every unit-level setting agrees."""
+    user = cfg.privacy.unit == "user"
+    if example_units is not None:
+        raise ValueError("a partitioned training set holds its units in its parts: pass example_units=None")
+    if user and cfg.privacy.user_sampling == "examples":
+        raise ValueError(f"{train_set.directory}: privacy.user_sampling = \"examples\" trims each user's examples "
+                         "over the whole training set at the coordinator: not with a partitioned data set "
+                         "(privacy.user_sampling = \"users\" samples users in each part)")
+    if user != train_set.unit_level or (user and train_set.max_examples_per_unit != cfg.privacy.max_examples_per_user):
+        raise ValueError(f"{train_set.directory}: the partitioned training set was opened for "
+                         f"{'user' if train_set.unit_level else 'example'} level "
+                         f"(max_examples_per_unit={train_set.max_examples_per_unit}), the config has privacy.unit = "
+                         f"{cfg.privacy.unit!r} (max_examples_per_user = {cfg.privacy.max_examples_per_user})")

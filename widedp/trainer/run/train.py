@@ -66,7 +66,7 @@ from widedp.trainer import strict_json
 from widedp.trainer.run import budget as dataset_budget
 from widedp.trainer.config import semantics as run_semantics
 from widedp.trainer.config import Config, lazy_dpsgd_noise, saved_config
-from widedp.trainer.data.format.meta import dataset_identity
+from widedp.trainer.data.format.partitioned import any_dataset_identity, is_partitioned
 from widedp.trainer.data.format.dataset import split_rule
 from widedp.trainer.engine import Engine, StepStats
 from widedp.trainer.engine.layout import FeatureSpec, ShardLayout, TableSpec
@@ -117,6 +117,8 @@ def _ensure_dataset(cfg: Config):
     from widedp.trainer.data.synthetic.generators import SYNTHETIC_DATASETS
 
     path = Path(cfg.data.path)
+    if is_partitioned(path):
+        return _open_partitioned(cfg, path)
     synthetic = SYNTHETIC_DATASETS.get(cfg.data.synth) if cfg.data.synth else None
     if cfg.data.synth and synthetic is None:
         raise ValueError(f"data.synth must be empty or one of {sorted(SYNTHETIC_DATASETS)}, got {cfg.data.synth!r}")
@@ -137,6 +139,33 @@ def _ensure_dataset(cfg: Config):
             log.info("data.path %s holds a converted data set%s, not a synthetic one: training on it as it is "
                      "(data.synth = %r ignored)", path, source, cfg.data.synth)
     return data_mod.open_dataset(path, test_fraction=cfg.data.test_fraction, seed=cfg.data.seed)
+
+
+def _open_partitioned(cfg: Config, path: Path):
+    """(the coordinator's handle on a partitioned training set, its test split): the trainers
+    open their own parts; refused here, naming the setting, is what would read training
+    examples at the coordinator."""
+    from widedp.trainer.data.format.partitioned import open_partitioned_test
+    from widedp.trainer.data.partitioned_training import PartitionedTrainSet
+
+    unsupported = [(cfg.data.validation_fraction > 0, "data.validation_fraction > 0 (a validation split carved "
+                    "from the training data at the coordinator)"),
+                   (cfg.train.recalibrate and cfg.train.mode != "nonprivate",
+                    "train.recalibrate = true (its histogram of the model's scores reads the training set at the "
+                    "coordinator): set train.recalibrate = false"),
+                   (cfg.train.selection.startswith("fest") and cfg.train.mode == "sparse",
+                    f"train.selection = {cfg.train.selection!r} (DP-FEST's one-time counts read the whole "
+                    "training set)")]
+    refused = [why for bad, why in unsupported if bad]
+    if refused:
+        raise ValueError(f"data.path {path} is a partitioned data set (each trainer reads only its own parts); "
+                         f"not available with it: {'; '.join(refused)}")
+    train_set = PartitionedTrainSet(path, cfg.privacy.max_examples_per_user if cfg.privacy.unit == "user" else None)
+    test_set = open_partitioned_test(path)
+    if test_set is None:
+        raise ValueError(f"data.path {path}: the partitioned data set has no test split (partition a data set with "
+                         "a test file, or with --test-fraction > 0)")
+    return train_set, test_set
 
 
 def _check_synthetic_matches(path: Path, want: dict, have: dict, generator: str = "", synth: str = "") -> None:
@@ -172,6 +201,9 @@ def build_run(cfg: Config, train_transform=None) -> Run:
 
         train_set, validation_set = hold_out(train_set, cfg.data.validation_fraction, cfg.data.seed)
     if train_transform is not None:
+        if getattr(train_set, "partitioned", False):
+            raise ValueError(f"data.path {cfg.data.path} is a partitioned data set: an audit's canaries are added to a "
+                             "training set read at the coordinator; audit a data set of one part")
         train_set = train_transform(train_set)
     meta = train_set.meta
     layout = _layout(meta, cfg)
@@ -201,8 +233,9 @@ def _example_units(cfg: Config, train_set, meta) -> Optional[np.ndarray]:
         return None
     from widedp.trainer.data.sampler import unit_indices
 
-    raw = train_set.units() if hasattr(train_set, "units") else None
-    if raw is None:
+    partitioned = getattr(train_set, "partitioned", False)  # its units stay in its parts (the trainers sample users)
+    raw = None if partitioned else train_set.units() if hasattr(train_set, "units") else None
+    if raw is None and not partitioned:
         raise ValueError(f"{cfg.data.path}: privacy.unit = \"user\" needs a data set with a unit column (the "
                          "schema's unit_column, `widedp convert table`); this one has none")
     per_example = [d for (d, _), unit in zip(meta.privacy_events, meta.privacy_event_units) if unit != "user"]
@@ -210,7 +243,7 @@ def _example_units(cfg: Config, train_set, meta) -> Optional[np.ndarray]:
         raise ValueError(f"{cfg.data.path}: its preparation released statistics with example-level DP "
                          f"({'; '.join(per_example)}); privacy.unit = \"user\" needs user-level ones: convert it "
                          "again with its unit column in the schema (per-user DP statistics) or with public statistics")
-    return unit_indices(raw)[0]
+    return None if raw is None else unit_indices(raw)[0]
 
 
 TRIAL_FILE = "tuning_trial.json"  # a trial of widedp tune: names its tuning (never resumed)
@@ -405,7 +438,7 @@ def _restore(engine: Engine, run_dir: Path, cfg: Config, data_events: list, info
     randomness, trainer/engine/randomness.py, and so are charged again, never forgotten)."""
     ckpt_file = run_dir / "checkpoint.pt"
     state = load_checkpoint(ckpt_file)
-    identity = dataset_identity(cfg.data.path)
+    identity = any_dataset_identity(cfg.data.path)
     recorded_identity = state.get("dataset")
     if recorded_identity is not None and recorded_identity != identity:
         diff = ", ".join(f"{k} {recorded_identity.get(k)!r} (now {identity[k]!r})" for k in identity
@@ -644,7 +677,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, trial=None)
         data_events = list(run.meta.privacy_events)
         charged_data_events = _charged_data_events(cfg, engine, run.meta)
         now_semantics = run_semantics.semantics(cfg, info.delta if engine.ledger is not None else None,
-                                                dataset_identity(cfg.data.path), key.key_id if key else None)
+                                                any_dataset_identity(cfg.data.path), key.key_id if key else None)
         journal_file = run_dir / JOURNAL_FILE
         if resume:
             # the session holds the journal before it reads the run's records: a session still
@@ -781,7 +814,13 @@ def _summary(run: Run, cfg: Config, resume: bool, result, recalibrated, recorder
         "test_metrics": run.evaluate(),
         "bayes_auc": run.meta.bayes_auc,
         # which train/test split: the data set's test file ("file", "timestamp>=...") or random
-        "test_split": split_rule(run.meta, cfg.data.test_fraction, cfg.data.seed),
+        "test_split": run.train_set.manifest.split if getattr(run.train_set, "partitioned", False)
+        else split_rule(run.meta, cfg.data.test_fraction, cfg.data.seed),
+        **({"partitions": {"parts": run.train_set.manifest.num_parts,
+                           "partition_by": run.train_set.manifest.partition_by,
+                           "trainer_parts": [run.train_set.parts_of_trainer(i, engine.num_trainers)
+                                             for i in range(engine.num_trainers)]}}
+           if getattr(run.train_set, "partitioned", False) else {}),
         "target_epsilon": cfg.privacy.target_epsilon,
         # the [by_epsilon] row applied (config.pick_epsilon_row); None: no table or non-private
         "tuned_for_epsilon": cfg.tuned_for_epsilon,

@@ -270,3 +270,28 @@ def hold_out(split: ParquetDataset, fraction: float, seed: int = 0,
     held_rows, rest_rows = split.rows[np.sort(perm[:n_held])], split.rows[np.sort(perm[n_held:])]
     return (ParquetDataset(split.meta, split._cols, rest_rows, split.path, split.name),
             ParquetDataset(split.meta, split._cols, held_rows, split.path, name))
+
+
+def concat_batches(batches: list) -> Batch:
+    """The examples of `batches` in order as one batch (the KJT's key-major layout kept: each
+    feature's ids of every batch's examples, batch after batch)."""
+    keys = list(batches[0].sparse.keys())
+    values, lengths = [], []
+    per_batch = []
+    for b in batches:
+        if list(b.sparse.keys()) != keys:
+            raise ValueError("concat_batches: the batches have different features")
+        lens = b.sparse.lengths().reshape(len(keys), b.size) if b.size else torch.zeros(len(keys), 0, dtype=torch.int32)
+        per_key = lens.sum(dim=1).tolist()
+        per_batch.append((torch.split(b.sparse.values(), per_key) if b.size else [b.sparse.values()[:0]] * len(keys),
+                          lens))
+    for k in range(len(keys)):
+        for vals, lens in per_batch:
+            values.append(vals[k])
+            lengths.append(lens[k])
+    B = sum(b.size for b in batches)
+    sparse = KeyedJaggedTensor(keys=keys, values=torch.cat(values).to(torch.int64),
+                               lengths=torch.cat(lengths).to(torch.int32), stride=B)
+    return Batch(sparse=sparse, dense=torch.cat([b.dense for b in batches]),
+                 labels=torch.cat([b.labels for b in batches]),
+                 indices=np.concatenate([b.indices for b in batches]).astype(np.int64))
