@@ -128,6 +128,16 @@ def measure(spec: dict) -> dict:
             cluster.shutdown()
 
 
+def partitioned_copy(data: Path, parts: int) -> Path:
+    """The data set `data` written as `parts` parts beside it (once; reused when present)."""
+    from widedp.trainer.data.format.partitioned import is_partitioned, write_partitioned
+
+    out = data.parent / f"{data.name}-parts{parts}"
+    if not is_partitioned(out):
+        write_partitioned(data, out, parts)
+    return out
+
+
 def merge_repeats(reps: list[dict]) -> dict:
     """One configuration's repeats as one result: the timed steps of every repeat pooled (median
     over all of them), CPU seconds and bytes per step averaged over the repeats, each repeat's
@@ -174,6 +184,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every configuration this many times, interleaved (N=1, N=2, N=1, N=2, ...); "
                              "the step-time median is over the timed steps of all repeats")
+    parser.add_argument("--dense-reduction", default="coordinator",
+                        help="comma-separated cluster.dense_reduction values, each N run with each "
+                             "(coordinator: the coordinator adds the trainers' dense sums; trainers: a gloo reduce)")
+    parser.add_argument("--partitioned", action="store_true",
+                        help="train from the data set written as max(--trainers) parts (widedp convert partition): "
+                             "each trainer reads and samples its own parts")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -184,16 +200,23 @@ def main(argv=None) -> dict:
     examples = args.examples or (10_000 if args.quick else 50_000)
     steps = args.steps or (2 if args.quick else 8)
     data = ctr_dataset(rows, examples)
-    base = [f"data.path={data}", "data.synth=", f"train.selection={args.selection}", f"train.batch_size={args.batch}",
-            "data.validation_fraction=0", *TIMING_PRIVACY, "privacy.threshold=auto", f"cluster.num_shards={args.shards}"]
     trainers = [int(n) for n in args.trainers.split(",") if n]
+    reductions = [r for r in args.dense_reduction.split(",") if r]
+    if args.partitioned:
+        data = partitioned_copy(data, max(trainers))
+    base = [f"data.path={data}", "data.synth=", f"train.selection={args.selection}", f"train.batch_size={args.batch}",
+            "data.validation_fraction=0", *TIMING_PRIVACY, "privacy.threshold=auto", f"cluster.num_shards={args.shards}",
+            *(["train.recalibrate=false"] if args.partitioned else [])]
     results: list[dict] = []
     specs = [("in-process", {"overrides": [*base, "cluster.backend=local", "cluster.num_trainers=1"]})]
     for n in trainers:
-        specs.append((f"ray N={n}", {"overrides": [*base, "cluster.backend=ray", f"cluster.num_trainers={n}",
-                                                  "cluster.trainer_placement=actors", "cluster.cpus_per_trainer=1",
-                                                  "cluster.cpus_per_shard=1"],
-                                    "nodes": args.nodes, "head_cpus": 2, "node_cpus": max(2, -(-(n + args.shards) // (args.nodes - 1)) + 1)}))
+        for reduction in (reductions if n > 1 else reductions[:1]):
+            label = f"ray N={n}" + (f" ({reduction})" if len(reductions) > 1 and n > 1 else "")
+            specs.append((label, {"overrides": [*base, "cluster.backend=ray", f"cluster.num_trainers={n}",
+                                                "cluster.trainer_placement=actors", "cluster.cpus_per_trainer=1",
+                                                "cluster.cpus_per_shard=1", f"cluster.dense_reduction={reduction}"],
+                                  "nodes": args.nodes, "head_cpus": 2,
+                                  "node_cpus": max(2, -(-(n + args.shards) // (args.nodes - 1)) + 1)}))
     runs: dict[str, list[dict]] = {label: [] for label, _ in specs}
     for rep in range(args.repeats):  # interleaved, so a slow minute of the machine hits every configuration
         for label, spec in specs:
@@ -220,14 +243,16 @@ def main(argv=None) -> dict:
                f"{statistics.mean(cpu) / statistics.mean([t['cpu_ms_per_step'] for t in one['trainers']]):.2f}" if one else "-",
                fmt_bytes(statistics.mean(to)),
                fmt_bytes(r["coordinator_bytes_per_step"]["to"] + r["coordinator_bytes_per_step"]["from"]),
-               len({t["node"] for t in r["trainers"]})]
+               f"{r['coordinator_cpu_ms_per_step']:.1f}", len({t["node"] for t in r["trainers"]})]
         table.append(row)
     print(format_table(["system", "step ms", "examples/s", "vs N=1", "trainer CPU ms/step (mean)", "max",
-                        "CPU/trainer vs N=1", "bytes/trainer/step", "coordinator bytes/step", "trainer nodes"], table))
+                        "CPU/trainer vs N=1", "bytes/trainer/step", "coordinator bytes/step",
+                        "coordinator CPU ms/step", "trainer nodes"], table))
     if local and one:
         print(f"Ray N=1 step / in-process step: {one['step_ms_median'] / local['step_ms_median']:.2f}x")
     payload = {"rows": rows, "examples": examples, "shards": args.shards, "nodes": args.nodes,
-               "selection": args.selection, "batch": args.batch, "repeats": args.repeats, "results": results}
+               "selection": args.selection, "batch": args.batch, "repeats": args.repeats,
+               "dense_reductions": reductions, "partitioned": bool(args.partitioned), "results": results}
     write_results("trainer_scaling", payload, quick=args.quick, machine=machine, out=args.out, started=started)
     return payload
 

@@ -82,8 +82,9 @@ def build(ds, batches, *, mode, selection="em", num_shards=1, second_clip=None, 
           optimizer="sgd", dense_optimizer="sgd", model="dlrm", target_epsilon=1e9, seed=SEED, overrides=None,
           dense_tables=(), lr=LR, dense_lr=DENSE_LR, ema_decay=0.0, num_trainers=1, selection_on_shards=False,
           trainer_actors=False, fuse_selection=True, example_units=None, data_plane="calls", fold_write_back=None,
-          norms_on_trainer=True, lazy_noise=False):
+          norms_on_trainer=True, lazy_noise=False, dense_reduction="coordinator"):
     return make_engine(ds, num_shards=num_shards, mode=mode, selection=selection, backend=backend, example_units=example_units,
+                       dense_reduction=dense_reduction,
                        data_plane=data_plane, fold_write_back=fold_write_back, norms_on_trainer=norms_on_trainer,
                        lazy_noise=lazy_noise,
                        optimizer=optimizer, dense_optimizer=dense_optimizer, q=Q, seed=seed, dim=DIM,
@@ -614,16 +615,8 @@ def _in_process_run(ds, batches, **kw):
             [(s.batch_size, s.rows_touched, s.rows_selected, s.loss) for s in stats])
 
 
-@pytest.mark.parametrize("num_trainers,num_shards,selection", ACTOR_CASES,
-                         ids=[f"{n}trainers-{s}shards-{sel}" for n, s, sel in ACTOR_CASES])
-@ON_THE_MODULES_RAY
-def test_trainer_actors_calling_shard_actors_equal_the_in_process_engine(ray_cluster, num_trainers, num_shards,
-                                                                        selection):
-    """N trainers as Ray actors (each its own partition: lookup, dense part, clip factors and
-    row sums sent straight to the shard actors) give the in-process engine's steps bit for
-    bit: same parameters, ledger, losses and rows; and the same bytes to and from the shards.
-    "adaptive-": S1 chosen each step by DP-STAT (privacy.clip_norm = "adaptive"), the trainers'
-    shares in two halves around it (`begin_part` / `finish_part`)."""
+def _actor_case(num_trainers: int, num_shards: int, selection: str):
+    """(data set, batches, engine kwargs) of an ACTOR_CASES entry."""
     from widedp.trainer.engine.adaptive_clip import AdaptiveClip
 
     ds = dataset()
@@ -640,6 +633,20 @@ def test_trainer_actors_calling_shard_actors_equal_the_in_process_engine(ray_clu
         ds, units = dataset_and_units()
         batches = unit_batches(units, 3)
         kw["example_units"] = units
+    return ds, batches, kw
+
+
+@pytest.mark.parametrize("num_trainers,num_shards,selection", ACTOR_CASES,
+                         ids=[f"{n}trainers-{s}shards-{sel}" for n, s, sel in ACTOR_CASES])
+@ON_THE_MODULES_RAY
+def test_trainer_actors_calling_shard_actors_equal_the_in_process_engine(ray_cluster, num_trainers, num_shards,
+                                                                        selection):
+    """N trainers as Ray actors (each its own partition: lookup, dense part, clip factors and
+    row sums sent straight to the shard actors) give the in-process engine's steps bit for
+    bit: same parameters, ledger, losses and rows; and the same bytes to and from the shards.
+    "adaptive-": S1 chosen each step by DP-STAT (privacy.clip_norm = "adaptive"), the trainers'
+    shares in two halves around it (`begin_part` / `finish_part`)."""
+    ds, batches, kw = _actor_case(num_trainers, num_shards, selection)
     want = _in_process_run(ds, batches, **kw)
     engine = build(ds, batches, backend="ray", trainer_actors=True, **kw)
     try:
@@ -684,6 +691,72 @@ def test_a_killed_trainer_or_shard_actor_is_restored_and_the_step_redone(ray_clu
     assert_params_equal(got[0], want[0])
     assert got[1] == want[1] and got[2] == len(batches)
     assert got[3] == ((1, 1, 0) if victim == "trainer" else (1, 0, 1))
+
+
+REDUCTION_CASES = [(2, 2, "threshold"), (3, 2, "em"), (2, 2, "adaptive-threshold-users")]
+
+
+@ON_THE_MODULES_RAY
+@pytest.mark.parametrize("num_trainers,num_shards,selection", REDUCTION_CASES,
+                         ids=[f"{n}trainers-{sel}" for n, _, sel in REDUCTION_CASES])
+def test_trainer_actors_reducing_the_dense_part_among_themselves_equal_the_coordinators_sum(ray_cluster,
+                                                                                           num_trainers, num_shards,
+                                                                                           selection):
+    """cluster.dense_reduction = "trainers" (trainer/cluster/dense_collective.py): the dense
+    clipped sums reduced to trainer 0 over gloo and the dense parameters broadcast from it give
+    the in-process engine's run — bit for bit with two trainers (one addition, and IEEE
+    addition commutes), up to float64 rounding of the sum's order with three — and only
+    trainer 0's part carries a dense sum to the coordinator, which calls trainer 0 alone (it
+    leads each round). "adaptive-...-users": S1 from DP-STAT between the two halves of the
+    trainers' shares, at user level."""
+    ds, batches, kw = _actor_case(num_trainers, num_shards, selection)
+    want = _in_process_run(ds, batches, **kw)
+    engine = build(ds, batches, backend="ray", trainer_actors=True, dense_reduction="trainers", **kw)
+    carried = []
+    parts_of = engine.trainers.parts
+
+    def counted(*args, **kwargs):
+        parts = parts_of(*args, **kwargs)
+        carried.append([bool(p.dense_sum) for p in parts])
+        return parts
+
+    engine.trainers.parts = counted
+    try:
+        assert engine.trainers.collective
+        for actor in engine.trainers.actors[1:]:  # the coordinator never calls the other trainers in a step
+            actor.draw_sample = actor.step_part = actor.begin_part = actor.collective_step_part = None
+        stats = [engine.step() for _ in batches]
+        got = (engine_params(engine), engine.ledger.state_dict(),
+               [(s.batch_size, s.rows_touched, s.rows_selected, s.loss) for s in stats])
+    finally:
+        engine.shutdown()
+    (assert_params_equal if num_trainers == 2 else assert_params_close)(got[0], want[0])
+    assert got[1] == want[1] and got[2] == want[3]
+    assert carried == [[True] + [False] * (num_trainers - 1)] * len(batches)
+
+
+@ON_THE_MODULES_RAY
+def test_a_killed_trainer_with_the_dense_part_reduced_among_trainers_is_restored(ray_cluster):
+    """A trainer killed between steps while the trainers reduce among themselves: every trainer
+    is replaced (a survivor could be waiting in a collective with the dead one), the group is
+    joined again and the step redone from its sample — the run equals an uninterrupted one."""
+    ds = dataset()
+    batches = batches_with_crafted(ds, 4)
+    kw = dict(mode="sparse", selection="threshold", num_shards=2, second_clip=S2, optimizer="adagrad",
+              selection_on_shards=True, num_trainers=2)
+    want = _in_process_run(ds, batches, **kw)
+    engine = build(ds, batches, backend="ray", trainer_actors=True, dense_reduction="trainers", **kw)
+    try:
+        for step in range(1, len(batches) + 1):
+            if step == 3:
+                ray_cluster.kill(engine.trainers.actors[1], no_restart=True)
+            assert engine.step() is not None
+        got = (engine_params(engine), engine.ledger.state_dict(), engine.ledger.steps,
+               (engine.step_restarts, engine.trainers.restarts))
+    finally:
+        engine.shutdown()
+    assert_params_equal(got[0], want[0])
+    assert got[1] == want[1] and got[2] == len(batches) and got[3] == (1, 2)
 
 
 @ON_THE_MODULES_RAY

@@ -20,12 +20,21 @@ from typing import Optional
 import numpy as np
 
 from widedp.trainer.engine.shard_group import ShardGroup, StepInterrupted
-from widedp.trainer.engine.trainer_role import TrainerOptions, TrainerRole
+from widedp.trainer.engine.trainer_role import PhaseClock, TrainerOptions, TrainerRole
 from widedp.trainer.engine.trainers import TrainerGroup, _with_clip
+
+
+#: Where the trainers' dense clipped sums are added: by the coordinator (N sums in, N dense
+#: states out per step) or among the trainers (trainer/cluster/dense_collective.py: one of each).
+DENSE_REDUCTIONS = ("coordinator", "trainers")
 
 
 class TrainerActorLost(StepInterrupted):
     """A trainer actor, or a shard actor a trainer was calling, died during the step."""
+
+
+class CollectivePeerLost(RuntimeError):
+    """A trainer's collective with the others failed (a peer died or timed out)."""
 
 
 class DirectShardGroup(ShardGroup):
@@ -76,6 +85,79 @@ class _TrainerActor(TrainerRole):
 
         return ray.get_runtime_context().get_node_id()
 
+    # ---- the dense part reduced among the trainers (cluster.dense_reduction = "trainers") ---------------
+    def rendezvous(self) -> tuple[str, int]:
+        """(this node's IP, a free port on it): where the trainers' process group meets."""
+        import ray
+
+        from widedp.trainer.cluster.dense_collective import free_port
+
+        address = ray.util.get_node_ip_address()
+        return address, free_port(address)
+
+    def join_collective(self, address: str, port: int, world: int) -> int:
+        from widedp.trainer.cluster.dense_collective import DenseCollective
+
+        self.collective = getattr(self, "collective", None) or DenseCollective()
+        return self.collective.join(address, port, self.index, world)
+
+    def _collective(self, what):
+        """Run a collective; a peer lost during it (gloo's error or timeout) is `CollectivePeerLost`."""
+        try:
+            return what()
+        except RuntimeError as err:
+            raise CollectivePeerLost(f"trainer {self.index}: the trainers' collective failed: {err}") from None
+
+    def set_peers(self, peers: list) -> None:
+        """Trainer 0 (the leader): the other trainers' actor handles, in index order."""
+        self._peers = list(peers)
+
+    def collective_step_part(self, idx, dense_state=None, select=None, releases=None):
+        """`step_part`, the dense clipped sum kept here for `reduce_dense`."""
+        return self._kept(self.step_part(idx, dense_state, select, releases))
+
+    def collective_finish_part(self, clip_norm, select=None):
+        return self._kept(self.finish_part(clip_norm, select))
+
+    def _kept(self, part):
+        self._dense_sum, part.dense_sum = part.dense_sum, {}
+        return part
+
+    def reduce_dense(self) -> tuple[dict, float]:
+        """(Σ over the trainers of this step's dense clipped sums at trainer 0, {} elsewhere; the
+        seconds it took). Run only once every trainer's part is in, so a trainer lost before never
+        leaves the others waiting in it."""
+        kept, self._dense_sum = getattr(self, "_dense_sum", None), None
+        if kept is None:
+            raise RuntimeError(f"trainer {self.index}: reduce_dense without this step's part")
+        clock = PhaseClock()
+        reduced = self._collective(lambda: self.collective.reduce_sum(kept))
+        clock.mark("dense_reduce")
+        return reduced, clock.phases["dense_reduce"]
+
+    def lead(self, method: str, per_trainer_args: list, reduce: bool = False) -> list:
+        """Trainer 0 runs one round for the coordinator: `method` on every trainer (the peers'
+        calls sent first, its own run here), every answer gathered; with `reduce`, then the
+        dense sums reduced to it (`reduce_dense`). The coordinator makes one call per round
+        whatever N. A dense state among the arguments (the coordinator's parameters, sent once)
+        is put in the object store once for all the peers."""
+        import ray
+
+        args = [list(a) for a in per_trainer_args]
+        if method in ("collective_step_part", "begin_part") and args[0][1] is not None:
+            shared = ray.put(args[0][1])
+            for a in args[1:]:
+                a[1] = shared
+        refs = [getattr(peer, method).remote(*a) for peer, a in zip(self._peers, args[1:])]
+        results = [getattr(self, method)(*args[0]), *ray.get(refs)]
+        if reduce:
+            refs = [peer.reduce_dense.remote() for peer in self._peers]
+            reduced = [self.reduce_dense(), *ray.get(refs)]
+            results[0].dense_sum = reduced[0][0]
+            for part, (_, seconds) in zip(results, reduced):
+                part.phases["dense_reduce"] = seconds
+        return results
+
 
 def _is_actor_death(err: BaseException) -> bool:
     from ray.exceptions import RayActorError, RayTaskError
@@ -89,7 +171,8 @@ class RayTrainers(TrainerGroup):
     """N trainer actors, `cpus_per_trainer` CPUs each, spread over the cluster's nodes; owned by
     the driver, they end with it (`ray_runtime.ACTOR_OPTIONS`)."""
 
-    def __init__(self, model, layout, train_set, shards, options: TrainerOptions, *, cpus_per_trainer: float = 1.0):
+    def __init__(self, model, layout, train_set, shards, options: TrainerOptions, *, cpus_per_trainer: float = 1.0,
+                 dense_reduction: str = "coordinator"):
         import ray
 
         from widedp.trainer.cluster.ray_runtime import ACTOR_OPTIONS
@@ -108,6 +191,21 @@ class RayTrainers(TrainerGroup):
         self.actors = [self._make(i) for i in range(self.num_trainers)]
         self.restarts = 0
         self._last_dense_state: Optional[dict] = None
+        if dense_reduction not in DENSE_REDUCTIONS:
+            raise ValueError(f"cluster.dense_reduction must be one of {DENSE_REDUCTIONS}, got {dense_reduction!r}")
+        # the trainers reduce the dense sums among themselves (one process group of N > 1)
+        self.collective = dense_reduction == "trainers" and self.num_trainers > 1
+        self._collective_broken = False
+        if self.collective:
+            self._join()
+
+    def _join(self) -> None:
+        """Every trainer (re)joins one process group, meeting at trainer 0's node; trainer 0
+        gets the others' handles (it leads each round: `_TrainerActor.lead`)."""
+        address, port = self._ray.get(self.actors[0].rendezvous.remote())
+        self._gather([actor.join_collective.remote(address, port, self.num_trainers) for actor in self.actors],
+                     "join_collective")
+        self._gather([self.actors[0].set_peers.remote(self.actors[1:])], "set_peers")
 
     def _make(self, i: int):
         data = self._data_ref if self._shares is None else self._shares.share(i, self._restarts_of[i])
@@ -124,6 +222,8 @@ class RayTrainers(TrainerGroup):
         # the coordinator's write-back of the last step, sent without waiting: each trainer's
         # lookup follows it at every shard (None: nothing in flight)
         releases = self.shards.take_releases()
+        if self.collective:
+            return self._collective_parts(samples, dense_state, select, chooser, releases)
         if chooser is None:
             refs = [actor.step_part.remote(idx, dense_state, select, releases) for actor, idx in zip(self.actors, samples)]
             return self._gather(refs, "step_part")
@@ -133,11 +233,27 @@ class RayTrainers(TrainerGroup):
         return self._gather([actor.finish_part.remote(clip, _with_clip(select, clip)) for actor in self.actors],
                             "finish_part")
 
-    def example_rows(self):
-        return self._gather([actor.example_rows.remote() for actor in self.actors], "example_rows")
+    def _collective_parts(self, samples, dense_state, select, chooser, releases):
+        """The step's parts through trainer 0 (`lead`): the coordinator sends it every trainer's
+        sample and the dense state once, and gets back every part, trainer 0's carrying the dense
+        sum reduced among the trainers (the others' dense_sum is empty)."""
+        leader = self.actors[0]
+        if chooser is None:
+            args = [(idx, dense_state if i == 0 else None, select, releases) for i, idx in enumerate(samples)]
+            return self._gather([leader.lead.remote("collective_step_part", args, True)], "lead")[0]
+        begin = [(idx, dense_state if i == 0 else None, chooser.candidates, releases) for i, idx in enumerate(samples)]
+        counts = self._gather([leader.lead.remote("begin_part", begin)], "lead")[0]
+        clip = chooser(np.sum(counts, axis=0))
+        finish = [(clip, _with_clip(select, clip))] * self.num_trainers
+        return self._gather([leader.lead.remote("collective_finish_part", finish, True)], "lead")[0]
 
     def sample(self):
+        if self.collective:
+            return self._gather([self.actors[0].lead.remote("draw_sample", [()] * self.num_trainers)], "lead")[0]
         return self._gather([actor.draw_sample.remote() for actor in self.actors], "draw_sample")
+
+    def example_rows(self):
+        return self._gather([actor.example_rows.remote() for actor in self.actors], "example_rows")
 
     def sampler_states(self):
         return self._gather([actor.sampler_state.remote() for actor in self.actors], "sampler_state")
@@ -165,6 +281,12 @@ class RayTrainers(TrainerGroup):
             try:
                 results.append(self._ray.get(ref))
             except Exception as err:  # noqa: BLE001 — only actor deaths are turned into TrainerActorLost
+                if isinstance(getattr(err, "cause", None), CollectivePeerLost):
+                    self._collective_broken = True
+                    lost = lost or TrainerActorLost(f"trainer {i}'s collective with the other trainers failed "
+                                                    f"during {method!r} (a peer was lost)")
+                    results.append(None)
+                    continue
                 if not _is_actor_death(err):
                     raise
                 cause = getattr(err, "cause", None)
@@ -194,6 +316,11 @@ class RayTrainers(TrainerGroup):
         """Replace every dead trainer actor by a new one holding the current dense parameters
         and point every trainer at the shards' current actors. Returns the replaced indices."""
         dead = self.dead_trainers()
+        rejoin = self.collective and (bool(dead) or self._collective_broken)
+        if rejoin:
+            # the survivors may be waiting in a collective with the dead one: every trainer is
+            # replaced (fresh sampling streams for all, the step redone from the kept samples)
+            dead, self._collective_broken = list(range(self.num_trainers)), False
         for i in dead:
             try:
                 self._ray.kill(self.actors[i])
@@ -206,6 +333,8 @@ class RayTrainers(TrainerGroup):
             self.actors[i] = self._make(i)
             self.restarts += 1
         self._gather([actor.set_shard_actors.remote(self.shards.actors) for actor in self.actors], "set_shard_actors")
+        if rejoin:
+            self._join()
         return dead
 
     def shutdown(self) -> None:
@@ -225,14 +354,15 @@ class ray_trainer_factory:  # noqa: N801  (used as a function: the engine's trai
 
     reduces_at_shards = True
 
-    def __init__(self, cpus_per_trainer: float = 1.0):
-        self.cpus_per_trainer = cpus_per_trainer
+    def __init__(self, cpus_per_trainer: float = 1.0, dense_reduction: str = "coordinator"):
+        self.cpus_per_trainer, self.dense_reduction = cpus_per_trainer, dense_reduction
 
     def __call__(self, model, layout, train_set, shards, options: TrainerOptions) -> TrainerGroup:
         if not hasattr(shards, "actors"):
             raise ValueError("trainer actors need the shards on Ray (cluster.backend = \"ray\")")
         shards.direct_callers = True
-        return RayTrainers(model, layout, train_set, shards, options, cpus_per_trainer=self.cpus_per_trainer)
+        return RayTrainers(model, layout, train_set, shards, options, cpus_per_trainer=self.cpus_per_trainer,
+                           dense_reduction=self.dense_reduction)
 
 
 __all__ = ["DirectShardGroup", "RayTrainers", "TrainerActorLost", "ray_trainer_factory"]

@@ -404,6 +404,11 @@ class ClusterConfig:
     # another), "auto": actors when backend = "ray" and num_trainers > 1.
     trainer_placement: str = "auto"
     cpus_per_trainer: float = 1.0
+    # Trainer actors (N > 1): where their dense clipped sums are added — "coordinator" (each
+    # trainer returns its sum and gets the dense parameters each step: N of each through the
+    # coordinator) or "trainers" (a gloo reduce to trainer 0 and a broadcast from it,
+    # trainer/cluster/dense_collective.py: one of each). The same sum up to float64 rounding.
+    dense_reduction: str = "coordinator"
     # Selection on the shards (docs/DESIGN.md §2.2) for selectors that support it (threshold,
     # fest-threshold): each shard thresholds its own rows with its own stream; the same output
     # distribution as selecting over the whole vocabulary on the coordinator (false).
@@ -465,6 +470,8 @@ class ClusterConfig:
             (self.trainer_placement != "actors" or self.backend == "ray",
              'cluster.trainer_placement = "actors" needs cluster.backend = "ray"'),
             (self.cpus_per_trainer > 0, "cluster.cpus_per_trainer must be > 0"),
+            (self.dense_reduction in ("coordinator", "trainers"),
+             f"cluster.dense_reduction must be \"coordinator\" or \"trainers\", got {self.dense_reduction!r}"),
             (self.data_plane in DATA_PLANES, f"cluster.data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}"),
             (self.compiled_wait in COMPILED_WAITS,
              f"cluster.compiled_wait must be one of {COMPILED_WAITS}, got {self.compiled_wait!r}"),

@@ -85,6 +85,7 @@ _CHARGED = (
     "privacy.table_default", "privacy.dense_max_rows", "privacy.tables",
     # the same distribution of the step, other draws (a secret resume draws fresh ones anyway)
     "cluster.num_trainers", "cluster.selection_on_shards", "cluster.fuse_selection", "cluster.norms_on_trainer",
+    "cluster.dense_reduction",  # the same dense sum up to float64 rounding
     "train.dpsgd_noise",  # lazy or eager DP-SGD noise: a checkpoint holds every row's noise either way
 )
 

@@ -304,8 +304,8 @@ class Engine:
         select = self.selection.shard_selects()
         parts = self._trainer_parts(samples, dense_state, clock, select)
         dense_grads = parts[0].dense_sum
-        for part in parts[1:]:
-            dense_grads = {n: dense_grads[n] + g for n, g in part.dense_sum.items()}
+        for part in parts[1:]:  # an empty dense_sum: the trainers reduced it to trainer 0's already
+            dense_grads = {n: dense_grads[n] + g for n, g in part.dense_sum.items()} if part.dense_sum else dense_grads
         rows = self._reduced_row_sums(parts)
         clock.mark("row_sums")
         dense_part = rows.subset(np.isin(rows.tables, self.dense_tables))
