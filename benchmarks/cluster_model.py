@@ -64,6 +64,7 @@ cardinalities, each capped at the 40M hash size; D = 128 as in MLPerf's DLRM), 2
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -439,6 +440,53 @@ def main(argv=None) -> dict:
     return payload
 
 
+def coordinator_per_trainer_with_reduction(scaling: dict) -> Optional[tuple[float, dict]]:
+    """(g_C with cluster.dense_reduction = "trainers": the least-squares slope of the coordinator's
+    CPU per step against N over §2c′'s rows — N = 1 and the "(trainers)" rows —, floored at 0;
+    those points {N: seconds}), or None without two N."""
+    cpu = {}
+    for r in scaling.get("results", []):
+        if "error" in r or not r["label"].startswith("ray"):
+            continue
+        if r["num_trainers"] == 1 or "(trainers)" in r["label"]:
+            cpu[int(r["num_trainers"])] = float(r["coordinator_cpu_ms_per_step"]) / 1e3
+    if len(cpu) < 2:
+        return None
+    ns = sorted(cpu)
+    mean_n, mean_c = statistics.fmean(ns), statistics.fmean(cpu[n] for n in ns)
+    slope = sum((n - mean_n) * (cpu[n] - mean_c) for n in ns) / sum((n - mean_n) ** 2 for n in ns)
+    return max(0.0, slope), cpu
+
+
+def reduction_projection(cal: dict, doc: dict, proj: Sequence[dict]) -> list[str]:
+    """The projection again with §2c′'s coordinator CPU per extra trainer measured with the dense
+    part reduced among the trainers (benchmarks/results/coordinator_scaling.json beside this
+    model's file), at each size's fastest link."""
+    path = Path(__file__).resolve().parent / "results" / "coordinator_scaling.json"
+    if not path.exists() or not proj or not doc.get("calibration_dims"):
+        return []
+    fitted = coordinator_per_trainer_with_reduction(json.loads(path.read_text()))
+    if fitted is None:
+        return []
+    g_c, points = fitted
+    reduced = {(r["shards"], r["gbps"]): r for r in projections(dict(cal, coordinator_per_trainer_s=g_c),
+                                                                 tuple(doc["calibration_dims"]))}
+    fastest = max(LINKS_GBPS)
+    rows = ["", "With the dense part reduced among the trainers (`cluster.dense_reduction = \"trainers\"`, RESULTS §2c′: "
+            "the coordinator's CPU per step " + ", ".join(f"N = {n}: {1e3 * c:.1f} ms" for n, c in sorted(points.items()))
+            + f"; least-squares slope {1e3 * g_c:.1f} ms per extra trainer, floored at 0) in place of the "
+            f"{1e3 * cal.get('coordinator_per_trainer_s', 0.0):.1f} ms above, at {fastest} Gb/s:", "",
+            "| S = N | step ms, coordinator sums | step ms, trainers reduce | examples/s, trainers reduce |",
+            "|---:|---:|---:|---:|"]
+    for r in proj:
+        if r["gbps"] != fastest:
+            continue
+        other = reduced[(r["shards"], r["gbps"])]
+        rows.append(f"| {r['shards']} | {1e3 * r['step_s']:.1f} | {1e3 * other['step_s']:.1f} | "
+                    f"{other['examples_per_s']:,.0f} |")
+    return rows
+
+
 def results_section(doc: dict) -> tuple[list[str], list]:
     """docs/RESULTS.md's section (benchmarks/make_results.py)."""
     cal = doc["calibration"]
@@ -519,6 +567,7 @@ def results_section(doc: dict) -> tuple[list[str], list]:
                   f"{100 * share:.0f}% of the projected step: it runs serially on one process, so beyond a few dozen "
                   "trainers the step is bound by it — summing the trainers' dense gradients among themselves (a "
                   "tree or ring reduction) instead of at the coordinator is what would take it off the path."]
+    lines += reduction_projection(cal, doc, proj)
     checked = [r for r in checks if not r["calibration"]]
     worst = max(checked, key=lambda r: abs(r["error"])) if checked else None
     goals = []

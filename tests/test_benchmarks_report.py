@@ -1036,3 +1036,52 @@ def test_audit_conformance_goal_rows_follow_the_runs_and_can_be_missed():
     lines, goals = ac.results_section(bad)
     assert [g[2] for g in goals] == ["**missed**", "**missed**"]  # 19 of 20; 30 of 200 is above 5% + 2 sd
     assert "in 1 of 2 simulated settings" in goals[0][3]
+
+
+def test_coordinator_scaling_goal_rows_follow_the_coordinators_cpu_and_can_be_missed():
+    """RESULTS §2c′ (benchmarks/trainer_scaling.py --dense-reduction coordinator,trainers): one goal
+    row per reduction, met when the coordinator's CPU per step varies ≤ 1.3× over N (largest over
+    smallest), missed otherwise; N = 1 (no reduction to choose) counts for both."""
+    sys.path.insert(0, str(BENCH))
+    import make_results
+
+    def result(label, n, cpu):
+        return {"label": label, "num_trainers": n, "step_ms_median": 100.0, "examples_per_sec": 1000.0,
+                "coordinator_cpu_ms_per_step": cpu, "coordinator_bytes_per_step": {"to": 1000, "from": 2000},
+                "trainers": []}
+
+    doc = {"rows": 520000, "shards": 2, "nodes": 3, "batch": 1024, "repeats": 2, "partitioned": True,
+           "results": [result("in-process", 1, 30.0), result("ray N=1", 1, 30.0),
+                       result("ray N=2 (coordinator)", 2, 45.0), result("ray N=2 (trainers)", 2, 33.0),
+                       result("ray N=4 (coordinator)", 4, 60.0), result("ray N=4 (trainers)", 4, 36.0)]}
+    lines, goals = make_results.section_coordinator_scaling(doc)
+    by_name = {g[0].rsplit("by the ", 1)[1]: g for g in goals}
+    assert by_name["coordinator"][2] == "missed" and "(2×)" in by_name["coordinator"][1]
+    assert by_name["trainers"][2] == "met" and "N = 4: 36 ms (1.2×)" in by_name["trainers"][1]
+    assert "| ray N=4 (trainers) | 100 | 36 | 1.2× |" in "\n".join(lines)
+    doc["results"].append(result("ray N=8 (trainers)", 8, 25.0))  # falling by more than 1.3x is not flat either
+    assert [g[2] for g in make_results.section_coordinator_scaling(doc)[1]] == ["missed", "missed"]
+    doc["results"] = doc["results"][:2]
+    assert all(g[2] == "not measured" for g in make_results.section_coordinator_scaling(doc)[1])
+
+
+def test_partitioned_dry_run_goal_needs_ten_times_the_cap_and_the_coordinator_under_it():
+    """RESULTS §2c″ (benchmarks/partitioned_dry_run.py): met only when the data set is ≥ 10× the
+    coordinator's cap both on disk and decoded, and the coordinator's peak stayed under the cap."""
+    sys.path.insert(0, str(BENCH))
+    import make_results
+
+    gib = 2 ** 30
+    doc = {"examples": 60_000_000, "rows": 520000, "parts": 4, "trainers": 2, "trainer_parts": [[0, 2], [1, 3]],
+           "shards": 2, "nodes": 3, "coordinator_cap_bytes": int(0.6 * gib), "cap_kind": "cgroup-v1",
+           "data_bytes_on_disk": 7 * gib, "data_bytes_decoded": 15 * gib, "coordinator_peak_bytes_cgroup": int(0.5 * gib),
+           "peak_rss_bytes": {"coordinator": int(0.7 * gib), "trainer": 3 * gib}, "processes": {"coordinator": 1},
+           "steps": 300, "examples_per_sec": 9000.0, "step_time_ms_median": 450.0,
+           "sampled_bytes_per_trainer_per_step": 540672.0, "storage_read_bytes_per_trainer_per_step": [1e5, 2e5],
+           "test_metrics": {"auc": 0.7, "logloss": 0.5}}
+    lines, goals = make_results.section_partitioned_dry_run(doc)
+    assert goals[0][2] == "met" and "11.7× the cap on disk" in goals[0][1]
+    assert "| data set decoded (what holding it in memory takes) | 15.00 GiB (25.0× the cap) |" in lines
+    assert make_results.section_partitioned_dry_run(dict(doc, data_bytes_on_disk=5 * gib))[1][0][2] == "missed"
+    over = dict(doc, coordinator_peak_bytes_cgroup=int(0.61 * gib))
+    assert make_results.section_partitioned_dry_run(over)[1][0][2] == "missed"

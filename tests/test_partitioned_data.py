@@ -326,3 +326,7 @@ def test_a_reproducible_run_on_parts_resumes_to_the_same_model(parts_dir, tmp_pa
     resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert resumed["resumed"] and resumed["steps"] == straight["steps"] == 5
     assert resumed["test_metrics"] == straight["test_metrics"]
+    # the data set's budget lives beside its manifest and `widedp budget` reads it
+    assert main(["budget", str(parts_dir)]) == 0
+    budget = json.loads(capsys.readouterr().out)
+    assert {str(tmp_path / "a"), str(tmp_path / "b")} <= {r["run_dir"] for r in budget["runs"]}

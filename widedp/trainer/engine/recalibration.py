@@ -320,6 +320,9 @@ def recalibrate_engine(engine, train_set, noise_multiplier: float, batch_size: i
     mechanism, so they are released with the model)."""
     import torch
 
+    if getattr(train_set, "partitioned", False):
+        raise ValueError("train.recalibrate reads every training example at the coordinator: not with a partitioned "
+                         "data set (its examples are read by the trainers only); set train.recalibrate = false")
     layer = engine.model.logit_layer()
     if layer is None:
         raise ValueError(f"train.recalibrate needs a model with one logit output, not {type(engine.model).__name__}")

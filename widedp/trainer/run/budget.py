@@ -387,8 +387,8 @@ def models(records: list[dict]) -> list[dict]:
 def summary(dataset_dir) -> dict:
     """Per-model spending (each lineage not superseded, its latest line) and the basic-composition total."""
     path = budget_path(dataset_dir)
-    if not (Path(dataset_dir) / "dataset.json").exists():
-        raise ValueError(f"{dataset_dir}: no dataset.json (not a widedp data set directory)")
+    if not (Path(dataset_dir) / "dataset.json").exists() and not (Path(dataset_dir) / "partitions.json").exists():
+        raise ValueError(f"{dataset_dir}: no dataset.json or partitions.json (not a widedp data set directory)")
     verified = _verified(dataset_dir)
     latest = models(verified.records)
     tunings = {r["run_id"] for r in latest if r.get("kind") == "tuning"}
