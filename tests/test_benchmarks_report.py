@@ -1076,7 +1076,7 @@ def test_partitioned_dry_run_goal_needs_ten_times_the_cap_and_the_coordinator_un
            "shards": 2, "nodes": 3, "coordinator_cap_bytes": int(0.6 * gib), "cap_kind": "cgroup-v1",
            "data_bytes_on_disk": 7 * gib, "data_bytes_decoded": 15 * gib, "coordinator_peak_bytes_cgroup": int(0.5 * gib),
            "peak_rss_bytes": {"coordinator": int(0.7 * gib), "trainer": 3 * gib}, "processes": {"coordinator": 1},
-           "steps": 300, "examples_per_sec": 9000.0, "step_time_ms_median": 450.0,
+           "peak_anon_bytes": {"coordinator": int(0.45 * gib), "trainer": gib}, "steps": 300, "steps_planned": 300, "examples_per_sec": 9000.0, "step_time_ms_median": 450.0,
            "sampled_bytes_per_trainer_per_step": 540672.0, "storage_read_bytes_per_trainer_per_step": [1e5, 2e5],
            "test_metrics": {"auc": 0.7, "logloss": 0.5}}
     lines, goals = make_results.section_partitioned_dry_run(doc)
@@ -1085,3 +1085,4 @@ def test_partitioned_dry_run_goal_needs_ten_times_the_cap_and_the_coordinator_un
     assert make_results.section_partitioned_dry_run(dict(doc, data_bytes_on_disk=5 * gib))[1][0][2] == "missed"
     over = dict(doc, coordinator_peak_bytes_cgroup=int(0.61 * gib))
     assert make_results.section_partitioned_dry_run(over)[1][0][2] == "missed"
+    assert make_results.section_partitioned_dry_run(dict(doc, steps=120))[1][0][2] == "missed"  # stopped early

@@ -703,7 +703,7 @@ def test_trainer_actors_reducing_the_dense_part_among_themselves_equal_the_coord
                                                                                            num_trainers, num_shards,
                                                                                            selection):
     """cluster.dense_reduction = "trainers" (trainer/cluster/dense_collective.py): the dense
-    clipped sums reduced to trainer 0 over gloo and the dense parameters broadcast from it give
+    clipped sums reduced to trainer 0 over gloo (trainer 0 leading each round) give
     the in-process engine's run — bit for bit with two trainers (one addition, and IEEE
     addition commutes), up to float64 rounding of the sum's order with three — and only
     trainer 0's part carries a dense sum to the coordinator, which calls trainer 0 alone (it

@@ -257,12 +257,21 @@ def test_convert_partition_cli_writes_and_reports(ctr_dir, tmp_path, capsys):
 
 _DRIVER_NEVER_OPENS_A_PART = """
 import sys
-from widedp.trainer.data.format import partitioned
+from pathlib import Path
+from widedp.trainer.data.format import dataset, partitioned
 
 def _refuse(*args, **kwargs):
     raise AssertionError("the coordinator opened a part of the training set")
 
-partitioned.open_part = _refuse  # this process only: the trainer actors import the module afresh
+real_columns = dataset.load_all_columns
+
+def _test_split_only(directory, meta, **kwargs):  # any decode of examples but the test split's fails
+    if Path(directory).name != "test":
+        raise AssertionError(f"the coordinator decoded {directory}")
+    return real_columns(directory, meta, **kwargs)
+
+partitioned.open_part = _refuse  # this process only: the trainer actors import the modules afresh
+dataset.load_all_columns = _test_split_only
 from widedp.trainer.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -330,3 +339,111 @@ def test_a_reproducible_run_on_parts_resumes_to_the_same_model(parts_dir, tmp_pa
     assert main(["budget", str(parts_dir)]) == 0
     budget = json.loads(capsys.readouterr().out)
     assert {str(tmp_path / "a"), str(tmp_path / "b")} <= {r["run_dir"] for r in budget["runs"]}
+
+
+def test_the_engine_keys_every_part_with_a_stream_of_its_own(parts_dir):
+    """The engine's wiring (trainer/engine/engine.py): each part of each trainer draws from the
+    run's "sampler" key derived with its part index — four distinct Philox keys — and the union
+    of the trainers' samples has Binomial(n, q) step sizes."""
+    cfg = load_config(None, [f"data.path={parts_dir}", *TINY, "train.recalibrate=false", "cluster.num_trainers=2",
+                             "train.batch_size=240", "privacy.target_epsilon=8"]).validate()
+    with build_run(cfg) as run:
+        engine = run.engine
+        keys = [tuple(np.asarray(sampler._rng.bit_generator.state["state"]["key"]).tolist())
+                for role in engine.trainers.roles for sampler in role.sampler.samplers]
+        assert len(keys) == 4 and len(set(keys)) == 4
+        sizes = [sum(part.size for part in engine.sampler.sample()) for _ in range(300)]
+        assert not _refuted(np.array(sizes), len(engine.train_set), engine.q)
+
+
+def test_manifests_that_would_sample_examples_twice_are_refused(tmp_path):
+    def manifest(**changes):
+        data = {"format": "widedp-partitioned", "version": 1, "partition_by": "example", "num_parts": 2,
+                "num_examples": 8, "parts": [{"directory": "part-00000", "num_examples": 4},
+                                              {"directory": "part-00001", "num_examples": 4}],
+                "test_directory": "test", "test_examples": 2}
+        data.update(changes)
+        (tmp_path / MANIFEST_FILE).write_text(json.dumps(data))
+        return tmp_path
+
+    assert read_manifest(manifest()).num_parts == 2
+    twice = [{"directory": "part-00000", "num_examples": 4}, {"directory": "part-00000/", "num_examples": 4}]
+    with pytest.raises(DataError, match="same directory"):
+        read_manifest(manifest(parts=twice))
+    with pytest.raises(DataError, match="test_directory must be a directory inside the data set and not a part"):
+        read_manifest(manifest(test_directory="part-00001"))
+    with pytest.raises(DataError, match="num_units must be"):
+        read_manifest(manifest(parts=[{"directory": "part-00000", "num_examples": 4, "num_units": 3.5},
+                                      {"directory": "part-00001", "num_examples": 4}]))
+
+
+def test_a_user_split_over_two_parts_is_refused_when_a_trainer_opens_it(user_logs_dir, tmp_path):
+    """A hand-merged unit partition (one part's directory swapped for another's): the trainer
+    finds a unit whose hash names another part and refuses, naming the part."""
+    out = tmp_path / "by_unit"
+    write_partitioned(user_logs_dir, out, 2, partition_by="unit")
+    (out / "part-00000").rename(out / "swap")
+    (out / "part-00001").rename(out / "part-00000")
+    (out / "swap").rename(out / "part-00001")
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    manifest["parts"].reverse()
+    for j, p in enumerate(manifest["parts"]):
+        p["directory"] = f"part-{j:05d}"
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    shares = PartitionedTrainSet(out, max_examples_per_unit=3).trainer_shares(
+        1, 0.1, lambda part, restart: np.random.default_rng(part))
+    with pytest.raises(DataError, match=r"part-00000: example 0 has unit .* a user's examples must all be in one part"):
+        shares.share(0).open()
+
+
+def test_partitioning_keeps_the_spending_on_record_and_a_tiny_test_fraction_is_refused(ctr_dir, tmp_path):
+    source = tmp_path / "src"
+    __import__("shutil").copytree(ctr_dir, source, ignore=__import__("shutil").ignore_patterns(".widedp-cache"))
+    (source / "privacy_budget.jsonl").write_text('{"line": 1}\n')
+    (source / "privacy_budget.head.json").write_text('{"lines": 1}')
+    write_partitioned(source, tmp_path / "parts", 2)
+    assert (tmp_path / "parts" / "privacy_budget.jsonl").read_text() == '{"line": 1}\n'
+    assert (tmp_path / "parts" / "privacy_budget.head.json").read_text() == '{"lines": 1}'
+    with pytest.raises(DataError, match="holds out no example"):
+        write_partitioned(source, tmp_path / "new" / "deeper" / "parts", 2, test_fraction=1e-6)
+    assert not (tmp_path / "new").exists()  # the parents it made are gone again
+
+
+def test_a_trainer_killed_on_ray_is_restored_with_fresh_streams_and_the_step_redone(parts_dir):
+    import ray
+
+    started = not ray.is_initialized()
+    cfg = load_config(None, [f"data.path={parts_dir}", *TINY, "train.recalibrate=false", "cluster.backend=ray",
+                             "cluster.num_trainers=2", "cluster.cpus_per_trainer=0.25", "cluster.cpus_per_shard=0.25",
+                             "privacy.reproducible=true", "privacy.noise_seed=3", "privacy.target_epsilon=8"]).validate()
+    try:
+        with build_run(cfg) as run:
+            engine = run.engine
+
+            def keys():
+                return [[tuple(np.asarray(p["bit_generator"]["state"]["key"]).tolist()) for p in t["parts"]]
+                        for t in engine.trainers.sampler_states()]
+
+            engine.step()
+            before = keys()
+            ray.kill(engine.trainers.actors[1], no_restart=True)
+            assert engine.step() is not None and engine.step_restarts == 1 and engine.trainers.restarts == 1
+            after = keys()
+            assert after[0] == before[0]  # the survivor goes on with its streams
+            assert not set(after[1]) & set(before[1]) and not set(after[1]) & set(before[0])  # fresh ones
+            assert engine.ledger.steps == 2
+    finally:
+        if started and ray.is_initialized():
+            ray.shutdown()
+
+
+def test_a_parts_memory_mapped_columns_are_advised_for_random_access(parts_dir):
+    """Each mapping of a part's decoded cache (labels, dense values, ids) is advised MADV_RANDOM
+    (trainer/data/format/store.py): a sampled row's page fault then reads its page, not the
+    read-around window; columns decoded in memory have no mapping to advise."""
+    from widedp.trainer.data.format.store import Columns, advise_random_access
+
+    assert advise_random_access(open_part(parts_dir, 0)._cols) == 3
+    in_memory = Columns(num_rows=2, labels=np.zeros(2, np.float32), dense=np.zeros((2, 1), np.float32),
+                        fixed=np.zeros((2, 1), np.int64), fixed_features=["a"], jagged={})
+    assert advise_random_access(in_memory) == 0

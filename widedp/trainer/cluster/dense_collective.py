@@ -12,8 +12,8 @@ boundary (the trainers already hold their own parts of it); nothing leaves the t
 sum, and the coordinator adds the Gaussian noise once, from its keyed stream, as before
 (trainer/engine/noise_stage.py). The sum differs from the coordinator's trainer-order sum only in
 floating-point rounding (float64 throughout: |error| ≲ N·2⁻⁵³ of the sum's terms), so the
-released distribution is the same (tests/test_dense_reduction.py checks the released model
-against the coordinator's reduction).
+released distribution is the same (tests/test_engine.py checks the run against the
+coordinator's reduction).
 
 Every tensor travels as float64 (float32 and integers up to 2⁵³ convert back exactly).
 """

@@ -149,14 +149,37 @@ class _TrainerActor(TrainerRole):
             for a in args[1:]:
                 a[1] = shared
         refs = [getattr(peer, method).remote(*a) for peer, a in zip(self._peers, args[1:])]
-        results = [getattr(self, method)(*args[0]), *ray.get(refs)]
+        try:
+            mine = getattr(self, method)(*args[0])
+        finally:  # every peer's call has ended before this returns or raises: none is left running into
+            theirs = _get_every(refs)  # the redo of a step (a late row sum would be added to it)
+        results = [mine, *theirs]
         if reduce:
             refs = [peer.reduce_dense.remote() for peer in self._peers]
-            reduced = [self.reduce_dense(), *ray.get(refs)]
+            reduced = [self.reduce_dense(), *_get_every(refs)]
             results[0].dense_sum = reduced[0][0]
             for part, (_, seconds) in zip(results, reduced):
                 part.phases["dense_reduce"] = seconds
         return results
+
+
+def _get_every(refs: list) -> list:
+    """Every ref's value, waiting for all of them (not only up to the first failure); then the
+    first failure, if any, is raised."""
+    import ray
+
+    if refs:
+        ray.wait(refs, num_returns=len(refs))
+    values, first = [], None
+    for ref in refs:
+        try:
+            values.append(ray.get(ref))
+        except Exception as err:  # noqa: BLE001 — re-raised below, after every ref was collected
+            first = first or err
+            values.append(None)
+    if first is not None:
+        raise first
+    return values
 
 
 def _is_actor_death(err: BaseException) -> bool:
@@ -290,7 +313,9 @@ class RayTrainers(TrainerGroup):
                 if not _is_actor_death(err):
                     raise
                 cause = getattr(err, "cause", None)
-                what = (f"a shard actor that trainer {i} was calling died during {method!r}"
+                what = (f"trainer 0, leading the round, or a trainer or shard actor it was calling died during "
+                        f"{method!r}" if method == "lead"
+                        else f"a shard actor that trainer {i} was calling died during {method!r}"
                         if isinstance(cause, RayActorError) and not isinstance(err, RayActorError)
                         or "EmbeddingShard" in str(err).split("The actor is dead", 1)[0]
                         else f"trainer {i} (Ray actor) died during {method!r}")

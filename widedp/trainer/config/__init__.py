@@ -405,9 +405,10 @@ class ClusterConfig:
     trainer_placement: str = "auto"
     cpus_per_trainer: float = 1.0
     # Trainer actors (N > 1): where their dense clipped sums are added — "coordinator" (each
-    # trainer returns its sum and gets the dense parameters each step: N of each through the
-    # coordinator) or "trainers" (a gloo reduce to trainer 0 and a broadcast from it,
-    # trainer/cluster/dense_collective.py: one of each). The same sum up to float64 rounding.
+    # trainer returns its sum and gets the dense parameters each step: N calls and N of each
+    # through the coordinator) or "trainers" (trainer 0 leads each round and the sums are reduced
+    # to it over gloo, trainer/cluster/dense_collective.py: one call and one of each). The same
+    # sum up to float64 rounding.
     dense_reduction: str = "coordinator"
     # Selection on the shards (docs/DESIGN.md §2.2) for selectors that support it (threshold,
     # fest-threshold): each shard thresholds its own rows with its own stream; the same output
@@ -472,6 +473,9 @@ class ClusterConfig:
             (self.cpus_per_trainer > 0, "cluster.cpus_per_trainer must be > 0"),
             (self.dense_reduction in ("coordinator", "trainers"),
              f"cluster.dense_reduction must be \"coordinator\" or \"trainers\", got {self.dense_reduction!r}"),
+            (self.dense_reduction != "trainers" or (self.trainer_actors and self.num_trainers > 1),
+             "cluster.dense_reduction = \"trainers\" reduces among trainer actors: it needs cluster.num_trainers > 1 "
+             "with the trainers on Ray (cluster.backend = \"ray\", cluster.trainer_placement \"actors\" or \"auto\")"),
             (self.data_plane in DATA_PLANES, f"cluster.data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}"),
             (self.compiled_wait in COMPILED_WAITS,
              f"cluster.compiled_wait must be one of {COMPILED_WAITS}, got {self.compiled_wait!r}"),

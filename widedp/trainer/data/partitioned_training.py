@@ -14,9 +14,11 @@ import os
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 from widedp.trainer.data.errors import DataError
 from widedp.trainer.data.format.meta import DatasetMeta, read_meta
-from widedp.trainer.data.format.partitioned import MANIFEST_FILE, PartsView, open_part, read_manifest
+from widedp.trainer.data.format.partitioned import (MANIFEST_FILE, PartsView, open_part, part_dir, part_of,
+                                                    read_manifest)
 from widedp.trainer.data.sampler import PartitionSampler
 
 
@@ -89,6 +91,7 @@ class TrainerShare:
     sample_rate: float
     generators: list
     max_examples_per_unit: Optional[int] = None
+    num_parts: int = 0  # K of the whole data set (user level: each unit's part is checked against it)
 
     def open(self):
         """(the trainer's parts as one split, its `PartitionSampler`)."""
@@ -99,6 +102,13 @@ class TrainerShare:
             units = [s.units() for s in splits]
             if any(u is None for u in units):
                 raise DataError(f"{self.directory}: privacy.unit = \"user\" needs the parts' unit column")
+            for j, labels in zip(self.parts, units):  # every user in the part its label hashes to: in one part only
+                wrong = np.flatnonzero(part_of(labels, self.num_parts) != j)
+                if wrong.size:
+                    raise DataError(f"{Path(self.directory) / part_dir(j)}: example {int(wrong[0])} has unit "
+                                    f"{int(labels[wrong[0]])}, whose part is {int(part_of(labels[wrong[:1]], self.num_parts)[0])} "
+                                    "of the manifest's parts: a user's examples must all be in one part (written by "
+                                    "`widedp convert partition --by unit`), else one user moves two parts' sums")
         sampler = PartitionSampler(view.part_sizes(), self.sample_rate, self.generators, units,
                                    self.max_examples_per_unit)
         return view, sampler
@@ -136,4 +146,5 @@ class TrainerShares:
     def share(self, trainer: int, restart: int = 0) -> TrainerShare:
         parts = self.train_set.parts_of_trainer(trainer, self.num_trainers)
         return TrainerShare(str(self.train_set.directory), parts, self.sample_rate,
-                            [self.part_generator(j, restart) for j in parts], self.max_examples_per_unit)
+                            [self.part_generator(j, restart) for j in parts], self.max_examples_per_unit,
+                            self.train_set.manifest.num_parts)

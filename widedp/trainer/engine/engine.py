@@ -73,7 +73,7 @@ class EngineOptions:
     sample (one sampler, so the union is the global sample exactly); with a partitioned
     training set (`train_set.partitioned`, trainer/data/partitioned_training.py) trainer i reads
     its own parts and samples them itself (independent streams per part: the union is again the
-    global Poisson sample), and the coordinator holds no example.
+    global Poisson sample); with the trainers on Ray the coordinator holds no example.
     `selection_on_shards`: a selector that can (`Selector.shard_statistic`) selects on the
     shards, each over its own rows with its own stream, merged exactly; with one trainer and
     `fuse_selection`, each shard selects in the call that makes its row sums.
@@ -182,8 +182,12 @@ class Engine:
             self.trainer_bounds, self.example_units, self.unit_bounds = None, None, None
             self.num_units = int(train_set.num_units) if train_set.unit_level else len(train_set)
             sampler_key = self.randomness.key("sampler")
+            # a restored trainer's streams are addressed by its restart count and the step it was
+            # restored in, so a later session's restarts (the counts start again at 0) never repeat one
             trainer_data = train_set.trainer_shares(
-                self.num_trainers, self.q, lambda part, restart: sampler_key.generator("part", part, "restart", restart))
+                self.num_trainers, self.q,
+                lambda part, restart: sampler_key.generator("part", part, "restart", restart,
+                                                            "step", self.step_count if restart else 0))
         else:
             self.trainer_bounds, self.example_units, self.num_units, self.unit_bounds = partition(
                 len(train_set), self.num_trainers, example_units, self.plan)

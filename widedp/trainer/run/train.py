@@ -161,6 +161,8 @@ def _open_partitioned(cfg: Config, path: Path):
         raise ValueError(f"data.path {path} is a partitioned data set (each trainer reads only its own parts); "
                          f"not available with it: {'; '.join(refused)}")
     train_set = PartitionedTrainSet(path, cfg.privacy.max_examples_per_user if cfg.privacy.unit == "user" else None)
+    log.info("data.path %s is a partitioned data set: its test split is the one written with it (%s); "
+             "data.test_fraction and data.seed are not used", path, train_set.manifest.split)
     test_set = open_partitioned_test(path)
     if test_set is None:
         raise ValueError(f"data.path {path}: the partitioned data set has no test split (partition a data set with "

@@ -42,10 +42,15 @@ from typing import Optional
 import numpy as np
 
 from widedp.trainer.data.errors import DataError
+from widedp.trainer.data.format.store import advise_random_access
 from widedp.trainer.data.format.meta import (DATA_FILE, META_FILE, TEST_FILE, dataset_identity,
                                              meta_json, read_meta)
 
 MANIFEST_FILE = "partitions.json"
+#: the data set's budget (trainer/run/budget.py): copied from the source, so the spending on record
+#: before the partitioning stays on record (README "Copies of a data set": a copy's budget is its own
+#: from the moment of the copy, holding the lines before it)
+BUDGET_FILES = ("privacy_budget.jsonl", "privacy_budget.head.json")
 MANIFEST_FORMAT = "widedp-partitioned"
 MANIFEST_VERSION = 1
 TEST_DIR = "test"
@@ -134,11 +139,15 @@ class PartitionManifest:
             if not isinstance(p, dict) or not isinstance(p.get("directory"), str) or not _count(p.get("num_examples")):
                 raise bad(f"parts[{i}] must have a directory (string) and num_examples (integer >= 0)")
             units = p.get("num_units")
-            if (by == "unit") != _count(units):
-                raise bad(f"parts[{i}]: num_units must be an integer >= 0 exactly when partition_by = \"unit\"")
+            if (by == "unit" and not _count(units)) or (by != "unit" and units is not None):
+                raise bad(f"parts[{i}]: num_units must be an integer >= 0 when partition_by = \"unit\", and absent "
+                          "(null) otherwise")
             if Path(p["directory"]).is_absolute() or ".." in Path(p["directory"]).parts:
                 raise bad(f"parts[{i}].directory must be a path inside the data set, got {p['directory']!r}")
             parts.append(PartInfo(p["directory"], int(p["num_examples"]), None if units is None else int(units)))
+        directories = [Path(p.directory).as_posix().rstrip("/") for p in parts]
+        if len(set(directories)) != len(directories):
+            raise bad("two parts name the same directory (its examples would be sampled twice each step)")
         n = data.get("num_examples")
         if not _count(n) or n != sum(p.num_examples for p in parts):
             raise bad(f"num_examples {n!r} must be the sum of the parts' ({sum(p.num_examples for p in parts)})")
@@ -150,6 +159,9 @@ class PartitionManifest:
         test_dir, test_n = data.get("test_directory"), data.get("test_examples", 0)
         if test_dir is not None and not isinstance(test_dir, str) or not _count(test_n) or (test_dir is None) != (test_n == 0):
             raise bad("test_directory (string) and test_examples (integer >= 1) go together, or neither")
+        if test_dir is not None and (Path(test_dir).is_absolute() or ".." in Path(test_dir).parts
+                                     or Path(test_dir).as_posix().rstrip("/") in directories):
+            raise bad(f"test_directory must be a directory inside the data set and not a part, got {test_dir!r}")
         return cls(by, tuple(parts), int(n), None if units_total is None else int(units_total), test_dir, int(test_n),
                    str(data.get("source", "")), str(data.get("split", "file")))
 
@@ -238,17 +250,33 @@ def write_partitioned(source, out_dir, num_parts: int, *, partition_by: str = "e
     if meta.test_examples is None and test_fraction > 0:  # open_dataset's rule, so both agree on the split
         held_out = np.zeros(n, dtype=bool)
         held_out[np.random.default_rng(seed).permutation(n)[: int(np.floor(n * test_fraction))]] = True
+    if held_out is not None and not held_out.any():
+        raise DataError(f"--test-fraction {test_fraction} of {n} rows holds out no example: give a larger fraction "
+                        "(or 0 with a source that has a test file)")
+    created = []  # the parents this call creates, deepest first: removed again on failure
+    parent = out_dir.absolute().parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
     tmp = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex}.tmp"
-    tmp.mkdir(parents=True)
     writers: dict = {}
+    done = False
     try:
+        tmp.mkdir(parents=True)
         counts = np.zeros(num_parts, dtype=np.int64)
         units: list[set] = [set() for _ in range(num_parts)]
         test_rows = 0
         start = 0
-        for record_batch in data_file.iter_batches(batch_size=_ROWS_PER_BATCH):
-            import pyarrow as pa
+        import pyarrow as pa
 
+        batches = data_file.iter_batches(batch_size=_ROWS_PER_BATCH)
+        while True:
+            try:
+                record_batch = next(batches, None)
+            except (OSError, pa.ArrowException) as exc:
+                raise DataError(f"{data_path}: cannot read rows {start}..: {exc}") from None
+            if record_batch is None:
+                break
             table = pa.Table.from_batches([record_batch])
             rows = np.arange(start, start + table.num_rows, dtype=np.int64)
             start += table.num_rows
@@ -299,10 +327,14 @@ def write_partitioned(source, out_dir, num_parts: int, *, partition_by: str = "e
         manifest = PartitionManifest(partition_by, tuple(parts_info), int(counts.sum()),
                                      sum(p.num_units or 0 for p in parts_info) if partition_by == "unit" else None,
                                      test_dir, int(test_rows), str(source), split)
+        for name in BUDGET_FILES:  # the data's spending so far comes along, as with a copy of the directory
+            if (source / name).exists():
+                shutil.copyfile(source / name, tmp / name)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n", encoding="utf-8")
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above)
         os.rename(tmp, out_dir)
+        done = True
         return manifest
     finally:
         for writer in writers.values():
@@ -311,6 +343,12 @@ def write_partitioned(source, out_dir, num_parts: int, *, partition_by: str = "e
             except Exception:  # noqa: BLE001 — already failing
                 pass
         shutil.rmtree(tmp, ignore_errors=True)
+        if not done:
+            for d in created:  # deepest first; only if still empty
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
 
 
 def _write(writers: dict, directory: Path, table, schema) -> None:
@@ -327,7 +365,8 @@ def _write(writers: dict, directory: Path, table, schema) -> None:
 # ---- reading ----------------------------------------------------------------------------------------
 
 def open_part(directory, index: int):
-    """Part `index` of a partitioned data set as a split (every row a training example)."""
+    """Part `index` of a partitioned data set as a split (every row a training example), its
+    memory-mapped columns advised for random access (`advise_random_access`)."""
     from widedp.trainer.data.format.dataset import open_dataset
 
     directory = Path(os.fspath(directory))
@@ -335,6 +374,7 @@ def open_part(directory, index: int):
     if not 0 <= index < manifest.num_parts:
         raise ValueError(f"{directory}: no part {index} (it has {manifest.num_parts})")
     train, _ = open_dataset(directory / manifest.parts[index].directory, test_fraction=0.0)
+    advise_random_access(train._cols)  # a trainer reads its part at the sampled rows only
     if len(train) != manifest.parts[index].num_examples:
         raise DataError(f"{directory / manifest.parts[index].directory}: {len(train)} examples, the manifest says "
                         f"{manifest.parts[index].num_examples}")
