@@ -21,7 +21,7 @@ coordinator's peak, every role's peak RSS, examples per second, and per trainer 
 bytes of its sampled rows (decoded) and its storage reads during the timed steps.
 
     python benchmarks/partitioned_dry_run.py [--examples 75000000] [--parts 4] [--trainers 2] [--steps 300]
-        [--coordinator-memory-gib 0.75]
+        [--coordinator-memory-gib 1.0] [--checkpoint-every 50]
 
 Each trainer's parts are read through their memory-mapped decoded cache advised for random access
 (trainer/data/format/store.py `advise_random_access`); about 30 GB of disk at the default size
@@ -179,7 +179,10 @@ def main(argv=None) -> dict:
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--coordinator-memory-gib", type=float, default=0.75)
+    p.add_argument("--checkpoint-every", type=int, default=50,
+                   help="train.checkpoint_every: the coordinator keeps every release since the last checkpoint "
+                        "(to restore a lost shard), about 1.5 MB a step here")
+    p.add_argument("--coordinator-memory-gib", type=float, default=1.0)
     p.add_argument("--work-dir", default="runs/bench/partitioned_dry_run")
     p.add_argument("--keep-source", action="store_true", help="keep the unpartitioned source data set")
     p.add_argument("--config", default="configs/ctr.toml")
@@ -204,7 +207,7 @@ def main(argv=None) -> dict:
     cluster.wait_for_nodes()
     run_dir = work / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     sets = [f"data.path={data}", "data.synth=", "train.selection=threshold", f"train.batch_size={args.batch}", f"train.steps={args.steps}",
-            "train.recalibrate=false", "data.validation_fraction=0", "train.eval_every=0", "train.checkpoint_every=100000",
+            "train.recalibrate=false", "data.validation_fraction=0", "train.eval_every=0", f"train.checkpoint_every={args.checkpoint_every}",
             f"cluster.address={cluster.address}", "cluster.backend=ray", f"cluster.num_trainers={args.trainers}",
             "cluster.trainer_placement=actors", "cluster.cpus_per_trainer=1", "cluster.cpus_per_shard=0.5",
             f"cluster.num_shards={args.shards}", "cluster.dense_reduction=trainers", "train.log_every=50"]
@@ -241,6 +244,7 @@ def main(argv=None) -> dict:
     per_trainer_examples = float(summary["expected_batch_size"]) / args.trainers
     result = {
         "examples": manifest.num_examples, "parts": manifest.num_parts, "trainers": args.trainers, "steps_planned": args.steps,
+        "checkpoint_every": args.checkpoint_every,
         "shards": args.shards, "nodes": args.nodes, "rows": args.rows, "batch": args.batch, "steps": steps,
         "data_bytes_on_disk": disk, "data_bytes_decoded": decoded,
         "coordinator_cap_bytes": cap.limit, "cap_kind": cap.kind,

@@ -316,7 +316,7 @@ def save_checkpoint(run_dir: Path, engine: Engine, cfg: Config, run_state: Optio
         sign_checkpoint_record(state, run_state.key)
     buf = io.BytesIO()
     torch.save(state, buf)
-    atomic_write_bytes(run_dir / "checkpoint.pt", buf.getvalue())
+    atomic_write_bytes(run_dir / "checkpoint.pt", buf.getbuffer())  # no copy of the serialized checkpoint
 
 
 def load_checkpoint(path: Path) -> dict:

@@ -347,19 +347,24 @@ def cbow_meta(num_examples: int, vocab_size: int, negatives: int, *, extra: dict
         bayes_auc=None, extra=extra)
 
 
-def read_meta(directory) -> DatasetMeta:
-    path = Path(directory) / META_FILE
+def read_json_file(path: Path, missing: str) -> Any:
+    """The JSON value in `path`; DataError naming the file when it is missing (`missing` says
+    what that means), unreadable or not JSON."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise DataError(f"{path}: missing (not a widedp data set directory?)") from None
+        raise DataError(f"{path}: missing ({missing})") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"{path}: cannot read: {exc}") from None
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: malformed JSON: {exc}") from None
-    return DatasetMeta.from_dict(data, str(path))
+
+
+def read_meta(directory) -> DatasetMeta:
+    path = Path(directory) / META_FILE
+    return DatasetMeta.from_dict(read_json_file(path, "not a widedp data set directory?"), str(path))
 
 
 _FOOTER_BYTES = 1 << 20

@@ -43,8 +43,8 @@ import numpy as np
 
 from widedp.trainer.data.errors import DataError
 from widedp.trainer.data.format.store import advise_random_access
-from widedp.trainer.data.format.meta import (DATA_FILE, META_FILE, TEST_FILE, dataset_identity,
-                                             meta_json, read_meta)
+from widedp.trainer.data.format.meta import (DATA_FILE, META_FILE, TEST_FILE, dataset_identity, meta_json,
+                                             read_json_file, read_meta)
 
 MANIFEST_FILE = "partitions.json"
 #: the data set's budget (trainer/run/budget.py): copied from the source, so the spending on record
@@ -173,15 +173,7 @@ def _count(x) -> bool:
 def read_manifest(directory) -> PartitionManifest:
     """The manifest of the partitioned data set in `directory`; DataError naming the file."""
     path = Path(os.fspath(directory)) / MANIFEST_FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{path}: missing (not a partitioned widedp data set)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: cannot read: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: malformed JSON: {exc}") from None
-    return PartitionManifest.from_dict(data, str(path))
+    return PartitionManifest.from_dict(read_json_file(path, "not a partitioned widedp data set"), str(path))
 
 
 def partitioned_identity(directory) -> dict:
