@@ -1,5 +1,6 @@
-"""widedp data layer: the on-disk format (`format/`: validation, random-access splits), Poisson
-sampling (`sampler`), converters (`convert/`: Criteo TSV, tables by a schema, plain text) and
+"""widedp data layer: the on-disk format (`format/`: validation, random-access splits, partitioned
+data sets), Poisson sampling (`sampler`), a partitioned training set as trainers read it
+(`partitioned_training`), converters (`convert/`: Criteo TSV, tables by a schema, plain text) and
 synthetic generators with planted ground truth (`synthetic/`); `widedp convert` and `widedp synth`
 are trainer/cli/data.py.
 
