@@ -447,3 +447,27 @@ def test_a_parts_memory_mapped_columns_are_advised_for_random_access(parts_dir):
     in_memory = Columns(num_rows=2, labels=np.zeros(2, np.float32), dense=np.zeros((2, 1), np.float32),
                         fixed=np.zeros((2, 1), np.int64), fixed_features=["a"], jagged={})
     assert advise_random_access(in_memory) == 0
+
+
+def test_convert_criteo_with_parts_equals_convert_then_partition(tmp_path, capsys):
+    """`convert criteo ... --parts K`: the conversion written as K parts, row for row what
+    `convert criteo` followed by `convert partition` gives; the temporary conversion is gone."""
+    from widedp.trainer.cli import main
+
+    rng = np.random.default_rng(4)
+    lines = ["\t".join([str(int(rng.integers(0, 2)))] + [str(int(v)) for v in rng.integers(0, 50, 13)]
+                       + [format(int(v), "x") for v in rng.integers(1, 1 << 20, 26)]) for _ in range(300)]
+    tsv = tmp_path / "day.tsv"
+    tsv.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "direct"
+    assert main(["convert", "criteo", str(tsv), str(out), "--hash-size", "64", "--parts", "3",
+                 "--test-fraction", "0.2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["parts"] == 3 and report["num_examples"] == 240 and report["test_examples"] == 60
+    assert main(["convert", "criteo", str(tsv), str(tmp_path / "whole"), "--hash-size", "64"]) == 0
+    write_partitioned(tmp_path / "whole", tmp_path / "two_steps", 3, test_fraction=0.2)
+    for j in range(3):
+        np.testing.assert_array_equal(_rows(open_part(out, j)), _rows(open_part(tmp_path / "two_steps", j)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["day.tsv", "direct", "two_steps", "whole"]
+    assert main(["convert", "criteo", str(tsv), str(out), "--parts", "2"]) == 2  # never overwritten
+    assert "never overwritten" in capsys.readouterr().err

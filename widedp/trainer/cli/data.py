@@ -103,6 +103,39 @@ def _positive_float_arg(name: str):
     return parse
 
 
+def _partition_args(parser) -> None:
+    parser.add_argument("--parts", type=_int_arg("--parts", 1),
+                        help="write OUT_DIR as this many parts, each read only by the trainer that owns it "
+                             "(as `convert partition` does, from a temporary conversion beside OUT_DIR)")
+    parser.add_argument("--by", choices=("example", "unit"), default="example",
+                        help="with --parts: hash of each example's row (default) or of its unit")
+    parser.add_argument("--test-fraction", type=float, default=0.1,
+                        help="with --parts and no test file: the held-out share (data.test_fraction's rule)")
+
+
+def _partitioned_output(args, convert) -> dict:
+    """`convert(out_dir)` into a temporary sibling of args.out_dir, written as --parts parts into
+    args.out_dir, the temporary conversion removed (also on failure)."""
+    import shutil
+    import uuid
+    from pathlib import Path
+
+    from widedp.trainer.data.format.partitioned import write_partitioned
+
+    out = Path(args.out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: exists and is not an empty directory; a data set is never overwritten")
+    whole = out.parent / f".{out.name}.{uuid.uuid4().hex}.whole"
+    try:
+        convert(whole)
+        manifest = write_partitioned(whole, out, args.parts, partition_by=args.by, test_fraction=args.test_fraction)
+    finally:
+        shutil.rmtree(whole, ignore_errors=True)
+    return {"parts": manifest.num_parts, "partition_by": manifest.partition_by,
+            "part_examples": [p.num_examples for p in manifest.parts], "test_examples": manifest.test_examples,
+            "split": manifest.split}
+
+
 def add_commands(subparsers) -> dict:
     conv = subparsers.add_parser("convert", help="convert Criteo TSV, your own table (by a schema) or plain text "
                                                  "to a data set")
@@ -128,6 +161,8 @@ def add_commands(subparsers) -> dict:
                        help="ISO date/datetime (UTC): examples with timestamp >= it go to test.parquet")
     tb.add_argument("--chunk-rows", type=_int_arg("--chunk-rows", 1), default=65_536,
                     help="Parquet rows decoded at once (bounds memory)")
+    for parser in (c, tb):
+        _partition_args(parser)
     t = csub.add_parser("text", help="plain text -> cbow data set (word2vec CBOW + negatives)")
     t.add_argument("input")
     t.add_argument("out_dir")
@@ -235,12 +270,13 @@ def _os_errors_as_value_errors(fn):
 @_os_errors_as_value_errors
 def cmd_convert(args) -> dict:
     started = time.perf_counter()
-    if args.convert_kind == "criteo":
-        from widedp.trainer.data.convert.criteo import convert_criteo
-
-        meta = convert_criteo(args.input, args.out_dir, hash_size=args.hash_size,
-                              hash_sizes=args.hash_sizes, chunk_rows=args.chunk_rows)
-    elif args.convert_kind == "partition":
+    if args.convert_kind in ("criteo", "table") and args.parts is not None:
+        metas: list = []
+        done = _partitioned_output(args, lambda out: metas.append(_convert_one(args, out)))
+        return {**_result(metas[0], args.out_dir, started), **done, "num_examples": sum(done["part_examples"])}
+    if args.convert_kind in ("criteo", "table"):
+        return _result(_convert_one(args, args.out_dir), args.out_dir, started)
+    if args.convert_kind == "partition":
         from widedp.trainer.data.format.partitioned import write_partitioned
 
         manifest = write_partitioned(args.input, args.out_dir, args.parts, partition_by=args.by,
@@ -249,11 +285,6 @@ def cmd_convert(args) -> dict:
                 "num_examples": manifest.num_examples, "num_units": manifest.num_units,
                 "part_examples": [p.num_examples for p in manifest.parts], "test_examples": manifest.test_examples,
                 "split": manifest.split, "seconds": round(time.perf_counter() - started, 3)}
-    elif args.convert_kind == "table":
-        from widedp.trainer.data.convert.table import convert_table
-
-        meta = convert_table(args.input, args.out_dir, schema=args.schema, test_inputs=args.test,
-                             test_after=args.test_after, chunk_rows=args.chunk_rows)
     else:
         if args.vocab is None and args.vocab_file is None:
             raise ValueError("convert text: --vocab N is required unless --vocab-file PATH is given")
@@ -278,6 +309,19 @@ def cmd_convert(args) -> dict:
                             vocab_unseen_delta=args.vocab_unseen_delta,
                             vocab_noise_seed=args.vocab_noise_seed, allow_small_vocab=args.allow_small_vocab)
     return _result(meta, args.out_dir, started)
+
+
+def _convert_one(args, out_dir):
+    """`convert criteo` or `convert table` of args into out_dir; its meta."""
+    if args.convert_kind == "criteo":
+        from widedp.trainer.data.convert.criteo import convert_criteo
+
+        return convert_criteo(args.input, out_dir, hash_size=args.hash_size, hash_sizes=args.hash_sizes,
+                              chunk_rows=args.chunk_rows)
+    from widedp.trainer.data.convert.table import convert_table
+
+    return convert_table(args.input, out_dir, schema=args.schema, test_inputs=args.test, test_after=args.test_after,
+                         chunk_rows=args.chunk_rows)
 
 
 @_os_errors_as_value_errors
