@@ -372,6 +372,8 @@ def test_manifests_that_would_sample_examples_twice_are_refused(tmp_path):
         read_manifest(manifest(parts=twice))
     with pytest.raises(DataError, match="test_directory must be a directory inside the data set and not a part"):
         read_manifest(manifest(test_directory="part-00001"))
+    with pytest.raises(DataError, match="num_units must be absent"):
+        read_manifest(manifest(num_units=5))
     with pytest.raises(DataError, match="num_units must be"):
         read_manifest(manifest(parts=[{"directory": "part-00000", "num_examples": 4, "num_units": 3.5},
                                       {"directory": "part-00001", "num_examples": 4}]))
@@ -471,3 +473,9 @@ def test_convert_criteo_with_parts_equals_convert_then_partition(tmp_path, capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["day.tsv", "direct", "two_steps", "whole"]
     assert main(["convert", "criteo", str(tsv), str(out), "--parts", "2"]) == 2  # never overwritten
     assert "never overwritten" in capsys.readouterr().err
+    assert main(["convert", "criteo", str(tsv), str(tmp_path / "x"), "--test-fraction", "0.2"]) == 2
+    assert "apply with --parts only" in capsys.readouterr().err
+    assert main(["convert", "criteo", str(tsv), str(tmp_path / "y"), "--parts", "2", "--test-fraction", "1.5"]) == 2
+    assert "--test-fraction must be in [0, 1)" in capsys.readouterr().err
+    assert main(["convert", "criteo", str(tsv), str(tmp_path / "new" / "z"), "--parts", "400"]) == 2  # a part empty
+    assert not (tmp_path / "new").exists()  # nothing of the failed conversion is left, its parent included

@@ -103,14 +103,28 @@ def _positive_float_arg(name: str):
     return parse
 
 
-def _partition_args(parser) -> None:
+def _fraction_arg(name: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number in [0, 1), got {text!r}") from None
+        if not 0.0 <= value < 1.0:
+            raise argparse.ArgumentTypeError(f"{name} must be in [0, 1), got {text}")
+        return value
+    return parse
+
+
+def _partition_args(parser, by_unit: bool) -> None:
     parser.add_argument("--parts", type=_int_arg("--parts", 1),
                         help="write OUT_DIR as this many parts, each read only by the trainer that owns it "
                              "(as `convert partition` does, from a temporary conversion beside OUT_DIR)")
-    parser.add_argument("--by", choices=("example", "unit"), default="example",
-                        help="with --parts: hash of each example's row (default) or of its unit")
-    parser.add_argument("--test-fraction", type=float, default=0.1,
-                        help="with --parts and no test file: the held-out share (data.test_fraction's rule)")
+    if by_unit:
+        parser.add_argument("--by", choices=("example", "unit"),
+                            help="with --parts: hash of each example's row (default) or of its unit")
+    parser.add_argument("--test-fraction", type=_fraction_arg("--test-fraction"),
+                        help="with --parts and no test file: the held-out share, data.test_fraction's rule "
+                             "(default 0.1)")
 
 
 def _partitioned_output(args, convert) -> dict:
@@ -125,12 +139,24 @@ def _partitioned_output(args, convert) -> dict:
     out = Path(args.out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: exists and is not an empty directory; a data set is never overwritten")
+    created, parent = [], out.absolute().parent  # OUT_DIR's missing parents, deepest first: removed on failure
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
     whole = out.parent / f".{out.name}.{uuid.uuid4().hex}.whole"
+    done = False
     try:
         convert(whole)
-        manifest = write_partitioned(whole, out, args.parts, partition_by=args.by, test_fraction=args.test_fraction)
+        manifest = write_partitioned(whole, out, args.parts, partition_by=getattr(args, "by", None) or "example",
+                                     test_fraction=0.1 if args.test_fraction is None else args.test_fraction)
+        done = True
     finally:
         shutil.rmtree(whole, ignore_errors=True)
+        for d in [] if done else created:
+            try:
+                d.rmdir()
+            except OSError:
+                break
     return {"parts": manifest.num_parts, "partition_by": manifest.partition_by,
             "part_examples": [p.num_examples for p in manifest.parts], "test_examples": manifest.test_examples,
             "split": manifest.split}
@@ -161,8 +187,8 @@ def add_commands(subparsers) -> dict:
                        help="ISO date/datetime (UTC): examples with timestamp >= it go to test.parquet")
     tb.add_argument("--chunk-rows", type=_int_arg("--chunk-rows", 1), default=65_536,
                     help="Parquet rows decoded at once (bounds memory)")
-    for parser in (c, tb):
-        _partition_args(parser)
+    _partition_args(c, by_unit=False)  # a Criteo file has no unit column
+    _partition_args(tb, by_unit=True)
     t = csub.add_parser("text", help="plain text -> cbow data set (word2vec CBOW + negatives)")
     t.add_argument("input")
     t.add_argument("out_dir")
@@ -270,6 +296,14 @@ def _os_errors_as_value_errors(fn):
 @_os_errors_as_value_errors
 def cmd_convert(args) -> dict:
     started = time.perf_counter()
+    if args.convert_kind in ("criteo", "table"):
+        given = [f for f, v in (("--by", getattr(args, "by", None)), ("--test-fraction", args.test_fraction))
+                 if v is not None]
+        if given and args.parts is None:
+            raise ValueError(f"convert {args.convert_kind}: {' and '.join(given)} apply with --parts only")
+        if args.test_fraction is not None and (getattr(args, "test", None) or getattr(args, "test_after", None)):
+            raise ValueError("convert table: --test-fraction holds out rows of a data set without a test file; "
+                             "with --test or --test-after the test split is that one")
     if args.convert_kind in ("criteo", "table") and args.parts is not None:
         metas: list = []
         done = _partitioned_output(args, lambda out: metas.append(_convert_one(args, out)))

@@ -151,9 +151,15 @@ class _TrainerActor(TrainerRole):
         refs = [getattr(peer, method).remote(*a) for peer, a in zip(self._peers, args[1:])]
         try:
             mine = getattr(self, method)(*args[0])
-        finally:  # every peer's call has ended before this returns or raises: none is left running into
-            theirs = _get_every(refs)  # the redo of a step (a late row sum would be added to it)
-        results = [mine, *theirs]
+        except BaseException:
+            # every peer's call has ended before this raises (none is left running into the redo of
+            # the step: a late row sum would be added to it), and this trainer's own error is the one raised
+            try:
+                _get_every(refs)
+            except Exception:  # noqa: BLE001 — a peer's failure too: ours comes first
+                pass
+            raise
+        results = [mine, *_get_every(refs)]
         if reduce:
             refs = [peer.reduce_dense.remote() for peer in self._peers]
             reduced = [self.reduce_dense(), *_get_every(refs)]

@@ -50,7 +50,9 @@ MANIFEST_FILE = "partitions.json"
 #: the data set's budget (trainer/run/budget.py): copied from the source, so the spending on record
 #: before the partitioning stays on record (README "Copies of a data set": a copy's budget is its own
 #: from the moment of the copy, holding the lines before it)
-BUDGET_FILES = ("privacy_budget.jsonl", "privacy_budget.head.json")
+#: (the head first: a line a run appends to the source between the two copies then lies past the copied
+#: head, which the budget accepts, instead of a head past the lines, which it refuses as truncated)
+BUDGET_FILES = ("privacy_budget.head.json", "privacy_budget.jsonl")
 MANIFEST_FORMAT = "widedp-partitioned"
 MANIFEST_VERSION = 1
 TEST_DIR = "test"
@@ -154,6 +156,8 @@ class PartitionManifest:
         if data.get("num_parts") != len(parts):
             raise bad(f"num_parts {data.get('num_parts')!r} does not match the {len(parts)} parts listed")
         units_total = data.get("num_units")
+        if by != "unit" and units_total is not None:
+            raise bad(f"num_units must be absent (null) when partition_by = {by!r}, got {units_total!r}")
         if by == "unit" and units_total != sum(p.num_units or 0 for p in parts):
             raise bad(f"num_units {units_total!r} must be the sum of the parts' ({sum(p.num_units or 0 for p in parts)})")
         test_dir, test_n = data.get("test_directory"), data.get("test_examples", 0)
