@@ -134,15 +134,13 @@ def _partitioned_output(args, convert) -> dict:
     import uuid
     from pathlib import Path
 
+    from widedp.trainer.data._util import missing_directories, remove_empty_directories
     from widedp.trainer.data.format.partitioned import write_partitioned
 
     out = Path(args.out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: exists and is not an empty directory; a data set is never overwritten")
-    created, parent = [], out.absolute().parent  # OUT_DIR's missing parents, deepest first: removed on failure
-    while not parent.exists():
-        created.append(parent)
-        parent = parent.parent
+    created = missing_directories(out.absolute().parent)  # OUT_DIR's missing parents: removed on failure
     whole = out.parent / f".{out.name}.{uuid.uuid4().hex}.whole"
     done = False
     try:
@@ -152,11 +150,8 @@ def _partitioned_output(args, convert) -> dict:
         done = True
     finally:
         shutil.rmtree(whole, ignore_errors=True)
-        for d in [] if done else created:
-            try:
-                d.rmdir()
-            except OSError:
-                break
+        if not done:
+            remove_empty_directories(created)
     return {"parts": manifest.num_parts, "partition_by": manifest.partition_by,
             "part_examples": [p.num_examples for p in manifest.parts], "test_examples": manifest.test_examples,
             "split": manifest.split}

@@ -1,7 +1,10 @@
 """Vectorized helpers: a stable 64-bit hash of integers and of strings, digit parsing, Zipf
-sampling, weighted AUC, and the expansion of input file patterns."""
+sampling, weighted AUC, the expansion of input file patterns, and the directories a writer
+creates (so that a failed write removes them again)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
@@ -260,3 +263,22 @@ def open_binary(path):
     if str(path).endswith(".gz"):
         return gzip.open(path, "rb")
     return open(path, "rb")
+
+
+def missing_directories(path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, deepest first (what creating
+    `path` with parents makes)."""
+    missing, p = [], Path(path).absolute()
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    return missing
+
+
+def remove_empty_directories(directories) -> None:
+    """Remove each directory (deepest first) while it is empty; stop at the first that is not."""
+    for d in directories:
+        try:
+            Path(d).rmdir()
+        except OSError:
+            break

@@ -194,9 +194,12 @@ def open_dataset(path, *, test_fraction: float = 0.1, seed: int = 0,
                 ParquetDataset(meta, test_columns, np.arange(test_columns.num_rows), directory / TEST_FILE, "test"))
     n = columns.num_rows
     n_test = int(np.floor(n * test_fraction))
-    perm = np.random.default_rng(seed).permutation(n)
-    test_rows = np.sort(perm[:n_test])
-    train_rows = np.sort(perm[n_test:])
+    if n_test == 0:  # nothing held out (a part of a partitioned data set): the permutation would only be sorted back
+        test_rows, train_rows = np.zeros(0, dtype=np.int64), np.arange(n, dtype=np.int64)
+    else:
+        perm = np.random.default_rng(seed).permutation(n)
+        test_rows = np.sort(perm[:n_test])
+        train_rows = np.sort(perm[n_test:])
     file = directory / DATA_FILE
     return (ParquetDataset(meta, columns, train_rows, file, "train"),
             ParquetDataset(meta, columns, test_rows, file, "test"))

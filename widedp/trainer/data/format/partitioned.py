@@ -41,6 +41,7 @@ from typing import Optional
 
 import numpy as np
 
+from widedp.trainer.data._util import missing_directories, remove_empty_directories, splitmix64
 from widedp.trainer.data.errors import DataError
 from widedp.trainer.data.format.store import advise_random_access
 from widedp.trainer.data.format.meta import (DATA_FILE, META_FILE, TEST_FILE, dataset_identity, meta_json,
@@ -70,22 +71,13 @@ def is_partitioned(directory) -> bool:
     return (Path(os.fspath(directory)) / MANIFEST_FILE).is_file()
 
 
-def _splitmix64(values: np.ndarray) -> np.ndarray:
-    """SplitMix64's finalizer of each uint64 (a public, well-mixed hash: no key)."""
-    with np.errstate(over="ignore"):
-        z = values.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
-
-
 def part_of(keys: np.ndarray, num_parts: int) -> np.ndarray:
     """The part (0..num_parts-1) of each int64 key: an example's row position in the source,
     or its unit label at user level. A public function of the key alone."""
     if int(num_parts) < 1:
         raise ValueError(f"num_parts must be >= 1, got {num_parts!r}")
     keys = np.asarray(keys, dtype=np.int64).view(np.uint64)
-    return (_splitmix64(keys) % np.uint64(num_parts)).astype(np.int64)
+    return (splitmix64(keys) % np.uint64(num_parts)).astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,11 +241,7 @@ def write_partitioned(source, out_dir, num_parts: int, *, partition_by: str = "e
     if held_out is not None and not held_out.any():
         raise DataError(f"--test-fraction {test_fraction} of {n} rows holds out no example: give a larger fraction "
                         "(or 0 with a source that has a test file)")
-    created = []  # the parents this call creates, deepest first: removed again on failure
-    parent = out_dir.absolute().parent
-    while not parent.exists():
-        created.append(parent)
-        parent = parent.parent
+    created = missing_directories(out_dir.absolute().parent)  # removed again on failure
     tmp = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex}.tmp"
     writers: dict = {}
     done = False
@@ -340,11 +328,7 @@ def write_partitioned(source, out_dir, num_parts: int, *, partition_by: str = "e
                 pass
         shutil.rmtree(tmp, ignore_errors=True)
         if not done:
-            for d in created:  # deepest first; only if still empty
-                try:
-                    d.rmdir()
-                except OSError:
-                    break
+            remove_empty_directories(created)
 
 
 def _write(writers: dict, directory: Path, table, schema) -> None:

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from widedp.trainer.data.errors import DataError
+from widedp.trainer.data._util import missing_directories, remove_empty_directories
 from widedp.trainer.data.format.meta import DATA_FILE, META_FILE, TEST_FILE, DatasetMeta, _unlink_quiet, meta_json
 
 
@@ -77,18 +78,14 @@ class DatasetWriter:
         self._committed = False
 
     def __enter__(self) -> "DatasetWriter":
-        missing = []
         p = self.out_dir.absolute()
         if p.is_dir() and any(p.iterdir()):
             raise DataError(f"{self.out_dir}: not empty; a data set directory is never overwritten (runs trained "
                             "on it record its identity and privacy spending): write to a new directory")
         if p.exists() and not p.is_dir():
             raise DataError(f"{self.out_dir}: exists and is not a directory")
-        while not p.exists():
-            missing.append(p)
-            p = p.parent
+        self._created = missing_directories(p)  # deepest first
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._created = missing  # deepest first
         self._tmp_data = self.out_dir / f".{DATA_FILE}.{uuid.uuid4().hex}.tmp"
         self._tmp_test = self.out_dir / f".{TEST_FILE}.{uuid.uuid4().hex}.tmp"
         return self
@@ -160,8 +157,4 @@ class DatasetWriter:
             for tmp in (self._tmp_data, self._tmp_test):
                 if tmp is not None:
                     _unlink_quiet(tmp)
-            for d in self._created:  # deepest first; only if still empty
-                try:
-                    d.rmdir()
-                except OSError:
-                    break
+            remove_empty_directories(self._created)
