@@ -525,7 +525,30 @@ def _check_conversion_jobs_agree(renders: dict[Path, list[dict]]) -> None:
         assert job == first, f"the conversion Job of {_rel(directory)} differs from the others beyond name and claim"
 
 
+OBJECT_STORE_SECRET = "widedp-object-store"
+
+
+def _check_object_storage_reach(directory: Path, objects: list[dict]) -> None:
+    """Every Ray container can read a partitioned data set at a URI itself (trainers read their own
+    parts on the workers; trainer/data/format/remote.py): the object store's credentials from the
+    Secret widedp-object-store (envFrom, optional: a data set on the volume needs none), and
+    WIDEDP_STAGE_DIR on a scratch volume (emptyDir) of its own pod, where its parts are staged."""
+    spec = _cluster_spec(_ray_object(objects))
+    for name, _, pod in _pod_specs(spec):
+        for container in pod["containers"]:
+            refs = [e.get("secretRef", {}) for e in container.get("envFrom", [])]
+            assert any(r.get("name") == OBJECT_STORE_SECRET and r.get("optional") is True for r in refs), (
+                f"{name}/{container['name']}: no optional envFrom secretRef {OBJECT_STORE_SECRET}")
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            stage = env.get("WIDEDP_STAGE_DIR")
+            assert stage, f"{name}/{container['name']}: no WIDEDP_STAGE_DIR (where its parts are staged)"
+            _, volume = _volume_at(stage, _mounts(pod, container))
+            assert "emptyDir" in volume and volume["emptyDir"].get("medium") != "Memory", (
+                f"{name}/{container['name']}: WIDEDP_STAGE_DIR {stage} is not on a disk scratch volume ({volume})")
+
+
 def _all_checks(directory: Path, objects: list[dict]) -> None:
+    _check_object_storage_reach(directory, objects)
     _check_ray_object(directory, objects)
     _check_convert_job(directory, objects)
     _check_data_step(directory, objects)
@@ -634,6 +657,10 @@ BROKEN = {
     "training-data-off-the-volume": ("deploy/k8s", lambda o: _of_kind(o, "ConfigMap")[0]["data"].update(
         {"ctr.toml": _of_kind(o, "ConfigMap")[0]["data"]["ctr.toml"].replace('"/data/datasets/criteo"', '"/tmp/criteo"')}),
                                      _check_ray_object, "is on no volume"),
+    "worker-without-object-store-credentials": ("deploy/k8s", lambda o: _cluster_spec(_ray_object(o))["workerGroupSpecs"][0][
+        "template"]["spec"]["containers"][0].pop("envFrom"), _check_object_storage_reach, "no optional envFrom"),
+    "worker-stages-on-no-volume": ("deploy/k8s/raycluster", lambda o: _cluster_spec(_ray_object(o))["workerGroupSpecs"][0][
+        "template"]["spec"]["containers"][0]["volumeMounts"].pop(), _check_object_storage_reach, "is on no volume"),
     "shards-do-not-fit": ("deploy/k8s", lambda o: _cluster_spec(_ray_object(o))["workerGroupSpecs"][0].update(replicas=1, minReplicas=1),
                           _check_ray_object, "worker CPUs"),
 }
@@ -919,6 +946,22 @@ def test_head_waits_until_dataset_json_exists(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "sleeps").read_text().count("\n") == 1
     assert f"waiting for {dataset}/dataset.json" in proc.stdout
+
+
+@pytest.mark.parametrize("layout", ["partitioned", "uri"])
+def test_head_does_not_wait_for_a_partitioned_data_set_or_a_uri(tmp_path, layout):
+    wait = _wait(RENDERS[K8S])
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    (dataset / "partitions.json").write_text("{}")
+    target = str(dataset) if layout == "partitioned" else "s3://bucket/datasets/criteo"
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "sleep").write_text("#!/bin/sh\nkill -9 $PPID\n")  # a wait kills the script
+    (stubs / "sleep").chmod(0o755)
+    proc = subprocess.run(wait["command"] + wait["args"], env={"DATASET": target, "PATH": f"{stubs}:{os.environ['PATH']}"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "waiting" not in proc.stdout, (proc.stdout, proc.stderr)
 
 
 # ---- README §5 -------------------------------------------------------------------------------------

@@ -229,6 +229,12 @@ def add_commands(subparsers) -> dict:
                          "(default 0.1) and data.seed (--seed) go to the test split")
     pt.add_argument("--seed", type=_int_arg("--seed", 0), default=0, help="data.seed of that split (public)")
 
+    up = csub.add_parser("upload", help="a partitioned data set -> object storage (a URI: s3://bucket/prefix; "
+                                        "trainer/data/format/remote.py), its budget with it")
+    up.add_argument("input", help="a partitioned widedp data set directory (from convert partition or --parts)")
+    up.add_argument("uri", help="where: s3://bucket/prefix[?endpoint_override=HOST:PORT&scheme=http&region=R] "
+                                "(credentials from the environment); refused where a data set is already")
+
     syn = subparsers.add_parser("synth", help="synthetic data set with planted ground truth")
     ssub = syn.add_subparsers(dest="synth_kind", required=True, parser_class=type(syn))
     s = ssub.add_parser("ctr", help="Zipf ids + known logistic model (known Bayes AUC)")
@@ -283,7 +289,7 @@ def _os_errors_as_value_errors(fn):
         try:
             return fn(args)
         except OSError as exc:
-            raise ValueError(f"{getattr(exc, 'filename', None) or args.out_dir}: "
+            raise ValueError(f"{getattr(exc, 'filename', None) or getattr(args, 'out_dir', None) or args.uri}: "
                              f"{exc.strerror or exc}") from exc
     return run
 
@@ -305,6 +311,12 @@ def cmd_convert(args) -> dict:
         return {**_result(metas[0], args.out_dir, started), **done, "num_examples": sum(done["part_examples"])}
     if args.convert_kind in ("criteo", "table"):
         return _result(_convert_one(args, args.out_dir), args.out_dir, started)
+    if args.convert_kind == "upload":
+        from widedp.trainer.data.format.remote import upload
+
+        copied = upload(args.input, args.uri)
+        return {"input": str(args.input), "uri": args.uri, "files": len(copied),
+                "seconds": round(time.perf_counter() - started, 3)}
     if args.convert_kind == "partition":
         from widedp.trainer.data.format.partitioned import write_partitioned
 

@@ -131,6 +131,10 @@ class DataConfig:
     # metrics are `validation_metrics`, for tuning): benchmarks/tune.py sets it.
     validation_fraction: float = 0.0
     seed: int = 0
+    # a partitioned data set at a URI (data.path = "s3://bucket/prefix"): the local directory on
+    # each node where trainers stage their own parts and the coordinator the test split;
+    # empty: $WIDEDP_STAGE_DIR, else ~/.cache/widedp/staged (trainer/data/format/remote.py)
+    stage_dir: str = ""
 
     def validate(self) -> None:
         SYNTHETIC_DATASETS = registry("synthetic")

@@ -10,15 +10,14 @@ rate q from a stream of its own, so the union over the trainers is a global Pois
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 from widedp.trainer.data.errors import DataError
-from widedp.trainer.data.format.meta import DatasetMeta, read_meta
+from widedp.trainer.data.format.meta import DatasetMeta
 from widedp.trainer.data.format.partitioned import (MANIFEST_FILE, PartsView, open_part, part_dir, part_of,
-                                                    read_manifest)
+                                                    read_manifest, read_part_meta)
+from widedp.trainer.data.format.remote import local_path, remote_dir
 from widedp.trainer.data.sampler import PartitionSampler
 
 
@@ -28,26 +27,32 @@ class PartitionedTrainSet:
     (`open_parts`).
 
     Args:
-        directory: the partitioned data set.
+        directory: the partitioned data set: a local path, or a URI (trainer/data/format/remote.py;
+            each trainer then stages its own parts into `stage_dir`).
         max_examples_per_unit: user level (privacy.unit = "user", users sampled): the public
             cap k on a sampled user's examples; None: example level.
+        stage_dir: where a trainer stages its parts of a data set at a URI (None: the default,
+            `remote.default_stage_root()` on the trainer's node).
 
     `len()` is n; `unit_level` whether a run samples users (then `num_units` is U)."""
 
     partitioned = True
 
-    def __init__(self, directory, max_examples_per_unit: Optional[int] = None):
-        self.directory = Path(os.fspath(directory))
-        self.manifest = read_manifest(self.directory)
+    def __init__(self, directory, max_examples_per_unit: Optional[int] = None, stage_dir: Optional[str] = None):
+        remote = remote_dir(directory)
+        self.location = remote.uri if remote is not None else str(local_path(directory))
+        self.directory = remote.base_uri if remote is not None else local_path(directory)  # as shown
+        self.stage_dir = stage_dir or None
+        self.manifest = read_manifest(self.location)
         unit_level = max_examples_per_unit is not None
         self.max_examples_per_unit = max_examples_per_unit
         if unit_level and self.manifest.partition_by != "unit":
-            raise DataError(f"{self.directory / MANIFEST_FILE}: privacy.unit = \"user\" needs a data set partitioned "
+            raise DataError(f"{self.directory}/{MANIFEST_FILE}: privacy.unit = \"user\" needs a data set partitioned "
                             "by unit (`widedp convert partition --by unit`), so that each user's examples stay in "
                             f"one part; this one is partitioned by {self.manifest.partition_by}")
         self.unit_level = bool(unit_level)
-        first = self.directory / self.manifest.parts[0].directory
-        self.meta: DatasetMeta = dataclasses.replace(read_meta(first), num_examples=self.manifest.num_examples)
+        self.meta: DatasetMeta = dataclasses.replace(read_part_meta(self.location, self.manifest),
+                                                     num_examples=self.manifest.num_examples)
         self.name = "train"
 
     def __len__(self) -> int:
@@ -82,9 +87,9 @@ class PartitionedTrainSet:
 @dataclasses.dataclass
 class TrainerShare:
     """What one trainer needs to read and sample its own parts, and nothing of the others:
-    the data set's directory, its part indices, q, the cap on a unit's examples (user level;
-    None at example level) and one generator per part (`PartitionSampler`'s streams). Sent to a
-    trainer actor, which opens its parts itself (`open`)."""
+    the data set's directory (or URI), its part indices, q, the cap on a unit's examples (user
+    level; None at example level) and one generator per part (`PartitionSampler`'s streams).
+    Sent to a trainer actor, which opens its parts itself (`open`)."""
 
     directory: str
     parts: list
@@ -92,10 +97,18 @@ class TrainerShare:
     generators: list
     max_examples_per_unit: Optional[int] = None
     num_parts: int = 0  # K of the whole data set (user level: each unit's part is checked against it)
+    stage_dir: Optional[str] = None  # a data set at a URI: where this trainer stages its parts
 
     def open(self):
-        """(the trainer's parts as one split, its `PartitionSampler`)."""
-        splits = [open_part(self.directory, j) for j in self.parts]
+        """(the trainer's parts as one split, its `PartitionSampler`). A data set at a URI: the
+        trainer's own parts are staged first (downloaded once per node; no other part is read)."""
+        remote = remote_dir(self.directory)
+        if remote is not None:
+            manifest = read_manifest(self.directory)
+            local = remote.stage([manifest.parts[j].directory for j in self.parts], self.stage_dir)
+        else:
+            local = local_path(self.directory)
+        splits = [open_part(local, j) for j in self.parts]
         view = PartsView(splits)
         units = None
         if self.max_examples_per_unit is not None:
@@ -105,7 +118,7 @@ class TrainerShare:
             for j, labels in zip(self.parts, units):  # every user in the part its label hashes to: in one part only
                 wrong = np.flatnonzero(part_of(labels, self.num_parts) != j)
                 if wrong.size:
-                    raise DataError(f"{Path(self.directory) / part_dir(j)}: example {int(wrong[0])} has unit "
+                    raise DataError(f"{local / part_dir(j)}: example {int(wrong[0])} has unit "
                                     f"{int(labels[wrong[0]])}, whose part is {int(part_of(labels[wrong[:1]], self.num_parts)[0])} "
                                     "of the manifest's parts: a user's examples must all be in one part (written by "
                                     "`widedp convert partition --by unit`), else one user moves two parts' sums")
@@ -145,6 +158,6 @@ class TrainerShares:
 
     def share(self, trainer: int, restart: int = 0) -> TrainerShare:
         parts = self.train_set.parts_of_trainer(trainer, self.num_trainers)
-        return TrainerShare(str(self.train_set.directory), parts, self.sample_rate,
+        return TrainerShare(self.train_set.location, parts, self.sample_rate,
                             [self.part_generator(j, restart) for j in parts], self.max_examples_per_unit,
-                            self.train_set.manifest.num_parts)
+                            self.train_set.manifest.num_parts, self.train_set.stage_dir)

@@ -73,8 +73,12 @@ import json
 import math
 import os
 import uuid
+import urllib.parse
 from pathlib import Path
 from typing import Any, Iterator, Optional
+
+from widedp.trainer.data.errors import DataError
+from widedp.trainer.data.format.remote import RemoteDir, local_path, remote_dir
 
 BUDGET_FILE = "privacy_budget.jsonl"
 HEAD_FILE = "privacy_budget.head.json"
@@ -88,11 +92,19 @@ class BudgetError(ValueError):
 
 
 def budget_path(dataset_dir) -> Path:
-    return Path(dataset_dir) / BUDGET_FILE
+    """The budget file of a local data set (`budget_location` names it for any data set)."""
+    return local_path(dataset_dir) / BUDGET_FILE
 
 
 def head_path(dataset_dir) -> Path:
-    return Path(dataset_dir) / HEAD_FILE
+    return local_path(dataset_dir) / HEAD_FILE
+
+
+def budget_location(dataset_dir) -> str:
+    """Where the budget of the data set at `dataset_dir` (a local path or a URI) is: an absolute
+    path, or the object's URI (without the URI's options)."""
+    remote = remote_dir(dataset_dir)
+    return remote.where(BUDGET_FILE) if remote is not None else str(budget_path(dataset_dir).absolute())
 
 
 def now() -> str:
@@ -140,7 +152,7 @@ class _Verified:
 
     def head(self, dataset_dir) -> dict:
         return {"budget_id": self.budget_id, "lines": self.lines, "digest": self.digest,
-                "path": str(budget_path(dataset_dir).absolute())}
+                "path": budget_location(dataset_dir)}
 
     def extends(self, head: dict) -> bool:
         n = int(head.get("lines", 0))
@@ -153,8 +165,16 @@ def _read_head(dataset_dir) -> Optional[dict]:
     if not path.exists():
         return None
     try:
-        head = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise BudgetError(f"{path}: unreadable ({exc}): the budget's head was damaged or edited") from None
+    return _parse_head(data, str(path))
+
+
+def _parse_head(data: bytes, path: str) -> dict:
+    try:
+        head = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BudgetError(f"{path}: unreadable ({exc}): the budget's head was damaged or edited") from None
     if not isinstance(head, dict) or not isinstance(head.get("lines"), int) or not isinstance(head.get("digest"), str):
         raise BudgetError(f"{path}: not a budget head (lines, digest)")
@@ -163,9 +183,18 @@ def _read_head(dataset_dir) -> Optional[dict]:
 
 def _verified(dataset_dir) -> _Verified:
     """Read and verify the budget file against its chain and head (module docstring)."""
-    path, hpath = budget_path(dataset_dir), head_path(dataset_dir)
+    remote = remote_dir(dataset_dir)
+    if remote is not None:
+        return _ObjectBudget(remote).verified()[0]
+    path = budget_path(dataset_dir)
     head = _read_head(dataset_dir)
-    if not path.exists():
+    return _verify(path.read_bytes() if path.exists() else None, head, str(path), str(head_path(dataset_dir)))
+
+
+def _verify(data: Optional[bytes], head: Optional[dict], path: str, hpath: str) -> _Verified:
+    """The budget file's bytes (None: there is none) verified against its chain and `head`
+    (None: no head); BudgetError naming `path` / `hpath`."""
+    if data is None:
         if head is not None and head["lines"] > 0:
             raise BudgetError(f"{path}: missing, but {hpath} records {head['lines']} lines of spending on this data "
                               "set: the budget file was deleted or moved; restore it (a budget is never re-created "
@@ -173,7 +202,7 @@ def _verified(dataset_dir) -> _Verified:
         return _Verified([], [], head.get("budget_id") if head else None)
     records, digests, d, chained = [], [], BUDGET_SEED, False
     budget_id = head.get("budget_id") if head else None
-    lines = path.read_bytes().split(b"\n")
+    lines = data.split(b"\n")
     if lines[-1].strip() and (head is None or len([x for x in lines[:-1] if x.strip()]) >= head["lines"]):
         # a last line without its newline, past the head: a write a machine crash cut off (the head
         # is replaced only after the whole line is on disk): not a record; `append` drops it
@@ -216,7 +245,7 @@ def _verified(dataset_dir) -> _Verified:
 
 @contextlib.contextmanager
 def _locked(dataset_dir) -> Iterator[None]:
-    path = Path(dataset_dir) / LOCK_FILE
+    path = local_path(dataset_dir) / LOCK_FILE
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
@@ -234,18 +263,17 @@ def append(dataset_dir, record: dict) -> dict:
     """Append one line to DATASET/privacy_budget.jsonl (verified first; one write of the whole
     line, fsync'd) and replace the head. Returns the head after it ({"budget_id", "lines",
     "digest", "path"}). BudgetError naming the file when it cannot be written or verified (a
-    run must not train unrecorded)."""
+    run must not train unrecorded). A data set at an s3:// URI: the same two objects, each
+    replaced by a conditional write (`_ObjectBudget`)."""
     from widedp.accounting.atomic import atomic_write_bytes
 
+    remote = remote_dir(dataset_dir)
+    if remote is not None:
+        return _ObjectBudget(remote).append(record)
     path = budget_path(dataset_dir)
     with _locked(dataset_dir):
         verified = _verified(dataset_dir)
-        record = {k: v for k, v in record.items() if k not in ("prev", "budget_id")}
-        budget_id = verified.budget_id or uuid.uuid4().hex
-        if verified.budget_id is None:
-            record["budget_id"] = budget_id  # the first chained line names the budget
-        record["prev"] = verified.digest
-        raw = json.dumps(record, sort_keys=True, allow_nan=True).encode()
+        raw, head = _next_line(verified, record)
         line = raw + b"\n"
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -257,12 +285,134 @@ def append(dataset_dir, record: dict) -> dict:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            head = {"budget_id": budget_id, "lines": verified.lines + 1, "digest": _link(verified.digest, raw)}
             atomic_write_bytes(head_path(dataset_dir), (json.dumps(head, sort_keys=True) + "\n").encode())
         except OSError as exc:
             raise BudgetError(f"{path}: cannot append this run's privacy spending ({exc.strerror or exc}); every run "
                               f"on a data set is recorded there: make the data set directory writable") from exc
     return {**head, "path": str(path.absolute())}
+
+
+def _next_line(verified: _Verified, record: dict) -> tuple[bytes, dict]:
+    """(the line appending `record` to the verified budget, without its newline; the head after it)."""
+    record = {k: v for k, v in record.items() if k not in ("prev", "budget_id")}
+    budget_id = verified.budget_id or uuid.uuid4().hex
+    if verified.budget_id is None:
+        record["budget_id"] = budget_id  # the first chained line names the budget
+    record["prev"] = verified.digest
+    raw = json.dumps(record, sort_keys=True, allow_nan=True).encode()
+    return raw, {"budget_id": budget_id, "lines": verified.lines + 1, "digest": _link(verified.digest, raw)}
+
+
+class _ObjectBudget:
+    """The budget of a data set at an s3:// URI: the same two objects as on disk
+    (privacy_budget.jsonl, privacy_budget.head.json), each replaced whole by a **conditional
+    write** (If-Match on the ETag read, If-None-Match: * for the first): two runs appending at
+    once cannot both succeed on one version, so the loser re-reads, re-verifies and appends
+    after the winner's line — the object store's compare-and-swap in place of the local
+    file's lock. The head is advanced the same way and never moved back (a head already past
+    this line, written by a later appender, stays). A crash between the two writes leaves the
+    head one line behind, which the verification accepts (as on disk).
+
+    Args:
+        remote: the data set's `RemoteDir` (its endpoint and region options are boto3's too).
+    """
+
+    ATTEMPTS = 64
+
+    def __init__(self, remote: RemoteDir):
+        self.remote = remote
+        if remote.scheme not in ("s3", "s3a"):
+            raise BudgetError(f"{remote.where(BUDGET_FILE)}: a data set's budget at a URI needs conditional writes "
+                              "(so that two runs never overwrite each other's spending); widedp writes it on "
+                              "s3:// (and S3-compatible servers) only: keep this data set on S3 or a local or "
+                              "shared filesystem")
+        parsed = urllib.parse.urlsplit(remote.uri)
+        options = {k.lower(): v[-1] for k, v in urllib.parse.parse_qs(parsed.query).items()}
+        self.bucket, self.prefix = parsed.netloc, parsed.path.strip("/")
+        endpoint = options.get("endpoint_override")
+        if endpoint and "://" not in endpoint:
+            endpoint = f"{options.get('scheme', 'https')}://{endpoint}"
+        try:
+            import boto3
+        except ImportError:
+            raise BudgetError(f"{remote.where(BUDGET_FILE)}: writing a budget on S3 needs boto3 "
+                              "(pip install 'widedp[s3]')") from None
+        self.client = boto3.client("s3", endpoint_url=endpoint or None, region_name=options.get("region") or None)
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def _get(self, name: str) -> tuple[Optional[bytes], Optional[str]]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            answer = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
+            return answer["Body"].read(), answer["ETag"]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None, None
+            raise BudgetError(f"{self.remote.where(name)}: cannot read it ({exc})") from None
+        except BotoCoreError as exc:
+            raise BudgetError(f"{self.remote.where(name)}: cannot read it ({exc})") from None
+
+    def _put(self, name: str, body: bytes, etag: Optional[str]) -> bool:
+        """Replace `name` if it is still at `etag` (None: only if absent); False when it was not."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=body, **condition)
+            return True
+        except ClientError as exc:
+            error = exc.response.get("Error", {}).get("Code")
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if error in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                return False
+            raise BudgetError(f"{self.remote.where(name)}: cannot append this run's privacy spending ({exc}); "
+                              "every run on a data set is recorded there: give the run write access to it") from None
+        except BotoCoreError as exc:
+            raise BudgetError(f"{self.remote.where(name)}: cannot append this run's privacy spending ({exc})") from None
+
+    def verified(self) -> tuple[_Verified, Optional[bytes], Optional[str], Optional[str]]:
+        """(the verified budget, the file's bytes, their ETag, the head's ETag)."""
+        head_raw, head_etag = self._get(HEAD_FILE)
+        data, data_etag = self._get(BUDGET_FILE)
+        where, hwhere = self.remote.where(BUDGET_FILE), self.remote.where(HEAD_FILE)
+        head = None if head_raw is None else _parse_head(head_raw, hwhere)
+        return _verify(data, head, where, hwhere), data, data_etag, head_etag
+
+    def append(self, record: dict) -> dict:
+        import random
+        import time
+
+        for attempt in range(self.ATTEMPTS):
+            verified, data, data_etag, head_etag = self.verified()
+            raw, head = _next_line(verified, record)
+            kept = b"" if data is None else data[:data.rfind(b"\n") + 1]  # a torn tail is not a record
+            if self._put(BUDGET_FILE, kept + raw + b"\n", data_etag):
+                self._advance_head(head, head_etag)
+                return {**head, "path": self.remote.where(BUDGET_FILE)}
+            time.sleep(random.uniform(0, min(1.0, 0.01 * 2 ** min(attempt, 7))))  # another run appended: again
+        raise BudgetError(f"{self.remote.where(BUDGET_FILE)}: other runs kept appending; this run's spending was not "
+                          f"recorded after {self.ATTEMPTS} attempts (nothing trained): start it again")
+
+    def _advance_head(self, head: dict, etag: Optional[str]) -> None:
+        body = (json.dumps(head, sort_keys=True) + "\n").encode()
+        for _ in range(self.ATTEMPTS):
+            if self._put(HEAD_FILE, body, etag):
+                return
+            current, etag = self._get(HEAD_FILE)
+            if current is not None and _parse_head(current, self.remote.where(HEAD_FILE))["lines"] >= head["lines"]:
+                return  # a later append's head (it appended after this line): never moved back
+        raise BudgetError(f"{self.remote.where(HEAD_FILE)}: could not advance the budget's head past line "
+                          f"{head['lines']} (other runs kept replacing it); the line is recorded")
+
+
+def _has_budget(dataset_dir) -> bool:
+    remote = remote_dir(dataset_dir)
+    if remote is not None:
+        return _ObjectBudget(remote)._get(BUDGET_FILE)[0] is not None
+    return budget_path(dataset_dir).exists()
 
 
 def _drop_torn_tail(fd: int, path: Path) -> None:
@@ -291,19 +441,19 @@ def check_recorded_head(dataset_dir, recorded: Optional[dict], what: str) -> Non
     if not recorded:
         return  # a checkpoint of an older widedp
     verified = _verified(dataset_dir)
-    path = budget_path(dataset_dir)
+    path = budget_location(dataset_dir)
     recorded_path = recorded.get("path")
     if not verified.extends(recorded):
-        where = f" (it recorded {recorded_path})" if recorded_path and recorded_path != str(path.absolute()) else ""
+        where = f" (it recorded {recorded_path})" if recorded_path and recorded_path != path else ""
         raise BudgetError(f"{path}: does not hold this run's earlier spending ({what} records the budget at line "
                           f"{recorded.get('lines')}, digest {str(recorded.get('digest'))[:12]}…, budget id "
                           f"{recorded.get('budget_id')}){where}: the budget file was replaced or truncated, or "
                           f"data.path is a copy of the data set the run started on; resume on that data set")
-    if recorded_path and recorded_path != str(path.absolute()):
-        original = Path(recorded_path).parent
+    if recorded_path and recorded_path != path:
+        original = str(recorded_path).rsplit("/", 1)[0]  # a URI's options are not recorded: read with the defaults
         try:
-            other = _verified(original) if budget_path(original).exists() else None
-        except BudgetError:
+            other = _verified(original) if _has_budget(original) else None
+        except (BudgetError, DataError, OSError):
             other = None
         if other is not None and other.budget_id == verified.budget_id:
             raise BudgetError(f"{path}: data.path is a copy of {original}, where this run's spending is recorded "
@@ -321,7 +471,7 @@ def check_run(dataset_dir, lineage: list, key_id: Optional[str], ledger_file, re
     together — is not refused here: it is a fork of the run from that state, whose own ledger
     states its model's ε exactly; the session it forked from keeps its lines, so `models` counts
     both — the restored session starts behind where that one ended.)"""
-    if not budget_path(dataset_dir).exists():
+    if not _has_budget(dataset_dir):
         return
     mine = tuple(lineage)
     for number, record in enumerate(_verified(dataset_dir).records, start=1):
@@ -331,7 +481,7 @@ def check_run(dataset_dir, lineage: list, key_id: Optional[str], ledger_file, re
         signed = record.get("ledger_key_id")
         if signed is not None and signed != key_id:
             state = "unsigned" if key_id is None else f"signed with key id {key_id}"
-            raise BudgetError(f"{ledger_file}: the run's records are {state}, but {budget_path(dataset_dir)} line "
+            raise BudgetError(f"{ledger_file}: the run's records are {state}, but {budget_location(dataset_dir)} line "
                               f"{number} records its session {lin[-1][:12]}… as signed with ledger key id {signed}: "
                               f"they were replaced; {remedy}")
 
@@ -386,8 +536,12 @@ def models(records: list[dict]) -> list[dict]:
 
 def summary(dataset_dir) -> dict:
     """Per-model spending (each lineage not superseded, its latest line) and the basic-composition total."""
-    path = budget_path(dataset_dir)
-    if not (Path(dataset_dir) / "dataset.json").exists() and not (Path(dataset_dir) / "partitions.json").exists():
+    path = budget_location(dataset_dir)
+    remote = remote_dir(dataset_dir)
+    if remote is not None:
+        if not remote.exists("partitions.json"):
+            raise ValueError(f"{dataset_dir}: no partitions.json (not a partitioned widedp data set)")
+    elif not (local_path(dataset_dir) / "dataset.json").exists() and not (local_path(dataset_dir) / "partitions.json").exists():
         raise ValueError(f"{dataset_dir}: no dataset.json or partitions.json (not a widedp data set directory)")
     verified = _verified(dataset_dir)
     latest = models(verified.records)

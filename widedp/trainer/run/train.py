@@ -66,7 +66,8 @@ from widedp.trainer import strict_json
 from widedp.trainer.run import budget as dataset_budget
 from widedp.trainer.config import semantics as run_semantics
 from widedp.trainer.config import Config, lazy_dpsgd_noise, saved_config
-from widedp.trainer.data.format.partitioned import any_dataset_identity, is_partitioned
+from widedp.trainer.data.format.partitioned import any_dataset_identity, is_partitioned, require_local
+from widedp.trainer.data.format.remote import local_path
 from widedp.trainer.data.format.dataset import split_rule
 from widedp.trainer.engine import Engine, StepStats
 from widedp.trainer.engine.layout import FeatureSpec, ShardLayout, TableSpec
@@ -116,9 +117,10 @@ def _ensure_dataset(cfg: Config):
     from widedp.trainer import data as data_mod
     from widedp.trainer.data.synthetic.generators import SYNTHETIC_DATASETS
 
-    path = Path(cfg.data.path)
-    if is_partitioned(path):
-        return _open_partitioned(cfg, path)
+    if is_partitioned(cfg.data.path):
+        return _open_partitioned(cfg, cfg.data.path)
+    require_local(cfg.data.path)  # a data set at a URI is a partitioned one
+    path = local_path(cfg.data.path)
     synthetic = SYNTHETIC_DATASETS.get(cfg.data.synth) if cfg.data.synth else None
     if cfg.data.synth and synthetic is None:
         raise ValueError(f"data.synth must be empty or one of {sorted(SYNTHETIC_DATASETS)}, got {cfg.data.synth!r}")
@@ -141,7 +143,7 @@ def _ensure_dataset(cfg: Config):
     return data_mod.open_dataset(path, test_fraction=cfg.data.test_fraction, seed=cfg.data.seed)
 
 
-def _open_partitioned(cfg: Config, path: Path):
+def _open_partitioned(cfg: Config, path: str):
     """(the coordinator's handle on a partitioned training set, its test split): the trainers
     open their own parts; refused here, naming the setting, is what would read training
     examples at the coordinator."""
@@ -160,10 +162,11 @@ def _open_partitioned(cfg: Config, path: Path):
     if refused:
         raise ValueError(f"data.path {path} is a partitioned data set (each trainer reads only its own parts); "
                          f"not available with it: {'; '.join(refused)}")
-    train_set = PartitionedTrainSet(path, cfg.privacy.max_examples_per_user if cfg.privacy.unit == "user" else None)
+    train_set = PartitionedTrainSet(path, cfg.privacy.max_examples_per_user if cfg.privacy.unit == "user" else None,
+                                    stage_dir=cfg.data.stage_dir or None)
     log.info("data.path %s is a partitioned data set: its test split is the one written with it (%s); "
-             "data.test_fraction and data.seed are not used", path, train_set.manifest.split)
-    test_set = open_partitioned_test(path)
+             "data.test_fraction and data.seed are not used", train_set.directory, train_set.manifest.split)
+    test_set = open_partitioned_test(path, cfg.data.stage_dir or None)
     if test_set is None:
         raise ValueError(f"data.path {path}: the partitioned data set has no test split (partition a data set with "
                          "a test file, or with --test-fraction > 0)")

@@ -367,7 +367,7 @@ def read_meta(directory) -> DatasetMeta:
     return DatasetMeta.from_dict(read_json_file(path, "not a widedp data set directory?"), str(path))
 
 
-_FOOTER_BYTES = 1 << 20
+FOOTER_BYTES = 1 << 20
 
 
 def dataset_identity(directory) -> dict:
@@ -397,7 +397,7 @@ def dataset_identity(directory) -> dict:
 def _size_and_footer(path: Path) -> tuple[int, bytes]:
     size = path.stat().st_size
     with open(path, "rb") as fh:
-        fh.seek(max(0, size - _FOOTER_BYTES))
+        fh.seek(max(0, size - FOOTER_BYTES))
         return size, fh.read()
 
 

@@ -44,8 +44,9 @@ import numpy as np
 from widedp.trainer.data._util import missing_directories, remove_empty_directories, splitmix64
 from widedp.trainer.data.errors import DataError
 from widedp.trainer.data.format.store import advise_random_access
-from widedp.trainer.data.format.meta import (DATA_FILE, META_FILE, TEST_FILE, dataset_identity, meta_json,
-                                             read_json_file, read_meta)
+from widedp.trainer.data.format.meta import (DATA_FILE, FOOTER_BYTES, META_FILE, TEST_FILE, DatasetMeta,
+                                             dataset_identity, meta_json, read_json_file, read_meta)
+from widedp.trainer.data.format.remote import RemoteDir, local_path, remote_dir
 
 MANIFEST_FILE = "partitions.json"
 #: the data set's budget (trainer/run/budget.py): copied from the source, so the spending on record
@@ -67,8 +68,12 @@ def part_dir(index: int) -> str:
 
 
 def is_partitioned(directory) -> bool:
-    """Whether `directory` holds a partitioned data set (its manifest)."""
-    return (Path(os.fspath(directory)) / MANIFEST_FILE).is_file()
+    """Whether `directory` (a local path, or a URI: trainer/data/format/remote.py) holds a
+    partitioned data set (its manifest)."""
+    remote = remote_dir(directory)
+    if remote is not None:
+        return remote.exists(MANIFEST_FILE)
+    return (local_path(directory) / MANIFEST_FILE).is_file()
 
 
 def part_of(keys: np.ndarray, num_parts: int) -> np.ndarray:
@@ -167,26 +172,77 @@ def _count(x) -> bool:
 
 
 def read_manifest(directory) -> PartitionManifest:
-    """The manifest of the partitioned data set in `directory`; DataError naming the file."""
-    path = Path(os.fspath(directory)) / MANIFEST_FILE
-    return PartitionManifest.from_dict(read_json_file(path, "not a partitioned widedp data set"), str(path))
+    """The manifest of the partitioned data set in `directory` (a local path or a URI);
+    DataError naming the file."""
+    missing = "not a partitioned widedp data set"
+    remote = remote_dir(directory)
+    if remote is not None:
+        return PartitionManifest.from_dict(remote.read_json(MANIFEST_FILE, missing), remote.where(MANIFEST_FILE))
+    path = local_path(directory) / MANIFEST_FILE
+    return PartitionManifest.from_dict(read_json_file(path, missing), str(path))
+
+
+def read_part_meta(directory, manifest: PartitionManifest, index: int = 0) -> DatasetMeta:
+    """The metadata (dataset.json) of part `index`, read where the data set is (nothing staged)."""
+    remote = remote_dir(directory)
+    rel = f"{manifest.parts[index].directory}/{META_FILE}"
+    if remote is not None:
+        return DatasetMeta.from_dict(remote.read_json(rel, "not a widedp data set directory?"), remote.where(rel))
+    return read_meta(local_path(directory) / manifest.parts[index].directory)
 
 
 def partitioned_identity(directory) -> dict:
     """What identifies a partitioned data set's contents: the manifest's sha256 and every
-    part's (and the test split's) `dataset_identity`, digested; DataError naming what is missing."""
-    directory = Path(os.fspath(directory))
+    part's (and the test split's) `dataset_identity`, digested; DataError naming what is missing.
+    At a URI the same digest is computed from the remote objects (their dataset.json, sizes and
+    Parquet footers), so a data set and its upload have one identity."""
+    remote = remote_dir(directory)
     manifest = read_manifest(directory)
-    digest = hashlib.sha256((directory / MANIFEST_FILE).read_bytes())
-    for d in [p.directory for p in manifest.parts] + ([manifest.test_directory] if manifest.test_directory else []):
-        digest.update(json.dumps(dataset_identity(directory / d), sort_keys=True).encode())
+    dirs = [p.directory for p in manifest.parts] + ([manifest.test_directory] if manifest.test_directory else [])
+    if remote is not None:
+        digest = hashlib.sha256(remote.read_bytes(MANIFEST_FILE))
+        for d in dirs:
+            digest.update(json.dumps(remote_dataset_identity(remote, d), sort_keys=True).encode())
+    else:
+        local = local_path(directory)
+        digest = hashlib.sha256((local / MANIFEST_FILE).read_bytes())
+        for d in dirs:
+            digest.update(json.dumps(dataset_identity(local / d), sort_keys=True).encode())
     return {"partitioned": True, "num_parts": manifest.num_parts, "num_examples": manifest.num_examples,
             "partitions_sha256": digest.hexdigest()}
 
 
+def remote_dataset_identity(remote: RemoteDir, rel: str) -> dict:
+    """`dataset_identity` of the data set directory `rel` at a URI (the same fields and values)."""
+    meta_bytes = remote.read_bytes(f"{rel}/{META_FILE}")
+    size, tail = remote.size_and_footer(f"{rel}/{DATA_FILE}", FOOTER_BYTES)
+    test = None
+    if remote.exists(f"{rel}/{TEST_FILE}"):
+        test_size, test_tail = remote.size_and_footer(f"{rel}/{TEST_FILE}", FOOTER_BYTES)
+        test = {"test_bytes": test_size, "test_footer_sha256": hashlib.sha256(test_tail).hexdigest()}
+    try:
+        num_examples = json.loads(meta_bytes).get("num_examples")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise DataError(f"{remote.where(rel + '/' + META_FILE)}: malformed JSON: {exc}") from None
+    return {"dataset_json_sha256": hashlib.sha256(meta_bytes).hexdigest(), "num_examples": num_examples,
+            "data_bytes": size, "data_footer_sha256": hashlib.sha256(tail).hexdigest(), **(test or {})}
+
+
 def any_dataset_identity(directory) -> dict:
     """`partitioned_identity` of a partitioned data set, else `dataset_identity`."""
-    return partitioned_identity(directory) if is_partitioned(directory) else dataset_identity(directory)
+    if is_partitioned(directory):
+        return partitioned_identity(directory)
+    require_local(directory)
+    return dataset_identity(local_path(directory))
+
+
+def require_local(directory) -> None:
+    """DataError unless `directory` is local: only a partitioned data set is read from a URI."""
+    remote = remote_dir(directory)
+    if remote is not None:
+        raise DataError(f"{remote.where(MANIFEST_FILE)}: missing; a data set at a URI must be a partitioned one "
+                        "(`widedp convert partition` it, then `widedp convert upload` the result), each trainer "
+                        "staging only its own parts")
 
 
 # ---- writing ----------------------------------------------------------------------------------------
@@ -349,7 +405,7 @@ def open_part(directory, index: int):
     memory-mapped columns advised for random access (`advise_random_access`)."""
     from widedp.trainer.data.format.dataset import open_dataset
 
-    directory = Path(os.fspath(directory))
+    directory = local_path(directory)
     manifest = read_manifest(directory)
     if not 0 <= index < manifest.num_parts:
         raise ValueError(f"{directory}: no part {index} (it has {manifest.num_parts})")
@@ -361,15 +417,17 @@ def open_part(directory, index: int):
     return train
 
 
-def open_partitioned_test(directory):
-    """The held-out split of a partitioned data set (None when it has none)."""
+def open_partitioned_test(directory, stage_dir=None):
+    """The held-out split of a partitioned data set (None when it has none); at a URI staged
+    into `stage_dir` first (trainer/data/format/remote.py)."""
     from widedp.trainer.data.format.dataset import open_dataset
 
-    directory = Path(os.fspath(directory))
     manifest = read_manifest(directory)
     if manifest.test_directory is None:
         return None
-    test, _ = open_dataset(directory / manifest.test_directory, test_fraction=0.0)
+    remote = remote_dir(directory)
+    local = remote.stage([manifest.test_directory], stage_dir) if remote is not None else local_path(directory)
+    test, _ = open_dataset(local / manifest.test_directory, test_fraction=0.0)
     test.name = "test"
     return test
 

@@ -1,0 +1,310 @@
+"""A partitioned data set in object storage (or any filesystem pyarrow reaches), named by a URI:
+``data.path = "s3://bucket/prefix"`` — with ``?endpoint_override=HOST:PORT&scheme=http`` (and
+``region=``) for an S3-compatible server; credentials come from the environment (the AWS chain:
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, a profile or an instance role), never the URI,
+because the URI is written into the run's records.
+
+The layout at the URI is the one `widedp convert partition` writes on a local disk
+(trainer/data/format/partitioned.py): ``partitions.json``, ``part-NNNNN/``, ``test/`` and the data
+set's budget. Nothing is decoded remotely: a reader **stages** the directories it needs — a
+trainer its own parts, the coordinator the test split — into a local directory
+(`stage`, ``data.stage_dir``; default ``$WIDEDP_STAGE_DIR`` or ``~/.cache/widedp/staged``) and
+opens the local copy as it opens any part (decoded once into the memory-mapped column store,
+read at the sampled rows each step). The I/O a step costs is therefore the local part's, and
+the object store is read once per part and node: a whole part on first use, and again only when
+the object listing (every file's size and modification time) changed. A staged copy is written
+into a temporary sibling and renamed, so an interrupted download is never opened.
+
+``file:///abs/path`` names a local directory and is opened as one.
+
+Privacy assumption: none here — this module moves bytes. What a reader may read is decided by
+its caller (a trainer stages only its own parts: trainer/data/partitioned_training.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import urllib.parse
+import uuid
+from pathlib import Path
+from typing import Iterator, Optional
+
+from widedp.trainer.data.errors import DataError
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: query parameters that would carry a secret into the run's records
+_SECRET_PARAMS = ("access_key", "secret_key", "session_token")
+CACHE_DIR = ".widedp-cache"
+STAGED_MARK = ".staged.json"
+_CHUNK = 8 << 20
+
+
+def is_uri(path) -> bool:
+    """Whether `path` names a remote location (a URI other than file://)."""
+    match = _SCHEME.match(str(path)) if isinstance(path, str) else None
+    return match is not None and match.group(1).lower() != "file"
+
+
+def local_path(path) -> Path:
+    """`path` as a local Path: a file:// URI's path, else the path itself."""
+    text = os.fspath(path)
+    if isinstance(text, str) and text.lower().startswith("file://"):
+        parsed = urllib.parse.urlparse(text)
+        if parsed.netloc not in ("", "localhost"):
+            raise DataError(f"{text}: a file:// URI names a path on this machine (file:///abs/path), "
+                            f"not on host {parsed.netloc!r}")
+        return Path(urllib.parse.unquote(parsed.path))
+    return Path(text)
+
+
+def default_stage_root() -> Path:
+    return Path(os.environ.get("WIDEDP_STAGE_DIR") or Path.home() / ".cache" / "widedp" / "staged")
+
+
+class RemoteDir:
+    """A directory at a URI, read through pyarrow's filesystems.
+
+    Args:
+        uri: ``scheme://bucket/prefix[?options]`` (pyarrow's `FileSystem.from_uri` options).
+    """
+
+    def __init__(self, uri: str):
+        self.uri = str(uri)
+        parsed = urllib.parse.urlsplit(self.uri)
+        if parsed.username or parsed.password:
+            raise DataError(f"{self._shown()}: credentials in a data set's URI would be written into every run's "
+                            "records; set them in the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a "
+                            "profile or an instance role)")
+        secret = sorted(k for k in urllib.parse.parse_qs(parsed.query) if k.lower() in _SECRET_PARAMS)
+        if secret:
+            raise DataError(f"{self._shown()}: the URI carries {', '.join(secret)}; credentials would be written "
+                            "into every run's records: set them in the environment instead")
+        self.scheme = parsed.scheme.lower()
+        self.query = parsed.query
+        self.base_uri = urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, parsed.path.rstrip("/"), "", ""))
+        self._fs = None
+        self._root = ""
+
+    def _shown(self) -> str:
+        parsed = urllib.parse.urlsplit(self.uri)
+        host = parsed.hostname or ""
+        return urllib.parse.urlunsplit((parsed.scheme, host, parsed.path, "", ""))
+
+    def __repr__(self) -> str:
+        return f"RemoteDir({self.uri})"
+
+    def __str__(self) -> str:
+        return self.uri
+
+    def where(self, rel: str) -> str:
+        """The URI of `rel` inside this directory (as shown in messages: without the options)."""
+        return f"{self.base_uri}/{rel}" if rel else self.base_uri
+
+    def filesystem(self):
+        """(pyarrow FileSystem, this directory's path in it); DataError naming the URI."""
+        if self._fs is None:
+            import pyarrow.fs as pafs
+
+            try:
+                self._fs, self._root = pafs.FileSystem.from_uri(self.uri)
+            except (ValueError, OSError, TypeError) as exc:
+                raise DataError(f"{self.uri}: not a location pyarrow's filesystems can open ({exc})") from None
+            self._root = self._root.rstrip("/")
+        return self._fs, self._root
+
+    def _path(self, rel: str) -> str:
+        _, root = self.filesystem()
+        return f"{root}/{rel}" if rel else root
+
+    def exists(self, rel: str) -> bool:
+        import pyarrow.fs as pafs
+
+        fs, _ = self.filesystem()
+        try:
+            return fs.get_file_info(self._path(rel)).type == pafs.FileType.File
+        except OSError as exc:
+            raise DataError(f"{self.where(rel)}: cannot reach it ({exc})") from None
+
+    def read_bytes(self, rel: str, missing: str = "missing") -> bytes:
+        """The whole file `rel`; DataError naming its URI when it is missing or unreadable."""
+        fs, _ = self.filesystem()
+        try:
+            with fs.open_input_stream(self._path(rel)) as stream:
+                return stream.read()
+        except FileNotFoundError:
+            raise DataError(f"{self.where(rel)}: {missing}") from None
+        except OSError as exc:
+            if "not found" in str(exc).lower() or "nosuchkey" in str(exc).lower():
+                raise DataError(f"{self.where(rel)}: {missing}") from None
+            raise DataError(f"{self.where(rel)}: cannot read ({exc})") from None
+
+    def read_json(self, rel: str, missing: str) -> object:
+        data = self.read_bytes(rel, f"missing ({missing})")
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DataError(f"{self.where(rel)}: malformed JSON: {exc}") from None
+
+    def size_and_footer(self, rel: str, footer_bytes: int) -> tuple[int, bytes]:
+        fs, _ = self.filesystem()
+        try:
+            with fs.open_input_file(self._path(rel)) as fh:
+                size = fh.size()
+                return size, fh.read_at(min(size, footer_bytes), max(0, size - footer_bytes))
+        except FileNotFoundError:
+            raise DataError(f"{self.where(rel)}: missing") from None
+        except OSError as exc:
+            raise DataError(f"{self.where(rel)}: cannot read ({exc})") from None
+
+    def listing(self, rel_dir: str) -> list[list]:
+        """[relative path, size, mtime in ns] of every file under `rel_dir` (sorted; the decoded
+        cache left by a local conversion excluded); DataError when there is none."""
+        import pyarrow.fs as pafs
+
+        fs, _ = self.filesystem()
+        base = self._path(rel_dir)
+        try:
+            infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+        except OSError as exc:
+            raise DataError(f"{self.where(rel_dir)}: cannot list it ({exc})") from None
+        out = []
+        for info in infos:
+            if info.type != pafs.FileType.File:
+                continue
+            rel = info.path[len(base):].lstrip("/")
+            if rel.split("/")[0] in (CACHE_DIR, STAGED_MARK) or ".." in rel.split("/"):
+                continue
+            out.append([rel, int(info.size), int(info.mtime_ns or 0)])
+        if not out:
+            raise DataError(f"{self.where(rel_dir)}: no files there (upload the whole partitioned data set: "
+                            "`widedp convert upload`)")
+        return sorted(out)
+
+    def stage(self, rel_dirs: list[str], stage_root=None) -> Path:
+        """A local directory holding this data set's manifest and the directories `rel_dirs`, each
+        a copy of its files at the URI (downloaded when missing or when the listing changed);
+        returns it. DataError naming the URI or the local directory."""
+        root = Path(stage_root) if stage_root else default_stage_root()
+        local = root / hashlib.sha256(self.base_uri.encode()).hexdigest()[:24]
+        try:
+            local.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DataError(f"{local}: cannot create the staging directory for {self.base_uri} "
+                            f"({exc.strerror or exc}); set data.stage_dir to a writable local directory") from None
+        from widedp.trainer.data.format.partitioned import MANIFEST_FILE
+
+        with _locked(local / ".lock"):
+            manifest = self.read_bytes(MANIFEST_FILE, "missing (not a partitioned widedp data set)")
+            _replace_file(local / MANIFEST_FILE, manifest)
+            (local / "source.txt").write_text(self.base_uri + "\n", encoding="utf-8")
+            for rel in rel_dirs:
+                self._stage_dir(rel, local)
+        return local
+
+    def _stage_dir(self, rel: str, local: Path) -> None:
+        want = self.listing(rel)
+        target = local / rel
+        mark = target / STAGED_MARK
+        try:
+            if json.loads(mark.read_text(encoding="utf-8")) == want:
+                return  # staged, and the remote files are the ones staged
+        except (OSError, ValueError):
+            pass
+        fs, _ = self.filesystem()
+        tmp = local / f".{rel}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            for name, size, _ in want:
+                dest = tmp / name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                copied = 0
+                with fs.open_input_stream(f"{self._path(rel)}/{name}") as src, open(dest, "wb") as out:
+                    while True:
+                        chunk = src.read(_CHUNK)
+                        if not chunk:
+                            break
+                        out.write(chunk)
+                        copied += len(chunk)
+                if copied != size:
+                    raise DataError(f"{self.where(rel + '/' + name)}: read {copied} bytes, the listing says {size} "
+                                    "(the object changed while it was staged: try again)")
+            (tmp / STAGED_MARK).write_text(json.dumps(want), encoding="utf-8")
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise DataError(f"{self.where(rel)}: cannot stage it into {target} ({exc})") from None
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replace_file(path: Path, data: bytes) -> None:
+    try:
+        if path.read_bytes() == data:
+            return
+    except OSError:
+        pass
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One stager of a staging directory at a time (processes on one node share it)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remote_dir(path) -> Optional[RemoteDir]:
+    """A `RemoteDir` when `path` is a remote URI, else None."""
+    return RemoteDir(path) if is_uri(path) else None
+
+
+def upload(source, uri: str) -> list[str]:
+    """Copy the local partitioned data set `source` to `uri` (every file but the decoded caches
+    and the lock), the manifest last, so a reader never sees a manifest whose parts are not all
+    there; refused when `uri` already holds a manifest. Returns the relative paths copied."""
+    from widedp.trainer.data.format.partitioned import MANIFEST_FILE, read_manifest
+
+    source = local_path(source)
+    read_manifest(source)  # a partitioned data set, or DataError naming its manifest
+    target = RemoteDir(uri)
+    if target.exists(MANIFEST_FILE):
+        raise DataError(f"{target.where(MANIFEST_FILE)}: a data set is there already; a data set is never "
+                        "overwritten (its budget would be lost): upload to another prefix")
+    fs, root = target.filesystem()
+    files = sorted(p for p in source.rglob("*") if p.is_file() and CACHE_DIR not in p.relative_to(source).parts
+                   and p.name != "privacy_budget.lock")
+    ordered = [p for p in files if p.name != MANIFEST_FILE] + [source / MANIFEST_FILE]
+    copied: list[str] = []
+    try:
+        for path in ordered:
+            rel = path.relative_to(source).as_posix()
+            try:
+                fs.create_dir(f"{root}/{rel}".rsplit("/", 1)[0], recursive=True)
+                with open(path, "rb") as src, fs.open_output_stream(f"{root}/{rel}") as out:
+                    while True:
+                        chunk = src.read(_CHUNK)
+                        if not chunk:
+                            break
+                        out.write(chunk)
+            except OSError as exc:
+                raise DataError(f"{target.where(rel)}: cannot write it ({exc})") from None
+            copied.append(rel)
+    except BaseException:
+        for rel in copied:  # nothing half-uploaded is left (the manifest, written last, is never among them)
+            with contextlib.suppress(OSError):
+                fs.delete_file(f"{root}/{rel}")
+        raise
+    return copied
