@@ -50,7 +50,7 @@ RUN_VARIANTS.update({f"phase_breakdown_compiled_{tag}": ("phase_breakdown.py", [
     for tag, b, extra in (("1k", 1024, []), ("4k", 4096, ["--steps", "15", "--warmup", "3"]),
                           ("16k", 16384, ["--steps", "8", "--warmup", "2"]))})
 RUN_VARIANTS["coordinator_scaling"] = ("trainer_scaling.py", [
-    "--trainers", "1,2,4", "--dense-reduction", "coordinator,trainers", "--partitioned", "--repeats", "2",
+    "--trainers", "1,2,4", "--dense-reduction", "coordinator,trainers", "--partitioned", "--repeats", "3", "--steps", "24",
     "--out", "benchmarks/results/coordinator_scaling.json"])
 RUN_VARIANTS["trainer_scaling_16k"] = ("trainer_scaling.py", [
     "--trainers", "1,2", "--batch", "16384", "--examples", "100000", "--steps", "5", "--repeats", "3",
@@ -510,9 +510,11 @@ def section_coordinator_scaling(doc) -> tuple[list, list]:
               "(`cluster.dense_reduction`): trainer 0 leads each round — the coordinator sends it every sample and "
               "the dense parameters once and gets every part back in one answer — and the dense sums are reduced "
               "to it over gloo. Coordinator CPU: the driver process's CPU seconds per timed step (its Ray client "
-              "threads included); on 2 cores every process shares them, so wall clock is not the claim.", "",
-              "| system | step ms | coordinator CPU ms/step | vs N = 1 | coordinator bytes to/from shards per step |",
-              "|---|---:|---:|---:|---:|"]
+              "threads included); of which main thread: the engine's own work and the serialization of its calls "
+              "(the rest is Ray's transport threads). On 2 cores every process shares them, so wall clock is not "
+              "the claim.", "",
+              "| system | step ms | coordinator CPU ms/step | of which main thread | vs N = 1 | coordinator bytes to/from shards per step |",
+              "|---|---:|---:|---:|---:|---:|"]
     one = next((r for r in ok if r["num_trainers"] == 1), None)
     by_reduction: dict = {}
     for r in ok:
@@ -522,11 +524,12 @@ def section_coordinator_scaling(doc) -> tuple[list, list]:
         for key in ("coordinator", "trainers") if reduction == "both" else (reduction,):
             by_reduction.setdefault(key, {})[r["num_trainers"]] = cpu
         c = r["coordinator_bytes_per_step"]
-        lines.append(f"| {label} | {f(r['step_ms_median'])} | {f(cpu)} | "
+        main = r.get("coordinator_main_thread_cpu_ms_per_step")
+        lines.append(f"| {label} | {f(r['step_ms_median'])} | {f(cpu)} | {f(main) if main is not None else '–'} | "
                      f"{f(cpu / one['coordinator_cpu_ms_per_step']) + '×' if one else '–'} | {fmt_bytes(c['to'] + c['from'])} |")
     for r in doc["results"]:
         if "error" in r:
-            lines.append(f"| {r['label']} | FAILED: {r['error'][:80]} | | | |")
+            lines.append(f"| {r['label']} | FAILED: {r['error'][:80]} | | | | |")
     for key in ("coordinator", "trainers"):
         cpu = by_reduction.get(key, {})
         name = (f"The coordinator's CPU per step flat in N (largest ≤ 1.3× smallest over N), dense part "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import math
 import statistics
 import sys
 import time
@@ -84,6 +85,7 @@ def measure(spec: dict) -> dict:
         coord0 = engine.shards.bytes_to_shards, engine.shards.bytes_from_shards
         per_trainer0 = engine.trainers.shard_bytes()
         shard_cpu0, machine0, coordinator0 = shard_cpu_seconds(engine.shards), machine_busy_seconds(), time.process_time()
+        main_thread0 = time.thread_time()
         times, batch, cpu = [], [], []
         for _ in range(int(spec["steps"])):
             start = time.perf_counter()
@@ -93,6 +95,7 @@ def measure(spec: dict) -> dict:
             cpu.append(stats.trainer_cpu_s)
         n = len(times)
         coordinator_cpu = (time.process_time() - coordinator0) / n
+        main_thread_cpu = (time.thread_time() - main_thread0) / n
         machine_cpu = (machine_busy_seconds() - machine0) / n
         shard_cpu = [(b - a) / n for a, b in zip(shard_cpu0, shard_cpu_seconds(engine.shards))]
         traffic1 = engine.shard_traffic()
@@ -117,6 +120,9 @@ def measure(spec: dict) -> dict:
             # actor's process (empty in-process), and the whole machine (/proc/stat: every process,
             # Ray's daemons included — meaningful on an otherwise idle machine only)
             "coordinator_cpu_ms_per_step": 1e3 * coordinator_cpu, "shard_cpu_ms_per_step": [1e3 * c for c in shard_cpu],
+            # of which the driver's main thread (the engine's own work, serialization of calls
+            # included); the rest is its Ray client threads' (transport)
+            "coordinator_main_thread_cpu_ms_per_step": 1e3 * main_thread_cpu,
             "machine_cpu_ms_per_step": 1e3 * machine_cpu,
         }
     finally:
@@ -158,6 +164,8 @@ def merge_repeats(reps: list[dict]) -> dict:
     out.update(step_ms=steps, step_ms_median=med, steps_timed=len(steps), batch_mean=batch,
                examples_per_sec=batch / (med / 1e3), repeat_step_ms_medians=[r["step_ms_median"] for r in reps],
                coordinator_cpu_ms_per_step=mean([r["coordinator_cpu_ms_per_step"] for r in reps]),
+               coordinator_main_thread_cpu_ms_per_step=mean([r.get("coordinator_main_thread_cpu_ms_per_step", math.nan)
+                                                             for r in reps]),
                machine_cpu_ms_per_step=mean([r["machine_cpu_ms_per_step"] for r in reps]),
                shard_cpu_ms_per_step=[mean(c) for c in zip(*[r["shard_cpu_ms_per_step"] for r in reps])],
                wall_s=sum(r["wall_s"] for r in reps), build_s=mean([r["build_s"] for r in reps]))

@@ -237,7 +237,7 @@ def test_a_run_on_the_parts_computes_what_the_run_on_the_whole_data_set_does(ctr
 
 def test_train_refuses_what_would_read_training_examples_at_the_coordinator(parts_dir):
     cfg = load_config(None, [f"data.path={parts_dir}", *TINY, "data.validation_fraction=0.1"]).validate()
-    with pytest.raises(ValueError, match="partitioned data set .*data.validation_fraction.*train.recalibrate"):
+    with pytest.raises(ValueError, match="partitioned data set .*data.validation_fraction"):
         build_run(cfg)
     cfg = load_config(None, [f"data.path={parts_dir}", *TINY, "train.recalibrate=false", "privacy.unit=user"]).validate()
     with pytest.raises(DataError, match="partitioned by unit"):
@@ -283,7 +283,7 @@ def test_trainer_actors_on_ray_read_their_own_parts_and_the_coordinator_none(par
     import sys
 
     run = tmp_path / "ray_parts"
-    sets = [f"data.path={parts_dir}", *TINY, "train.recalibrate=false", "cluster.backend=ray",
+    sets = [f"data.path={parts_dir}", *TINY, "train.recalibrate=true", "cluster.backend=ray",
             "cluster.num_trainers=2", "cluster.cpus_per_trainer=0.25", "cluster.cpus_per_shard=0.25",
             "train.steps=3", "privacy.target_epsilon=8"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -298,6 +298,39 @@ def test_trainer_actors_on_ray_read_their_own_parts_and_the_coordinator_none(par
     assert summary["trainer_actors"] and summary["steps"] == 3
     assert summary["partitions"] == {"parts": 4, "partition_by": "example", "trainer_parts": [[0, 2], [1, 3]]}
     assert 0.0 < summary["test_metrics"]["auc"] < 1.0
+    assert summary["recalibration"]["a"] > 0  # counted by the trainers: the coordinator decoded no part
+
+
+@pytest.mark.parametrize("unit", ["example", "user"])
+def test_the_trainers_recalibration_counts_are_the_whole_training_sets(ctr_dir, parts_dir, user_logs_dir, tmp_path,
+                                                                       unit):
+    """The recalibration's exact counts, added over the trainers' parts, against the slow obvious
+    reference: the coordinator scoring every example of every part (user level: weighted 1/m)."""
+    from widedp.trainer.engine.recalibration import BINS, LOGIT_CLIP, exact_histogram, unit_weights
+
+    path, extra = parts_dir, ["privacy.target_epsilon=8"]
+    if unit == "user":
+        path = tmp_path / "users"
+        write_partitioned(user_logs_dir, path, 3, partition_by="unit")
+        extra = ["privacy.unit=user", "privacy.max_examples_per_user=4", "train.batch_size=80", "privacy.target_epsilon=8"]
+    cfg = load_config(None, [f"data.path={path}", *TINY, "train.recalibrate=true", "cluster.num_trainers=2",
+                             *extra]).validate()
+    with build_run(cfg) as run:
+        run.run(2)
+        engine = run.engine
+        params = engine.dense.released_params(False)
+        parts = engine.trainers.score_histograms(params, False, 256, BINS, LOGIT_CLIP, unit == "user")
+        every = PartsView([open_part(path, j) for j in range(read_manifest(path).num_parts)])
+        logits, labels = (t.double().numpy().ravel() for t in engine.outputs(every, 256, averaged=False))
+        weights = None
+        if unit == "user":
+            weights = unit_weights(np.unique(every.units(), return_inverse=True)[1])
+        totals, positives = exact_histogram(logits, labels, BINS, LOGIT_CLIP, weights)
+        np.testing.assert_allclose(sum(t for t, _ in parts), totals, atol=1e-9)
+        np.testing.assert_allclose(sum(p for _, p in parts), positives, atol=1e-9)
+        assert totals.sum() == pytest.approx(read_manifest(path).num_units if unit == "user" else len(every))
+        released = run.recalibrate()
+        assert released["a"] > 0 and engine.recalibrated_at == 2
 
 
 def test_user_level_run_on_unit_parts_samples_users_in_their_parts(user_logs_dir, tmp_path):

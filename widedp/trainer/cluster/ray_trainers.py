@@ -293,6 +293,12 @@ class RayTrainers(TrainerGroup):
         self._gather([actor.load_sampler_state.remote(s) for actor, s in zip(self.actors, states)],
                      "load_sampler_state")
 
+    def score_histograms(self, dense_params, *args):
+        import ray
+
+        params = ray.put(dense_params)  # once for every trainer
+        return self._gather([actor.score_histogram.remote(params, *args) for actor in self.actors], "score_histogram")
+
     def shard_bytes(self):
         return self._gather([actor.shard_bytes.remote() for actor in self.actors], "shard_bytes")
 

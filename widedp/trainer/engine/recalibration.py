@@ -9,6 +9,8 @@ so one example moves the 2·bins-vector (totals, positives) by at most √2 in �
 get N(0, (σ√2)²) on every bin: a Gaussian mechanism with noise multiplier σ,
 `GaussianDpEvent(σ)`, charged once (docs/DESIGN.md §1: in the ledger before the model changes).
 The bin edges, the clip, the fit and n are public; the fit reads only the noisy counts.
+With a partitioned data set the trainers count their own parts (`TrainerRole.score_histogram`)
+and the coordinator noises the sum: the same exact counts, so the same mechanism.
 User level (privacy.unit = "user", add/remove one unit with all its examples): each example of a
 unit with m examples is weighted 1/m, so a unit adds at most 1 to the totals and at most 1 to
 the positives in ℓ1, hence at most √2 in ℓ2 again — the same mechanism and event, over units
@@ -120,7 +122,17 @@ def noisy_histogram(logits, labels, noise_multiplier: float, rng: np.random.Gene
     with `weights` = `unit_weights`: ℓ1 ≤ 1 in each vector, so ℓ2 ≤ √2)."""
     if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
         raise ValueError(f"recalibration noise multiplier must be finite and > 0, got {noise_multiplier}")
-    totals, positives = exact_histogram(logits, labels, bins, clip, weights)
+    return noisy_counts(*exact_histogram(logits, labels, bins, clip, weights), noise_multiplier, rng, clip)
+
+
+def noisy_counts(totals, positives, noise_multiplier: float, rng: np.random.Generator,
+                 clip: float = LOGIT_CLIP) -> NoisyHistogram:
+    """The mechanism's noise on exact (totals, positives) per bin (`exact_histogram`'s, or the
+    sum of the trainers' over a partitioned data set): N(0, (σ·√2)²) on every count."""
+    if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
+        raise ValueError(f"recalibration noise multiplier must be finite and > 0, got {noise_multiplier}")
+    totals, positives = np.asarray(totals, dtype=np.float64), np.asarray(positives, dtype=np.float64)
+    bins = totals.size
     std = noise_multiplier * SENSITIVITY
     noise = rng.normal(0.0, std, size=(2, bins))
     edges = bin_edges(bins, clip)
@@ -320,22 +332,31 @@ def recalibrate_engine(engine, train_set, noise_multiplier: float, batch_size: i
     mechanism, so they are released with the model)."""
     import torch
 
-    if getattr(train_set, "partitioned", False):
-        raise ValueError("train.recalibrate reads every training example at the coordinator: not with a partitioned "
-                         "data set (its examples are read by the trainers only); set train.recalibrate = false")
     layer = engine.model.logit_layer()
     if layer is None:
         raise ValueError(f"train.recalibrate needs a model with one logit output, not {type(engine.model).__name__}")
     undo_recalibration(engine)  # the fit reads the training iterate's logits, never an earlier fold's
-    outputs = engine.outputs(train_set, batch_size)
-    if outputs is None:
-        raise ValueError("train.recalibrate: the training split is empty")
-    logits, labels = (t.detach().double().numpy().ravel() for t in outputs)
+    if getattr(train_set, "partitioned", False):
+        # the trainers count their own parts (the coordinator holds no example); the sum of their
+        # exact counts is the whole training set's, noised once below
+        averaged = engine.dense.ema is not None
+        engine.store_pending_noise()  # lazy DP-SGD noise: the rows read as released
+        params = {k: v.detach() for k, v in engine.dense.released_params(averaged).items()}
+        parts = engine.trainers.score_histograms(params, averaged, batch_size, bins, LOGIT_CLIP,
+                                                 bool(train_set.unit_level))
+        exact = (sum(t for t, _ in parts), sum(p for _, p in parts))
+        if not exact[0].sum() > 0:
+            raise ValueError("train.recalibrate: the training split is empty")
+    else:
+        outputs = engine.outputs(train_set, batch_size)
+        if outputs is None:
+            raise ValueError("train.recalibrate: the training split is empty")
+        logits, labels = (t.detach().double().numpy().ravel() for t in outputs)
+        units = getattr(engine, "example_units", None)  # user level: each unit weighs 1 in all
+        exact = exact_histogram(logits, labels, bins, weights=None if units is None else unit_weights(units))
     event = GaussianDpEvent(noise_multiplier)
     engine.budget.charge(event)  # ledger first (docs/DESIGN.md §1): a crash after this only over-counts
-    units = getattr(engine, "example_units", None)  # user level: each unit weighs 1 in all
-    hist = noisy_histogram(logits, labels, noise_multiplier, engine.randomness.recalibration_rng(engine.step_count),
-                           bins=bins, weights=None if units is None else unit_weights(units))
+    hist = noisy_counts(*exact, noise_multiplier, engine.randomness.recalibration_rng(engine.step_count))
     a, b = fit_platt(hist.centers, hist.totals, hist.positives)
     params = engine.dense.released_params()
     names = {id(p): n for n, p in engine.model.named_parameters()}
@@ -377,4 +398,4 @@ def undo_recalibration(engine) -> None:
 
 __all__ = ["BINS", "LOGIT_CLIP", "LogitRange", "MAX_BUDGET_FRACTION", "MAX_TOTAL_NOISE_RATIO", "MIN_BINS", "MIN_SLOPE",
            "RATE_NOISE_TARGET", "auto_bins", "NoisyHistogram", "auto_noise_multiplier",
-           "bin_edges", "exact_histogram", "fit_platt", "install_logit_range", "logit_range", "noise_note", "total_noise_ratio", "noisy_histogram", "recalibrate_engine", "undo_recalibration"]
+           "bin_edges", "exact_histogram", "fit_platt", "install_logit_range", "logit_range", "noise_note", "total_noise_ratio", "noisy_counts", "noisy_histogram", "recalibrate_engine", "undo_recalibration"]

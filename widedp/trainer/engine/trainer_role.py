@@ -325,6 +325,37 @@ class TrainerRole:
         return TrainerPart(losses.detach(), dense_sum, B, row_sums, clock.phases,
                            cpu_before + time.process_time() - cpu)
 
+    @torch.no_grad()
+    def score_histogram(self, dense_params: dict, averaged: bool, batch_size: int, bins: int, clip: float,
+                        unit_weighted: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The recalibration's exact counts (trainer/engine/recalibration.py `exact_histogram`)
+        over this trainer's own examples — its parts of a partitioned data set — scored by the
+        released model (`dense_params`, the shards' rows or, with `averaged`, their averages):
+        (totals, positives) per logit bin, each example weighted 1 or, with `unit_weighted`
+        (user level), 1/m for a unit of m examples (a unit's examples are all in one part, so
+        m is the unit's count there). Nothing is noised here: the coordinator adds the trainers'
+        counts and noises the sum once."""
+        from widedp.trainer.engine.recalibration import exact_histogram, unit_weights
+
+        weights = None
+        if unit_weighted:
+            units = self.train_set.units()
+            if units is None:
+                raise ValueError(f"trainer {self.index}: a user-level recalibration needs its parts' unit column")
+            weights = unit_weights(np.unique(units, return_inverse=True)[1].reshape(-1))
+        totals, positives = np.zeros(bins), np.zeros(bins)
+        start = 0
+        for batch in self.train_set.iter_batches(batch_size):
+            pooled = pooled_lookup(self.layout, self.shards, batch, batch.size, averaged=averaged,
+                                   trainer_arg=self._as())[0]
+            logits = torch.func.functional_call(self.model, dense_params, (torch.from_numpy(pooled), batch.dense))
+            w = None if weights is None else weights[start:start + batch.size]
+            t, p = exact_histogram(logits.double().numpy().ravel(), batch.labels.double().numpy().ravel(), bins, clip, w)
+            totals += t
+            positives += p
+            start += batch.size
+        return totals, positives
+
     def example_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """(offsets, global row ids) per example of this step's batch (count-based selectors
         on the coordinator ask for them); per unit at user level (`rows_by_unit`)."""

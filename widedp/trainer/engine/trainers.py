@@ -57,6 +57,12 @@ class TrainerGroup:
     def load_sampler_states(self, states: list) -> None:
         raise NotImplementedError
 
+    def score_histograms(self, dense_params: dict, averaged: bool, batch_size: int, bins: int, clip: float,
+                         unit_weighted: bool) -> list:
+        """A partitioned data set: every trainer's exact recalibration counts over its own parts
+        (`TrainerRole.score_histogram`), in trainer order."""
+        raise NotImplementedError
+
     @property
     def needs_dense_state(self) -> bool:
         """Whether the trainers hold replicas that must be sent the dense parameters."""
@@ -112,6 +118,9 @@ class InProcessTrainers(TrainerGroup):
             raise ValueError(f"sampler states of {len(states)} trainers, this run has {len(self.roles)}")
         for role, state in zip(self.roles, states):
             role.load_sampler_state(state)
+
+    def score_histograms(self, *args):
+        return [role.score_histogram(*args) for role in self.roles]
 
     def shard_bytes(self):
         return [role.shard_bytes() for role in self.roles]

@@ -152,9 +152,6 @@ def _open_partitioned(cfg: Config, path: str):
 
     unsupported = [(cfg.data.validation_fraction > 0, "data.validation_fraction > 0 (a validation split carved "
                     "from the training data at the coordinator)"),
-                   (cfg.train.recalibrate and cfg.train.mode != "nonprivate",
-                    "train.recalibrate = true (its histogram of the model's scores reads the training set at the "
-                    "coordinator): set train.recalibrate = false"),
                    (cfg.train.selection.startswith("fest") and cfg.train.mode == "sparse",
                     f"train.selection = {cfg.train.selection!r} (DP-FEST's one-time counts read the whole "
                     "training set)")]
