@@ -227,7 +227,7 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
                 sigma=0.8, k=5, seed=0, dim=4, target_epsilon=1e9, second_clip=None, accountant="rdp",
                 lr=0.1, dense_lr=0.05, model="dlrm", sampler=None, dense_optimizer="sgd", init_std=0.3,
                 plan_overrides=None, dense_tables=(), ema_decay=0.0, num_trainers=1,
-                selection_on_shards=False, trainer_actors=False, dense_reduction="coordinator", fuse_selection=True,
+                selection_on_shards=False, trainer_actors=False, dense_reduction="coordinator", lead_fanout=8, fuse_selection=True,
                 example_units=None,
                 group_size=1, data_plane="calls", fold_write_back=None, norms_on_trainer=True, lazy_noise=False):
     """An engine over `ds`. Extras (defaults keep the original behaviour): `sampler` replaces
@@ -266,7 +266,7 @@ def make_engine(ds, *, num_shards=1, mode="sparse", selection="em", backend="loc
     optimizers = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad}
     privacy = None if plan is None else EnginePrivacy(plan, ledger, target_epsilon, group_size=group_size)
     options = EngineOptions(num_trainers=num_trainers, selection_on_shards=selection_on_shards,
-                            trainer_group=ray_trainer_factory(0.25, dense_reduction) if trainer_actors else None,
+                            trainer_group=ray_trainer_factory(0.25, dense_reduction, lead_fanout) if trainer_actors else None,
                             fuse_selection=fuse_selection, norms_on_trainer=norms_on_trainer)
     return Engine(net, layout, shards, ds, SimpleSampler(len(ds), q, seed + 7) if sampler is None else sampler,
                   mode=mode, expected_batch_size=q * len(ds), sample_rate=q,

@@ -82,9 +82,9 @@ def build(ds, batches, *, mode, selection="em", num_shards=1, second_clip=None, 
           optimizer="sgd", dense_optimizer="sgd", model="dlrm", target_epsilon=1e9, seed=SEED, overrides=None,
           dense_tables=(), lr=LR, dense_lr=DENSE_LR, ema_decay=0.0, num_trainers=1, selection_on_shards=False,
           trainer_actors=False, fuse_selection=True, example_units=None, data_plane="calls", fold_write_back=None,
-          norms_on_trainer=True, lazy_noise=False, dense_reduction="coordinator"):
+          norms_on_trainer=True, lazy_noise=False, dense_reduction="coordinator", lead_fanout=8):
     return make_engine(ds, num_shards=num_shards, mode=mode, selection=selection, backend=backend, example_units=example_units,
-                       dense_reduction=dense_reduction,
+                       dense_reduction=dense_reduction, lead_fanout=lead_fanout,
                        data_plane=data_plane, fold_write_back=fold_write_back, norms_on_trainer=norms_on_trainer,
                        lazy_noise=lazy_noise,
                        optimizer=optimizer, dense_optimizer=dense_optimizer, q=Q, seed=seed, dim=DIM,
@@ -693,15 +693,16 @@ def test_a_killed_trainer_or_shard_actor_is_restored_and_the_step_redone(ray_clu
     assert got[3] == ((1, 1, 0) if victim == "trainer" else (1, 0, 1))
 
 
-REDUCTION_CASES = [(2, 2, "threshold"), (3, 2, "em"), (2, 2, "adaptive-threshold-users")]
+# (N, shards, selection, cluster.lead_fanout): fan-out 1 at N = 3 is the deepest tree (0 → 1 → 2)
+REDUCTION_CASES = [(2, 2, "threshold", 8), (3, 2, "em", 8), (2, 2, "adaptive-threshold-users", 8), (3, 2, "em", 1)]
 
 
 @ON_THE_MODULES_RAY
-@pytest.mark.parametrize("num_trainers,num_shards,selection", REDUCTION_CASES,
-                         ids=[f"{n}trainers-{sel}" for n, _, sel in REDUCTION_CASES])
+@pytest.mark.parametrize("num_trainers,num_shards,selection,fanout", REDUCTION_CASES,
+                         ids=[f"{n}trainers-{sel}-fanout{f}" for n, _, sel, f in REDUCTION_CASES])
 def test_trainer_actors_reducing_the_dense_part_among_themselves_equal_the_coordinators_sum(ray_cluster,
                                                                                            num_trainers, num_shards,
-                                                                                           selection):
+                                                                                           selection, fanout):
     """cluster.dense_reduction = "trainers" (trainer/cluster/dense_collective.py): the dense
     clipped sums reduced to trainer 0 over gloo (trainer 0 leading each round) give
     the in-process engine's run — bit for bit with two trainers (one addition, and IEEE
@@ -711,7 +712,8 @@ def test_trainer_actors_reducing_the_dense_part_among_themselves_equal_the_coord
     trainers' shares, at user level."""
     ds, batches, kw = _actor_case(num_trainers, num_shards, selection)
     want = _in_process_run(ds, batches, **kw)
-    engine = build(ds, batches, backend="ray", trainer_actors=True, dense_reduction="trainers", **kw)
+    engine = build(ds, batches, backend="ray", trainer_actors=True, dense_reduction="trainers", lead_fanout=fanout,
+                   **kw)
     carried = []
     parts_of = engine.trainers.parts
 
@@ -723,6 +725,13 @@ def test_trainer_actors_reducing_the_dense_part_among_themselves_equal_the_coord
     engine.trainers.parts = counted
     try:
         assert engine.trainers.collective
+        import ray
+
+        from widedp.trainer.cluster.ray_trainers import lead_tree_children, lead_tree_subtree
+
+        tree = lead_tree_children(num_trainers, fanout)  # each trainer calls its subtrees' roots
+        assert ray.get([a.__ray_call__.remote(lambda self: [sub for _, sub in self._children])
+                        for a in engine.trainers.actors]) == [[lead_tree_subtree(tree, j) for j in kids] for kids in tree]
         for actor in engine.trainers.actors[1:]:  # the coordinator never calls the other trainers in a step
             actor.draw_sample = actor.step_part = actor.begin_part = actor.collective_step_part = None
         stats = [engine.step() for _ in batches]
@@ -736,27 +745,48 @@ def test_trainer_actors_reducing_the_dense_part_among_themselves_equal_the_coord
 
 
 @ON_THE_MODULES_RAY
-def test_a_killed_trainer_with_the_dense_part_reduced_among_trainers_is_restored(ray_cluster):
+@pytest.mark.parametrize("num_trainers,fanout", [(2, 8), (3, 1)], ids=["2trainers", "3trainers-chain"])
+def test_a_killed_trainer_with_the_dense_part_reduced_among_trainers_is_restored(ray_cluster, num_trainers, fanout):
     """A trainer killed between steps while the trainers reduce among themselves: every trainer
     is replaced (a survivor could be waiting in a collective with the dead one), the group is
-    joined again and the step redone from its sample — the run equals an uninterrupted one."""
+    joined again and the step redone from its sample — the run equals an uninterrupted one.
+    "chain" (cluster.lead_fanout = 1): the last trainer, two calls down the round's tree, is the
+    one killed — its death reaches the coordinator through trainer 1's and trainer 0's calls."""
     ds = dataset()
     batches = batches_with_crafted(ds, 4)
     kw = dict(mode="sparse", selection="threshold", num_shards=2, second_clip=S2, optimizer="adagrad",
-              selection_on_shards=True, num_trainers=2)
+              selection_on_shards=True, num_trainers=num_trainers)
     want = _in_process_run(ds, batches, **kw)
-    engine = build(ds, batches, backend="ray", trainer_actors=True, dense_reduction="trainers", **kw)
+    engine = build(ds, batches, backend="ray", trainer_actors=True, dense_reduction="trainers", lead_fanout=fanout,
+                   **kw)
     try:
         for step in range(1, len(batches) + 1):
             if step == 3:
-                ray_cluster.kill(engine.trainers.actors[1], no_restart=True)
+                ray_cluster.kill(engine.trainers.actors[num_trainers - 1], no_restart=True)
             assert engine.step() is not None
         got = (engine_params(engine), engine.ledger.state_dict(), engine.ledger.steps,
                (engine.step_restarts, engine.trainers.restarts))
     finally:
         engine.shutdown()
-    assert_params_equal(got[0], want[0])
-    assert got[1] == want[1] and got[2] == len(batches) and got[3] == (1, 2)
+    (assert_params_equal if num_trainers == 2 else assert_params_close)(got[0], want[0])
+    assert got[1] == want[1] and got[2] == len(batches) and got[3] == (1, num_trainers)
+
+
+def test_the_rounds_tree_reaches_every_trainer_once_with_at_most_fanout_children():
+    from widedp.trainer.cluster.ray_trainers import lead_tree_children, lead_tree_subtree
+
+    for n in (1, 2, 3, 9, 17, 128):
+        for fanout in (1, 2, 8):
+            children = lead_tree_children(n, fanout)
+            assert max(len(c) for c in children) <= fanout
+            assert sorted(lead_tree_subtree(children, 0)) == list(range(n))  # each trainer once, from trainer 0
+            depth, frontier = 0, [0]
+            while frontier:
+                frontier, depth = [j for i in frontier for j in children[i]], depth + 1
+            assert depth == 1 + (math.ceil(math.log(n * (fanout - 1) + 1, fanout)) - 1 if fanout > 1 else n - 1)
+    assert lead_tree_children(4, 8) == [[1, 2, 3], [], [], []]  # fan-out 8 below 10 trainers: today's one level
+    with pytest.raises(ValueError, match="lead_fanout"):
+        lead_tree_children(4, 0)
 
 
 @ON_THE_MODULES_RAY

@@ -108,9 +108,10 @@ class _TrainerActor(TrainerRole):
         except RuntimeError as err:
             raise CollectivePeerLost(f"trainer {self.index}: the trainers' collective failed: {err}") from None
 
-    def set_peers(self, peers: list) -> None:
-        """Trainer 0 (the leader): the other trainers' actor handles, in index order."""
-        self._peers = list(peers)
+    def set_children(self, children: list) -> None:
+        """This trainer's children in the round's tree (`lead_tree`): (actor handle, the trainer
+        indices of its subtree, itself first), in index order; [] for a leaf."""
+        self._children = [(handle, list(subtree)) for handle, subtree in children]
 
     def collective_step_part(self, idx, dense_state=None, select=None, releases=None):
         """`step_part`, the dense clipped sum kept here for `reduce_dense`."""
@@ -136,37 +137,88 @@ class _TrainerActor(TrainerRole):
         return reduced, clock.phases["dense_reduce"]
 
     def lead(self, method: str, per_trainer_args: list, reduce: bool = False) -> list:
-        """Trainer 0 runs one round for the coordinator: `method` on every trainer (the peers'
-        calls sent first, its own run here), every answer gathered; with `reduce`, then the
-        dense sums reduced to it (`reduce_dense`). The coordinator makes one call per round
-        whatever N. A dense state among the arguments (the coordinator's parameters, sent once)
-        is put in the object store once for all the peers."""
+        """Trainer 0 runs one round for the coordinator: `method` on every trainer, down a tree of
+        trainers (`lead_tree`: each calls its children, which call theirs, at most
+        cluster.lead_fanout each), every answer gathered back up; with `reduce`, then the dense
+        sums reduced to it (`reduce_dense`, down the same tree). The coordinator makes one call
+        per round whatever N, and no trainer makes more than lead_fanout. A dense state among
+        the arguments (the coordinator's parameters, sent once) is put in the object store once
+        for all the others. Returns the parts in trainer order."""
         import ray
 
-        args = [list(a) for a in per_trainer_args]
+        args = {i: list(a) for i, a in enumerate(per_trainer_args)}
         if method in ("collective_step_part", "begin_part") and args[0][1] is not None:
             shared = ray.put(args[0][1])
-            for a in args[1:]:
-                a[1] = shared
-        refs = [getattr(peer, method).remote(*a) for peer, a in zip(self._peers, args[1:])]
+            for i in range(1, len(args)):
+                args[i][1] = shared
+        results = self.lead_tree(method, args)
+        if reduce:
+            reduced = self.reduce_tree()
+            results[0].dense_sum = reduced[0][0]
+            for i, part in results.items():
+                part.phases["dense_reduce"] = reduced[i][1]
+        return [results[i] for i in range(len(per_trainer_args))]
+
+    def lead_tree(self, method: str, args: dict) -> dict:
+        """`method` with `args[i]` on every trainer i of this subtree: the children's subtrees
+        called first, then this trainer's own; {trainer index: its answer}. Every call below has
+        ended before this returns or raises (none is left running into the redo of the step: a
+        late row sum would be added to it), and this trainer's own error is the one raised."""
+        import ray
+
+        refs = [child.lead_tree.remote(method, {i: args[i] for i in subtree})
+                for child, subtree in getattr(self, "_children", [])]
         try:
-            mine = getattr(self, method)(*args[0])
+            # arguments that came nested (to a child, in the dict) arrive as object refs where the
+            # coordinator's call would have had them resolved: resolved here, one level, as Ray does
+            own = [ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args[self.index]]
+            mine = getattr(self, method)(*own)
         except BaseException:
-            # every peer's call has ended before this raises (none is left running into the redo of
-            # the step: a late row sum would be added to it), and this trainer's own error is the one raised
             try:
                 _get_every(refs)
-            except Exception:  # noqa: BLE001 — a peer's failure too: ours comes first
+            except Exception:  # noqa: BLE001 — a child's failure too: ours comes first
                 pass
             raise
-        results = [mine, *_get_every(refs)]
-        if reduce:
-            refs = [peer.reduce_dense.remote() for peer in self._peers]
-            reduced = [self.reduce_dense(), *_get_every(refs)]
-            results[0].dense_sum = reduced[0][0]
-            for part, (_, seconds) in zip(results, reduced):
-                part.phases["dense_reduce"] = seconds
+        results = {self.index: mine}
+        for below in _get_every(refs):
+            results.update(below)
         return results
+
+    def reduce_tree(self) -> dict:
+        """`reduce_dense` on every trainer of this subtree (each enters the collective once its
+        children were called, so all N do): {trainer index: (sum or {}, seconds)}."""
+        refs = [child.reduce_tree.remote() for child, _ in getattr(self, "_children", [])]
+        try:
+            mine = self.reduce_dense()
+        except BaseException:
+            try:
+                _get_every(refs)
+            except Exception:  # noqa: BLE001 — ours comes first
+                pass
+            raise
+        out = {self.index: mine}
+        for below in _get_every(refs):
+            out.update(below)
+        return out
+
+
+def lead_tree_children(num_trainers: int, fanout: int) -> list[list[int]]:
+    """Per trainer i, its children in the round's tree: trainers i·f + 1 … i·f + f (f = `fanout`;
+    a complete f-ary tree rooted at trainer 0, depth ⌈log_f N⌉)."""
+    if fanout < 1:
+        raise ValueError(f"cluster.lead_fanout must be >= 1, got {fanout}")
+    return [[j for j in range(i * fanout + 1, i * fanout + fanout + 1) if j < num_trainers]
+            for i in range(num_trainers)]
+
+
+def lead_tree_subtree(children: list[list[int]], root: int) -> list[int]:
+    """The trainers of `root`'s subtree, `root` first."""
+    out, todo = [], [root]
+    while todo:
+        node = todo.pop(0)
+        out.append(node)
+        todo.extend(children[node])
+    return out
 
 
 def _get_every(refs: list) -> list:
@@ -188,12 +240,21 @@ def _get_every(refs: list) -> list:
     return values
 
 
-def _is_actor_death(err: BaseException) -> bool:
-    from ray.exceptions import RayActorError, RayTaskError
+def _cause(err: BaseException) -> BaseException:
+    """What a task's error was raised by: through every task that re-raised it (a trainer down
+    the round's tree, `lead_tree`), the first error that is not a task's."""
+    from ray.exceptions import RayTaskError
 
-    if isinstance(err, RayActorError):
-        return True
-    return isinstance(err, RayTaskError) and isinstance(getattr(err, "cause", None), RayActorError)
+    seen = 0
+    while isinstance(err, RayTaskError) and getattr(err, "cause", None) is not None and seen < 64:
+        err, seen = err.cause, seen + 1
+    return err
+
+
+def _is_actor_death(err: BaseException) -> bool:
+    from ray.exceptions import RayActorError
+
+    return isinstance(err, RayActorError) or isinstance(_cause(err), RayActorError)
 
 
 class RayTrainers(TrainerGroup):
@@ -201,7 +262,7 @@ class RayTrainers(TrainerGroup):
     the driver, they end with it (`ray_runtime.ACTOR_OPTIONS`)."""
 
     def __init__(self, model, layout, train_set, shards, options: TrainerOptions, *, cpus_per_trainer: float = 1.0,
-                 dense_reduction: str = "coordinator"):
+                 dense_reduction: str = "coordinator", lead_fanout: int = 8):
         import ray
 
         from widedp.trainer.cluster.ray_runtime import ACTOR_OPTIONS
@@ -224,6 +285,7 @@ class RayTrainers(TrainerGroup):
             raise ValueError(f"cluster.dense_reduction must be one of {DENSE_REDUCTIONS}, got {dense_reduction!r}")
         # the trainers reduce the dense sums among themselves (one process group of N > 1)
         self.collective = dense_reduction == "trainers" and self.num_trainers > 1
+        self._tree = lead_tree_children(self.num_trainers, lead_fanout)
         self._collective_broken = False
         if self.collective:
             self._join()
@@ -234,7 +296,8 @@ class RayTrainers(TrainerGroup):
         address, port = self._ray.get(self.actors[0].rendezvous.remote())
         self._gather([actor.join_collective.remote(address, port, self.num_trainers) for actor in self.actors],
                      "join_collective")
-        self._gather([self.actors[0].set_peers.remote(self.actors[1:])], "set_peers")
+        self._gather([actor.set_children.remote([(self.actors[j], lead_tree_subtree(self._tree, j)) for j in kids])
+                      for actor, kids in zip(self.actors, self._tree)], "set_children")
 
     def _make(self, i: int):
         data = self._data_ref if self._shares is None else self._shares.share(i, self._restarts_of[i])
@@ -316,7 +379,7 @@ class RayTrainers(TrainerGroup):
             try:
                 results.append(self._ray.get(ref))
             except Exception as err:  # noqa: BLE001 — only actor deaths are turned into TrainerActorLost
-                if isinstance(getattr(err, "cause", None), CollectivePeerLost):
+                if isinstance(_cause(err), CollectivePeerLost):
                     self._collective_broken = True
                     lost = lost or TrainerActorLost(f"trainer {i}'s collective with the other trainers failed "
                                                     f"during {method!r} (a peer was lost)")
@@ -324,7 +387,7 @@ class RayTrainers(TrainerGroup):
                     continue
                 if not _is_actor_death(err):
                     raise
-                cause = getattr(err, "cause", None)
+                cause = _cause(err)
                 what = (f"trainer 0, leading the round, or a trainer or shard actor it was calling died during "
                         f"{method!r}" if method == "lead"
                         else f"a shard actor that trainer {i} was calling died during {method!r}"
@@ -391,15 +454,15 @@ class ray_trainer_factory:  # noqa: N801  (used as a function: the engine's trai
 
     reduces_at_shards = True
 
-    def __init__(self, cpus_per_trainer: float = 1.0, dense_reduction: str = "coordinator"):
-        self.cpus_per_trainer, self.dense_reduction = cpus_per_trainer, dense_reduction
+    def __init__(self, cpus_per_trainer: float = 1.0, dense_reduction: str = "coordinator", lead_fanout: int = 8):
+        self.cpus_per_trainer, self.dense_reduction, self.lead_fanout = cpus_per_trainer, dense_reduction, lead_fanout
 
     def __call__(self, model, layout, train_set, shards, options: TrainerOptions) -> TrainerGroup:
         if not hasattr(shards, "actors"):
             raise ValueError("trainer actors need the shards on Ray (cluster.backend = \"ray\")")
         shards.direct_callers = True
         return RayTrainers(model, layout, train_set, shards, options, cpus_per_trainer=self.cpus_per_trainer,
-                           dense_reduction=self.dense_reduction)
+                           dense_reduction=self.dense_reduction, lead_fanout=self.lead_fanout)
 
 
 __all__ = ["DirectShardGroup", "RayTrainers", "TrainerActorLost", "ray_trainer_factory"]

@@ -414,6 +414,10 @@ class ClusterConfig:
     # to it over gloo, trainer/cluster/dense_collective.py: one call and one of each). The same
     # sum up to float64 rounding.
     dense_reduction: str = "coordinator"
+    # dense_reduction = "trainers": each round runs down a tree of the trainers rooted at trainer 0,
+    # each calling at most this many others (trainer/cluster/ray_trainers.py `lead_tree`): depth
+    # ceil(log_f N), and no trainer's fan-out grows with N
+    lead_fanout: int = 8
     # Selection on the shards (docs/DESIGN.md §2.2) for selectors that support it (threshold,
     # fest-threshold): each shard thresholds its own rows with its own stream; the same output
     # distribution as selecting over the whole vocabulary on the coordinator (false).
@@ -475,6 +479,7 @@ class ClusterConfig:
             (self.trainer_placement != "actors" or self.backend == "ray",
              'cluster.trainer_placement = "actors" needs cluster.backend = "ray"'),
             (self.cpus_per_trainer > 0, "cluster.cpus_per_trainer must be > 0"),
+            (self.lead_fanout >= 1, f"cluster.lead_fanout must be >= 1, got {self.lead_fanout}"),
             (self.dense_reduction in ("coordinator", "trainers"),
              f"cluster.dense_reduction must be \"coordinator\" or \"trainers\", got {self.dense_reduction!r}"),
             (self.dense_reduction != "trainers" or (self.trainer_actors and self.num_trainers > 1),

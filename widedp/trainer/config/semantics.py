@@ -71,7 +71,7 @@ _FREE = ("train.log_every", "train.eval_every", "train.eval_batch_size", "train.
          "cluster.address", "cluster.placement_strategy", "cluster.max_actor_restarts", "cluster.trainer_placement",
          "cluster.cpus_per_trainer", "cluster.data_plane", "cluster.compiled_wait", "cluster.fold_write_back",
          "cluster.unawaited_write_back", "cluster.inline_bytes", "run_dir", "by_epsilon", "tuned_for_epsilon",
-         "data.stage_dir")
+         "data.stage_dir", "cluster.lead_fanout")
 _INITIAL = ("train.seed", "model.init_std")
 _STICKY = ("train.debug_metrics",)
 _CHARGED = (

@@ -48,7 +48,7 @@ def trainer_group(cfg: Config):
         return None
     from widedp.trainer.cluster.ray_trainers import ray_trainer_factory
 
-    return ray_trainer_factory(cfg.cluster.cpus_per_trainer, cfg.cluster.dense_reduction)
+    return ray_trainer_factory(cfg.cluster.cpus_per_trainer, cfg.cluster.dense_reduction, cfg.cluster.lead_fanout)
 
 
 def dense_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
