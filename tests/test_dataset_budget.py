@@ -277,3 +277,28 @@ def test_a_torn_last_budget_line_is_not_a_record_and_the_next_append_drops_it(ca
     _train(capsys, data, tmp_path / "b", "train.steps=3")
     assert path.read_bytes().startswith(whole) and b"CUT-OFF-LINE" not in path.read_bytes()
     assert _budget(capsys, data)["num_runs"] == 2
+
+
+def test_a_crash_between_the_first_line_and_its_head_leaves_a_budget_that_reads(tmp_path, data, monkeypatch):
+    """The head is written before the first chained line, so a crash after the line (before the
+    head is advanced) leaves the head one line behind — accepted — never chained lines without a
+    head, which are refused as a deleted head."""
+    import widedp.accounting.atomic as atomic
+
+    real, calls = atomic.atomic_write_bytes, []
+
+    def crash_after_the_line(path, payload):
+        calls.append(path)
+        if len(calls) == 2:  # the head after the line: the machine goes down
+            raise OSError("power lost")
+        return real(path, payload)
+
+    monkeypatch.setattr(atomic, "atomic_write_bytes", crash_after_the_line)
+    record = dataset_budget.run_record(run_id="x", run_dir=tmp_path / "r", mode="sparse", target_epsilon=3.0,
+                                       delta=1e-6, accountant="prv", epsilon=0.0, events_charged=0, steps=0,
+                                       started=dataset_budget.now(), status="running")
+    with pytest.raises(dataset_budget.BudgetError, match="power lost"):
+        dataset_budget.append(data, record)
+    monkeypatch.setattr(atomic, "atomic_write_bytes", real)
+    assert [r["run_id"] for r in dataset_budget.read(data)] == ["x"]  # the line counts; the head is behind it
+    assert dataset_budget.append(data, dict(record, run_id="y", lineage=["y"]))["lines"] == 2

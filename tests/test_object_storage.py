@@ -86,7 +86,7 @@ def test_upload_copies_every_part_and_the_manifest_keeps_its_identity(s3, parts_
     assert is_partitioned(uploaded) and not is_partitioned(s3[0].format("nothing-here"))
     # the identity a run's checkpoint and budget name is the one of the local copy
     assert partitioned_identity(uploaded) == partitioned_identity(parts_dir)
-    with pytest.raises(DataError, match="a data set is there already"):
+    with pytest.raises(DataError, match="objects are there already"):
         upload(parts_dir, uploaded)
 
 
@@ -108,11 +108,11 @@ def test_a_staged_part_is_refreshed_when_its_objects_change(s3, parts_dir, tmp_p
     uri = s3[0].format("refresh")
     upload(parts_dir, uri)
     remote = RemoteDir(uri)
-    local = remote.stage([part_dir(0)], tmp_path)
+    local, _ = remote.stage([part_dir(0)], tmp_path)
     fs, root = remote.filesystem()
     with fs.open_output_stream(f"{root}/{part_dir(0)}/extra.txt") as out:
         out.write(b"new")
-    again = remote.stage([part_dir(0)], tmp_path)
+    again, _ = remote.stage([part_dir(0)], tmp_path)
     assert again == local and (local / part_dir(0) / "extra.txt").read_bytes() == b"new"
     assert not [p for p in local.iterdir() if p.name.endswith(".tmp")]
 
@@ -199,23 +199,91 @@ class _Unconditional(_Racing):
         return True
 
 
-@pytest.mark.parametrize("store, both_kept", [(_Racing, True), (_Unconditional, False)])
-def test_two_runs_appending_at_once_both_land_and_a_write_without_condition_loses_one(s3, store, both_kept):
-    uri = s3[0].format(f"race-{store.__name__.lower()}")
-    s3[1].put_object(Bucket=BUCKET, Key=uri.split(BUCKET + "/")[1].split("?")[0] + "/" + MANIFEST_FILE, Body=b"{}")
+def _fresh(s3, name: str) -> str:
+    """A URI under which a (bare) data set's manifest exists, so a budget can be written there."""
+    uri = s3[0].format(name)
+    bucket, prefix = RemoteDir(uri).bucket_and_prefix()
+    s3[1].put_object(Bucket=bucket, Key=f"{prefix}/{MANIFEST_FILE}", Body=b"{}")
+    return uri
+
+
+def test_two_runs_appending_at_once_both_land(s3):
+    uri = _fresh(s3, "race")
     dataset_budget.append(uri, _record("first"))
-    store(RemoteDir(uri), "rival").append(_record("mine"))
-    ids = [r["run_id"] for r in dataset_budget.read(uri)]
-    # broken: the rival's line is overwritten; the chain still verifies, but a run's spending is gone
-    assert (ids == ["first", "rival", "mine"]) is both_kept
-    assert (dataset_budget.head(uri)["lines"] == 3) is both_kept
+    _Racing(RemoteDir(uri), "rival").append(_record("mine"))
+    assert [r["run_id"] for r in dataset_budget.read(uri)] == ["first", "rival", "mine"]
+    assert dataset_budget.head(uri)["lines"] == 3
+
+
+def test_a_store_ignoring_conditional_writes_is_refused_and_would_lose_a_line(s3, monkeypatch):
+    uri = _fresh(s3, "unconditional")
+    with pytest.raises(dataset_budget.BudgetError, match="ignored a conditional write"):
+        _Unconditional(RemoteDir(uri), "rival").append(_record("mine"))
+    assert dataset_budget.read(uri) == []  # refused before any line
+    # why the probe: without it, the rival's line is overwritten and the chain still verifies
+    monkeypatch.setattr(dataset_budget._ObjectBudget, "check_conditional_writes", lambda self: None)
+    dataset_budget.append(uri, _record("first"))
+    _Unconditional(RemoteDir(uri), "rival").append(_record("mine"))
+    assert [r["run_id"] for r in dataset_budget.read(uri)] == ["first", "mine"]
+
+
+def test_the_head_is_never_moved_back_by_a_slower_appender(s3):
+    """B appends and advances the head between A's line and A's head: A's head write fails its
+    condition, and A leaves B's head (past A's line) as it is."""
+    uri = _fresh(s3, "head-race")
+
+    class SlowHead(dataset_budget._ObjectBudget):
+        def _advance_head(self, head, etag):
+            dataset_budget.append(uri, _record("rival"))  # lines: mine, rival; the head at 2
+            super()._advance_head(head, etag)
+
+    SlowHead(RemoteDir(uri)).append(_record("mine"))
+    head = dataset_budget.head(uri)
+    assert head["lines"] == 2 and [r["run_id"] for r in dataset_budget.read(uri)] == ["mine", "rival"]
+    assert "endpoint_override=" in head["path"]  # the recorded location names the store, not only the bucket
+
+
+def test_a_prefix_with_escapes_keeps_one_budget(s3, parts_dir):
+    """pyarrow decodes %-escapes in the path; the budget's client must name the same objects."""
+    uri = s3[0].format("with%20space")
+    upload(parts_dir, uri)
+    dataset_budget.append(uri, _record("after-upload"))
+    assert "with space/privacy_budget.jsonl" in _keys(s3[1], "with space/") | {"with space/" + k
+                                                                              for k in _keys(s3[1], "with space/")}
+    assert [r["run_id"] for r in dataset_budget.read(uri)][-1] == "after-upload"
+
+
+def test_a_staged_copy_or_a_replaced_data_set_is_never_trained_on(uploaded, tmp_path):
+    stage = tmp_path / "stage"
+    train_set = PartitionedTrainSet(uploaded, stage_dir=str(stage))
+    shares = TrainerShares(train_set, 1, 0.5, lambda j, r: __import__("numpy").random.default_rng([j, r]))
+    shares.share(0).open()
+    (local,) = [p for p in stage.iterdir() if p.is_dir()]
+    with pytest.raises(DataError, match="a staged copy of s3://"):
+        PartitionedTrainSet(local)
+    with pytest.raises(DataError, match="a staged copy"):
+        dataset_budget.append(local, _record("x"))
+    share = shares.share(0)
+    share.manifest_sha256 = "0" * 64
+    with pytest.raises(DataError, match="not the manifest this run started with"):
+        share.open()
+
+
+def test_upload_refuses_a_used_prefix_and_a_store_without_conditional_writes(s3, parts_dir):
+    uri = _fresh(s3, "used")
+    with pytest.raises(DataError, match="objects are there already"):
+        upload(parts_dir, uri)
+    with pytest.raises(DataError, match="s3:// .* only"):
+        upload(parts_dir, "gs://bucket/data")
 
 
 def test_bad_locations_are_refused_by_name(s3, parts_dir, tmp_path):
-    with pytest.raises(DataError, match="credentials"):
-        RemoteDir(f"s3://key:secret@{BUCKET}/x")
-    with pytest.raises(DataError, match="secret_key"):
-        RemoteDir(f"s3://{BUCKET}/x?secret_key=abc")
+    with pytest.raises(DataError, match="credentials") as refused:
+        RemoteDir(f"s3://key:hunter2@{BUCKET}/x")
+    assert "hunter2" not in str(refused.value)
+    with pytest.raises(DataError, match="secret_key") as refused:
+        RemoteDir(f"s3://{BUCKET}/x?secret_key=hunter2")
+    assert "hunter2" not in str(refused.value)
     cfg = load_config(None, [f"data.path={s3[0].format('nothing-here')}", *TINY]).validate()
     with pytest.raises(DataError, match="must be a partitioned one"):
         build_run(cfg)
@@ -232,10 +300,10 @@ from widedp.trainer.data.format import remote
 
 real_stage = remote.RemoteDir.stage
 
-def _test_split_only(self, rel_dirs, stage_root=None):  # the coordinator stages no part of the training set
+def _test_split_only(self, rel_dirs, stage_root=None, **kwargs):  # the coordinator stages no training part
     if list(rel_dirs) != ["test"]:
         raise AssertionError(f"the coordinator staged {rel_dirs}")
-    return real_stage(self, rel_dirs, stage_root)
+    return real_stage(self, rel_dirs, stage_root, **kwargs)
 
 remote.RemoteDir.stage = _test_split_only
 """

@@ -15,9 +15,9 @@ from typing import Optional
 import numpy as np
 from widedp.trainer.data.errors import DataError
 from widedp.trainer.data.format.meta import DatasetMeta
-from widedp.trainer.data.format.partitioned import (MANIFEST_FILE, PartsView, open_part, part_dir, part_of,
-                                                    read_manifest, read_part_meta)
-from widedp.trainer.data.format.remote import local_path, remote_dir
+from widedp.trainer.data.format.partitioned import (MANIFEST_FILE, PartsView, manifest_sha256, open_part, part_dir,
+                                                    part_of, read_manifest, read_part_meta)
+from widedp.trainer.data.format.remote import local_path, refuse_staged_copy, remote_dir
 from widedp.trainer.data.sampler import PartitionSampler
 
 
@@ -41,9 +41,13 @@ class PartitionedTrainSet:
     def __init__(self, directory, max_examples_per_unit: Optional[int] = None, stage_dir: Optional[str] = None):
         remote = remote_dir(directory)
         self.location = remote.uri if remote is not None else str(local_path(directory))
-        self.directory = remote.base_uri if remote is not None else local_path(directory)  # as shown
+        self.directory = remote.where("") if remote is not None else local_path(directory)  # as shown
+        if remote is None:
+            refuse_staged_copy(self.directory)
         self.stage_dir = stage_dir or None
         self.manifest = read_manifest(self.location)
+        #: the partitioning this run trains on: every trainer refuses parts of another
+        self.manifest_sha256 = manifest_sha256(self.location)
         unit_level = max_examples_per_unit is not None
         self.max_examples_per_unit = max_examples_per_unit
         if unit_level and self.manifest.partition_by != "unit":
@@ -98,17 +102,24 @@ class TrainerShare:
     max_examples_per_unit: Optional[int] = None
     num_parts: int = 0  # K of the whole data set (user level: each unit's part is checked against it)
     stage_dir: Optional[str] = None  # a data set at a URI: where this trainer stages its parts
+    manifest_sha256: Optional[str] = None  # the coordinator's partitioning (another one is refused)
 
     def open(self):
         """(the trainer's parts as one split, its `PartitionSampler`). A data set at a URI: the
-        trainer's own parts are staged first (downloaded once per node; no other part is read)."""
+        trainer's own parts are staged first (downloaded once per node; no other part is read).
+        A manifest other than the coordinator's is refused (the data set was replaced)."""
         remote = remote_dir(self.directory)
         if remote is not None:
             manifest = read_manifest(self.directory)
-            local = remote.stage([manifest.parts[j].directory for j in self.parts], self.stage_dir)
+            index = {manifest.parts[j].directory: j for j in self.parts}
+            local, splits = remote.stage(list(index), self.stage_dir, expected_manifest_sha256=self.manifest_sha256,
+                                         opener=lambda root, rel: open_part(root, index[rel]))
         else:
             local = local_path(self.directory)
-        splits = [open_part(local, j) for j in self.parts]
+            if self.manifest_sha256 is not None and manifest_sha256(local) != self.manifest_sha256:
+                raise DataError(f"{local}/{MANIFEST_FILE}: not the manifest this run started with: the data set was "
+                                "replaced; a run trains on one data set")
+            splits = [open_part(local, j) for j in self.parts]
         view = PartsView(splits)
         units = None
         if self.max_examples_per_unit is not None:
@@ -160,4 +171,5 @@ class TrainerShares:
         parts = self.train_set.parts_of_trainer(trainer, self.num_trainers)
         return TrainerShare(self.train_set.location, parts, self.sample_rate,
                             [self.part_generator(j, restart) for j in parts], self.max_examples_per_unit,
-                            self.train_set.manifest.num_parts, self.train_set.stage_dir)
+                            self.train_set.manifest.num_parts, self.train_set.stage_dir,
+                            self.train_set.manifest_sha256)

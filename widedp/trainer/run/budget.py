@@ -38,7 +38,10 @@ own line, and a resume refuses a budget that does not extend it: the file was tr
 replaced, or data.path is a *copy* of the data set the run started on (a copy's budget is
 another file: see README, "Copies of a data set"). An append holds an exclusive lock
 (`privacy_budget.lock`), so concurrent runs cannot interleave or fork the chain; each line is
-one `os.write` on an O_APPEND descriptor, fsync'd before the head is replaced. A budget file
+one `os.write` on an O_APPEND descriptor, fsync'd before the head is replaced. The head is
+created before the first chained line, so a crash between a line and its head leaves a head
+behind the lines (accepted), never chained lines without a head. A data set at an s3:// URI
+keeps the same two objects, replaced by conditional writes (`_ObjectBudget`). A budget file
 from an older widedp (no `prev` and no head) is accepted and chained from its next line.
 
 `widedp budget DATASET` prints, per model (each lineage not superseded), its latest line, and
@@ -73,12 +76,11 @@ import json
 import math
 import os
 import uuid
-import urllib.parse
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from widedp.trainer.data.errors import DataError
-from widedp.trainer.data.format.remote import RemoteDir, local_path, remote_dir
+from widedp.trainer.data.format.remote import RemoteDir, dataset_of, local_path, refuse_staged_copy, remote_dir
 
 BUDGET_FILE = "privacy_budget.jsonl"
 HEAD_FILE = "privacy_budget.head.json"
@@ -153,6 +155,11 @@ class _Verified:
     def head(self, dataset_dir) -> dict:
         return {"budget_id": self.budget_id, "lines": self.lines, "digest": self.digest,
                 "path": budget_location(dataset_dir)}
+
+    def head_record(self) -> dict:
+        """The head file's contents for this state ({"budget_id", "lines", "digest"}); a budget
+        with no id yet is given one (its first chained line will carry it)."""
+        return {"budget_id": self.budget_id or uuid.uuid4().hex, "lines": self.lines, "digest": self.digest}
 
     def extends(self, head: dict) -> bool:
         n = int(head.get("lines", 0))
@@ -270,9 +277,19 @@ def append(dataset_dir, record: dict) -> dict:
     remote = remote_dir(dataset_dir)
     if remote is not None:
         return _ObjectBudget(remote).append(record)
+    refuse_staged_copy(dataset_dir)  # a staged copy's spending belongs at its URI
     path = budget_path(dataset_dir)
     with _locked(dataset_dir):
         verified = _verified(dataset_dir)
+        try:
+            if not head_path(dataset_dir).exists():
+                # the head before the first chained line: a crash between the line and its head then
+                # leaves a head one line behind (accepted), never chained lines without one (refused)
+                atomic_write_bytes(head_path(dataset_dir), _head_bytes(verified.head_record()))
+                verified = _verified(dataset_dir)
+        except OSError as exc:
+            raise BudgetError(f"{path}: cannot append this run's privacy spending ({exc.strerror or exc}); every run "
+                              f"on a data set is recorded there: make the data set directory writable") from exc
         raw, head = _next_line(verified, record)
         line = raw + b"\n"
         try:
@@ -285,22 +302,31 @@ def append(dataset_dir, record: dict) -> dict:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            atomic_write_bytes(head_path(dataset_dir), (json.dumps(head, sort_keys=True) + "\n").encode())
+            atomic_write_bytes(head_path(dataset_dir), _head_bytes(head))
         except OSError as exc:
             raise BudgetError(f"{path}: cannot append this run's privacy spending ({exc.strerror or exc}); every run "
                               f"on a data set is recorded there: make the data set directory writable") from exc
     return {**head, "path": str(path.absolute())}
 
 
+def _head_bytes(head: dict) -> bytes:
+    return (json.dumps(head, sort_keys=True) + "\n").encode()
+
+
 def _next_line(verified: _Verified, record: dict) -> tuple[bytes, dict]:
     """(the line appending `record` to the verified budget, without its newline; the head after it)."""
     record = {k: v for k, v in record.items() if k not in ("prev", "budget_id")}
     budget_id = verified.budget_id or uuid.uuid4().hex
-    if verified.budget_id is None:
-        record["budget_id"] = budget_id  # the first chained line names the budget
+    if not any("prev" in r for r in verified.records):
+        record["budget_id"] = budget_id  # the first chained line names the budget (the head names it too)
     record["prev"] = verified.digest
     raw = json.dumps(record, sort_keys=True, allow_nan=True).encode()
     return raw, {"budget_id": budget_id, "lines": verified.lines + 1, "digest": _link(verified.digest, raw)}
+
+
+#: beside a budget on S3: the object `_ObjectBudget.check_conditional_writes` probes the store with
+CHECK_FILE = "privacy_budget.conditional-check"
+_CONDITIONAL_WRITES_CHECKED: set = set()
 
 
 class _ObjectBudget:
@@ -326,18 +352,18 @@ class _ObjectBudget:
                               "(so that two runs never overwrite each other's spending); widedp writes it on "
                               "s3:// (and S3-compatible servers) only: keep this data set on S3 or a local or "
                               "shared filesystem")
-        parsed = urllib.parse.urlsplit(remote.uri)
-        options = {k.lower(): v[-1] for k, v in urllib.parse.parse_qs(parsed.query).items()}
-        self.bucket, self.prefix = parsed.netloc, parsed.path.strip("/")
-        endpoint = options.get("endpoint_override")
+        self.bucket, self.prefix = remote.bucket_and_prefix()
+        endpoint = remote.option("endpoint_override")
         if endpoint and "://" not in endpoint:
-            endpoint = f"{options.get('scheme', 'https')}://{endpoint}"
+            endpoint = f"{remote.option('scheme') or 'https'}://{endpoint}"
         try:
             import boto3
+            from botocore.config import Config
         except ImportError:
-            raise BudgetError(f"{remote.where(BUDGET_FILE)}: writing a budget on S3 needs boto3 "
-                              "(pip install 'widedp[s3]')") from None
-        self.client = boto3.client("s3", endpoint_url=endpoint or None, region_name=options.get("region") or None)
+            raise BudgetError(f"{remote.where(BUDGET_FILE)}: writing a budget on S3 needs boto3 (a dependency of "
+                              "widedp: reinstall it)") from None
+        self.client = boto3.client("s3", endpoint_url=endpoint or None, region_name=remote.option("region") or None,
+                                   config=Config(connect_timeout=10, read_timeout=60, retries={"max_attempts": 3}))
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -381,12 +407,34 @@ class _ObjectBudget:
         head = None if head_raw is None else _parse_head(head_raw, hwhere)
         return _verify(data, head, where, hwhere), data, data_etag, head_etag
 
+    def check_conditional_writes(self) -> None:
+        """Refuse a store that ignores If-None-Match (some S3-compatible servers do): there two
+        runs' writes would both succeed and one's line be lost. Probed once per process and
+        location, on an object of its own beside the budget (`CHECK_FILE`): created if absent,
+        then written again only if absent, which must fail."""
+        key = (self.remote.where(""), self.bucket, self.prefix)
+        if key in _CONDITIONAL_WRITES_CHECKED:
+            return
+        self._put(CHECK_FILE, b"widedp: this store honours conditional writes\n", None)
+        if self._put(CHECK_FILE, b"widedp: this store ignored If-None-Match\n", None):
+            raise BudgetError(f"{self.remote.where(BUDGET_FILE)}: the object store ignored a conditional write "
+                              f"(If-None-Match: * on {self.remote.where(CHECK_FILE)}, which exists, succeeded); two "
+                              "runs appending at once would lose a line of spending: keep the data set's budget on a "
+                              "store that honours conditional writes (AWS S3 does)")
+        _CONDITIONAL_WRITES_CHECKED.add(key)
+
     def append(self, record: dict) -> dict:
         import random
         import time
 
+        self.check_conditional_writes()
         for attempt in range(self.ATTEMPTS):
             verified, data, data_etag, head_etag = self.verified()
+            if head_etag is None:
+                # the head before the first chained line (a head behind the lines is accepted, chained
+                # lines without a head are not): then read again, with the head's version
+                self._put(HEAD_FILE, _head_bytes(verified.head_record()), None)
+                continue
             raw, head = _next_line(verified, record)
             kept = b"" if data is None else data[:data.rfind(b"\n") + 1]  # a torn tail is not a record
             if self._put(BUDGET_FILE, kept + raw + b"\n", data_etag):
@@ -397,7 +445,7 @@ class _ObjectBudget:
                           f"recorded after {self.ATTEMPTS} attempts (nothing trained): start it again")
 
     def _advance_head(self, head: dict, etag: Optional[str]) -> None:
-        body = (json.dumps(head, sort_keys=True) + "\n").encode()
+        body = _head_bytes(head)
         for _ in range(self.ATTEMPTS):
             if self._put(HEAD_FILE, body, etag):
                 return
@@ -450,7 +498,7 @@ def check_recorded_head(dataset_dir, recorded: Optional[dict], what: str) -> Non
                           f"{recorded.get('budget_id')}){where}: the budget file was replaced or truncated, or "
                           f"data.path is a copy of the data set the run started on; resume on that data set")
     if recorded_path and recorded_path != path:
-        original = str(recorded_path).rsplit("/", 1)[0]  # a URI's options are not recorded: read with the defaults
+        original = dataset_of(str(recorded_path))
         try:
             other = _verified(original) if _has_budget(original) else None
         except (BudgetError, DataError, OSError):

@@ -163,7 +163,7 @@ def _open_partitioned(cfg: Config, path: str):
                                     stage_dir=cfg.data.stage_dir or None)
     log.info("data.path %s is a partitioned data set: its test split is the one written with it (%s); "
              "data.test_fraction and data.seed are not used", train_set.directory, train_set.manifest.split)
-    test_set = open_partitioned_test(path, cfg.data.stage_dir or None)
+    test_set = open_partitioned_test(path, cfg.data.stage_dir or None, train_set.manifest_sha256)
     if test_set is None:
         raise ValueError(f"data.path {path}: the partitioned data set has no test split (partition a data set with "
                          "a test file, or with --test-fraction > 0)")

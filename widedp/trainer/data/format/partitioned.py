@@ -417,19 +417,34 @@ def open_part(directory, index: int):
     return train
 
 
-def open_partitioned_test(directory, stage_dir=None):
+def open_partitioned_test(directory, stage_dir=None, expected_manifest_sha256: Optional[str] = None):
     """The held-out split of a partitioned data set (None when it has none); at a URI staged
-    into `stage_dir` first (trainer/data/format/remote.py)."""
+    into `stage_dir` first (trainer/data/format/remote.py), refused when its manifest is not
+    `expected_manifest_sha256` (when given)."""
     from widedp.trainer.data.format.dataset import open_dataset
 
     manifest = read_manifest(directory)
     if manifest.test_directory is None:
         return None
     remote = remote_dir(directory)
-    local = remote.stage([manifest.test_directory], stage_dir) if remote is not None else local_path(directory)
-    test, _ = open_dataset(local / manifest.test_directory, test_fraction=0.0)
-    test.name = "test"
-    return test
+
+    def opened(local: Path, rel: str):
+        test, _ = open_dataset(local / rel, test_fraction=0.0)
+        test.name = "test"
+        return test
+
+    if remote is None:
+        return opened(local_path(directory), manifest.test_directory)
+    return remote.stage([manifest.test_directory], stage_dir, expected_manifest_sha256=expected_manifest_sha256,
+                        opener=opened)[1][0]
+
+
+def manifest_sha256(directory) -> str:
+    """The sha256 of the manifest's bytes (local or at a URI): what names one partitioning."""
+    remote = remote_dir(directory)
+    data = (remote.read_bytes(MANIFEST_FILE, "missing (not a partitioned widedp data set)") if remote is not None
+            else (local_path(directory) / MANIFEST_FILE).read_bytes())
+    return hashlib.sha256(data).hexdigest()
 
 
 class PartsView:

@@ -33,7 +33,7 @@ import shutil
 import urllib.parse
 import uuid
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from widedp.trainer.data.errors import DataError
 
@@ -42,6 +42,8 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _SECRET_PARAMS = ("access_key", "secret_key", "session_token")
 CACHE_DIR = ".widedp-cache"
 STAGED_MARK = ".staged.json"
+#: in a staging directory: the URI it is a copy of (a staged copy is never a data set of its own)
+STAGED_FROM = ".widedp-staged-from.json"
 _CHUNK = 8 << 20
 
 
@@ -75,26 +77,24 @@ class RemoteDir:
     """
 
     def __init__(self, uri: str):
-        self.uri = str(uri)
-        parsed = urllib.parse.urlsplit(self.uri)
+        parsed = urllib.parse.urlsplit(str(uri))
         if parsed.username or parsed.password:
-            raise DataError(f"{self._shown()}: credentials in a data set's URI would be written into every run's "
-                            "records; set them in the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a "
-                            "profile or an instance role)")
-        secret = sorted(k for k in urllib.parse.parse_qs(parsed.query) if k.lower() in _SECRET_PARAMS)
+            raise DataError(f"{_without_userinfo(parsed)}: credentials in a data set's URI would be written into "
+                            "every run's records; set them in the environment (AWS_ACCESS_KEY_ID / "
+                            "AWS_SECRET_ACCESS_KEY, a profile or an instance role)")
+        options = urllib.parse.parse_qsl(parsed.query, keep_blank_values=True)
+        secret = sorted({k for k, _ in options if k.lower() in _SECRET_PARAMS})
         if secret:
-            raise DataError(f"{self._shown()}: the URI carries {', '.join(secret)}; credentials would be written "
-                            "into every run's records: set them in the environment instead")
+            raise DataError(f"{_without_userinfo(parsed)._replace(query='').geturl()}: the URI carries "
+                            f"{', '.join(secret)}; credentials would be written into every run's records: set them "
+                            "in the environment instead")
         self.scheme = parsed.scheme.lower()
-        self.query = parsed.query
-        self.base_uri = urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, parsed.path.rstrip("/"), "", ""))
+        #: the URI's options (endpoint_override, scheme, region, ...), sorted: part of where the data are
+        self.query = urllib.parse.urlencode(sorted(options), safe=":/")
+        self.uri = urllib.parse.urlunsplit((self.scheme, parsed.netloc, parsed.path, self.query, ""))
+        self.base_uri = urllib.parse.urlunsplit((self.scheme, parsed.netloc, parsed.path.rstrip("/"), "", ""))
         self._fs = None
         self._root = ""
-
-    def _shown(self) -> str:
-        parsed = urllib.parse.urlsplit(self.uri)
-        host = parsed.hostname or ""
-        return urllib.parse.urlunsplit((parsed.scheme, host, parsed.path, "", ""))
 
     def __repr__(self) -> str:
         return f"RemoteDir({self.uri})"
@@ -103,8 +103,19 @@ class RemoteDir:
         return self.uri
 
     def where(self, rel: str) -> str:
-        """The URI of `rel` inside this directory (as shown in messages: without the options)."""
-        return f"{self.base_uri}/{rel}" if rel else self.base_uri
+        """The URI of `rel` inside this directory, its options kept (they name the store: an
+        endpoint, a region; never a secret)."""
+        path = f"{self.base_uri}/{rel}" if rel else self.base_uri
+        return f"{path}?{self.query}" if self.query else path
+
+    def bucket_and_prefix(self) -> tuple[str, str]:
+        """(bucket, key prefix) as an S3 client names them (percent-escapes decoded, as pyarrow does)."""
+        parsed = urllib.parse.urlsplit(self.base_uri)
+        return urllib.parse.unquote(parsed.netloc), urllib.parse.unquote(parsed.path).strip("/")
+
+    def option(self, name: str) -> Optional[str]:
+        values = [v for k, v in urllib.parse.parse_qsl(self.query) if k.lower() == name]
+        return values[-1] if values else None
 
     def filesystem(self):
         """(pyarrow FileSystem, this directory's path in it); DataError naming the URI."""
@@ -186,31 +197,50 @@ class RemoteDir:
                             "`widedp convert upload`)")
         return sorted(out)
 
-    def stage(self, rel_dirs: list[str], stage_root=None) -> Path:
-        """A local directory holding this data set's manifest and the directories `rel_dirs`, each
-        a copy of its files at the URI (downloaded when missing or when the listing changed);
-        returns it. DataError naming the URI or the local directory."""
-        root = Path(stage_root) if stage_root else default_stage_root()
-        local = root / hashlib.sha256(self.base_uri.encode()).hexdigest()[:24]
-        try:
-            local.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise DataError(f"{local}: cannot create the staging directory for {self.base_uri} "
-                            f"({exc.strerror or exc}); set data.stage_dir to a writable local directory") from None
+    def stage(self, rel_dirs: list[str], stage_root=None, *, expected_manifest_sha256: Optional[str] = None,
+              opener: Optional[Callable[[Path, str], Any]] = None) -> tuple[Path, list]:
+        """Stage this data set's manifest and the directories `rel_dirs` into a local directory,
+        each a copy of its files at the URI (downloaded when missing or when its listing changed);
+        returns (that directory, `opener(directory, rel)` of each rel). Each directory is staged
+        and opened under a lock of its own, so another process on the node never re-stages a
+        directory while it is being opened (decoded); what is open is memory-mapped and outlives
+        a later re-staging. The local directory is named by the URI (its options included) and
+        the manifest's digest, so another data set at the same URI never shares one.
+        `expected_manifest_sha256`: the manifest the run recorded; another one is refused.
+        DataError naming the URI or the local directory."""
         from widedp.trainer.data.format.partitioned import MANIFEST_FILE
 
-        with _locked(local / ".lock"):
-            manifest = self.read_bytes(MANIFEST_FILE, "missing (not a partitioned widedp data set)")
-            _replace_file(local / MANIFEST_FILE, manifest)
-            (local / "source.txt").write_text(self.base_uri + "\n", encoding="utf-8")
-            for rel in rel_dirs:
+        manifest = self.read_bytes(MANIFEST_FILE, "missing (not a partitioned widedp data set)")
+        digest = hashlib.sha256(manifest).hexdigest()
+        if expected_manifest_sha256 is not None and digest != expected_manifest_sha256:
+            raise DataError(f"{self.where(MANIFEST_FILE)}: not the manifest this run started with (sha256 "
+                            f"{digest[:12]}…, the run's {expected_manifest_sha256[:12]}…): the data set at this URI "
+                            "was replaced; a run trains on one data set")
+        root = Path(stage_root) if stage_root else default_stage_root()
+        local = root / hashlib.sha256(f"{self.uri}\n{digest}".encode()).hexdigest()[:24]
+        try:
+            local.mkdir(parents=True, exist_ok=True)
+            with _locked(local / ".lock"):
+                _replace_file(local / MANIFEST_FILE, manifest)
+                _replace_file(local / STAGED_FROM, (json.dumps({"uri": self.uri, "partitions_sha256": digest})
+                                                    + "\n").encode())
+        except OSError as exc:
+            raise DataError(f"{local}: cannot create the staging directory for {self.where('')} "
+                            f"({exc.strerror or exc}); set data.stage_dir to a writable local directory") from None
+        opened = []
+        for rel in rel_dirs:
+            with _locked(local / f".lock-{rel}"):
                 self._stage_dir(rel, local)
-        return local
+                if opener is not None:
+                    opened.append(opener(local, rel))
+        return local, opened
 
     def _stage_dir(self, rel: str, local: Path) -> None:
         want = self.listing(rel)
         target = local / rel
         mark = target / STAGED_MARK
+        for left in local.glob(f".{rel}.*.tmp"):  # a stager of this directory that died (we hold its lock)
+            shutil.rmtree(left, ignore_errors=True)
         try:
             if json.loads(mark.read_text(encoding="utf-8")) == want:
                 return  # staged, and the remote files are the ones staged
@@ -244,6 +274,20 @@ class RemoteDir:
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _without_userinfo(parsed: urllib.parse.SplitResult) -> urllib.parse.SplitResult:
+    host = parsed.hostname or ""
+    return parsed._replace(netloc=host + (f":{parsed.port}" if parsed.port else ""))
+
+
+def dataset_of(location: str) -> str:
+    """The data set a recorded file location (`RemoteDir.where`, or a local path) is in: the
+    location without its last path component, its options kept."""
+    parsed = urllib.parse.urlsplit(location)
+    if not parsed.scheme or len(parsed.scheme) == 1:  # a local path
+        return location.rsplit("/", 1)[0]
+    return urllib.parse.urlunsplit(parsed._replace(path=parsed.path.rsplit("/", 1)[0]))
+
+
 def _replace_file(path: Path, data: bytes) -> None:
     try:
         if path.read_bytes() == data:
@@ -266,6 +310,19 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def refuse_staged_copy(directory) -> None:
+    """DataError when the local `directory` is a staging directory (`RemoteDir.stage`): a copy
+    of a data set at a URI, which holds no budget of its own; train on the URI."""
+    mark = local_path(directory) / STAGED_FROM
+    if mark.is_file():
+        try:
+            source = json.loads(mark.read_text(encoding="utf-8")).get("uri", "?")
+        except (OSError, ValueError, AttributeError):
+            source = "?"
+        raise DataError(f"{directory}: a staged copy of {source} (its parts, downloaded to this node), not a data set "
+                        f"of its own: its spending is recorded at the URI; set data.path = {source}")
+
+
 def remote_dir(path) -> Optional[RemoteDir]:
     """A `RemoteDir` when `path` is a remote URI, else None."""
     return RemoteDir(path) if is_uri(path) else None
@@ -274,36 +331,57 @@ def remote_dir(path) -> Optional[RemoteDir]:
 def upload(source, uri: str) -> list[str]:
     """Copy the local partitioned data set `source` to `uri` (every file but the decoded caches
     and the lock), the manifest last, so a reader never sees a manifest whose parts are not all
-    there; refused when `uri` already holds a manifest. Returns the relative paths copied."""
-    from widedp.trainer.data.format.partitioned import MANIFEST_FILE, read_manifest
+    there; the budget copied under the source's budget lock (no line lands between its two
+    files). Refused: a target prefix holding any object, a scheme whose budget widedp cannot
+    write (s3:// only: conditional writes), a staged copy as the source. Checked after: the
+    upload's identity (`partitioned_identity`) is the source's. On failure what was written is
+    removed. Returns the relative paths copied."""
+    from widedp.trainer.data.format.partitioned import MANIFEST_FILE, partitioned_identity, read_manifest
 
     source = local_path(source)
+    refuse_staged_copy(source)
     read_manifest(source)  # a partitioned data set, or DataError naming its manifest
+    want = partitioned_identity(source)  # every part there and readable
     target = RemoteDir(uri)
-    if target.exists(MANIFEST_FILE):
-        raise DataError(f"{target.where(MANIFEST_FILE)}: a data set is there already; a data set is never "
-                        "overwritten (its budget would be lost): upload to another prefix")
+    if target.scheme not in ("s3", "s3a"):
+        raise DataError(f"{target.where('')}: widedp keeps a data set's budget beside it, which needs conditional "
+                        "writes; it writes them on s3:// (and S3-compatible servers) only")
     fs, root = target.filesystem()
+    import pyarrow.fs as pafs
+
+    try:
+        there = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+    except OSError as exc:
+        raise DataError(f"{target.where('')}: cannot list it ({exc})") from None
+    if any(info.type == pafs.FileType.File for info in there):
+        raise DataError(f"{target.where('')}: objects are there already; a data set is uploaded to an empty prefix "
+                        "only (never over another data set or its budget)")
     files = sorted(p for p in source.rglob("*") if p.is_file() and CACHE_DIR not in p.relative_to(source).parts
                    and p.name != "privacy_budget.lock")
-    ordered = [p for p in files if p.name != MANIFEST_FILE] + [source / MANIFEST_FILE]
+    budget = [p for p in files if p.name.startswith("privacy_budget.")]  # head first (sorted), then the lines
+    ordered = [p for p in files if p.name != MANIFEST_FILE and p not in budget] + budget + [source / MANIFEST_FILE]
     copied: list[str] = []
     try:
-        for path in ordered:
-            rel = path.relative_to(source).as_posix()
-            try:
-                fs.create_dir(f"{root}/{rel}".rsplit("/", 1)[0], recursive=True)
-                with open(path, "rb") as src, fs.open_output_stream(f"{root}/{rel}") as out:
-                    while True:
-                        chunk = src.read(_CHUNK)
-                        if not chunk:
-                            break
-                        out.write(chunk)
-            except OSError as exc:
-                raise DataError(f"{target.where(rel)}: cannot write it ({exc})") from None
-            copied.append(rel)
+        with _locked(source / "privacy_budget.lock"):
+            for path in ordered:
+                rel = path.relative_to(source).as_posix()
+                try:
+                    fs.create_dir(f"{root}/{rel}".rsplit("/", 1)[0], recursive=True)
+                    with open(path, "rb") as src, fs.open_output_stream(f"{root}/{rel}") as out:
+                        while True:
+                            chunk = src.read(_CHUNK)
+                            if not chunk:
+                                break
+                            out.write(chunk)
+                except OSError as exc:
+                    raise DataError(f"{target.where(rel)}: cannot write it ({exc})") from None
+                copied.append(rel)
+        got = partitioned_identity(target.uri)
+        if got != want:
+            raise DataError(f"{target.where('')}: the upload's identity {got['partitions_sha256'][:12]}… is not the "
+                            f"source's {want['partitions_sha256'][:12]}… (the source changed while it was copied?)")
     except BaseException:
-        for rel in copied:  # nothing half-uploaded is left (the manifest, written last, is never among them)
+        for rel in reversed(copied):  # the manifest first: nothing half-uploaded looks like a data set
             with contextlib.suppress(OSError):
                 fs.delete_file(f"{root}/{rel}")
         raise
