@@ -745,13 +745,17 @@ def test_trainer_actors_reducing_the_dense_part_among_themselves_equal_the_coord
 
 
 @ON_THE_MODULES_RAY
-@pytest.mark.parametrize("num_trainers,fanout", [(2, 8), (3, 1)], ids=["2trainers", "3trainers-chain"])
-def test_a_killed_trainer_with_the_dense_part_reduced_among_trainers_is_restored(ray_cluster, num_trainers, fanout):
+@pytest.mark.parametrize("num_trainers,fanout,victim", [(2, 8, 1), (3, 1, 2), (3, 1, 1)],
+                         ids=["2trainers", "3trainers-chain-leaf", "3trainers-chain-middle"])
+def test_a_killed_trainer_with_the_dense_part_reduced_among_trainers_is_restored(ray_cluster, num_trainers, fanout,
+                                                                                 victim):
     """A trainer killed between steps while the trainers reduce among themselves: every trainer
     is replaced (a survivor could be waiting in a collective with the dead one), the group is
     joined again and the step redone from its sample — the run equals an uninterrupted one.
     "chain" (cluster.lead_fanout = 1): the last trainer, two calls down the round's tree, is the
-    one killed — its death reaches the coordinator through trainer 1's and trainer 0's calls."""
+    one killed — its death reaches the coordinator through trainer 1's and trainer 0's calls — or
+    the middle one, whose child is then left to finish its call on its own before the group is
+    replaced (the coordinator's pings queue behind it)."""
     ds = dataset()
     batches = batches_with_crafted(ds, 4)
     kw = dict(mode="sparse", selection="threshold", num_shards=2, second_clip=S2, optimizer="adagrad",
@@ -762,7 +766,7 @@ def test_a_killed_trainer_with_the_dense_part_reduced_among_trainers_is_restored
     try:
         for step in range(1, len(batches) + 1):
             if step == 3:
-                ray_cluster.kill(engine.trainers.actors[num_trainers - 1], no_restart=True)
+                ray_cluster.kill(engine.trainers.actors[victim], no_restart=True)
             assert engine.step() is not None
         got = (engine_params(engine), engine.ledger.state_dict(), engine.ledger.steps,
                (engine.step_restarts, engine.trainers.restarts))

@@ -217,9 +217,19 @@ def test_two_runs_appending_at_once_both_land(s3):
 
 def test_a_store_ignoring_conditional_writes_is_refused_and_would_lose_a_line(s3, monkeypatch):
     uri = _fresh(s3, "unconditional")
-    with pytest.raises(dataset_budget.BudgetError, match="ignored a conditional write"):
+    with pytest.raises(dataset_budget.BudgetError, match="did not honour conditional writes.*If-None-Match"):
         _Unconditional(RemoteDir(uri), "rival").append(_record("mine"))
     assert dataset_budget.read(uri) == []  # refused before any line
+
+    class IgnoresIfMatch(dataset_budget._ObjectBudget):  # honours If-None-Match only
+        def _put(self, name, body, etag):
+            if etag is None:
+                return super()._put(name, body, None)
+            self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=body)
+            return True
+
+    with pytest.raises(dataset_budget.BudgetError, match="If-Match with another ETag"):
+        IgnoresIfMatch(RemoteDir(_fresh(s3, "ignores-if-match"))).append(_record("mine"))
     # why the probe: without it, the rival's line is overwritten and the chain still verifies
     monkeypatch.setattr(dataset_budget._ObjectBudget, "check_conditional_writes", lambda self: None)
     dataset_budget.append(uri, _record("first"))

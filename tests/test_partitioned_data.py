@@ -301,7 +301,7 @@ def test_trainer_actors_on_ray_read_their_own_parts_and_the_coordinator_none(par
     assert summary["recalibration"]["a"] > 0  # counted by the trainers: the coordinator decoded no part
 
 
-@pytest.mark.parametrize("unit", ["example", "user"])
+@pytest.mark.parametrize("unit", ["example", "user", "example-ema-dpsgd"])
 def test_the_trainers_recalibration_counts_are_the_whole_training_sets(ctr_dir, parts_dir, user_logs_dir, tmp_path,
                                                                        unit):
     """The recalibration's exact counts, added over the trainers' parts, against the slow obvious
@@ -309,6 +309,9 @@ def test_the_trainers_recalibration_counts_are_the_whole_training_sets(ctr_dir, 
     from widedp.trainer.engine.recalibration import BINS, LOGIT_CLIP, exact_histogram, unit_weights
 
     path, extra = parts_dir, ["privacy.target_epsilon=8"]
+    averaged = unit == "example-ema-dpsgd"  # the averaged tables and dense parameters, lazy DP-SGD noise
+    if averaged:
+        extra += ["train.mode=dpsgd", "train.ema_decay=0.9"]
     if unit == "user":
         path = tmp_path / "users"
         write_partitioned(user_logs_dir, path, 3, partition_by="unit")
@@ -318,10 +321,11 @@ def test_the_trainers_recalibration_counts_are_the_whole_training_sets(ctr_dir, 
     with build_run(cfg) as run:
         run.run(2)
         engine = run.engine
-        params = engine.dense.released_params(False)
-        parts = engine.trainers.score_histograms(params, False, 256, BINS, LOGIT_CLIP, unit == "user")
+        engine.store_pending_noise()
+        params = {k: v.detach() for k, v in engine.dense.released_params(averaged).items()}
+        parts = engine.trainers.score_histograms(params, averaged, 256, BINS, LOGIT_CLIP, unit == "user")
         every = PartsView([open_part(path, j) for j in range(read_manifest(path).num_parts)])
-        logits, labels = (t.double().numpy().ravel() for t in engine.outputs(every, 256, averaged=False))
+        logits, labels = (t.double().numpy().ravel() for t in engine.outputs(every, 256, averaged=averaged))
         weights = None
         if unit == "user":
             weights = unit_weights(np.unique(every.units(), return_inverse=True)[1])

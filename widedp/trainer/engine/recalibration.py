@@ -341,6 +341,7 @@ def recalibrate_engine(engine, train_set, noise_multiplier: float, batch_size: i
         # exact counts is the whole training set's, noised once below
         averaged = engine.dense.ema is not None
         engine.store_pending_noise()  # lazy DP-SGD noise: the rows read as released
+        engine.shards.broadcast("ping")  # every write-back the coordinator sent unawaited is applied first
         params = {k: v.detach() for k, v in engine.dense.released_params(averaged).items()}
         parts = engine.trainers.score_histograms(params, averaged, batch_size, bins, LOGIT_CLIP,
                                                  bool(train_set.unit_level))

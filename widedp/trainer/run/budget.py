@@ -286,6 +286,7 @@ def append(dataset_dir, record: dict) -> dict:
                 # the head before the first chained line: a crash between the line and its head then
                 # leaves a head one line behind (accepted), never chained lines without one (refused)
                 atomic_write_bytes(head_path(dataset_dir), _head_bytes(verified.head_record()))
+                _fsync_directory(head_path(dataset_dir).parent)  # the head's name on disk before any line
                 verified = _verified(dataset_dir)
         except OSError as exc:
             raise BudgetError(f"{path}: cannot append this run's privacy spending ({exc.strerror or exc}); every run "
@@ -293,6 +294,7 @@ def append(dataset_dir, record: dict) -> dict:
         raw, head = _next_line(verified, record)
         line = raw + b"\n"
         try:
+            created = not path.exists()
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 _drop_torn_tail(fd, path)
@@ -302,11 +304,22 @@ def append(dataset_dir, record: dict) -> dict:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if created:
+                _fsync_directory(path.parent)
             atomic_write_bytes(head_path(dataset_dir), _head_bytes(head))
         except OSError as exc:
             raise BudgetError(f"{path}: cannot append this run's privacy spending ({exc.strerror or exc}); every run "
                               f"on a data set is recorded there: make the data set directory writable") from exc
     return {**head, "path": str(path.absolute())}
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a file's creation in `directory` durable (its entry, not only its bytes)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _head_bytes(head: dict) -> bytes:
@@ -403,6 +416,9 @@ class _ObjectBudget:
         """(the verified budget, the file's bytes, their ETag, the head's ETag)."""
         head_raw, head_etag = self._get(HEAD_FILE)
         data, data_etag = self._get(BUDGET_FILE)
+        if head_raw is None and data is not None and b'"prev"' in data:
+            # another run created the head and its first line between the two reads: the head again
+            head_raw, head_etag = self._get(HEAD_FILE)
         where, hwhere = self.remote.where(BUDGET_FILE), self.remote.where(HEAD_FILE)
         head = None if head_raw is None else _parse_head(head_raw, hwhere)
         return _verify(data, head, where, hwhere), data, data_etag, head_etag
@@ -416,11 +432,19 @@ class _ObjectBudget:
         if key in _CONDITIONAL_WRITES_CHECKED:
             return
         self._put(CHECK_FILE, b"widedp: this store honours conditional writes\n", None)
+        ignored = []
         if self._put(CHECK_FILE, b"widedp: this store ignored If-None-Match\n", None):
-            raise BudgetError(f"{self.remote.where(BUDGET_FILE)}: the object store ignored a conditional write "
-                              f"(If-None-Match: * on {self.remote.where(CHECK_FILE)}, which exists, succeeded); two "
-                              "runs appending at once would lose a line of spending: keep the data set's budget on a "
-                              "store that honours conditional writes (AWS S3 does)")
+            ignored.append("If-None-Match: * on an object that exists")
+        _, etag = self._get(CHECK_FILE)
+        if self._put(CHECK_FILE, b"widedp: this store ignored If-Match\n", '"widedp-not-an-etag"'):
+            ignored.append("If-Match with another ETag")
+        elif etag is None or not self._put(CHECK_FILE, b"widedp: this store honours conditional writes\n", etag):
+            ignored.append("If-Match with the object's own ETag (refused)")
+        if ignored:
+            raise BudgetError(f"{self.remote.where(BUDGET_FILE)}: the object store did not honour conditional writes "
+                              f"on {self.remote.where(CHECK_FILE)} ({'; '.join(ignored)}); two runs appending at once "
+                              "would lose a line of spending: keep the data set's budget on a store that honours "
+                              "them (AWS S3 does)")
         _CONDITIONAL_WRITES_CHECKED.add(key)
 
     def append(self, record: dict) -> dict:
@@ -454,6 +478,29 @@ class _ObjectBudget:
                 return  # a later append's head (it appended after this line): never moved back
         raise BudgetError(f"{self.remote.where(HEAD_FILE)}: could not advance the budget's head past line "
                           f"{head['lines']} (other runs kept replacing it); the line is recorded")
+
+
+def _same_location(a: str, b: str) -> bool:
+    """Whether two recorded budget locations name one file: one object on one store (bucket,
+    key and endpoint host compared; a URI's other options, and the endpoint's scheme, not), or
+    one local file (symlinks resolved)."""
+    if a == b:
+        return True
+    ra, rb = remote_dir(dataset_of(a)), remote_dir(dataset_of(b))
+    if ra is None and rb is None:
+        try:
+            return os.path.samefile(a, b)
+        except OSError:
+            return os.path.realpath(a) == os.path.realpath(b)
+    if ra is None or rb is None:
+        return False
+
+    def key(r: RemoteDir, where: str) -> tuple:
+        endpoint = (r.option("endpoint_override") or "").split("://")[-1].rstrip("/").lower()
+        return (r.scheme.replace("s3a", "s3"), *r.bucket_and_prefix(), where.split("?")[0].rsplit("/", 1)[-1],
+                endpoint)
+
+    return key(ra, a) == key(rb, b)
 
 
 def _has_budget(dataset_dir) -> bool:
@@ -492,12 +539,12 @@ def check_recorded_head(dataset_dir, recorded: Optional[dict], what: str) -> Non
     path = budget_location(dataset_dir)
     recorded_path = recorded.get("path")
     if not verified.extends(recorded):
-        where = f" (it recorded {recorded_path})" if recorded_path and recorded_path != path else ""
+        where = f" (it recorded {recorded_path})" if recorded_path and not _same_location(str(recorded_path), path) else ""
         raise BudgetError(f"{path}: does not hold this run's earlier spending ({what} records the budget at line "
                           f"{recorded.get('lines')}, digest {str(recorded.get('digest'))[:12]}…, budget id "
                           f"{recorded.get('budget_id')}){where}: the budget file was replaced or truncated, or "
                           f"data.path is a copy of the data set the run started on; resume on that data set")
-    if recorded_path and recorded_path != path:
+    if recorded_path and not _same_location(str(recorded_path), path):
         original = dataset_of(str(recorded_path))
         try:
             other = _verified(original) if _has_budget(original) else None
