@@ -337,6 +337,29 @@ def test_the_trainers_recalibration_counts_are_the_whole_training_sets(ctr_dir, 
         assert released["a"] > 0 and engine.recalibrated_at == 2
 
 
+def test_a_trainer_lost_while_counting_is_restored_and_the_counts_taken_again(parts_dir, caplog):
+    from widedp.trainer.engine.shard_group import StepInterrupted
+
+    cfg = load_config(None, [f"data.path={parts_dir}", *TINY, "train.recalibrate=true", "cluster.num_trainers=2",
+                             "privacy.target_epsilon=8"]).validate()
+    with build_run(cfg) as run:
+        run.run(2)
+        engine, real, calls = run.engine, run.engine.trainers.score_histograms, []
+
+        def lost_once(*args):
+            calls.append(args)
+            if len(calls) == 1:
+                raise StepInterrupted("trainer 1 (Ray actor) died during 'score_histogram'")
+            return real(*args)
+
+        engine.trainers.score_histograms = lost_once
+        charged = len(engine.ledger.state_dict()["history"])
+        released = run.recalibrate()
+        assert released["a"] > 0 and len(calls) == 2 and "counting again" in caplog.text
+        history = engine.ledger.state_dict()["history"]
+        assert len(history) == charged + 1 and history[-1]["count"] == 1  # charged once, after the counts
+
+
 def test_user_level_run_on_unit_parts_samples_users_in_their_parts(user_logs_dir, tmp_path):
     out = tmp_path / "users"
     manifest = write_partitioned(user_logs_dir, out, 3, partition_by="unit")

@@ -37,11 +37,14 @@ of 1,154 on a public ratings set, where the clamped fold bounds every prediction
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import numpy as np
 
 from widedp.accounting.events import GaussianDpEvent
+
+log = logging.getLogger(__name__)
 
 #: The public logit range: logits beyond ±LOGIT_CLIP fall in the end bins.
 LOGIT_CLIP = 8.0
@@ -343,8 +346,7 @@ def recalibrate_engine(engine, train_set, noise_multiplier: float, batch_size: i
         engine.store_pending_noise()  # lazy DP-SGD noise: the rows read as released
         engine.shards.broadcast("ping")  # every write-back the coordinator sent unawaited is applied first
         params = {k: v.detach() for k, v in engine.dense.released_params(averaged).items()}
-        parts = engine.trainers.score_histograms(params, averaged, batch_size, bins, LOGIT_CLIP,
-                                                 bool(train_set.unit_level))
+        parts = _trainers_counts(engine, params, averaged, batch_size, bins, bool(train_set.unit_level))
         exact = (sum(t for t, _ in parts), sum(p for _, p in parts))
         if not exact[0].sum() > 0:
             raise ValueError("train.recalibrate: the training split is empty")
@@ -377,6 +379,26 @@ def recalibrate_engine(engine, train_set, noise_multiplier: float, batch_size: i
         out["slope_held_at_minimum"] = ("the fitted slope was not positive: a is held at "
                                         f"{MIN_SLOPE:g}, keeping the model's order, and b fitted alone")
     return out
+
+
+def _trainers_counts(engine, params: dict, averaged: bool, batch_size: int, bins: int, unit_weighted: bool,
+                     attempts: int = 3) -> list:
+    """Every trainer's exact counts of its parts (`TrainerRole.score_histogram`); a trainer or
+    shard actor lost meanwhile is restored and the counting started again (nothing depends on
+    counts not yet noised, and nothing was charged: the counts are recomputed whole)."""
+    from widedp.trainer.engine.shard_group import StepInterrupted
+
+    for attempt in range(attempts):
+        try:
+            return engine.trainers.score_histograms(params, averaged, batch_size, bins, LOGIT_CLIP, unit_weighted)
+        except StepInterrupted as lost:
+            if attempt + 1 == attempts:
+                raise
+            shards = getattr(engine.shards, "restore_lost", lambda during: [])("the recalibration")
+            trainers = engine.trainers.restore_lost()
+            log.warning("train.recalibrate: %s; restored shard(s) %s and trainer(s) %s, counting again", lost,
+                        shards or "none", trainers or "none")
+    raise AssertionError("unreachable")
 
 
 def undo_recalibration(engine) -> None:
