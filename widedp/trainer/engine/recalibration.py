@@ -394,7 +394,7 @@ def _trainers_counts(engine, params: dict, averaged: bool, batch_size: int, bins
         except StepInterrupted as lost:
             if attempt + 1 == attempts:
                 raise
-            shards = getattr(engine.shards, "restore_lost", lambda during: [])("the recalibration")
+            shards: list = getattr(engine.shards, "restore_lost", lambda during: [])("the recalibration")
             trainers = engine.trainers.restore_lost()
             log.warning("train.recalibrate: %s; restored shard(s) %s and trainer(s) %s, counting again", lost,
                         shards or "none", trainers or "none")
