@@ -337,7 +337,7 @@ def test_the_trainers_recalibration_counts_are_the_whole_training_sets(ctr_dir, 
         assert released["a"] > 0 and engine.recalibrated_at == 2
 
 
-def test_a_trainer_lost_while_counting_is_restored_and_the_counts_taken_again(parts_dir, caplog):
+def test_a_trainer_lost_while_counting_is_restored_and_the_counts_taken_again(parts_dir):
     from widedp.trainer.engine.shard_group import StepInterrupted
 
     cfg = load_config(None, [f"data.path={parts_dir}", *TINY, "train.recalibrate=true", "cluster.num_trainers=2",
@@ -355,7 +355,7 @@ def test_a_trainer_lost_while_counting_is_restored_and_the_counts_taken_again(pa
         engine.trainers.score_histograms = lost_once
         charged = len(engine.ledger.state_dict()["history"])
         released = run.recalibrate()
-        assert released["a"] > 0 and len(calls) == 2 and "counting again" in caplog.text
+        assert released["a"] > 0 and len(calls) == 2  # counted again after the loss
         history = engine.ledger.state_dict()["history"]
         assert len(history) == charged + 1 and history[-1]["count"] == 1  # charged once, after the counts
 

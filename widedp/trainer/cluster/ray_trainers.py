@@ -168,11 +168,26 @@ class _TrainerActor(TrainerRole):
 
         refs = [child.lead_tree.remote(method, {i: args[i] for i in subtree})
                 for child, subtree in getattr(self, "_children", [])]
-        try:
+
+        def own():
             # arguments that came nested (to a child, in the dict) arrive as object refs where the
             # coordinator's call would have had them resolved: resolved here, one level, as Ray does
-            own = [ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args[self.index]]
-            mine = getattr(self, method)(*own)
+            return getattr(self, method)(*[ray.get(a) if isinstance(a, ray.ObjectRef) else a
+                                           for a in args[self.index]])
+
+        return self._with_subtrees(refs, own)
+
+    def reduce_tree(self) -> dict:
+        """`reduce_dense` on every trainer of this subtree (each enters the collective once its
+        children were called, so all N do): {trainer index: (sum or {}, seconds)}."""
+        return self._with_subtrees([child.reduce_tree.remote() for child, _ in getattr(self, "_children", [])],
+                                   self.reduce_dense)
+
+    def _with_subtrees(self, refs: list, own) -> dict:
+        """{this trainer: `own()`, then every answer of the children's subtrees (`refs`, sent
+        first)}; when `own` raises, every child's call has ended before its error is raised."""
+        try:
+            mine = own()
         except BaseException:
             try:
                 _get_every(refs)
@@ -183,23 +198,6 @@ class _TrainerActor(TrainerRole):
         for below in _get_every(refs):
             results.update(below)
         return results
-
-    def reduce_tree(self) -> dict:
-        """`reduce_dense` on every trainer of this subtree (each enters the collective once its
-        children were called, so all N do): {trainer index: (sum or {}, seconds)}."""
-        refs = [child.reduce_tree.remote() for child, _ in getattr(self, "_children", [])]
-        try:
-            mine = self.reduce_dense()
-        except BaseException:
-            try:
-                _get_every(refs)
-            except Exception:  # noqa: BLE001 — ours comes first
-                pass
-            raise
-        out = {self.index: mine}
-        for below in _get_every(refs):
-            out.update(below)
-        return out
 
 
 def lead_tree_children(num_trainers: int, fanout: int) -> list[list[int]]:

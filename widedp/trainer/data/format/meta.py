@@ -386,10 +386,15 @@ def dataset_identity(directory) -> dict:
         raise DataError(f"{exc.filename}: missing (not a widedp data set directory?)") from None
     except OSError as exc:
         raise DataError(f"{getattr(exc, 'filename', None) or directory}: cannot read: {exc.strerror or exc}") from None
+    return identity_of(meta_bytes, size, tail, test, str(meta_path))
+
+
+def identity_of(meta_bytes: bytes, size: int, tail: bytes, test: Optional[dict], meta_where: str) -> dict:
+    """`dataset_identity`'s fields from what was read of the directory (wherever it is)."""
     try:
         num_examples = json.loads(meta_bytes).get("num_examples")
     except (json.JSONDecodeError, AttributeError) as exc:
-        raise DataError(f"{meta_path}: malformed JSON: {exc}") from None
+        raise DataError(f"{meta_where}: malformed JSON: {exc}") from None
     return {"dataset_json_sha256": hashlib.sha256(meta_bytes).hexdigest(), "num_examples": num_examples,
             "data_bytes": size, "data_footer_sha256": hashlib.sha256(tail).hexdigest(), **(test or {})}
 

@@ -45,7 +45,7 @@ from widedp.trainer.data._util import missing_directories, remove_empty_director
 from widedp.trainer.data.errors import DataError
 from widedp.trainer.data.format.store import advise_random_access
 from widedp.trainer.data.format.meta import (DATA_FILE, FOOTER_BYTES, META_FILE, TEST_FILE, DatasetMeta,
-                                             dataset_identity, meta_json, read_json_file, read_meta)
+                                             dataset_identity, identity_of, meta_json, read_json_file, read_meta)
 from widedp.trainer.data.format.remote import RemoteDir, local_path, remote_dir
 
 MANIFEST_FILE = "partitions.json"
@@ -220,12 +220,7 @@ def remote_dataset_identity(remote: RemoteDir, rel: str) -> dict:
     if remote.exists(f"{rel}/{TEST_FILE}"):
         test_size, test_tail = remote.size_and_footer(f"{rel}/{TEST_FILE}", FOOTER_BYTES)
         test = {"test_bytes": test_size, "test_footer_sha256": hashlib.sha256(test_tail).hexdigest()}
-    try:
-        num_examples = json.loads(meta_bytes).get("num_examples")
-    except (json.JSONDecodeError, AttributeError) as exc:
-        raise DataError(f"{remote.where(rel + '/' + META_FILE)}: malformed JSON: {exc}") from None
-    return {"dataset_json_sha256": hashlib.sha256(meta_bytes).hexdigest(), "num_examples": num_examples,
-            "data_bytes": size, "data_footer_sha256": hashlib.sha256(tail).hexdigest(), **(test or {})}
+    return identity_of(meta_bytes, size, tail, test, remote.where(f"{rel}/{META_FILE}"))
 
 
 def any_dataset_identity(directory) -> dict:
