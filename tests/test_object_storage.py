@@ -117,6 +117,18 @@ def test_a_staged_part_is_refreshed_when_its_objects_change(s3, parts_dir, tmp_p
     assert not [p for p in local.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_part_staged_in_concurrent_ranges_is_the_uploaded_bytes(s3, parts_dir, tmp_path, monkeypatch):
+    from widedp.trainer.data.format import remote as remote_mod
+
+    uri = s3[0].format("ranges")
+    upload(parts_dir, uri)
+    monkeypatch.setattr(remote_mod, "RANGE_BYTES", 4096)  # many ranges, read concurrently
+    local, _ = RemoteDir(uri).stage([part_dir(2)], tmp_path)
+    for name in ("data.parquet", "dataset.json"):
+        assert (local / part_dir(2) / name).read_bytes() == (parts_dir / part_dir(2) / name).read_bytes()
+    assert (parts_dir / part_dir(2) / "data.parquet").stat().st_size > 10 * 4096
+
+
 def _trained(path, stage_dir, *extra) -> tuple:
     cfg = load_config(None, [f"data.path={path}", *TINY, "train.mode=dpsgd", "train.recalibrate=false",
                              "privacy.reproducible=true", "privacy.noise_seed=7", "privacy.noise_multiplier=1.0",
