@@ -123,8 +123,6 @@ def noisy_histogram(logits, labels, noise_multiplier: float, rng: np.random.Gene
     """The mechanism: `exact_histogram` + N(0, (σ·√2)²) on every count. Add/remove-one, ℓ2
     sensitivity √2 (one example: one bin's total by 1 and its positives by y ≤ 1; one unit
     with `weights` = `unit_weights`: ℓ1 ≤ 1 in each vector, so ℓ2 ≤ √2)."""
-    if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
-        raise ValueError(f"recalibration noise multiplier must be finite and > 0, got {noise_multiplier}")
     return noisy_counts(*exact_histogram(logits, labels, bins, clip, weights), noise_multiplier, rng, clip)
 
 

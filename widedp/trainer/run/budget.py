@@ -340,6 +340,7 @@ def _next_line(verified: _Verified, record: dict) -> tuple[bytes, dict]:
 #: beside a budget on S3: the object `_ObjectBudget.check_conditional_writes` probes the store with
 CHECK_FILE = "privacy_budget.conditional-check"
 _CONDITIONAL_WRITES_CHECKED: set = set()
+_CLIENTS: dict = {}
 
 
 class _ObjectBudget:
@@ -375,8 +376,12 @@ class _ObjectBudget:
         except ImportError:
             raise BudgetError(f"{remote.where(BUDGET_FILE)}: writing a budget on S3 needs boto3 (a dependency of "
                               "widedp: reinstall it)") from None
-        self.client = boto3.client("s3", endpoint_url=endpoint or None, region_name=remote.option("region") or None,
-                                   config=Config(connect_timeout=10, read_timeout=60, retries={"max_attempts": 3}))
+        where = (endpoint or None, remote.option("region") or None)
+        if where not in _CLIENTS:  # one client per store and process (every budget read makes an _ObjectBudget)
+            _CLIENTS[where] = boto3.client("s3", endpoint_url=where[0], region_name=where[1],
+                                           config=Config(connect_timeout=10, read_timeout=60,
+                                                         retries={"max_attempts": 3}))
+        self.client = _CLIENTS[where]
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -424,10 +429,11 @@ class _ObjectBudget:
         return _verify(data, head, where, hwhere), data, data_etag, head_etag
 
     def check_conditional_writes(self) -> None:
-        """Refuse a store that ignores If-None-Match (some S3-compatible servers do): there two
-        runs' writes would both succeed and one's line be lost. Probed once per process and
-        location, on an object of its own beside the budget (`CHECK_FILE`): created if absent,
-        then written again only if absent, which must fail."""
+        """Refuse a store that ignores If-None-Match or If-Match (some S3-compatible servers do):
+        there two runs' writes would both succeed and one's line be lost. Probed once per process
+        and location, on an object of its own beside the budget (`CHECK_FILE`): created if
+        absent; then written only if absent, and with another ETag, which must both fail; then
+        with its own ETag, which must succeed."""
         key = (self.remote.where(""), self.bucket, self.prefix)
         if key in _CONDITIONAL_WRITES_CHECKED:
             return
